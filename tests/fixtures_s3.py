@@ -1,0 +1,1 @@
+"""Fixture for the loopback S3-compatible server."""

@@ -1,0 +1,1 @@
+"""Fixture for the real SLURM test cluster."""
