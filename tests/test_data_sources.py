@@ -36,3 +36,10 @@ def test_sklearn_digits_are_rgb_images_with_digit_labels():
     assert image.format == "JPEG" and image.size == (32, 32) and image.mode == "RGB"
     png = next(iter(sklearn_digits(size=16, image_format="png")))[0]
     assert Image.open(io.BytesIO(png)).format == "PNG"
+
+
+def test_sources_have_random_access_equal_to_iteration():
+    source = skimage_photo_crops(6, seed=1, size=48)
+    assert [source[index] for index in (5, 2)] == [list(source)[5], list(source)[2]]
+    digits = sklearn_digits()
+    assert digits[100] == list(digits)[100]

@@ -1,11 +1,13 @@
 """Small real image sources that ship inside packages, for demos, tests and benchmarks.
 
-Each source is an :class:`ImageSource`: iterating it yields ``(encoded_bytes, label)`` pairs, and
-it knows its length and class names, so ingest can write it to Lance without a download.
+Each source is an :class:`ImageSource`: iterating it (or indexing it) yields ``(encoded_bytes,
+label)`` pairs, and it knows its length and class names, so ingest can write it to Lance without a
+download.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -39,15 +41,20 @@ CROP_SCALE_RANGE = (0.5, 1.0)
 
 @dataclass(frozen=True)
 class ImageSource:
-    """A finite, re-iterable source of encoded images with integer labels."""
+    """A finite source of encoded images with integer labels and random access by index."""
 
     name: str
     class_names: tuple[str, ...]
     length: int
-    _generate: Callable[[], Iterator[tuple[bytes, int]]]
+    _item: Callable[[int], tuple[bytes, int]]
+
+    def __getitem__(self, index: int) -> tuple[bytes, int]:
+        if not 0 <= index < self.length:
+            raise IndexError(index)
+        return self._item(index)
 
     def __iter__(self) -> Iterator[tuple[bytes, int]]:
-        return self._generate()
+        return (self._item(index) for index in range(self.length))
 
     def __len__(self) -> int:
         return self.length
@@ -66,8 +73,9 @@ def encode_image(pixels: np.ndarray | Image.Image, image_format: str = "jpeg", q
     return buffer.getvalue()
 
 
+@functools.lru_cache(maxsize=None)
 def load_photo(name: str) -> Image.Image:
-    """One scikit-image sample photo as an RGB PIL image."""
+    """One scikit-image sample photo as an RGB PIL image (cached per process)."""
     import skimage.data
 
     pixels = np.asarray(getattr(skimage.data, name)())
@@ -89,44 +97,38 @@ def skimage_photo_crops(
     Each image is a random crop (aspect ratio in 3:4..4:3, 50-100% of the largest such crop by
     side) resized so its short side is in ``[min_side, max_side]``; with ``size`` every image is
     a ``size`` x ``size`` square instead. Labels cycle through :data:`PHOTO_NAMES`, so classes are
-    balanced. The same arguments give the same bytes, and a shorter run is a prefix of a longer one.
+    balanced. Image ``i`` depends only on ``(seed, i)``: the same arguments give the same bytes,
+    and a shorter source is a prefix of a longer one.
     """
     if count < 0:
         raise ValueError("count must be >= 0")
     if size is None and not 1 <= min_side <= max_side:
         raise ValueError("need 1 <= min_side <= max_side")
 
-    def generate() -> Iterator[tuple[bytes, int]]:
-        photos = [load_photo(name) for name in PHOTO_NAMES]
-        rng = np.random.default_rng(seed)
-        for index in range(count):
-            label = index % len(PHOTO_NAMES)
-            photo = photos[label]
-            # Draw the same number of values every time so the stream is a prefix-stable sequence.
-            aspect, scale, x_frac, y_frac, side_frac = rng.random(5)
-            aspect = CROP_ASPECT_RANGE[0] + aspect * (CROP_ASPECT_RANGE[1] - CROP_ASPECT_RANGE[0])
-            if size is not None:
-                aspect = 1.0
-            scale = CROP_SCALE_RANGE[0] + scale * (CROP_SCALE_RANGE[1] - CROP_SCALE_RANGE[0])
-            width, height = photo.size
-            crop_width = min(width, height * aspect) * scale
-            crop_height = crop_width / aspect
-            left = x_frac * (width - crop_width)
-            top = y_frac * (height - crop_height)
-            if size is not None:
-                out_width = out_height = size
+    def item(index: int) -> tuple[bytes, int]:
+        label = index % len(PHOTO_NAMES)
+        photo = load_photo(PHOTO_NAMES[label])
+        aspect, scale, x_frac, y_frac, side_frac = np.random.default_rng([seed, index]).random(5)
+        aspect = 1.0 if size is not None else CROP_ASPECT_RANGE[0] + aspect * (CROP_ASPECT_RANGE[1] - CROP_ASPECT_RANGE[0])
+        scale = CROP_SCALE_RANGE[0] + scale * (CROP_SCALE_RANGE[1] - CROP_SCALE_RANGE[0])
+        width, height = photo.size
+        crop_width = min(width, height * aspect) * scale
+        crop_height = crop_width / aspect
+        left = x_frac * (width - crop_width)
+        top = y_frac * (height - crop_height)
+        if size is not None:
+            out_width = out_height = size
+        else:
+            short = min(min_side + int(side_frac * (max_side - min_side + 1)), max_side)
+            if aspect >= 1:
+                out_width, out_height = round(short * aspect), short
             else:
-                short = min_side + int(side_frac * (max_side - min_side + 1))
-                short = min(short, max_side)
-                if aspect >= 1:
-                    out_height, out_width = short, round(short * aspect)
-                else:
-                    out_width, out_height = short, round(short / aspect)
-            box = (left, top, left + crop_width, top + crop_height)
-            crop = photo.resize((out_width, out_height), Image.Resampling.BILINEAR, box=box)
-            yield encode_image(crop, "jpeg", quality), label
+                out_width, out_height = short, round(short / aspect)
+        box = (left, top, left + crop_width, top + crop_height)
+        crop = photo.resize((out_width, out_height), Image.Resampling.BILINEAR, box=box)
+        return encode_image(crop, "jpeg", quality), label
 
-    return ImageSource("skimage-photos", PHOTO_NAMES, count, generate)
+    return ImageSource("skimage-photos", PHOTO_NAMES, count, item)
 
 
 def sklearn_digits(size: int = 32, image_format: str = "jpeg", quality: int = 95) -> ImageSource:
@@ -135,19 +137,17 @@ def sklearn_digits(size: int = 32, image_format: str = "jpeg", quality: int = 95
     Encoded as JPEG by default so they take the same decode path as real photos; ``png`` exercises
     the non-JPEG fallback. Labels are the digits 0-9.
     """
-
     from sklearn.datasets import load_digits
 
     digits = load_digits()
-    images, targets = digits.images, digits.target
+    images = (np.asarray(digits.images) * (255.0 / 16.0)).clip(0, 255).astype(np.uint8)
+    targets = np.asarray(digits.target)
 
-    def generate() -> Iterator[tuple[bytes, int]]:
-        for pixels, label in zip(images, targets):
-            grey = (np.asarray(pixels) * (255.0 / 16.0)).clip(0, 255).astype(np.uint8)
-            image = Image.fromarray(grey).resize((size, size), Image.Resampling.BILINEAR)
-            yield encode_image(image, image_format, quality), int(label)
+    def item(index: int) -> tuple[bytes, int]:
+        image = Image.fromarray(images[index]).resize((size, size), Image.Resampling.BILINEAR)
+        return encode_image(image, image_format, quality), int(targets[index])
 
-    return ImageSource("sklearn-digits", DIGIT_NAMES, len(targets), generate)
+    return ImageSource("sklearn-digits", DIGIT_NAMES, len(targets), item)
 
 
 SOURCES: dict[str, Callable[..., ImageSource]] = {
