@@ -1,0 +1,196 @@
+"""Property tests of the pure planning layer: every strategy, world sizes 1..8, any fragment layout.
+
+What they prove: equal step counts on every rank (the DDP hang of the reference example cannot
+happen), exactly-once coverage matching the reported drop/pad counts, determinism per seed+epoch
+and a new order per epoch, and that a resumed epoch continues exactly (worker split included).
+"""
+
+import collections
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from lance_hpc.data.sampling import (
+    FragmentTable,
+    epoch_batches,
+    eval_batches,
+    plan_from_table,
+    rank_share,
+    worker_steps,
+)
+
+TRAIN_SAMPLERS = ("distributed", "sharded_batch", "sharded_fragment")
+REFERENCE_LAYOUT = [12_500] * 6 + [750]  # the reference example's Food101 train set
+
+
+def scaled(layout, divisor):
+    return [max(1, rows // divisor) for rows in layout]
+
+
+fragment_layouts = st.one_of(
+    st.lists(st.integers(1, 60), min_size=1, max_size=12),
+    st.sampled_from([scaled(REFERENCE_LAYOUT, 50), scaled(REFERENCE_LAYOUT, 125), scaled(REFERENCE_LAYOUT, 500)]),
+    st.builds(lambda n, rows, last: [rows] * n + [last], st.integers(1, 8), st.integers(5, 40), st.integers(1, 5)),
+)
+property_settings = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def all_ranks(layout, sampler, world_size, batch_size, uneven="drop", shuffle=True, seed=0, epoch=0):
+    table = FragmentTable.from_rows(layout)
+    return [
+        epoch_batches(table, sampler, rank, world_size, batch_size, uneven=uneven, shuffle=shuffle, seed=seed, epoch=epoch)
+        for rank in range(world_size)
+    ]
+
+
+@property_settings
+@given(
+    layout=fragment_layouts,
+    sampler=st.sampled_from(TRAIN_SAMPLERS),
+    world_size=st.integers(1, 8),
+    batch_size=st.integers(1, 48),
+    uneven=st.sampled_from(["drop", "pad"]),
+    shuffle=st.booleans(),
+    seed=st.integers(-5, 2**40),
+    epoch=st.integers(0, 50),
+)
+def test_equal_steps_and_exactly_once_coverage(layout, sampler, world_size, batch_size, uneven, shuffle, seed, epoch):
+    ranks = all_ranks(layout, sampler, world_size, batch_size, uneven, shuffle, seed, epoch)
+    plan = plan_from_table(FragmentTable.from_rows(layout), world_size, batch_size, sampler=sampler, uneven=uneven)
+    total = sum(layout)
+    # Equal steps, and equal batch sizes at every step: no rank can wait alone in an all-reduce.
+    assert {len(batches) for batches in ranks} == {plan.steps_per_rank}
+    for step in range(plan.steps_per_rank):
+        sizes = {len(batches[step]) for batches in ranks}
+        assert len(sizes) == 1 and 1 <= sizes.pop() <= batch_size
+    assert all(sum(map(len, batches)) == plan.rows_per_rank for batches in ranks)
+    counts = collections.Counter(int(row) for batches in ranks for batch in batches for row in batch)
+    assert all(0 <= row < total for row in counts)
+    if uneven == "drop":
+        # Every row at most once; the ones missing are exactly the reported dropped rows.
+        assert max(counts.values(), default=1) == 1
+        assert total - len(counts) == plan.dropped < world_size
+        assert plan.padded == 0
+    else:
+        # Every row at least once; the repeats are exactly the reported padded rows.
+        assert len(counts) == total
+        assert sum(counts.values()) - total == plan.padded
+        assert plan.dropped == 0
+        assert all(len(batch) == batch_size for batches in ranks for batch in batches)
+
+
+@property_settings
+@given(
+    layout=fragment_layouts,
+    sampler=st.sampled_from(TRAIN_SAMPLERS + ("full_scan",)),
+    world_size=st.integers(1, 8),
+    batch_size=st.integers(1, 16),
+    seed=st.integers(0, 1000),
+    epoch=st.integers(0, 50),
+)
+def test_same_order_for_same_seed_and_epoch_new_order_for_new_epoch(layout, sampler, world_size, batch_size, seed, epoch):
+    first = all_ranks(layout, sampler, world_size, batch_size, seed=seed, epoch=epoch)
+    again = all_ranks(layout, sampler, world_size, batch_size, seed=seed, epoch=epoch)
+    assert all(np.array_equal(a, b) for ra, rb in zip(first, again) for a, b in zip(ra, rb))
+    # What a strategy can permute: rows, whole blocks of batch_size rows, or fragments.
+    units = {
+        "distributed": sum(layout) if sum(layout) // world_size else 0,
+        "full_scan": sum(layout),
+        "sharded_batch": sum(layout) // batch_size,
+        "sharded_fragment": len(layout),
+    }[sampler]
+    assume(units >= 4 and rank_share(sum(layout), world_size, batch_size, "drop").rows_per_rank >= 2)
+    flat = lambda ranks: [int(row) for batches in ranks for batch in batches for row in batch]  # noqa: E731
+    later = [flat(all_ranks(layout, sampler, world_size, batch_size, seed=seed, epoch=epoch + k)) for k in range(1, 6)]
+    assert any(order != flat(first) for order in later)
+
+
+def test_global_numpy_random_state_is_untouched():
+    np.random.seed(123)
+    before = np.random.get_state()[1].copy()
+    for sampler in TRAIN_SAMPLERS:
+        all_ranks([17, 5, 30], sampler, 3, 4, epoch=2)
+    assert np.array_equal(np.random.get_state()[1], before)
+
+
+@property_settings
+@given(
+    layout=fragment_layouts,
+    sampler=st.sampled_from(TRAIN_SAMPLERS),
+    world_size=st.integers(1, 8),
+    batch_size=st.integers(1, 16),
+    num_workers=st.integers(1, 4),
+    data=st.data(),
+)
+def test_resume_from_any_step_continues_exactly(layout, sampler, world_size, batch_size, num_workers, data):
+    table = FragmentTable.from_rows(layout)
+    rank = data.draw(st.integers(0, world_size - 1))
+    batches = epoch_batches(table, sampler, rank, world_size, batch_size, seed=7, epoch=3)
+    start = data.draw(st.integers(0, len(batches)))
+    # A fresh process plans the same epoch again and its workers split the rest between them.
+    replanned = epoch_batches(table, sampler, rank, world_size, batch_size, seed=7, epoch=3)
+    per_worker = [[replanned[i] for i in worker_steps(len(replanned), start, w, num_workers)] for w in range(num_workers)]
+    # The DataLoader takes one batch from each worker in turn.
+    merged = []
+    for round_index in range(max(map(len, per_worker), default=0)):
+        merged += [worker[round_index] for worker in per_worker if round_index < len(worker)]
+    assert [b.tolist() for b in batches[:start]] + [b.tolist() for b in merged] == [b.tolist() for b in batches]
+
+
+@property_settings
+@given(rows=st.integers(0, 500), world_size=st.integers(1, 8), batch_size=st.integers(1, 32))
+def test_eval_sharded_covers_every_row_once_and_full_scan_all_rows_per_rank(rows, world_size, batch_size):
+    sharded = [eval_batches(rows, rank, world_size, batch_size, "sharded") for rank in range(world_size)]
+    flat = sorted(int(row) for batches in sharded for batch in batches for row in batch)
+    assert flat == list(range(rows))
+    for rank in range(world_size):
+        full = eval_batches(rows, rank, world_size, batch_size, "full_scan")
+        assert [int(row) for batch in full for row in batch] == list(range(rows))
+
+
+def test_reference_layout_never_gives_ranks_different_steps():
+    """The reference example: 6 x 12,500 + 750 rows, 2 GPUs, batch 128 - where ShardedFragmentSampler hung."""
+    for sampler in TRAIN_SAMPLERS:
+        for uneven in ("drop", "pad"):
+            plan = plan_from_table(FragmentTable.from_rows(REFERENCE_LAYOUT), 2, 128, sampler=sampler, uneven=uneven)
+            steps = {len(epoch_batches(FragmentTable.from_rows(REFERENCE_LAYOUT), sampler, r, 2, 128, uneven=uneven)) for r in (0, 1)}
+            assert steps == {plan.steps_per_rank}
+    plan = plan_from_table(FragmentTable.from_rows(REFERENCE_LAYOUT), 2, 128, sampler="sharded_fragment")
+    assert (plan.rows_per_rank, plan.steps_per_rank, plan.dropped) == (37_875, 296, 0)
+
+
+def test_plan_of_a_million_rows_in_a_thousand_fragments_for_512_ranks_is_fast():
+    rng = np.random.default_rng(0)
+    layout = rng.integers(500, 1500, size=1000)
+    layout = (layout * (1_000_000 / layout.sum())).astype(int)
+    layout[-1] += 1_000_000 - layout.sum()
+    table = FragmentTable.from_rows(layout.tolist())
+    began = time.perf_counter()
+    for sampler in TRAIN_SAMPLERS:
+        for uneven in ("drop", "pad"):
+            plan = plan_from_table(table, 512, 256, sampler=sampler, uneven=uneven)
+            assert plan.rows == 1_000_000 and plan.fragments == 1000
+    assert time.perf_counter() - began < 1.0
+    # One rank's own epoch layout is cheap too (it is computed every epoch on every rank).
+    began = time.perf_counter()
+    batches = epoch_batches(table, "sharded_fragment", 511, 512, 256, seed=1, epoch=4)
+    assert len(batches) == plan_from_table(table, 512, 256, sampler="sharded_fragment").steps_per_rank
+    assert time.perf_counter() - began < 2.0
+
+
+def test_plan_text_is_a_readable_table():
+    plan = plan_from_table(FragmentTable.from_rows([100] * 6 + [6]), 4, 32, style="iterable", sampler="sharded_fragment")
+    text = str(plan)
+    assert "steps per rank" in text and "dropped" in text and "padded" in text
+    assert "606 in 7 fragments (6..100 rows each)" in text
+    assert plan.dropped == 2 and plan.steps_per_rank == 5 and plan.last_batch_rows == 23
+
+
+@pytest.mark.parametrize("bad", [dict(sampler="nope"), dict(uneven="nope")])
+def test_unknown_names_list_the_valid_ones(bad):
+    args = dict(sampler="distributed", uneven="drop") | bad
+    with pytest.raises(ValueError, match="use one of"):
+        epoch_batches(FragmentTable.from_rows([10]), args["sampler"], 0, 1, 4, uneven=args["uneven"])
