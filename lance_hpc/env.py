@@ -1,0 +1,272 @@
+"""Cluster environment: who am I in this job, and how do the ranks meet?
+
+:func:`detect` reads a mapping of environment variables (default ``os.environ``) and returns a
+:class:`DistEnv`, for one of three launchers:
+
+- ``torchrun``: ``RANK`` and ``WORLD_SIZE`` are set (torchrun, or :mod:`lance_hpc.launch`, which
+  sets the same variables); they win even inside a SLURM allocation.
+- ``slurm``: a task started by ``srun`` (``SLURM_STEP_ID`` is set). The master is the first host
+  of the node list and the port is derived from the job id, so every rank computes the same
+  address without talking to the others.
+- ``local``: a plain single process.
+
+:func:`process_group` turns a DistEnv into an initialised ``torch.distributed`` process group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Literal, Mapping
+
+import torch
+import torch.distributed as dist
+from submitit.slurm.slurm import SlurmParseException, _parse_node_list
+
+from lance_hpc.errors import UserError
+
+# Every SLURM variable this module reads, in one place (submitit's JobEnvironment._env does the same).
+SLURM_VARS = {
+    "job_id": "SLURM_JOB_ID",
+    "step_id": "SLURM_STEP_ID",
+    "rank": "SLURM_PROCID",
+    "local_rank": "SLURM_LOCALID",
+    "node_rank": "SLURM_NODEID",
+    "world_size": "SLURM_NTASKS",
+    "step_world_size": "SLURM_STEP_NUM_TASKS",
+    "num_nodes": "SLURM_JOB_NUM_NODES",
+    "step_num_nodes": "SLURM_STEP_NUM_NODES",
+    "nodelist": "SLURM_JOB_NODELIST",
+    "step_nodelist": "SLURM_STEP_NODELIST",
+    "ntasks_per_node": "SLURM_NTASKS_PER_NODE",
+    "step_tasks_per_node": "SLURM_STEP_TASKS_PER_NODE",
+    "tasks_per_node": "SLURM_TASKS_PER_NODE",
+    "gpus_on_node": "SLURM_GPUS_ON_NODE",
+    "restart_count": "SLURM_RESTART_COUNT",
+}
+# Ports derived from a job id fall in this range (submitit's TorchDistributedEnvironment uses the same).
+PORT_RANGE = (20000, 60000)
+# Words in the errors gloo, NCCL and the TCP store raise when a peer process is gone.
+LOST_PEER_HINTS = ("connection reset", "connection closed", "broken pipe", "timed out", "timeout", "socket")
+
+Launcher = Literal["slurm", "torchrun", "local"]
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """This process's place in the job."""
+
+    launcher: Launcher
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    num_nodes: int
+    master_addr: str
+    master_port: int
+    job_id: str | None = None
+    restart_count: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def detect(environ: Mapping[str, str] = os.environ) -> DistEnv:
+    """The DistEnv of this process; raises UserError, with the fix, for a misconfigured launch."""
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        return _from_torchrun(environ)
+    if SLURM_VARS["step_id"] in environ and SLURM_VARS["rank"] in environ:
+        return _from_slurm_task(environ)
+    if SLURM_VARS["job_id"] in environ:
+        _check_outside_srun(environ)
+    return DistEnv("local", 0, 0, 1, 1, 0, 1, "127.0.0.1", _int(environ, "MASTER_PORT", 0))
+
+
+def hostnames(nodelist: str) -> list[str]:
+    """Expand a SLURM node list such as ``gpu[01-03,07],cpu5`` with submitit's parser."""
+    try:
+        hosts = _parse_node_list(nodelist)
+    except SlurmParseException:
+        hosts = []
+    if not hosts or not all(hosts):
+        raise UserError(f"cannot read the SLURM node list {nodelist!r}: expected a form like node[01-04],gpu7")
+    return hosts
+
+
+def port_for_job(job_id: str) -> int:
+    """A port every rank of the job derives alike; consecutive job ids get different ports."""
+    low, high = PORT_RANGE
+    return low + int(re.sub(r"\D", "", job_id) or 0) % (high - low)
+
+
+def tasks_per_node(text: str) -> list[int]:
+    """Expand SLURM's compressed task counts, e.g. ``2(x3),1`` -> [2, 2, 2, 1]."""
+    counts = []
+    for part in text.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not match:
+            raise UserError(f"cannot read the SLURM tasks-per-node value {text!r}")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts
+
+
+def _from_torchrun(environ: Mapping[str, str]) -> DistEnv:
+    world_size = _int(environ, "WORLD_SIZE")
+    local_world_size = _int(environ, "LOCAL_WORLD_SIZE", world_size)
+    if world_size > 1 and not ("MASTER_ADDR" in environ and "MASTER_PORT" in environ):
+        raise UserError(
+            f"RANK and WORLD_SIZE={world_size} are set but MASTER_ADDR/MASTER_PORT are not\n"
+            "  fix: start the ranks with torchrun (or lance-hpc run --local), which sets all of them"
+        )
+    return DistEnv(
+        launcher="torchrun",
+        rank=_int(environ, "RANK"),
+        local_rank=_int(environ, "LOCAL_RANK", 0),
+        world_size=world_size,
+        local_world_size=local_world_size,
+        node_rank=_int(environ, "GROUP_RANK", 0),
+        num_nodes=max(world_size // max(local_world_size, 1), 1),
+        master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=_int(environ, "MASTER_PORT", 0),
+        job_id=environ.get(SLURM_VARS["job_id"]),
+        restart_count=_int(environ, SLURM_VARS["restart_count"], 0),
+    )
+
+
+def _from_slurm_task(environ: Mapping[str, str]) -> DistEnv:
+    job_id = environ[SLURM_VARS["job_id"]]
+    world_size = _maybe_int(environ, SLURM_VARS["step_world_size"]) or _int(environ, SLURM_VARS["world_size"], 1)
+    num_nodes = _maybe_int(environ, SLURM_VARS["step_num_nodes"]) or _int(environ, SLURM_VARS["num_nodes"], 1)
+    node_rank = _int(environ, SLURM_VARS["node_rank"], 0)
+    if world_size > 1 and num_nodes > 1 and SLURM_VARS["ntasks_per_node"] not in environ:
+        raise UserError(
+            f"this job runs --ntasks={world_size} on {num_nodes} nodes without --ntasks-per-node, so SLURM may "
+            "place the tasks unevenly and the ranks cannot be matched to GPUs\n"
+            f"  fix: ask for --nodes={num_nodes} --ntasks-per-node={max(world_size // num_nodes, 1)} instead of "
+            "--ntasks (slurm.tasks_per_node in the job spec)"
+        )
+    _check_single_task_on_many_nodes(environ, world_size)
+    counts_text = environ.get(SLURM_VARS["step_tasks_per_node"]) or environ.get(SLURM_VARS["tasks_per_node"], "")
+    counts = tasks_per_node(counts_text) if counts_text else [world_size // num_nodes]
+    local_world_size = _maybe_int(environ, SLURM_VARS["ntasks_per_node"]) or counts[min(node_rank, len(counts) - 1)]
+    gpus = _int(environ, SLURM_VARS["gpus_on_node"], 0)
+    if gpus and gpus != local_world_size:
+        raise UserError(
+            f"{local_world_size} task(s) per node but {gpus} GPU(s) per node: DDP runs exactly one task per GPU\n"
+            f"  fix: --ntasks-per-node={gpus} (slurm.tasks_per_node: {gpus} in the job spec, or remove it)"
+        )
+    # rank 0 runs on the first node of its step: the step's list, else the job's
+    nodelist = environ.get(SLURM_VARS["step_nodelist"]) or environ.get(SLURM_VARS["nodelist"], "")
+    master_addr = hostnames(nodelist)[0] if nodelist else "127.0.0.1"
+    return DistEnv(
+        launcher="slurm",
+        rank=_int(environ, SLURM_VARS["rank"]),
+        local_rank=_int(environ, SLURM_VARS["local_rank"], 0),
+        world_size=world_size,
+        local_world_size=local_world_size,
+        node_rank=node_rank,
+        num_nodes=num_nodes,
+        master_addr=master_addr,
+        master_port=_maybe_int(environ, "MASTER_PORT") or port_for_job(job_id),
+        job_id=job_id,
+        restart_count=_int(environ, SLURM_VARS["restart_count"], 0),
+    )
+
+
+def _check_outside_srun(environ: Mapping[str, str]) -> None:
+    """A process in a SLURM allocation that srun did not start is one rank; fine only for a 1-task job."""
+    tasks = _int(environ, SLURM_VARS["world_size"], 1)
+    _check_single_task_on_many_nodes(environ, 1)
+    if tasks > 1:
+        raise UserError(
+            f"this allocation has {tasks} tasks but the trainer was started without srun, so it would train "
+            "as one process\n  fix: start it with srun: srun python -m lance_hpc.run SPEC_FILE"
+        )
+
+
+def _check_single_task_on_many_nodes(environ: Mapping[str, str], world_size: int) -> None:
+    nodes = _int(environ, SLURM_VARS["num_nodes"], 1)
+    if world_size == 1 and nodes > 1:
+        raise UserError(
+            f"world size is 1 but the job holds {nodes} nodes: all but one node would sit idle\n"
+            f"  fix: launch one task per GPU on every node: sbatch --nodes={nodes} --ntasks-per-node=GPUS_PER_NODE "
+            "and srun python -m lance_hpc.run SPEC_FILE (slurm.nodes and slurm.gpus_per_node in the job spec)"
+        )
+
+
+def _int(environ: Mapping[str, str], name: str, default: int = 0) -> int:
+    value = _maybe_int(environ, name)
+    return default if value is None else value
+
+
+def _maybe_int(environ: Mapping[str, str], name: str) -> int | None:
+    value = environ.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise UserError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def select_device(env: DistEnv) -> torch.device:
+    """One GPU per local rank when CUDA is present, else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if count >= env.local_world_size:
+        return torch.device("cuda", env.local_rank)
+    if count == 1 and env.launcher == "slurm":
+        return torch.device("cuda", 0)  # SLURM bound one GPU to each task (--gpus-per-task / --gpu-bind)
+    raise UserError(
+        f"{env.local_world_size} ranks on this node but only {count} GPU(s) visible\n"
+        f"  fix: run one rank per GPU: --ntasks-per-node={count} (or --nproc {count} locally)"
+    )
+
+
+@contextmanager
+def process_group(env: DistEnv, timeout_s: float) -> Iterator[torch.device]:
+    """Initialise torch.distributed for this rank and yield its device; tear down on exit.
+
+    NCCL on GPUs, gloo on CPU. Every collective waits at most ``timeout_s``: when a rank dies the
+    others fail within that time with an error instead of hanging until the 10-minute default.
+    """
+    device = select_device(env)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if env.world_size == 1:
+        # a single rank needs no rendezvous: an in-memory store spares it a port
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timeout,
+            device_id=device if device.type == "cuda" else None,
+        )
+    try:
+        yield device
+    finally:
+        dist.destroy_process_group()
+
+
+def explain_failure(error: BaseException, env: DistEnv) -> str:
+    """A one-paragraph account of a failed rank, naming the likely cause when a peer died."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    lost_peer = isinstance(error, dist.DistError) or any(hint in text.lower() for hint in LOST_PEER_HINTS)
+    if lost_peer and env.world_size > 1:
+        return (
+            f"rank {env.rank}/{env.world_size}: lost contact with another rank ({text})\n"
+            "  another rank probably died or hung: the first error in the other ranks' output says why; "
+            "the job stops instead of waiting for it"
+        )
+    return f"rank {env.rank}/{env.world_size}: training failed: {type(error).__name__}: {text}"
