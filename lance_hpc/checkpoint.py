@@ -1,0 +1,168 @@
+"""Checkpoints: atomic save by rank 0, resume from the latest, and preemption (save, then requeue).
+
+A checkpoint is one file ``step-XXXXXXXX.pt`` in the checkpoint directory. It is written to a
+temporary name, fsynced, renamed into place and the directory fsynced, so a crash at any moment
+leaves either the new file or none: the previous checkpoint stays loadable.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from lance_hpc.env import DistEnv
+
+NAME_PATTERN = re.compile(r"^step-(\d+)\.pt$")
+TEMP_SUFFIX = ".tmp"
+PREEMPTION_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+
+
+def checkpoint_path(directory: str | Path, step: int) -> Path:
+    return Path(directory) / f"step-{step:08d}.pt"
+
+
+def list_checkpoints(directory: str | Path) -> list[Path]:
+    """Complete checkpoints in ``directory``, oldest first (temporary files are never listed)."""
+    folder = Path(directory)
+    if not folder.is_dir():
+        return []
+    found = [(int(match.group(1)), path) for path in folder.iterdir() if (match := NAME_PATTERN.match(path.name))]
+    return [path for _, path in sorted(found)]
+
+
+def write_atomically(state: dict[str, Any], path: Path) -> None:
+    """torch.save to a temporary file, fsync, rename over ``path``, fsync the directory."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.name}.{os.getpid()}{TEMP_SUFFIX}")
+    try:
+        with open(temp, "wb") as file:
+            torch.save(state, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # makes the rename itself durable
+    finally:
+        os.close(directory)
+
+
+def prune(directory: str | Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` checkpoints, and temporary files left by a crash."""
+    for path in list_checkpoints(directory)[:-keep]:
+        path.unlink(missing_ok=True)
+    for path in Path(directory).glob(f".step-*{TEMP_SUFFIX}"):
+        path.unlink(missing_ok=True)
+
+
+def save(directory: str | Path, step: int, state: dict[str, Any], keep: int) -> Path:
+    """Collective: every rank calls it with the same step; rank 0 writes, then all ranks go on.
+
+    Each rank's RNG states are gathered into the file, so each rank gets its own back on resume.
+    A failed write raises on every rank (rank 0's error is broadcast) instead of leaving the
+    others waiting.
+    """
+    rng_states: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(rng_states, capture_rng())
+    path = checkpoint_path(directory, step)
+    outcome = [""]
+    if dist.get_rank() == 0:
+        try:
+            write_atomically({**state, "rng": rng_states}, path)
+            prune(directory, keep)
+        except Exception as error:  # reported on every rank below
+            outcome[0] = f"cannot write checkpoint {path}: {type(error).__name__}: {error}"
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0]:
+        raise RuntimeError(outcome[0])
+    return path
+
+
+def load_latest(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint that loads, as (path, state); None when there is none."""
+    for path in reversed(list_checkpoints(directory)):
+        try:
+            return path, torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as error:  # an unreadable file (e.g. a damaged disk): fall back to the previous one
+            print(f"lance_hpc: skipping unreadable checkpoint {path}: {error}", file=sys.stderr)
+    return None
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's random number generator states, in types torch.load(weights_only=True) reads."""
+    numpy_state = np.random.get_state(legacy=False)
+    return {
+        "python": random.getstate(),
+        "numpy": {**numpy_state, "state": {**numpy_state["state"], "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64))}},
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def restore_rng(states: dict[str, Any]) -> None:
+    random.setstate(states["python"])
+    numpy_state = states["numpy"]
+    np.random.set_state(
+        {**numpy_state, "state": {**numpy_state["state"], "key": numpy_state["state"]["key"].numpy().astype(np.uint32)}}
+    )
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+class Preemption:
+    """Remembers that SLURM asked the job to stop; the trainer acts on it at a step boundary.
+
+    The handler only sets a flag: saving from inside a signal handler would race the step in
+    progress, and the ranks must agree before anyone saves. Use as a context manager; the
+    previous handlers (submitit's, in a submitit job) are kept in :attr:`previous`.
+    """
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "Preemption":
+        for signum in PREEMPTION_SIGNALS:
+            self.previous[signum] = signal.signal(signum, self._on_signal)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.received = signum
+
+    def agreed(self, device: torch.device) -> bool:
+        """Collective: True on every rank when any rank received a signal."""
+        flag = torch.tensor(0 if self.received is None else 1, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def requeue_sbatch(env: DistEnv, max_requeues: int) -> tuple[bool, str]:
+    """Rank 0 of an sbatch job puts it back in the queue; returns (requeued, message)."""
+    if env.restart_count >= max_requeues:
+        return False, (
+            f"not requeued: job {env.job_id} has been requeued {env.restart_count} times already "
+            f"(slurm.max_requeues: {max_requeues}); submit it again to continue from the checkpoint"
+        )
+    result = subprocess.run(["scontrol", "requeue", str(env.job_id)], capture_output=True, text=True, timeout=60)
+    if result.returncode != 0:
+        return False, f"scontrol requeue {env.job_id} failed: {result.stderr.strip() or result.stdout.strip()}"
+    return True, f"requeued job {env.job_id} (requeue {env.restart_count + 1} of at most {max_requeues})"

@@ -1,0 +1,161 @@
+"""Training metrics: a tiny logger interface (TensorBoard on rank 0, a null logger elsewhere) and
+the meters whose sums all ranks reduce together.
+
+The tags are part of the interface (dashboards and the README name them); :data:`TAGS` lists them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping, Protocol
+
+import torch
+import torch.distributed as dist
+
+TAGS: dict[str, str] = {
+    "train/loss": "mean training loss since the previous log point, over all ranks",
+    "train/accuracy": "top-1 training accuracy since the previous log point, over all ranks",
+    "train/lr": "learning rate of the logged step",
+    "perf/samples_per_s": "training images per second, all ranks together",
+    "perf/samples_per_s_per_rank": "training images per second of one rank (mean over ranks)",
+    "perf/step_time_s": "mean wall time of one optimizer step, data wait included",
+    "perf/data_wait_share": "share of the step time spent waiting for the next batch (mean over ranks)",
+    "perf/epoch_time_s": "wall time of the epoch that just ended (logged at its last step)",
+    "val/loss": "validation loss over the whole validation set",
+    "val/accuracy": "top-1 validation accuracy over the whole validation set",
+}
+# Metrics the hparams dashboard shows beside each run's hyperparameters.
+HPARAM_METRICS = ("val/accuracy", "val/loss")
+
+
+class MetricLogger(Protocol):
+    def log(self, scalars: Mapping[str, float], step: int) -> None: ...
+
+    def log_hparams(self, hparams: Mapping[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class NullLogger:
+    """What every rank but rank 0 logs with."""
+
+    def log(self, scalars: Mapping[str, float], step: int) -> None:
+        pass
+
+    def log_hparams(self, hparams: Mapping[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardLogger:
+    """TensorBoard event files under ``log_dir``.
+
+    ``purge_step`` (the step a resumed job starts from) tells TensorBoard to hide what an earlier
+    attempt logged from that step on, so a requeued run draws one continuous curve.
+    """
+
+    def __init__(self, log_dir: str, purge_step: int | None = None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=log_dir, purge_step=purge_step)
+
+    def log(self, scalars: Mapping[str, float], step: int) -> None:
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, step)
+        self.writer.flush()
+
+    def log_hparams(self, hparams: Mapping[str, Any]) -> None:
+        from torch.utils.tensorboard.summary import hparams as hparams_summaries
+
+        values = {key: value if isinstance(value, (int, float, str, bool)) else str(value) for key, value in hparams.items()}
+        # into this run's own event file (SummaryWriter.add_hparams would start a separate run)
+        for summary in hparams_summaries(values, dict.fromkeys(HPARAM_METRICS, 0.0)):
+            self.writer.file_writer.add_summary(summary)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def build_logger(log_dir: str, is_main: bool, purge_step: int | None = None) -> MetricLogger:
+    return TensorBoardLogger(log_dir, purge_step) if is_main else NullLogger()
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"train": {"lr": 0.1}}`` -> ``{"train.lr": 0.1}`` (for the hparams dashboard)."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+class TrainWindow:
+    """Sums over the steps since the last log point; :meth:`reduce` turns them into TAGS values.
+
+    Loss and correct counts stay on the device (no host sync per step); :meth:`reduce` is one
+    all-reduce, which every rank calls at the same step.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss_sum = torch.zeros((), device=self.device)
+        self.correct = torch.zeros((), device=self.device)
+        self.samples = 0
+        self.steps = 0
+        self.step_time = 0.0
+        self.data_wait = 0.0
+
+    def add_batch(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        self.loss_sum += loss.detach().float() * labels.numel()
+        self.correct += (logits.detach().argmax(dim=1) == labels).sum()
+        self.samples += labels.numel()
+
+    def add_step(self, step_time: float, data_wait: float) -> None:
+        self.steps += 1
+        self.step_time += step_time
+        self.data_wait += data_wait
+
+    def reduce(self) -> dict[str, float]:
+        totals = torch.stack(
+            [
+                self.loss_sum,
+                self.correct.float(),
+                torch.tensor(float(self.samples), device=self.device),
+                torch.tensor(self.step_time, device=self.device),
+                torch.tensor(self.data_wait, device=self.device),
+            ]
+        ).double()
+        dist.all_reduce(totals)
+        loss_sum, correct, samples, step_time, data_wait = totals.tolist()
+        world_size = dist.get_world_size()
+        seconds = step_time / world_size  # the ranks step together: mean wall time of the window
+        steps = max(self.steps, 1)
+        self.reset()
+        return {
+            "train/loss": loss_sum / max(samples, 1),
+            "train/accuracy": correct / max(samples, 1),
+            "perf/samples_per_s": samples / max(seconds, 1e-9),
+            "perf/samples_per_s_per_rank": samples / world_size / max(seconds, 1e-9),
+            "perf/step_time_s": seconds / steps,
+            "perf/data_wait_share": data_wait / max(step_time, 1e-9),
+        }
+
+
+class Stopwatch:
+    """Time since construction or the last :meth:`lap`."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        elapsed, self.start = now - self.start, now
+        return elapsed
