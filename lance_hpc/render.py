@@ -1,0 +1,219 @@
+"""Render a job spec into an sbatch script: spec in, text out, nothing else touched.
+
+The resources, setup lines and launch command are computed here once and used twice: by the
+Jinja2 template (``templates/sbatch.sh.j2``, or the site template in ``slurm.template``) and by
+:mod:`lance_hpc.submit` for submitit, so both paths ask SLURM for the same job.
+
+Templates get every ``{{ value }}`` shell-quoted on output unless it is :class:`ShellText`: script
+text this module built from quoted parts, or the user's own setup lines, which are shell by
+design. A value like ``$(touch /tmp/pwned)`` in a partition or path therefore stays a string, and
+values that would end a line early (newlines and other control characters) are refused.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from importlib import resources
+from pathlib import Path
+from typing import Any, Iterator
+
+import jinja2
+
+from lance_hpc.errors import UserError
+from lance_hpc.spec import JobSpec, Problem, SpecError
+
+DEFAULT_TEMPLATE = "sbatch.sh.j2"
+PYTHON = "python3"
+ENTRY_MODULE = "lance_hpc.run"
+# SLURM sends this to every task signal_delay_s before the time limit; submitit uses the same one.
+PREEMPT_SIGNAL = "USR2"
+# Flags lance_hpc sets from spec fields; extra_flags must not set them a second time.
+FLAG_FIELDS = {
+    "job-name": "name",
+    "nodes": "slurm.nodes",
+    "ntasks-per-node": "slurm.tasks_per_node",
+    "cpus-per-task": "slurm.cpus_per_task",
+    "gpus-per-node": "slurm.gpus_per_node",
+    "mem": "slurm.mem_gb",
+    "time": "slurm.time",
+    "partition": "slurm.partition",
+    "account": "slurm.account",
+    "qos": "slurm.qos",
+    "constraint": "slurm.constraint",
+    "exclusive": "slurm.exclusive",
+    "requeue": "slurm.max_requeues",
+    "signal": "slurm.signal_delay_s",
+    "output": "slurm.log_dir",
+    "error": "slurm.log_dir",
+    "open-mode": "slurm.log_dir",
+}
+FLAG_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
+# sbatch's own #SBATCH parser reads a backslash as an escape even inside single quotes.
+UNSAFE_IN_FLAG = re.compile(r"[\x00-\x1f\x7f\\]")
+CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+class ShellText(str):
+    """Text a template inserts verbatim: built here from quoted parts, or a user setup line."""
+
+
+def log_paths(spec: JobSpec) -> tuple[str, str]:
+    """The job's stdout and stderr files (``%j`` is the job id; requeues append to them)."""
+    base = f"{spec.slurm.log_dir}/{spec.name}-%j"
+    return f"{base}.out", f"{base}.err"
+
+
+def resource_flags(spec: JobSpec) -> dict[str, str | bool]:
+    """sbatch flags (long name -> value, True for a bare flag) shared by sbatch and submitit.
+
+    Log paths are left out: each path writes its own (submitit keeps its files in its folder).
+    """
+    slurm = spec.slurm
+    optional = {
+        "partition": slurm.partition,
+        "account": slurm.account,
+        "qos": slurm.qos,
+        "constraint": slurm.constraint,
+        "gpus-per-node": slurm.gpus_per_node or None,
+        "mem": f"{slurm.mem_gb}GB" if slurm.mem_gb else None,
+    }
+    flags: dict[str, str | bool] = {
+        "job-name": spec.name,
+        "nodes": str(slurm.nodes),
+        "ntasks-per-node": str(slurm.ntasks_per_node),
+        "cpus-per-task": str(slurm.cpus_per_task),
+        "time": slurm.time,
+        "requeue": True,
+        "signal": f"{PREEMPT_SIGNAL}@{slurm.signal_delay_s}",
+        "open-mode": "append",
+        **{flag: str(value) for flag, value in optional.items() if value is not None},
+    }
+    if slurm.exclusive:
+        flags["exclusive"] = True
+    problems = []
+    for key, value in slurm.extra_flags.items():
+        flag = key.replace("_", "-")
+        if not FLAG_NAME.match(key):
+            problems.append(Problem(f"slurm.extra_flags.{key!r}", "is not an sbatch flag name", "use the long name without dashes, e.g. reservation"))
+        elif flag in FLAG_FIELDS:
+            problems.append(Problem(f"slurm.extra_flags.{key}", f"--{flag} is set from {FLAG_FIELDS[flag]}", f"set {FLAG_FIELDS[flag]} instead"))
+        elif value is True or (value is not None and value is not False):
+            flags[flag] = True if value is True else str(value)
+    for flag, value in flags.items():
+        if isinstance(value, str) and UNSAFE_IN_FLAG.search(value):
+            path = FLAG_FIELDS.get(flag, f"slurm.extra_flags.{flag}")
+            problems.append(Problem(path, f"{value!r} has a control character or backslash, which sbatch cannot read", "remove it"))
+    if problems:
+        raise SpecError("rendering the sbatch script", problems)
+    return dict(sorted(flags.items()))
+
+
+def environment(spec: JobSpec) -> dict[str, str]:
+    """Variables every task needs; MASTER_ADDR/PORT are derived by each rank (lance_hpc.env)."""
+    return {
+        "PYTHONUNBUFFERED": "1",  # rank output reaches the log as it happens, not at exit
+        "OMP_NUM_THREADS": str(spec.slurm.cpus_per_task),  # torch would otherwise use every core per task
+    }
+
+
+def export_lines(spec: JobSpec) -> list[str]:
+    return [f"export {key}={shlex.quote(value)}" for key, value in environment(spec).items()]
+
+
+def setup_lines(spec: JobSpec) -> list[str]:
+    """The user's setup lines (shell, run as written), then the exports: what runs before srun."""
+    return [*_user_setup(spec), *export_lines(spec)]
+
+
+def srun_args(spec: JobSpec) -> list[str]:
+    """srun options: one task per GPU, and a crashed rank stops the job instead of hanging the rest."""
+    # SLURM 22.05 stopped passing the batch job's --cpus-per-task on to srun; say it again.
+    return ["--unbuffered", "--kill-on-bad-exit=1", f"--cpus-per-task={spec.slurm.cpus_per_task}"]
+
+
+def launch_command(spec_file: str) -> list[str]:
+    """What srun starts in every task."""
+    return [PYTHON, "-m", ENTRY_MODULE, str(spec_file)]
+
+
+def render_sbatch(spec: JobSpec, spec_file: str) -> str:
+    """The sbatch script for ``spec``, whose tasks run ``python3 -m lance_hpc.run spec_file``."""
+    if CONTROL.search(str(spec_file)):
+        raise UserError(f"spec file path {spec_file!r} has a control character; use a plain path")
+    stdout, stderr = log_paths(spec)
+    flags = {**resource_flags(spec), "output": stdout, "error": stderr}
+    for name in ("output", "error"):
+        if UNSAFE_IN_FLAG.search(flags[name]):
+            raise SpecError("rendering the sbatch script", [Problem("slurm.log_dir", f"{flags[name]!r} has a control character or backslash", "use a plain path")])
+    variables = {
+        "spec": spec,
+        "spec_file": str(spec_file),
+        "sbatch_lines": [ShellText(sbatch_line(name, value)) for name, value in sorted(flags.items())],
+        "setup": [ShellText(line) for line in _user_setup(spec)],
+        "exports": [ShellText(line) for line in export_lines(spec)],
+        "launch": ShellText(shlex.join(["srun", *srun_args(spec), *launch_command(spec_file)])),
+        "log_out": stdout,
+        "log_err": stderr,
+    }
+    try:
+        return _template(spec).render(variables)
+    except jinja2.TemplateError as error:
+        raise UserError(f"sbatch template {_template_name(spec)}: {error}") from None
+
+
+def sbatch_line(name: str, value: str | bool) -> str:
+    """``#SBATCH --name=value`` with the value shell-quoted (as submitit writes them)."""
+    return f"#SBATCH --{name}" if value is True else f"#SBATCH --{name}={shlex.quote(str(value))}"
+
+
+def sbatch_directives(script: str) -> Iterator[tuple[str, str | bool]]:
+    """The (flag, value) pairs sbatch reads from a script: #SBATCH lines before the first command."""
+    for line in script.splitlines()[1:]:
+        stripped = line.strip()
+        if stripped and not stripped.startswith("#"):
+            return
+        if stripped.startswith("#SBATCH"):
+            for word in shlex.split(stripped[len("#SBATCH"):]):
+                name, sep, value = word.lstrip("-").partition("=")
+                yield name, value if sep else True
+
+
+def _user_setup(spec: JobSpec) -> list[str]:
+    for index, line in enumerate(spec.slurm.setup):
+        if "\x00" in line:
+            raise SpecError("rendering the sbatch script", [Problem(f"slurm.setup[{index}]", "contains a NUL byte", "remove it")])
+    return list(spec.slurm.setup)
+
+
+def _quote_unless_shell_text(value: Any) -> str:
+    if isinstance(value, ShellText):
+        return value
+    text = str(value)
+    if CONTROL.search(text):
+        raise UserError(f"template value {text!r} has a control character that could end a script line")
+    return shlex.quote(text)
+
+
+def _template_name(spec: JobSpec) -> str:
+    return spec.slurm.template or f"(built-in) {DEFAULT_TEMPLATE}"
+
+
+def _template(spec: JobSpec) -> jinja2.Template:
+    if spec.slurm.template:
+        source = Path(spec.slurm.template).read_text()
+    else:
+        source = (resources.files("lance_hpc") / "templates" / DEFAULT_TEMPLATE).read_text()
+    environment_ = jinja2.Environment(
+        undefined=jinja2.StrictUndefined,
+        finalize=_quote_unless_shell_text,
+        autoescape=False,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    environment_.filters["quote"] = lambda value: ShellText(shlex.quote(str(value)))
+    try:
+        return environment_.from_string(source)
+    except jinja2.TemplateSyntaxError as error:
+        raise UserError(f"sbatch template {_template_name(spec)}, line {error.lineno}: {error.message}") from None
