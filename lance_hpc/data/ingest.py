@@ -1,0 +1,302 @@
+"""Ingest: write an image classification dataset to Lance.
+
+Schema: ``image`` (encoded bytes, stored as given), ``label`` (int64), and the class names as JSON
+in the schema metadata. Rows are written in a seeded random order, so contiguous reads (the
+iterable strategies) still see mixed classes.
+
+Atomic: one ``write_dataset`` call is one Lance commit, and a Lance dataset exists only once its
+manifest is committed, so an interrupted write never opens as a dataset. Local datasets are also
+written to a hidden sibling and renamed into place, so no partial files are left at the path.
+Validation is written before training, and ``ensure_dataset`` treats the training set as the
+marker that an ingest finished.
+
+Sources (``data.ingest.source`` or the first argument of ``lance-hpc ingest``):
+``sklearn-digits``, ``skimage-photos[:count=N,size=S,seed=K,min_side=A,max_side=B,quality=Q]``,
+``imagefolder:<dir>`` (one sub-directory per class) and ``torchvision:<Name>:<root>`` (a
+torchvision dataset already on disk, opened with ``download=False``: Food101, CIFAR10/100, ...;
+its official test split becomes the validation set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from lance_hpc.data import sources
+from lance_hpc.data.reader import CLASS_NAMES_KEY
+from lance_hpc.data.storage import dataset_exists, is_remote, storage_options
+from lance_hpc.errors import UserError
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+WRITE_CHUNK_ROWS = 256
+
+
+@dataclass(frozen=True)
+class Items:
+    """Random access to (encoded image bytes, label) pairs of one split."""
+
+    name: str
+    class_names: tuple[str, ...]
+    length: int
+    read: Callable[[int], tuple[bytes, int]]
+
+    def __len__(self) -> int:
+        return self.length
+
+
+def _from_image_source(source: sources.ImageSource) -> Items:
+    return Items(source.name, source.class_names, len(source), source.__getitem__)
+
+
+def _parse_options(text: str) -> dict[str, int]:
+    options = {}
+    for pair in filter(None, text.split(",")):
+        key, sep, value = pair.partition("=")
+        if not sep or not value.strip().lstrip("-").isdigit():
+            raise UserError(f"source option {pair!r} is not KEY=INTEGER, e.g. skimage-photos:count=8000,size=64")
+        options[key.strip()] = int(value)
+    return options
+
+
+def imagefolder_items(directory: str | Path) -> Items:
+    """One sub-directory per class; files with image extensions, stored as their bytes."""
+    root = Path(directory)
+    if not root.is_dir():
+        raise UserError(f"imagefolder source {root} is not a directory")
+    classes = sorted(entry.name for entry in root.iterdir() if entry.is_dir())
+    files: list[tuple[Path, int]] = []
+    for label, name in enumerate(classes):
+        files += [
+            (path, label) for path in sorted((root / name).rglob("*")) if path.suffix.lower() in IMAGE_EXTENSIONS and path.is_file()
+        ]
+    if not files:
+        raise UserError(f"imagefolder source {root} has no images in class sub-directories (e.g. {root}/cat/1.jpg)")
+    return Items(f"imagefolder:{root}", tuple(classes), len(files), lambda index: (files[index][0].read_bytes(), files[index][1]))
+
+
+def torchvision_items(dataset: Any, name: str) -> Items:
+    """Items of a torchvision dataset object: file bytes when it keeps paths, else re-encoded pixels."""
+    classes = tuple(str(c) for c in getattr(dataset, "classes", ()))
+    if hasattr(dataset, "_image_files") and hasattr(dataset, "_labels"):  # Food101, Flowers102, ...
+        paths, labels = list(dataset._image_files), [int(label) for label in dataset._labels]
+        read = lambda index: (Path(paths[index]).read_bytes(), labels[index])  # noqa: E731
+    elif hasattr(dataset, "samples"):  # ImageFolder / DatasetFolder
+        samples = list(dataset.samples)
+        read = lambda index: (Path(samples[index][0]).read_bytes(), int(samples[index][1]))  # noqa: E731
+    elif hasattr(dataset, "data") and hasattr(dataset, "targets"):  # CIFAR10/100, MNIST, ...
+        pixels, targets = np.asarray(dataset.data), [int(t) for t in dataset.targets]
+        read = lambda index: (sources.encode_image(pixels[index], "jpeg", 95), targets[index])  # noqa: E731
+    else:
+        read = lambda index: (sources.encode_image(dataset[index][0], "jpeg", 95), int(dataset[index][1]))  # noqa: E731
+    if not classes:
+        raise UserError(f"torchvision dataset {name} has no .classes attribute to name the labels")
+    return Items(name, classes, len(dataset), read)
+
+
+def open_torchvision(name: str, root: str) -> tuple[Items, Items | None]:
+    """Train and (official) test split of ``torchvision.datasets.<name>`` at ``root``, no download."""
+    import inspect
+
+    import torchvision.datasets
+
+    cls = getattr(torchvision.datasets, name, None)
+    if not isinstance(cls, type):
+        raise UserError(f"torchvision.datasets has no dataset {name!r}: e.g. Food101, CIFAR10, CIFAR100")
+    parameters = inspect.signature(cls).parameters
+    splits: list[dict[str, Any]]
+    if "split" in parameters:
+        splits = [{"split": "train"}, {"split": "test"}]
+    elif "train" in parameters:
+        splits = [{"train": True}, {"train": False}]
+    else:
+        splits = [{}]
+    opened = []
+    for arguments in splits:
+        if "download" in parameters:
+            arguments["download"] = False
+        try:
+            opened.append(cls(root, **arguments))
+        except (RuntimeError, OSError, ValueError) as error:
+            raise UserError(
+                f"cannot open torchvision {name} at {root} ({error}): put the dataset there first "
+                "(lance-hpc never downloads it)"
+            ) from None
+    items = [torchvision_items(dataset, f"torchvision:{name}") for dataset in opened]
+    return items[0], (items[1] if len(items) > 1 else None)
+
+
+def resolve_source(text: str) -> tuple[Items, Items | None]:
+    """(train items, official validation items or None) for a source string."""
+    kind, _, rest = text.partition(":")
+    if kind == "sklearn-digits":
+        return _from_image_source(sources.sklearn_digits(**_parse_options(rest))), None
+    if kind == "skimage-photos":
+        options = {"count": 2000, **_parse_options(rest)}
+        return _from_image_source(sources.skimage_photo_crops(**options)), None
+    if kind == "imagefolder" and rest:
+        return imagefolder_items(rest), None
+    if kind == "torchvision" and ":" in rest:
+        name, _, root = rest.partition(":")
+        return open_torchvision(name, root)
+    raise UserError(
+        f"unknown ingest source {text!r}: use sklearn-digits, skimage-photos[:count=N,size=S], "
+        "imagefolder:<dir> or torchvision:<Name>:<root>"
+    )
+
+
+def split_rows(count: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train indices, validation indices), each in a seeded random order."""
+    order = np.random.default_rng(seed).permutation(count)
+    val_count = int(round(count * val_fraction))
+    return order[val_count:], order[:val_count]
+
+
+def schema_for(class_names: Sequence[str], source: str) -> pa.Schema:
+    return pa.schema(
+        [pa.field("image", pa.binary()), pa.field("label", pa.int64())],
+        metadata={CLASS_NAMES_KEY: json.dumps(list(class_names)).encode(), b"source": source.encode()},
+    )
+
+
+def _batches(items: Items, indices: np.ndarray, schema: pa.Schema, progress: Any) -> Iterator[pa.RecordBatch]:
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        for start in range(0, len(indices), WRITE_CHUNK_ROWS):
+            chunk = [int(index) for index in indices[start : start + WRITE_CHUNK_ROWS]]
+            rows = list(pool.map(items.read, chunk))
+            progress.update(len(rows))
+            yield pa.record_batch(
+                [pa.array([data for data, _ in rows], pa.binary()), pa.array([label for _, label in rows], pa.int64())],
+                schema=schema,
+            )
+
+
+def write_split(
+    items: Items,
+    indices: np.ndarray,
+    uri: str,
+    *,
+    rows_per_fragment: int,
+    options: dict[str, str],
+    replace: bool = False,
+) -> int:
+    """Write ``items[indices]`` to ``uri`` as one Lance commit; returns the rows written."""
+    import lance
+    from tqdm import tqdm
+
+    schema = schema_for(items.class_names, items.name)
+    with tqdm(total=len(indices), desc=f"ingest {uri}", unit="img", file=sys.stderr, mininterval=1.0) as progress:
+        reader = pa.RecordBatchReader.from_batches(schema, _batches(items, indices, schema, progress))
+        write = dict(max_rows_per_file=rows_per_fragment, storage_options=options or None)
+        if is_remote(uri):
+            lance.write_dataset(reader, uri, mode="overwrite" if replace else "create", **write)
+            return len(indices)
+        final = Path(uri)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        partial = final.parent / f".{final.name}.partial-{uuid.uuid4().hex[:8]}"
+        try:
+            lance.write_dataset(reader, str(partial), mode="create", **write)
+            if replace and final.exists():
+                shutil.rmtree(final)
+            os.replace(partial, final)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+    return len(indices)
+
+
+def ingest(
+    source: str,
+    uri: str,
+    val_uri: str | None = None,
+    *,
+    val_fraction: float = 0.2,
+    rows_per_fragment: int = 1024,
+    seed: int = 0,
+    options: dict[str, str] | None = None,
+    val_options: dict[str, str] | None = None,
+) -> dict[str, int]:
+    """Write the training (and validation) split of ``source``; returns rows written per split."""
+    if rows_per_fragment < 1:
+        raise UserError("rows_per_fragment must be >= 1")
+    train_items, official_val = resolve_source(source)
+    if official_val is not None:
+        train_indices = np.random.default_rng(seed).permutation(len(train_items))
+        val_items, val_indices = official_val, np.random.default_rng(seed + 1).permutation(len(official_val))
+    else:
+        train_indices, val_indices = split_rows(len(train_items), val_fraction if val_uri else 0.0, seed)
+        val_items = train_items
+    written = {"train": 0, "val": 0}
+    if val_uri and len(val_indices):
+        written["val"] = write_split(
+            val_items, val_indices, val_uri, rows_per_fragment=rows_per_fragment,
+            options=val_options if val_options is not None else dict(options or {}), replace=True,
+        )
+    written["train"] = write_split(train_items, train_indices, uri, rows_per_fragment=rows_per_fragment, options=dict(options or {}))
+    return written
+
+
+def ensure_dataset(data: Any) -> None:
+    """Ingest ``data.ingest.source`` unless a dataset is already at ``data.uri``. Call it once per
+    job (rank 0, then a barrier) before ranks open the data."""
+    options = storage_options(data.uri, data.storage_options)
+    if dataset_exists(data.uri, options):
+        return
+    if data.ingest is None:
+        raise UserError(f"{data.uri}: no Lance dataset there and data.ingest is not set: fix data.uri or add data.ingest")
+    spec = data.ingest
+    ingest(
+        spec.source, data.uri, data.val_uri, val_fraction=spec.val_fraction, rows_per_fragment=spec.rows_per_fragment,
+        seed=spec.seed, options=options,
+        val_options=storage_options(data.val_uri, data.storage_options) if data.val_uri else None,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``lance-hpc ingest SOURCE URI`` or ``lance-hpc ingest --spec job.yaml``."""
+    parser = argparse.ArgumentParser(prog="lance-hpc ingest", description=__doc__.split("\n\n")[0])
+    parser.add_argument("source", nargs="?", help="sklearn-digits | skimage-photos[:count=N] | imagefolder:<dir> | torchvision:<Name>:<root>")
+    parser.add_argument("uri", nargs="?", help="training dataset to create (path or s3://bucket/x.lance)")
+    parser.add_argument("--spec", help="job spec: ingest its data.ingest source to data.uri / data.val_uri")
+    parser.add_argument("--val-uri", help="validation dataset to create")
+    parser.add_argument("--val-fraction", type=float, default=0.2, help="share of rows for validation (default 0.2)")
+    parser.add_argument("--rows-per-fragment", type=int, default=1024, help="rows per Lance fragment (default 1024)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the split and row order")
+    parser.add_argument(
+        "--storage-option", action="append", default=[], metavar="KEY=VALUE",
+        help="object-store option (endpoint, region, allow_http); credentials come from AWS_* variables",
+    )
+    args = parser.parse_args(argv)
+    try:
+        if args.spec:
+            from lance_hpc.spec import load_spec
+
+            data = load_spec(args.spec).spec.data
+            if data.ingest is None:
+                raise UserError(f"{args.spec}: data.ingest is not set, so there is nothing to ingest")
+            ensure_dataset(data)
+            print(f"dataset ready at {data.uri}")
+            return 0
+        if not args.source or not args.uri:
+            parser.error("give SOURCE and URI, or --spec job.yaml")
+        spec_options = dict(option.split("=", 1) for option in args.storage_option if "=" in option)
+        written = ingest(
+            args.source, args.uri, args.val_uri, val_fraction=args.val_fraction, rows_per_fragment=args.rows_per_fragment,
+            seed=args.seed, options=storage_options(args.uri, spec_options),
+            val_options=storage_options(args.val_uri, spec_options) if args.val_uri else None,
+        )
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {written['train']:,} training rows to {args.uri}"
+          + (f" and {written['val']:,} validation rows to {args.val_uri}" if written["val"] else ""))
+    return 0

@@ -1,0 +1,215 @@
+"""The loaders the trainer uses: :func:`build_train_loader` and :func:`build_eval_loader`.
+
+Workers are spawned (Lance is not fork-safe), open the dataset lazily with the full options, run
+one intra-op thread each, and persist across epochs. The train loader yields exactly
+``steps_per_epoch`` batches on every rank and can resume mid-epoch from its ``state_dict``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator
+
+import torch
+from torch.utils.data import DataLoader
+
+from lance_hpc.data.decode import Transform
+from lance_hpc.data.iterable import LanceIterableDataset
+from lance_hpc.data.mapstyle import LanceMapDataset, PlanBatchSampler
+from lance_hpc.data.reader import BatchReader, EpochPlanner, class_names, fragment_table, init_worker, keep_batch
+from lance_hpc.data.sampling import DataPlan, eval_batches, plan_from_table
+from lance_hpc.data.storage import open_dataset, storage_options
+from lance_hpc.errors import UserError
+from lance_hpc.spec import DataSpec
+
+log = logging.getLogger("lance_hpc.data")
+STATE_VERSION = 1
+
+
+def _data_loader(dataset: Any, data: DataSpec, pin_memory: bool, persistent: bool, **kwargs: Any) -> DataLoader:
+    workers = data.num_workers
+    extra: dict[str, Any] = {}
+    if workers > 0:
+        extra = dict(
+            multiprocessing_context="spawn",
+            persistent_workers=persistent,
+            prefetch_factor=data.prefetch_factor,
+            worker_init_fn=init_worker,
+        )
+    return DataLoader(dataset, num_workers=workers, pin_memory=pin_memory, collate_fn=keep_batch, **extra, **kwargs)
+
+
+def _open(data: DataSpec, uri: str) -> tuple[Any, dict[str, str]]:
+    options = storage_options(uri, data.storage_options)
+    return open_dataset(uri, data.version if uri == data.uri else None, options), options
+
+
+class TrainLoader:
+    """This rank's training batches: ``(images uint8 [B,3,S,S], labels int64 [B])``.
+
+    Every rank yields exactly :attr:`steps_per_epoch` batches per epoch (computed from fragment
+    metadata, the same on every rank); a short read is an error, never a silent early stop.
+    """
+
+    def __init__(self, data: DataSpec, rank: int, world_size: int, *, pin_memory: bool = False):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world size {world_size}")
+        self.data = data
+        self.rank = rank
+        self.world_size = world_size
+        dataset, options = _open(data, data.uri)
+        self.dataset_version: int = int(dataset.version)
+        self.class_names: list[str] = class_names(dataset, data.label_column)
+        self.num_classes: int = len(self.class_names)
+        table = fragment_table(dataset)
+        self.plan: DataPlan = plan_from_table(
+            table, world_size, data.batch_size, style=data.style, sampler=data.sampler,
+            uneven=data.uneven, uri=data.uri, version=self.dataset_version,
+        )
+        if self.plan.steps_per_rank == 0:
+            raise UserError(
+                f"{data.uri} has {self.plan.rows} rows, too few for {world_size} ranks with uneven: {data.uneven}: "
+                "use uneven: pad, fewer ranks, or a bigger dataset"
+            )
+        if data.sampler == "full_scan":
+            log.warning("full_scan: every rank reads every row, so DDP ranks train on the same data")
+        reader = BatchReader(
+            data.uri, self.dataset_version, options, data.image_column, data.label_column,
+            Transform(data.image_size, train=True, augment=data.augment), data.on_corrupt, data.seed, rank,
+        )
+        planner = EpochPlanner(table, data.sampler, rank, world_size, data.batch_size, data.uneven, data.shuffle, data.seed)
+        if data.style == "map":
+            self._positioned: Any = PlanBatchSampler(planner, self.plan.steps_per_rank)
+            dataset_object: Any = LanceMapDataset(reader, self.plan.rows)
+            self._loader = _data_loader(dataset_object, data, pin_memory, True, batch_sampler=self._positioned)
+        else:
+            self._positioned = LanceIterableDataset(reader, planner)
+            self._loader = _data_loader(self._positioned, data, pin_memory, True, batch_size=None)
+        self.epoch = 0
+        self.consumed = 0  # batches of self.epoch handed to the trainer
+        self._resume_at = 0
+        self.skipped_rows = 0  # corrupt rows replaced so far (on_corrupt: skip)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.plan.steps_per_rank
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose order the next pass reads (a restored epoch keeps its offset)."""
+        if epoch != self.epoch:
+            self.epoch, self._resume_at = epoch, 0
+        self.consumed = self._resume_at
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        start = self._resume_at
+        self._resume_at = 0
+        self.consumed = start
+        steps = self.steps_per_epoch
+        if start >= steps:
+            return
+        self._positioned.set_epoch(self.epoch, start)
+        batches = iter(self._loader)
+        for _ in range(start, steps):
+            try:
+                images, labels, skipped = next(batches)
+            except StopIteration:
+                raise RuntimeError(
+                    f"rank {self.rank}: the data loader ended after {self.consumed} of {steps} batches of epoch "
+                    f"{self.epoch}; stopping instead of leaving the other ranks waiting"
+                ) from None
+            self.consumed += 1
+            self.skipped_rows += skipped
+            yield images, labels
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this rank is: the epoch and the batches already handed to the trainer."""
+        return {
+            "version": STATE_VERSION,
+            "epoch": self.epoch,
+            "batches_consumed": self.consumed,
+            "steps_per_epoch": self.steps_per_epoch,
+            "world_size": self.world_size,
+            "sampler": self.data.sampler,
+            "seed": self.data.seed,
+            "dataset_version": self.dataset_version,
+            "skipped_rows": self.skipped_rows,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``: the next pass starts at the first batch not yet consumed."""
+        mismatched = [
+            f"{key} was {state.get(key)!r}, now {value!r}"
+            for key, value in (
+                ("world_size", self.world_size),
+                ("steps_per_epoch", self.steps_per_epoch),
+                ("sampler", self.data.sampler),
+                ("seed", self.data.seed),
+            )
+            if key in state and state[key] != value
+        ]
+        if mismatched:
+            raise UserError(
+                "cannot resume the data order mid-epoch: " + "; ".join(mismatched)
+                + ". Resume with the same data settings and world size, or start the epoch over"
+            )
+        if state.get("dataset_version") not in (None, self.dataset_version):
+            log.warning(
+                "resuming on dataset version %s, the checkpoint read version %s: set data.version to pin it",
+                self.dataset_version, state.get("dataset_version"),
+            )
+        self.epoch = int(state["epoch"])
+        self._resume_at = self.consumed = int(state["batches_consumed"])
+        self.skipped_rows = int(state.get("skipped_rows", 0))
+
+
+class EvalLoader:
+    """Evaluation batches of one rank: ``sharded`` (every row once over all ranks; step counts may
+    differ by one) or ``full_scan`` (every rank all rows), with eval transforms."""
+
+    def __init__(self, data: DataSpec, rank: int, world_size: int, *, pin_memory: bool = False):
+        if not data.val_uri:
+            raise UserError("data.val_uri is not set: there is no validation set to evaluate on")
+        dataset, options = _open(data, data.val_uri)
+        self.dataset_version = int(dataset.version)
+        rows = dataset.count_rows()
+        self.batches = eval_batches(rows, rank, world_size, data.batch_size, data.val_sampler)
+        self.rows = sum(len(batch) for batch in self.batches)
+        reader = BatchReader(
+            data.val_uri, self.dataset_version, options, data.image_column, data.label_column,
+            Transform(data.image_size, train=False), data.on_corrupt, data.seed, rank,
+        )
+        self._loader = _data_loader(
+            LanceMapDataset(reader, rows), data, pin_memory, True, batch_sampler=_FixedBatches(self.batches)
+        )
+        self.skipped_rows = 0
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for images, labels, skipped in self._loader:
+            self.skipped_rows += skipped
+            yield images, labels
+
+
+class _FixedBatches(torch.utils.data.Sampler):
+    def __init__(self, batches: list):
+        self.batches = batches
+
+    def __iter__(self) -> Iterator[tuple[int, int, Any]]:
+        for index, batch in enumerate(self.batches):
+            yield 0, index, batch
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def build_train_loader(data: DataSpec, rank: int, world_size: int, *, pin_memory: bool = False) -> TrainLoader:
+    return TrainLoader(data, rank, world_size, pin_memory=pin_memory)
+
+
+def build_eval_loader(data: DataSpec, rank: int, world_size: int, *, pin_memory: bool = False) -> EvalLoader:
+    return EvalLoader(data, rank, world_size, pin_memory=pin_memory)

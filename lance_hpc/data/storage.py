@@ -1,0 +1,144 @@
+"""Where a dataset lives: storage options from the spec plus credentials from the environment,
+opening datasets with errors a user can act on, and the preflight check before submission.
+
+Credentials only ever travel inside the options dict handed to Lance (and pickled into DataLoader
+workers); they are never printed: every message that could echo an option is redacted first.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, Mapping
+from urllib.parse import urlparse
+
+from lance_hpc.errors import UserError
+
+# Environment variable -> Lance (object_store) option, for s3:// URIs.
+S3_ENV_OPTIONS = (
+    ("AWS_ACCESS_KEY_ID", "access_key_id"),
+    ("AWS_SECRET_ACCESS_KEY", "secret_access_key"),
+    ("AWS_SESSION_TOKEN", "session_token"),
+    ("AWS_REGION", "region"),
+    ("AWS_DEFAULT_REGION", "region"),
+    ("AWS_ENDPOINT_URL_S3", "endpoint"),
+    ("AWS_ENDPOINT_URL", "endpoint"),
+)
+SECRET_OPTIONS = ("access_key_id", "secret_access_key", "session_token")
+# A preflight should answer in seconds, not after object_store's default retries (minutes).
+PREFLIGHT_OPTIONS = {"client_max_retries": "1", "client_retry_timeout": "15", "connect_timeout": "5s"}
+CREDENTIAL_FIX = (
+    "export valid AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN for temporary "
+    "credentials) for this endpoint in the environment that runs lance-hpc and the job"
+)
+
+
+def is_remote(uri: str) -> bool:
+    return "://" in uri and not uri.startswith("file://")
+
+
+def storage_options(uri: str, options: Mapping[str, str] | None = None, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Lance storage options for ``uri``: the spec's options, then credentials and region/endpoint
+    from AWS-style environment variables for anything the spec does not set."""
+    environ = os.environ if environ is None else environ
+    result = {str(key): str(value) for key, value in (options or {}).items()}
+    if uri.startswith("s3://"):
+        for variable, option in S3_ENV_OPTIONS:
+            if environ.get(variable) and option not in result:
+                result[option] = environ[variable]
+        if result.get("endpoint", "").startswith("http://") and "allow_http" not in result:
+            result["allow_http"] = "true"
+    return result
+
+
+def redact(text: str, options: Mapping[str, str]) -> str:
+    """``text`` with every credential value in ``options`` replaced by ***."""
+    for key in SECRET_OPTIONS:
+        value = options.get(key)
+        if value:
+            text = text.replace(value, "***")
+    return text
+
+
+def dataset_error(error: Exception, uri: str, options: Mapping[str, str], version: int | None = None) -> UserError:
+    """A UserError saying what is wrong with opening ``uri`` and how to fix it."""
+    text = redact(str(error), options)
+    endpoint = options.get("endpoint", "the default endpoint")
+    bucket = urlparse(uri).netloc
+    if any(code in text for code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken")):
+        return UserError(f"{uri}: the object store at {endpoint} rejected the credentials ({_code(text)}): {CREDENTIAL_FIX}")
+    if "AccessDenied" in text or "403 Forbidden" in text:
+        return UserError(f"{uri}: access denied at {endpoint}: the credentials lack permission to read the bucket '{bucket}'")
+    if "NoSuchBucket" in text:
+        return UserError(f"{uri}: bucket '{bucket}' does not exist at {endpoint}: create it or fix data.uri")
+    if "error sending request" in text or "Connection refused" in text or "dns error" in text:
+        return UserError(
+            f"{uri}: cannot reach the object store at {endpoint}: check data.storage_options.endpoint "
+            "(and allow_http for http:// endpoints) and the network"
+        )
+    if "not found" in text.lower() and version is not None and "version" in text.lower():
+        return UserError(f"{uri}: version {version} does not exist: fix data.version or remove it for the latest")
+    if "was not found" in text or "Not found" in text or "No such file" in text:
+        return UserError(f"{uri}: no Lance dataset there: fix the path, or set data.ingest to create it")
+    return UserError(f"{uri}: cannot open the dataset: {text.splitlines()[0] if text else type(error).__name__}")
+
+
+def _code(text: str) -> str:
+    for code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken"):
+        if code in text:
+            return code
+    return "rejected"
+
+
+def open_dataset(uri: str, version: int | None = None, options: Mapping[str, str] | None = None) -> Any:
+    """``lance.dataset`` with errors turned into UserErrors that say how to fix them."""
+    import lance
+
+    options = dict(options or {})
+    try:
+        return lance.dataset(uri, version=version, storage_options=options or None)
+    except (OSError, ValueError, RuntimeError) as error:
+        raise dataset_error(error, uri, options, version) from None
+
+
+def dataset_exists(uri: str, options: Mapping[str, str] | None = None) -> bool:
+    """Whether a committed Lance dataset is at ``uri`` (other errors are raised as UserErrors)."""
+    try:
+        open_dataset(uri, None, options)
+    except UserError as error:
+        if "no Lance dataset there" in str(error):
+            return False
+        raise
+    return True
+
+
+def check_endpoint(options: Mapping[str, str], timeout_s: float = 5.0) -> None:
+    """A quick TCP connect to the configured endpoint, before Lance's slower retries."""
+    endpoint = options.get("endpoint")
+    if not endpoint:
+        return
+    parsed = urlparse(endpoint if "://" in endpoint else f"https://{endpoint}")
+    port = parsed.port or (80 if parsed.scheme == "http" else 443)
+    try:
+        with socket.create_connection((parsed.hostname or "", port), timeout=timeout_s):
+            pass
+    except OSError as error:
+        raise UserError(
+            f"cannot reach the object store endpoint {endpoint}: {error.strerror or error}. "
+            "Check data.storage_options.endpoint and the network from this machine."
+        ) from None
+
+
+def preflight_uri(uri: str, options: Mapping[str, str], version: int | None = None, may_create: bool = False) -> None:
+    """Raise a UserError unless ``uri`` opens (or, with ``may_create``, could be created)."""
+    if is_remote(uri):
+        check_endpoint(options)
+    probe = {**PREFLIGHT_OPTIONS, **options} if is_remote(uri) else dict(options)
+    try:
+        dataset = open_dataset(uri, None, probe)
+    except UserError as error:
+        if may_create and "no Lance dataset there" in str(error):
+            return  # the bucket answered with valid credentials; ingest will create the dataset
+        raise
+    if version is not None and version > dataset.latest_version:
+        raise UserError(f"{uri}: version {version} does not exist (latest is {dataset.latest_version}): fix data.version")
