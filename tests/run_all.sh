@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Sets up a fresh machine and runs the whole test suite, the real-cluster, multi-process and S3
+# tests included. Needs root (or sudo) for the Debian packages of the test SLURM cluster.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+
+# The SLURM test cluster (slurmctld + two slurmd on loopback) runs Debian's packages.
+missing=()
+for command in slurmctld slurmd sbatch munged; do
+  command -v "$command" >/dev/null 2>&1 || missing+=("$command")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "installing SLURM and munge (missing: ${missing[*]})"
+  as_root apt-get update -q
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurmctld slurmd slurm-client munge
+fi
+
+# torch/torchvision come as a matched pair from the package registry (setup.cfg pins the range).
+python3 -m pip install -q --upgrade-strategy only-if-needed -e '.[test]'
+
+python3 -m pytest -q -p no:cacheprovider "$@"
