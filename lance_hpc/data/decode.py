@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import logging
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +30,9 @@ CROP_LOG_RATIO = (math.log(3 / 4), math.log(4 / 3))
 # Evaluation resizes the short side to image_size / EVAL_CROP_FRACTION, then crops the centre.
 EVAL_CROP_FRACTION = 0.875
 AUGMENTS = ("crop_flip", "crop", "none")
+# torchvision 0.29 warns on every decode call that TorchCodec will take over image decoding; the
+# decoders still work and are what this module relies on, so keep batches from repeating it.
+warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision", category=DeprecationWarning)
 
 
 class CorruptImageError(UserError):
