@@ -12,6 +12,7 @@ values that would end a line early (newlines and other control characters) are r
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 from importlib import resources
@@ -64,7 +65,7 @@ def log_paths(spec: JobSpec) -> tuple[str, str]:
     return f"{base}.out", f"{base}.err"
 
 
-def resource_flags(spec: JobSpec) -> dict[str, str | bool]:
+def resource_flags(spec: JobSpec) -> dict[str, str | int | bool]:
     """sbatch flags (long name -> value, True for a bare flag) shared by sbatch and submitit.
 
     Log paths are left out: each path writes its own (submitit keeps its files in its folder).
@@ -78,16 +79,17 @@ def resource_flags(spec: JobSpec) -> dict[str, str | bool]:
         "gpus-per-node": slurm.gpus_per_node or None,
         "mem": f"{slurm.mem_gb}GB" if slurm.mem_gb else None,
     }
-    flags: dict[str, str | bool] = {
+    flags: dict[str, str | int | bool] = {
         "job-name": spec.name,
-        "nodes": str(slurm.nodes),
-        "ntasks-per-node": str(slurm.ntasks_per_node),
-        "cpus-per-task": str(slurm.cpus_per_task),
-        "time": slurm.time,
+        "nodes": slurm.nodes,
+        "ntasks-per-node": slurm.ntasks_per_node,
+        "cpus-per-task": slurm.cpus_per_task,
+        # minutes, as submitit needs them for its requeue logic: both paths then write the same flag
+        "time": math.ceil(slurm.time_seconds / 60),
         "requeue": True,
         "signal": f"{PREEMPT_SIGNAL}@{slurm.signal_delay_s}",
         "open-mode": "append",
-        **{flag: str(value) for flag, value in optional.items() if value is not None},
+        **{flag: value for flag, value in optional.items() if value is not None},
     }
     if slurm.exclusive:
         flags["exclusive"] = True
@@ -162,7 +164,7 @@ def render_sbatch(spec: JobSpec, spec_file: str) -> str:
         raise UserError(f"sbatch template {_template_name(spec)}: {error}") from None
 
 
-def sbatch_line(name: str, value: str | bool) -> str:
+def sbatch_line(name: str, value: str | int | bool) -> str:
     """``#SBATCH --name=value`` with the value shell-quoted (as submitit writes them)."""
     return f"#SBATCH --{name}" if value is True else f"#SBATCH --{name}={shlex.quote(str(value))}"
 

@@ -1,0 +1,257 @@
+"""Submit a job spec: to SLURM through submitit (default), as a script for your own sbatch
+(--render-only), as a dry run that touches nothing (--dry-run), or on this machine (--local).
+
+Every path writes the resolved spec as ``<log_dir>/<name>.spec.yaml`` and the script as
+``<log_dir>/<name>.sbatch``; the job's tasks read that spec, so they run exactly what was shown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import submitit
+from submitit.core import utils as submitit_utils
+
+from lance_hpc import render
+from lance_hpc.errors import UserError
+from lance_hpc.spec import JobSpec, LoadedSpec, load_spec
+
+EXIT_USER_ERROR, EXIT_JOB_FAILED = 2, 1
+# scontrol states of a job that will not run again.
+FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+
+
+def job_files(spec: JobSpec) -> tuple[Path, Path]:
+    """Where the resolved spec and the rendered script of a job go."""
+    log_dir = Path(spec.slurm.log_dir)
+    return log_dir / f"{spec.name}.spec.yaml", log_dir / f"{spec.name}.sbatch"
+
+
+def write_job_files(spec: JobSpec, script_path: Path | None = None) -> tuple[Path, Path]:
+    """Write the resolved spec and the sbatch script; returns their paths."""
+    spec_file, default_script = job_files(spec)
+    script_path = script_path or default_script
+    script = render.render_sbatch(spec, str(spec_file))  # before writing anything: it may refuse
+    spec_file.parent.mkdir(parents=True, exist_ok=True)  # SLURM cannot open logs in a missing directory
+    spec_file.write_text(spec.to_yaml())
+    script_path.parent.mkdir(parents=True, exist_ok=True)
+    script_path.write_text(script)
+    return spec_file, script_path
+
+
+def dry_run(loaded: LoadedSpec) -> None:
+    """Print what a submission would do; writes nothing and talks to no cluster."""
+    spec = loaded.spec
+    spec_file, script_path = job_files(spec)
+    print(f"# {loaded.source}: valid; {spec.slurm.nodes} node(s) x {spec.slurm.ntasks_per_node} task(s) = "
+          f"world size {spec.slurm.world_size}")
+    print("# placeholders and relative paths resolved:")
+    for item in loaded.resolutions or ():
+        print(f"#   {item.path}: {item.before} -> {item.after}")
+    print(f"\n# ---- resolved spec (would be written to {spec_file}) ----")
+    print(spec.to_yaml(), end="")
+    print(f"\n# ---- sbatch script (would be written to {script_path}) ----")
+    print(render.render_sbatch(spec, str(spec_file)), end="")
+    print("\n# ---- data plan ----")
+    print(_data_plan(spec, loaded.source))
+    print("\n# dry run: nothing written, nothing submitted")
+
+
+def _data_plan(spec: JobSpec, source: str) -> str:
+    if "://" in spec.data.uri:
+        return f"skipped for object storage in a dry run; see it with: lance-hpc plan {source}"
+    try:
+        from lance_hpc.data import plan_data
+
+        return str(plan_data(spec.data, spec.slurm.world_size))
+    except Exception as error:  # a dry run reports what it cannot show instead of stopping
+        return f"unavailable: {error}"
+
+
+def make_executor(spec: JobSpec, folder: Path) -> submitit.SlurmExecutor:
+    """A submitit SlurmExecutor asking for the same resources, setup and srun options as the script."""
+    executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=spec.slurm.max_requeues, python=render.PYTHON)
+    named, additional = {}, {}
+    valid = submitit.SlurmExecutor._valid_parameters()
+    for flag, value in render.resource_flags(spec).items():
+        key = flag.replace("-", "_")
+        if key in ("signal", "open_mode"):
+            continue  # submitit writes these itself (the same USR2 signal, append mode)
+        (named if key in valid else additional)[key] = value
+    executor.update_parameters(
+        **named,
+        signal_delay_s=spec.slurm.signal_delay_s,
+        setup=render.setup_lines(spec),
+        srun_args=[arg for arg in render.srun_args(spec) if arg != "--unbuffered"],  # submitit adds it
+        additional_parameters=additional,
+        wckey=None,
+    )
+    return executor
+
+
+def submit(spec: JobSpec, wait: bool = False) -> int:
+    """Submit through submitit; print the job id, log paths and how to watch it."""
+    _check_slurm_commands()
+    try:
+        from lance_hpc.run import SubmititJob
+    except ImportError as error:
+        raise UserError(f"cannot load the job entry point lance_hpc.run: {error}") from None
+    spec_file, script_path = write_job_files(spec)
+
+    executor = make_executor(spec, Path(spec.slurm.log_dir) / "submitit")
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # submitit prints sbatch's stderr; we explain it below
+            job = executor.submit(SubmititJob(str(spec_file)))
+    except (submitit_utils.FailedJobError, submitit_utils.FailedSubmissionError, OSError) as error:
+        raise UserError(_explain_sbatch_failure(str(error))) from None
+    print(f"submitted job {job.job_id} ({spec.name}, {spec.slurm.world_size} tasks on {spec.slurm.nodes} node(s))")
+    print(f"  spec     {spec_file}")
+    print(f"  script   {script_path}  (the same job for your own sbatch)")
+    print(f"  stdout   {job.paths.stdout}")
+    print(f"  stderr   {job.paths.stderr}")
+    print(f"  status   squeue -j {job.job_id}")
+    print(f"  watch    tensorboard --logdir {spec.logging.tensorboard_dir}")
+    if not wait:
+        return 0
+    return wait_for(job)
+
+
+def wait_for(job: submitit.Job) -> int:
+    """Wait for a submitit job to end; print its result, or its exit status and where its logs are."""
+    tasks = [job.task(index) for index in range(job.num_tasks)]
+    state, exit_code = "PENDING", "?"
+    # Our own loop: submitit's wait() asks sacct, which clusters without accounting do not have.
+    while not all(task.paths.result_pickle.exists() for task in tasks):
+        state, exit_code = job_state(job.job_id)
+        if state in FINAL_STATES:
+            break
+        time.sleep(2)
+    if all(task.paths.result_pickle.exists() for task in tasks):
+        failed = [(index, task) for index, task in enumerate(tasks) if task.exception() is not None]
+        if not failed:
+            print(f"job {job.job_id} finished: {job.results()[0]}")
+            return 0
+        # The task that failed first holds the cause; the others usually just lost contact with it.
+        first_index, first = min(failed, key=lambda item: item[1].paths.result_pickle.stat().st_mtime)
+        print(f"job {job.job_id} failed; task {first_index} failed first: {first.exception()}", file=sys.stderr)
+        others = [str(index) for index, _ in failed if index != first_index]
+        if others:
+            print(f"tasks {', '.join(others)} failed too; their logs are in {job.paths.folder}", file=sys.stderr)
+        return EXIT_JOB_FAILED
+    print(f"job {job.job_id} ended {state} with exit code {exit_code} and no result; the end of its log:",
+          file=sys.stderr)
+    print(_tail(Path(job.paths.stderr)), file=sys.stderr)
+    print(f"  logs: {job.paths.stderr}\n        {job.paths.stdout}", file=sys.stderr)
+    return EXIT_JOB_FAILED
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    if not path.exists():
+        return f"    ({path} was not written)"
+    return "\n".join(f"    | {line}" for line in path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def job_state(job_id: str) -> tuple[str, str]:
+    """(state, exit code) from scontrol, which needs no accounting database; sacct as fallback."""
+    shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True)
+    fields = dict(word.split("=", 1) for word in shown.stdout.split() if "=" in word)
+    if "JobState" in fields:
+        return fields["JobState"], fields.get("ExitCode", "?")
+    accounted = subprocess.run(
+        ["sacct", "-n", "-X", "-P", "-o", "State,ExitCode", "-j", job_id], capture_output=True, text=True
+    )
+    line = accounted.stdout.strip().splitlines()[:1]
+    if accounted.returncode == 0 and line:
+        state, _, exit_code = line[0].partition("|")
+        return state.split()[0], exit_code
+    return "UNKNOWN", "?"
+
+
+def _check_slurm_commands() -> None:
+    missing = [command for command in ("sbatch", "srun") if shutil.which(command) is None]
+    if missing:
+        raise UserError(
+            f"cannot submit: {' and '.join(missing)} not found on PATH, so this machine is not a SLURM login node\n"
+            "  fix: run this on your cluster's login node, or use --local to run here, "
+            "or --render-only -o job.sbatch and sbatch it elsewhere"
+        )
+
+
+def _explain_sbatch_failure(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if "error" in line.lower() and line.strip()]
+    summary = "\n    ".join(dict.fromkeys(lines[-3:])) or text.strip()
+    if any(hint in text for hint in ("Unable to contact slurm controller", "Connection refused", "connect failure")):
+        fix = "the SLURM controller is not reachable: check `scontrol ping` and SLURM_CONF, or ask your admins"
+    elif "Invalid partition" in text:
+        fix = "set slurm.partition to one that `sinfo` lists"
+    elif "Invalid account" in text or "Invalid qos" in text:
+        fix = "check slurm.account / slurm.qos with `sacctmgr show assoc user=$USER`"
+    elif "Requested node configuration is not available" in text:
+        fix = "ask for fewer nodes, GPUs, CPUs or memory per node (see `sinfo -o '%P %D %c %m %G'`)"
+    else:
+        fix = "read sbatch's message above; `lance-hpc submit --dry-run` shows the script that was sent"
+    return f"sbatch refused the job:\n    {summary}\n  fix: {fix}"
+
+
+def build_parser(prog: str = "python -m lance_hpc.submit") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Validate a job spec, render its sbatch script and submit it to SLURM through submitit; "
+        "or only render it, dry-run it, or run it on this machine.",
+        epilog="examples:\n"
+        "  %(prog)s jobs/quickstart.yaml --local            # train here, 2 processes\n"
+        "  %(prog)s jobs/map_gpu.yaml --dry-run             # show spec, script and data plan\n"
+        "  %(prog)s jobs/map_gpu.yaml --set slurm.nodes=4   # submit with an override\n"
+        "  %(prog)s jobs/map_gpu.yaml --render-only -o job.sbatch && sbatch job.sbatch",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("spec", help="job spec YAML file")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a spec field, e.g. --set train.lr=0.05 (repeatable)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--render-only", action="store_true", help="write the sbatch script and the resolved spec; submit nothing")
+    mode.add_argument("--dry-run", action="store_true", help="print the resolved spec, the script and the data plan; write and submit nothing")
+    mode.add_argument("--local", action="store_true", help="run the job on this machine without SLURM")
+    parser.add_argument("-o", "--output", type=Path, metavar="FILE", help="with --render-only: script path [<log_dir>/<name>.sbatch]")
+    parser.add_argument("--nproc", type=int, metavar="N", help="with --local: processes [the spec's world size]")
+    parser.add_argument("--wait", action="store_true", help="after submitting, wait for the job and report how it ended")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m lance_hpc.submit") -> int:
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    if args.output and not args.render_only:
+        parser.error("-o/--output goes with --render-only")
+    if args.nproc is not None and not args.local:
+        parser.error("--nproc goes with --local")
+    try:
+        loaded = load_spec(args.spec, args.set)
+        if args.dry_run:
+            dry_run(loaded)
+            return 0
+        if args.render_only:
+            spec_file, script_path = write_job_files(loaded.spec, args.output)
+            print(f"wrote {script_path}\n  (its tasks read {spec_file})\nsubmit it with: sbatch {script_path}")
+            return 0
+        if args.local:
+            from lance_hpc.launch import run_local
+
+            spec_file, _ = write_job_files(loaded.spec)
+            return run_local(spec_file, args.nproc or loaded.spec.slurm.world_size)
+        return submit(loaded.spec, wait=args.wait)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())
