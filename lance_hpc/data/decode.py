@@ -31,8 +31,8 @@ CROP_LOG_RATIO = (math.log(3 / 4), math.log(4 / 3))
 EVAL_CROP_FRACTION = 0.875
 AUGMENTS = ("crop_flip", "crop", "none")
 # torchvision 0.29 warns on every decode call that TorchCodec will take over image decoding; the
-# decoders still work and are what this module relies on, so keep batches from repeating it.
-warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision", category=DeprecationWarning)
+# decoders still work and are what this module relies on, so batches do not repeat it.
+TORCHVISION_DECODE_NOTICE = "The image decoding and encoding capabilities of TorchVision"
 
 
 class CorruptImageError(UserError):
@@ -103,9 +103,11 @@ def decode_image(data: torch.Tensor) -> torch.Tensor:
     if data.numel() == 0:
         raise ValueError("empty image")
     try:
-        if bytes(data[:3].tolist()) == JPEG_MAGIC:
-            return decode_jpeg(data, mode=ImageReadMode.RGB)
-        return decode_any(data, mode=ImageReadMode.RGB)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=TORCHVISION_DECODE_NOTICE, category=DeprecationWarning)
+            if bytes(data[:3].tolist()) == JPEG_MAGIC:
+                return decode_jpeg(data, mode=ImageReadMode.RGB)
+            return decode_any(data, mode=ImageReadMode.RGB)
     except RuntimeError as error:
         first_error = str(error).split(",")[0]
     try:

@@ -1,0 +1,187 @@
+"""The loaders on real Lance datasets: every strategy yields the planned steps and rows, a resumed
+epoch continues exactly (also with spawned, persistent workers), corrupt rows never change step
+counts, versions are pinned, evaluation covers every row once; plan and preflight on local data."""
+
+import collections
+
+import lance
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from lance_hpc.data import build_eval_loader, build_train_loader, plan_data, preflight
+from lance_hpc.data.ingest import schema_for
+from lance_hpc.data.plan import main as plan_main
+from lance_hpc.data.sources import skimage_photo_crops
+from lance_hpc.errors import UserError
+from lance_hpc.spec import DataSpec, IngestSpec
+
+STRATEGIES = [("map", "distributed"), ("iterable", "sharded_batch"), ("iterable", "sharded_fragment")]
+IMAGES = [data for data, _ in skimage_photo_crops(13, size=20)]
+
+
+def write_dataset(uri, fragment_rows, corrupt=(), mode="create"):
+    """A dataset whose label is the row id, so batches show which rows were read."""
+    total = sum(fragment_rows)
+    start = lance.dataset(uri).count_rows() if mode == "append" else 0
+    ids = np.arange(start, start + total)
+    images = [b"corrupt bytes" if int(i) in corrupt else IMAGES[int(i) % len(IMAGES)] for i in ids]
+    schema = schema_for([str(i) for i in range(start + total)], "test")
+    batches, offset = [], 0
+    for rows in fragment_rows:
+        batches.append(pa.record_batch([pa.array(images[offset : offset + rows], pa.binary()), pa.array(ids[offset : offset + rows], pa.int64())], schema=schema))
+        offset += rows
+    for batch in batches:  # one fragment per batch
+        lance.write_dataset(pa.Table.from_batches([batch]), uri, mode=mode if mode == "append" or batch is batches[0] else "append")
+    return uri
+
+
+@pytest.fixture
+def layout_dataset(tmp_path):
+    # The reference shape scaled down: 6 fragments of 25 rows and one of 7.
+    return write_dataset(str(tmp_path / "ref.lance"), [25] * 6 + [7])
+
+
+def spec(uri, **fields):
+    defaults = dict(batch_size=8, num_workers=0, image_size=16, seed=3)
+    return DataSpec(uri=uri, **(defaults | fields))
+
+
+def epoch_labels(loader, epoch):
+    loader.set_epoch(epoch)
+    return [labels.tolist() for _, labels in loader]
+
+
+@pytest.mark.parametrize("style,sampler", STRATEGIES)
+@pytest.mark.parametrize("uneven", ["drop", "pad"])
+def test_every_strategy_reads_the_planned_rows_with_equal_steps(layout_dataset, style, sampler, uneven):
+    world_size = 3
+    loaders = [build_train_loader(spec(layout_dataset, style=style, sampler=sampler, uneven=uneven), r, world_size) for r in range(world_size)]
+    plan = loaders[0].plan
+    per_rank = [epoch_labels(loader, 1) for loader in loaders]
+    assert [len(batches) for batches in per_rank] == [plan.steps_per_rank] * world_size
+    for step in range(plan.steps_per_rank):
+        assert len({len(batches[step]) for batches in per_rank}) == 1
+    counts = collections.Counter(row for batches in per_rank for batch in batches for row in batch)
+    if uneven == "drop":
+        assert max(counts.values()) == 1 and len(counts) == 157 - plan.dropped
+    else:
+        assert len(counts) == 157 and sum(counts.values()) == 157 + plan.padded
+    first = loaders[0]
+    assert first.num_classes == 157 and first.dataset_version == 7 and first.class_names[:2] == ["0", "1"]
+    batch = next(iter(first))
+    assert batch[0].dtype == torch.uint8 and batch[0].shape[1:] == (3, 16, 16) and batch[1].dtype == torch.int64
+
+
+@pytest.mark.parametrize("style,sampler", STRATEGIES)
+def test_resume_mid_epoch_in_process(layout_dataset, style, sampler):
+    data = spec(layout_dataset, style=style, sampler=sampler)
+    loader = build_train_loader(data, 1, 2)
+    full = epoch_labels(loader, 4)
+    loader.set_epoch(4)
+    batches = iter(loader)
+    head = [next(batches)[1].tolist() for _ in range(3)]
+    state = loader.state_dict()
+    assert state["epoch"] == 4 and state["batches_consumed"] == 3
+    restored = build_train_loader(data, 1, 2)
+    restored.load_state_dict(state)
+    restored.set_epoch(4)  # the trainer sets the epoch again: the offset survives
+    tail = [labels.tolist() for _, labels in restored]
+    assert head + tail == full
+    assert epoch_labels(restored, 5) != full and len(epoch_labels(restored, 5)) == len(full)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("style,sampler", [("map", "distributed"), ("iterable", "sharded_fragment")])
+def test_spawned_persistent_workers_reshuffle_per_epoch_and_resume_exactly(layout_dataset, style, sampler):
+    data = spec(layout_dataset, style=style, sampler=sampler, num_workers=2)
+    in_process = build_train_loader(spec(layout_dataset, style=style, sampler=sampler), 0, 2)
+    loader = build_train_loader(data, 0, 2)
+    epochs = [epoch_labels(loader, epoch) for epoch in (0, 1)]
+    # Workers read the same rows as the in-process loader: no duplicates across workers, new epoch order.
+    assert epochs == [epoch_labels(in_process, epoch) for epoch in (0, 1)]
+    assert epochs[0] != epochs[1]
+    loader.set_epoch(1)
+    batches = iter(loader)
+    head = [next(batches)[1].tolist() for _ in range(5)]
+    state = loader.state_dict()
+    restored = build_train_loader(data, 0, 2)
+    restored.load_state_dict(state)
+    assert head + [labels.tolist() for _, labels in restored] == epochs[1]
+
+
+def test_corrupt_rows_are_skipped_without_changing_step_counts(tmp_path):
+    uri = write_dataset(str(tmp_path / "c.lance"), [30, 30], corrupt={3, 17, 44})
+    loaders = [build_train_loader(spec(uri, sampler="distributed"), rank, 2) for rank in range(2)]
+    steps = [len(epoch_labels(loader, 0)) for loader in loaders]
+    assert steps == [loaders[0].steps_per_epoch] * 2
+    assert sum(loader.skipped_rows for loader in loaders) == 3
+    assert loaders[0].state_dict()["skipped_rows"] == loaders[0].skipped_rows
+
+
+def test_corrupt_rows_fail_names_the_row(tmp_path):
+    uri = write_dataset(str(tmp_path / "c.lance"), [10], corrupt={6})
+    loader = build_train_loader(spec(uri, on_corrupt="fail", shuffle=False), 0, 1)
+    with pytest.raises(UserError, match=f"row 6 of {uri}"):
+        list(loader)
+
+
+def test_version_is_pinned(tmp_path):
+    uri = write_dataset(str(tmp_path / "v.lance"), [20])
+    write_dataset(uri, [12], mode="append")
+    latest = build_train_loader(spec(uri), 0, 1)
+    pinned = build_train_loader(spec(uri, version=1), 0, 1)
+    assert (latest.dataset_version, latest.plan.rows) == (2, 32)
+    assert (pinned.dataset_version, pinned.plan.rows) == (1, 20)
+    assert max(row for batch in epoch_labels(pinned, 0) for row in batch) < 20
+
+
+@pytest.mark.parametrize("mode", ["sharded", "full_scan"])
+def test_eval_loader(tmp_path, mode):
+    uri = write_dataset(str(tmp_path / "val.lance"), [9, 9, 5])
+    data = spec(str(tmp_path / "train.lance"), val_uri=uri, val_sampler=mode)
+    per_rank = [[row for _, labels in build_eval_loader(data, rank, 3) for row in labels.tolist()] for rank in range(3)]
+    if mode == "sharded":
+        assert sorted(row for rows in per_rank for row in rows) == list(range(23))
+    else:
+        assert all(sorted(rows) == list(range(23)) for rows in per_rank)
+    images, _ = next(iter(build_eval_loader(data, 0, 3)))
+    assert images.shape[1:] == (3, 16, 16) and images.dtype == torch.uint8
+
+
+def test_clear_errors(tmp_path, layout_dataset):
+    tiny = write_dataset(str(tmp_path / "tiny.lance"), [2])
+    with pytest.raises(UserError, match="uneven: pad"):
+        build_train_loader(spec(tiny), 0, 4)
+    assert build_train_loader(spec(tiny, uneven="pad"), 3, 4).steps_per_epoch == 1
+    with pytest.raises(UserError, match="no Lance dataset there"):
+        build_train_loader(spec(str(tmp_path / "missing.lance")), 0, 1)
+    with pytest.raises(UserError, match="val_uri is not set"):
+        build_eval_loader(spec(layout_dataset), 0, 1)
+    loader = build_train_loader(spec(layout_dataset), 0, 2)
+    with pytest.raises(UserError, match="world_size was 4, now 2"):
+        loader.load_state_dict(build_train_loader(spec(layout_dataset), 0, 4).state_dict())
+
+
+def test_plan_data_and_preflight_on_local_data(tmp_path, layout_dataset, capsys):
+    data = spec(layout_dataset, style="iterable", sampler="sharded_fragment", uneven="pad", batch_size=16)
+    plan = plan_data(data, 4)
+    assert (plan.rows, plan.fragments, plan.steps_per_rank, plan.padded, plan.version) == (157, 7, 3, 35, 7)
+    preflight(data)
+    with pytest.raises(UserError, match="no Lance dataset there"):
+        preflight(spec(str(tmp_path / "missing.lance")))
+    with pytest.raises(UserError, match="version 99 does not exist"):
+        preflight(spec(layout_dataset, version=99))
+    # A dataset that ingest will create is planned from the source's size.
+    future = DataSpec(uri=str(tmp_path / "new.lance"), val_uri=str(tmp_path / "newval.lance"),
+                      ingest=IngestSpec(source="sklearn-digits", val_fraction=0.2, rows_per_fragment=500))
+    preflight(future)
+    assert (plan_data(future, 2).rows, plan_data(future, 2).fragments) == (1438, 3)
+    job = tmp_path / "job.yaml"
+    job.write_text(f"name: demo\nslurm: {{nodes: 2, gpus_per_node: 4}}\ndata: {{uri: {layout_dataset}, batch_size: 8}}\n")
+    assert plan_main([str(job), "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "8 ranks x batch 8" in out and "steps per rank  3, the same on every rank" in out
+    assert plan_main([str(job), "--world-size", "2", "--set", "data.uneven=pad"]) == 0
+    assert "padded          3 rows" in capsys.readouterr().out
