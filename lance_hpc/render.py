@@ -154,6 +154,8 @@ def render_sbatch(spec: JobSpec, spec_file: str) -> str:
         "sbatch_lines": [ShellText(sbatch_line(name, value)) for name, value in sorted(flags.items())],
         "setup": [ShellText(line) for line in _user_setup(spec)],
         "exports": [ShellText(line) for line in export_lines(spec)],
+        "srun": ShellText(shlex.join(["srun", *srun_args(spec)])),
+        "command": ShellText(shlex.join(launch_command(spec_file))),
         "launch": ShellText(shlex.join(["srun", *srun_args(spec), *launch_command(spec_file)])),
         "log_out": stdout,
         "log_err": stderr,
@@ -171,7 +173,7 @@ def sbatch_line(name: str, value: str | int | bool) -> str:
 
 def sbatch_directives(script: str) -> Iterator[tuple[str, str | bool]]:
     """The (flag, value) pairs sbatch reads from a script: #SBATCH lines before the first command."""
-    for line in script.splitlines()[1:]:
+    for line in script.split("\n")[1:]:  # not splitlines(): sbatch and bash end lines at \n only
         stripped = line.strip()
         if stripped and not stripped.startswith("#"):
             return
