@@ -39,8 +39,8 @@ class S3Server:
 
     endpoint: str
     bucket: str
-    access_key_id: str
-    secret_access_key: str
+    access_key_id: str = field(repr=False)
+    secret_access_key: str = field(repr=False)
     region: str = "us-east-1"
     process: subprocess.Popen | None = field(default=None, repr=False)
 
