@@ -35,9 +35,12 @@ def usage() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv:
+        print(usage(), file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help"):
         print(usage())
-        return 0 if argv else 2
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         print(f"lance-hpc: unknown command {name!r}\n\n{usage()}", file=sys.stderr)

@@ -27,6 +27,8 @@ from lance_hpc.spec import JobSpec, Problem, SpecError
 DEFAULT_TEMPLATE = "sbatch.sh.j2"
 PYTHON = "python3"
 ENTRY_MODULE = "lance_hpc.run"
+# The built-in template starts its body with this; submitit's script gets it as its first setup line.
+STRICT_MODE = "set -eo pipefail"
 # SLURM sends this to every task signal_delay_s before the time limit; submitit uses the same one.
 PREEMPT_SIGNAL = "USR2"
 # Flags lance_hpc sets from spec fields; extra_flags must not set them a second time.

@@ -89,7 +89,7 @@ def make_executor(spec: JobSpec, folder: Path) -> submitit.SlurmExecutor:
     executor.update_parameters(
         **named,
         signal_delay_s=spec.slurm.signal_delay_s,
-        setup=render.setup_lines(spec),
+        setup=[render.STRICT_MODE, *render.setup_lines(spec)],  # a failing setup line stops the job
         srun_args=[arg for arg in render.srun_args(spec) if arg != "--unbuffered"],  # submitit adds it
         additional_parameters=additional,
         wckey=None,

@@ -1,0 +1,193 @@
+"""On the real two-node test cluster: rendered scripts and submitit jobs run, fail visibly, requeue."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from lance_hpc import render
+from lance_hpc.slurm_cluster import SlurmCluster, _free_ports
+from lance_hpc.spec import load_spec
+
+pytestmark = [pytest.mark.slow, pytest.mark.slurm]
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "jobs" / "quickstart.yaml"
+# The built-in template's header, setup and exports, with the trainer swapped for a probe that
+# prints what each task sees (in one write: srun --unbuffered interleaves the tasks' output).
+PROBE_TEMPLATE = textwrap.dedent("""\
+    #!/bin/bash
+    {% for line in sbatch_lines %}
+    {{ line }}
+    {% endfor %}
+    set -eo pipefail
+    {% for line in setup + exports %}
+    {{ line }}
+    {% endfor %}
+    {{ srun }} python3 -c 'import os; os.write(1, ("PROBE " + " ".join(f"{k}={os.environ.get(k)}" for k in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_JOB_NODELIST", "SLURMD_NODENAME", "OMP_NUM_THREADS", "SETUP_RAN")) + "\\n").encode())'
+    """)
+
+
+def environ(cluster: SlurmCluster) -> dict[str, str]:
+    return {**os.environ, **cluster.env}
+
+
+def sbatch(cluster: SlurmCluster, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["sbatch", *args], env=environ(cluster), capture_output=True, text=True, timeout=600)
+
+
+def lance_submit(cluster: SlurmCluster, cwd: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "lance_hpc.submit", *args]
+    return subprocess.run(command, env=env or environ(cluster), cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+def write_spec(path: Path, raw: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def wait_for_state(cluster: SlurmCluster, job_id: str, states: set[str], timeout_s: float = 180) -> str:
+    deadline = time.monotonic() + timeout_s
+    state = "?"
+    while time.monotonic() < deadline:
+        state = cluster.run("squeue", "-h", "-j", job_id, "-o", "%T", check=False).stdout.strip() or "GONE"
+        if state in states:
+            return state
+        time.sleep(1)
+    raise AssertionError(f"job {job_id} still {state} after {timeout_s}s")
+
+
+def test_rendered_script_runs_two_nodes_by_two_tasks(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    template = tmp_path / "probe.sbatch.j2"
+    template.write_text(PROBE_TEMPLATE)
+    raw = {
+        "name": "probe",
+        "slurm": {
+            "partition": slurm_cluster.partition, "nodes": 2, "tasks_per_node": 2, "cpus_per_task": 1,
+            "time": "00:05:00", "setup": ["export SETUP_RAN=yes"], "log_dir": str(tmp_path / "logs"),
+        },
+        "data": {"uri": "/unused"},
+    }  # fmt: skip
+    spec = load_spec(write_spec(tmp_path / "probe.yaml", raw)).spec
+    (tmp_path / "logs").mkdir()
+    probe = render.render_sbatch(spec.model_copy(update={"slurm": spec.slurm.model_copy(update={"template": str(template)})}), "/x.yaml")
+    assert dict(render.sbatch_directives(probe)) == dict(render.sbatch_directives(render.render_sbatch(spec, "/x.yaml")))
+    (tmp_path / "probe.sbatch").write_text(probe)
+
+    result = sbatch(slurm_cluster, "--parsable", "--wait", str(tmp_path / "probe.sbatch"))
+    assert result.returncode == 0, result.stderr
+    job_id = result.stdout.strip().split(";")[0]
+    output = (tmp_path / "logs" / f"probe-{job_id}.out").read_text()
+    seen = sorted(line.split()[1:] for line in output.splitlines() if line.startswith("PROBE"))
+    assert seen == [
+        [f"SLURM_PROCID={rank}", f"SLURM_LOCALID={rank % 2}", "SLURM_NTASKS=4", "SLURM_JOB_NODELIST=node[1-2]",
+         f"SLURMD_NODENAME=node{rank // 2 + 1}", "OMP_NUM_THREADS=1", "SETUP_RAN=yes"]
+        for rank in range(4)
+    ]  # fmt: skip
+
+
+def test_submit_through_submitit_collects_the_result(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    sets = ["--set", "slurm.nodes=2", "--set", "train.epochs=1", "--set", "train.max_steps=3"]
+    result = lance_submit(slurm_cluster, tmp_path, str(QUICKSTART), *sets, "--wait")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "submitted job" in result.stdout and "tensorboard --logdir" in result.stdout
+    assert "finished: {" in result.stdout and "'status': 'completed'" in result.stdout
+    assert (tmp_path / "logs" / "quickstart" / "quickstart.sbatch").exists()
+
+
+def test_failing_job_reports_exit_status_and_log(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    raw = {
+        "name": "fails",
+        "slurm": {"partition": slurm_cluster.partition, "cpus_per_task": 1, "time": "00:05:00", "setup": ["echo setting up; false"]},
+        "data": {"uri": str(tmp_path / "missing.lance")},
+    }
+    spec_path = write_spec(tmp_path / "fails.yaml", raw)
+    result = lance_submit(slurm_cluster, tmp_path, str(spec_path), "--wait")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "ended FAILED with exit code 1:0" in result.stderr
+    assert f"logs: {tmp_path}/logs/fails/submitit/" in result.stderr
+
+
+def test_failing_trainer_reports_the_task_that_failed(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    raw = {
+        "name": "nodata",
+        "slurm": {"partition": slurm_cluster.partition, "cpus_per_task": 1, "time": "00:05:00"},
+        "data": {"uri": str(tmp_path / "missing.lance")},  # no dataset and nothing to ingest it from
+    }
+    spec_path = write_spec(tmp_path / "nodata.yaml", raw)
+    result = lance_submit(slurm_cluster, tmp_path, str(spec_path), "--wait")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "failed; task 0 failed first" in result.stderr and "missing.lance" in result.stderr
+    assert f"{tmp_path}/logs/nodata/submitit/" in result.stderr
+
+    # the same job through the rendered script and plain sbatch: non-zero exit, message in the log
+    rendered = lance_submit(slurm_cluster, tmp_path, str(spec_path), "--render-only")
+    assert rendered.returncode == 0, rendered.stderr
+    result = sbatch(slurm_cluster, "--parsable", "--wait", str(tmp_path / "logs" / "nodata" / "nodata.sbatch"))
+    assert result.returncode != 0
+    job_id = result.stdout.strip().split(";")[0]
+    assert "missing.lance" in (tmp_path / "logs" / "nodata" / f"nodata-{job_id}.err").read_text()
+
+
+def test_controller_down_is_a_clear_error(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    conf = Path(slurm_cluster.env["SLURM_CONF"]).read_text().splitlines()
+    (port,) = _free_ports(1)  # nothing listens there
+    down = [f"SlurmctldPort={port}" if line.startswith("SlurmctldPort=") else line for line in conf]
+    (tmp_path / "down.conf").write_text("\n".join(down) + "\n")
+    raw = {"name": "down", "slurm": {"time": "00:05:00"}, "data": {"uri": "/d"}}
+    spec_path = write_spec(tmp_path / "down.yaml", raw)
+    result = lance_submit(slurm_cluster, tmp_path, str(spec_path), env={**os.environ, "SLURM_CONF": str(tmp_path / "down.conf")})
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "Unable to contact slurm controller" in result.stderr and "scontrol ping" in result.stderr
+
+
+def test_quoted_values_reach_slurm_unchanged(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    comment = f"$(touch {marker}) `touch {marker}` it's \"quoted\"; & | > <"
+    raw = {
+        "name": "quoting",
+        "slurm": {"partition": slurm_cluster.partition, "extra_flags": {"comment": comment}, "log_dir": str(tmp_path)},
+        "data": {"uri": "/d"},
+    }
+    spec_path = write_spec(tmp_path / "quoting.yaml", raw)
+    assert lance_submit(slurm_cluster, tmp_path, str(spec_path), "--render-only").returncode == 0
+    result = sbatch(slurm_cluster, "--parsable", "--hold", str(tmp_path / "quoting.sbatch"))
+    assert result.returncode == 0, result.stderr
+    job_id = result.stdout.strip().split(";")[0]
+    try:
+        shown = slurm_cluster.run("squeue", "-h", "-j", job_id, "-o", "%k").stdout.rstrip("\n")
+        assert shown == comment
+    finally:
+        slurm_cluster.run("scancel", job_id, check=False)
+    assert not marker.exists()
+
+
+def test_requeued_job_runs_again(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """What preemption relies on: a job that requeues itself starts again soon, with a restart count."""
+    script = tmp_path / "requeue.sbatch"
+    script.write_text(textwrap.dedent(f"""\
+        #!/bin/bash
+        #SBATCH --requeue
+        #SBATCH --open-mode=append
+        #SBATCH --output={tmp_path}/requeue.out
+        #SBATCH --partition={slurm_cluster.partition}
+        echo "run ${{SLURM_RESTART_COUNT:-0}}"
+        if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then scontrol requeue "$SLURM_JOB_ID"; sleep 60; fi
+        """))
+    result = sbatch(slurm_cluster, "--parsable", str(script))
+    assert result.returncode == 0, result.stderr
+    job_id = result.stdout.strip().split(";")[0]
+    started = time.monotonic()
+    wait_for_state(slurm_cluster, job_id, {"GONE", "COMPLETED"}, timeout_s=120)
+    assert (tmp_path / "requeue.out").read_text().count("run ") == 2
+    assert "run 1" in (tmp_path / "requeue.out").read_text()
+    assert time.monotonic() - started < 90  # cred_expire=10 in the test cluster, not SLURM's 120 s

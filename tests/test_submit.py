@@ -1,0 +1,251 @@
+"""Submission without a cluster: dry run, render-only, local, errors, the CLI, and the parity of the
+submitit and sbatch paths. SLURM commands are shims on PATH that record how they were called."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from submitit.core.utils import DelayedSubmission
+
+from lance_hpc import cli, render, submit
+from lance_hpc.spec import load_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+JOBS = sorted((ROOT / "jobs").glob("*.yaml"))
+FULL_SPEC: dict[str, Any] = {
+    "name": "full",
+    "slurm": {
+        "partition": "gpu", "nodes": 2, "gpus_per_node": 4, "cpus_per_task": 6, "mem_gb": 100,
+        "time": "02:30:00", "account": "acct", "qos": "normal", "constraint": "a100", "exclusive": True,
+        "setup": ["module load cuda", "echo 'quoted; not split'"],
+        "extra_flags": {"reservation": "r1", "contiguous": True, "mail_type": "END"},
+        "max_requeues": 5, "signal_delay_s": 200,
+    },
+    "data": {"uri": "/data/x.lance"},
+}  # fmt: skip
+CONTROLLER_DOWN = "sbatch: error: Batch job submission failed: Unable to contact slurm controller (connect failure)"
+
+
+@pytest.fixture
+def shims(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """sbatch/srun/squeue/scontrol/sinfo shims: each appends its argv to calls.log; sbatch keeps a
+    copy of the script it was given and answers like SLURM (or fails with $SBATCH_FAIL)."""
+    directory = tmp_path / "shims"
+    directory.mkdir()
+    for name in ("srun", "squeue", "scontrol", "sinfo", "sacct"):
+        (directory / name).write_text(f'#!/bin/bash\necho "{name} $*" >> "{directory}/calls.log"\n')
+    (directory / "sbatch").write_text(
+        f'#!/bin/bash\necho "sbatch $*" >> "{directory}/calls.log"\n'
+        'if [ -n "$SBATCH_FAIL" ]; then echo "$SBATCH_FAIL" >&2; exit 1; fi\n'
+        f'cp "$1" "{directory}/submitted.sbatch"\necho "Submitted batch job 4242"\n'
+    )
+    for shim in directory.iterdir():
+        shim.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{directory}:{os.environ['PATH']}")
+    return directory
+
+
+def write_spec(directory: Path, raw: dict[str, Any], name: str = "job.yaml") -> Path:
+    path = directory / name
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def calls(shims: Path) -> list[str]:
+    log = shims / "calls.log"
+    return log.read_text().splitlines() if log.exists() else []
+
+
+# ---- dry run, render-only, local --------------------------------------------------------------
+
+
+def test_dry_run_prints_everything_and_touches_nothing(
+    shims: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    spec_path = write_spec(tmp_path, {"name": "dry", "data": {"uri": "data/{name}.lance"}, "slurm": {"nodes": 2}})
+    before = sorted(tmp_path.rglob("*"))
+    assert submit.main([str(spec_path), "--dry-run", "--set", "train.lr=0.01"]) == 0
+    out = capsys.readouterr().out
+    assert f"data.uri: data/{{name}}.lance -> {tmp_path}/data/dry.lance" in out  # placeholder resolutions
+    assert "lr: 0.01" in out  # the resolved spec, override applied
+    assert "#SBATCH --nodes=2" in out and "python3 -m lance_hpc.run" in out  # the script
+    assert "---- data plan ----\nunavailable:" in out  # no dataset and no ingest: said, not raised
+    assert "nothing written, nothing submitted" in out
+    assert sorted(tmp_path.rglob("*")) == before and calls(shims) == []
+
+
+def test_render_only_writes_script_and_resolved_spec(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec_path = write_spec(tmp_path, {**FULL_SPEC, "slurm": {**FULL_SPEC["slurm"], "log_dir": str(tmp_path / "logs")}})
+    out_file = tmp_path / "out" / "x.sbatch"
+    assert submit.main([str(spec_path), "--render-only", "-o", str(out_file)]) == 0
+    spec_file = tmp_path / "logs" / "full.spec.yaml"
+    spec = load_spec(spec_file).spec
+    assert spec == load_spec(spec_path).spec  # the job runs exactly the spec that was rendered
+    assert out_file.read_text() == render.render_sbatch(spec, str(spec_file))
+    assert f"sbatch {out_file}" in capsys.readouterr().out
+
+
+def test_local_runs_the_written_spec_with_nproc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import lance_hpc.launch
+
+    started: list[tuple[str, int]] = []
+    monkeypatch.setattr(lance_hpc.launch, "run_local", lambda spec_file, nproc: started.append((str(spec_file), nproc)) or 0)
+    raw = {"name": "loc", "data": {"uri": "/d"}, "slurm": {"tasks_per_node": 3, "log_dir": str(tmp_path)}}
+    spec_path = write_spec(tmp_path, raw)
+    assert submit.main([str(spec_path), "--local"]) == 0
+    assert submit.main([str(spec_path), "--local", "--nproc", "2"]) == 0
+    assert started == [(str(tmp_path / "loc.spec.yaml"), 3), (str(tmp_path / "loc.spec.yaml"), 2)]
+
+
+def test_option_combinations_are_checked(tmp_path: Path) -> None:
+    spec_path = write_spec(tmp_path, {"name": "x", "data": {"uri": "/d"}})
+    for argv in (["--dry-run", "--local"], ["-o", "x.sbatch"], ["--nproc", "2"]):
+        with pytest.raises(SystemExit) as caught:
+            submit.main([str(spec_path), *argv])
+        assert caught.value.code == 2
+
+
+# ---- submitting -------------------------------------------------------------------------------
+
+
+def test_submit_prints_job_id_logs_and_tensorboard(shims: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    raw = {"name": "sub", "data": {"uri": "/d"}, "slurm": {"log_dir": str(tmp_path / "logs")}, "logging": {"tensorboard_dir": "/tb/sub"}}
+    assert submit.main([str(write_spec(tmp_path, raw))]) == 0
+    out = capsys.readouterr().out
+    assert "submitted job 4242" in out
+    assert f"stdout   {tmp_path}/logs/submitit/4242_0_log.out" in out
+    assert f"stderr   {tmp_path}/logs/submitit/4242_0_log.err" in out
+    assert "tensorboard --logdir /tb/sub" in out
+    submitted = DelayedSubmission.load(tmp_path / "logs" / "submitit" / "4242_submitted.pkl")
+    assert type(submitted.function).__name__ == "SubmititJob"
+    assert submitted.function.spec_file == str(tmp_path / "logs" / "sub.spec.yaml")
+
+
+def test_missing_sbatch_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no SLURM commands at all
+    assert submit.main([str(write_spec(tmp_path, {"name": "x", "data": {"uri": "/d"}}))]) == 2
+    err = capsys.readouterr().err
+    assert "sbatch and srun not found on PATH" in err and "--local" in err and "--render-only" in err
+
+
+@pytest.mark.parametrize(
+    ("sbatch_error", "fix"),
+    [
+        (CONTROLLER_DOWN, "the SLURM controller is not reachable: check `scontrol ping` and SLURM_CONF"),
+        ("sbatch: error: Batch job submission failed: Invalid partition name specified", "set slurm.partition to one that `sinfo` lists"),
+        ("sbatch: error: Batch job submission failed: Requested node configuration is not available", "ask for fewer nodes"),
+    ],
+)
+def test_sbatch_failures_are_explained(
+    sbatch_error: str, fix: str, shims: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("SBATCH_FAIL", sbatch_error)
+    raw = {"name": "x", "data": {"uri": "/d"}, "slurm": {"log_dir": str(tmp_path / "logs")}}
+    assert submit.main([str(write_spec(tmp_path, raw))]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: sbatch refused the job:\n")
+    assert sbatch_error.split("failed: ")[1] in err and fix in err
+    assert err.count(sbatch_error) == 1  # submitit's own echo of sbatch's stderr is not repeated
+
+
+def test_user_errors_exit_without_traceback(tmp_path: Path) -> None:
+    spec_path = write_spec(tmp_path, {"name": "x", "data": {"uri": "/d", "sampler": "random"}, "slurm": {"nodes": 0}})
+    result = subprocess.run([sys.executable, "-m", "lance_hpc.submit", str(spec_path), "--dry-run"], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "2 problems in the job spec" in result.stderr and "data.sampler" in result.stderr
+
+
+# ---- parity of the submitit and sbatch paths ---------------------------------------------------
+
+
+def section(script: str, start: str, end: str) -> list[str]:
+    """Non-blank, non-comment lines from the first line starting with ``start`` up to ``end``."""
+    lines = script.split("\n")
+    first = next(i for i, line in enumerate(lines) if line.startswith(start))
+    last = next(i for i, line in enumerate(lines) if i > first and line.startswith(end))
+    return [line for line in lines[first:last] if line.strip() and not line.startswith("#")]
+
+
+def srun_call(script: str) -> tuple[list[str], list[str]]:
+    """(srun options without the log paths, the command srun starts)."""
+    words = shlex.split(next(line for line in script.split("\n") if line.startswith("srun ")))
+    options, command, index = [], [], 1
+    while index < len(words):
+        if words[index] in ("--output", "--error"):
+            index += 2
+            continue
+        if not words[index].startswith("-"):
+            command = words[index:]
+            break
+        options.append(words[index])
+        index += 1
+    return options, command
+
+
+@pytest.mark.parametrize("raw", [FULL_SPEC, *JOBS], ids=lambda raw: getattr(raw, "name", "full-options"))
+def test_submitit_asks_for_the_same_job_as_the_script(raw: Any, shims: Path, tmp_path: Path) -> None:
+    spec_path = raw if isinstance(raw, Path) else write_spec(tmp_path, raw)
+    log_dir = tmp_path / "logs"
+    assert submit.main([str(spec_path), "--set", f"slurm.log_dir={log_dir}"]) == 0
+    spec = load_spec(spec_path, [f"slurm.log_dir={log_dir}"]).spec
+    ours = render.render_sbatch(spec, str(log_dir / f"{spec.name}.spec.yaml"))
+    theirs = (shims / "submitted.sbatch").read_text()
+
+    log_flags = {"output", "error"}
+    our_flags = {k: v for k, v in render.sbatch_directives(ours) if k not in log_flags}
+    their_flags = {k: v for k, v in render.sbatch_directives(theirs) if k not in log_flags}
+    assert our_flags == their_flags
+
+    setup = section(ours, "#!", 'echo "job ')  # strict mode, setup lines, exports
+    assert setup[0] == render.STRICT_MODE and setup == section(theirs, "# setup", "# command")
+    our_options, our_command = srun_call(ours)
+    their_options, their_command = srun_call(theirs)
+    assert our_options == their_options
+    assert our_command == ["python3", "-m", "lance_hpc.run", str(log_dir / f"{spec.name}.spec.yaml")]
+    assert their_command[:4] == ["python3", "-u", "-m", "submitit.core._submit"]  # which runs SubmititJob(spec file)
+
+
+# ---- the lance-hpc command ---------------------------------------------------------------------
+
+
+def test_cli_lists_commands_and_rejects_unknown_ones(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in cli.COMMANDS)
+    assert cli.main([]) == 2
+    assert "usage: lance-hpc COMMAND" in capsys.readouterr().err
+    assert cli.main(["frobnicate"]) == 2
+    assert "unknown command 'frobnicate'" in capsys.readouterr().err
+
+
+def test_cli_missing_module_is_a_clear_message(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(cli.COMMANDS, "plan", ("lance_hpc.no_such_module", "main", "plan"))
+    assert cli.main(["plan", "job.yaml"]) == 2
+    assert "lance-hpc plan: not available, lance_hpc.no_such_module cannot be loaded" in capsys.readouterr().err
+
+
+def test_cli_validate_and_render(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    raw = {"name": "v", "data": {"uri": "/d"}, "slurm": {"log_dir": str(tmp_path)}}
+    spec_path = write_spec(tmp_path, raw)
+    assert cli.main(["validate", str(spec_path), "--set", "slurm.nodes=3"]) == 0
+    assert "valid (v: 3 node(s) x 1 task(s)" in capsys.readouterr().out
+    assert cli.main(["validate", str(spec_path), "--set", "slurm.nodes=0"]) == 2
+    assert "slurm.nodes: must be >= 1" in capsys.readouterr().err
+    assert cli.main(["render", str(spec_path)]) == 0
+    assert (tmp_path / "v.sbatch").exists() and (tmp_path / "v.spec.yaml").exists()
+
+
+@pytest.mark.parametrize("command", sorted(cli.COMMANDS))
+def test_every_command_has_help(command: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "lance_hpc", command, "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "usage:" in result.stdout
