@@ -10,8 +10,11 @@ from __future__ import annotations
 import difflib
 import os
 import shlex
+import shutil
 import subprocess
+import sys
 import textwrap
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -276,3 +279,28 @@ def test_any_string_in_any_field_stays_one_quoted_value(value: str, field: str, 
     assert shlex.split(script.rstrip("\n").split("\n")[-1])[-1] == spec_file
     syntax = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
     assert syntax.returncode == 0, syntax.stderr
+
+
+@pytest.mark.slow
+def test_default_template_ships_in_the_wheel(tmp_path: Path) -> None:
+    """Built and installed as a wheel (no checkout around it), the package still finds its template."""
+    source = tmp_path / "src"
+    ignored = shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", ".hypothesis", "data", "logs", "runs", "checkpoints")
+    shutil.copytree(ROOT, source, symlinks=True, ignore=ignored)
+    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(source), "-w", str(tmp_path / "wheel")]
+    subprocess.run(build, check=True, capture_output=True, timeout=300)
+    (wheel,) = (tmp_path / "wheel").glob("*.whl")
+    assert f"lance_hpc/templates/{render.DEFAULT_TEMPLATE}" in zipfile.ZipFile(wheel).namelist()
+    install = [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(tmp_path / "site"), str(wheel)]
+    subprocess.run(install, check=True, capture_output=True, timeout=300)
+    probe = (
+        "import lance_hpc.render as r; from lance_hpc.spec import validate_spec; "
+        "print(r.__file__); print(r.render_sbatch(validate_spec({'name': 'w', 'data': {'uri': '/d'}}).spec, '/s.yaml'))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], env={**os.environ, "PYTHONPATH": str(tmp_path / "site")},
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(str(tmp_path / "site"))
+    assert "#SBATCH --job-name=w" in result.stdout
