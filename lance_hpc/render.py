@@ -51,6 +51,7 @@ FLAG_FIELDS = {
     "error": "slurm.log_dir",
     "open-mode": "slurm.log_dir",
 }
+RENDERING = "rendering the sbatch script"  # where SpecErrors raised here say they come from
 FLAG_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
 # sbatch's own #SBATCH parser reads a backslash as an escape even inside single quotes.
 UNSAFE_IN_FLAG = re.compile(r"[\x00-\x1f\x7f\\]")
@@ -99,17 +100,14 @@ def resource_flags(spec: JobSpec) -> dict[str, str | int | bool]:
     for key, value in slurm.extra_flags.items():
         flag = key.replace("_", "-")
         if not FLAG_NAME.match(key):
-            problems.append(Problem(f"slurm.extra_flags.{key!r}", "is not an sbatch flag name", "use the long name without dashes, e.g. reservation"))
+            fix = "use the long name without dashes, e.g. reservation"
+            problems.append(Problem(f"slurm.extra_flags.{key!r}", "is not an sbatch flag name", fix))
         elif flag in FLAG_FIELDS:
-            problems.append(Problem(f"slurm.extra_flags.{key}", f"--{flag} is set from {FLAG_FIELDS[flag]}", f"set {FLAG_FIELDS[flag]} instead"))
+            field = FLAG_FIELDS[flag]
+            problems.append(Problem(f"slurm.extra_flags.{key}", f"--{flag} is set from {field}", f"set {field}"))
         elif value is True or (value is not None and value is not False):
             flags[flag] = True if value is True else str(value)
-    for flag, value in flags.items():
-        if isinstance(value, str) and UNSAFE_IN_FLAG.search(value):
-            path = FLAG_FIELDS.get(flag, f"slurm.extra_flags.{flag}")
-            problems.append(Problem(path, f"{value!r} has a control character or backslash, which sbatch cannot read", "remove it"))
-    if problems:
-        raise SpecError("rendering the sbatch script", problems)
+    _refuse_unreadable(flags, problems)
     return dict(sorted(flags.items()))
 
 
@@ -146,10 +144,9 @@ def render_sbatch(spec: JobSpec, spec_file: str) -> str:
     if CONTROL.search(str(spec_file)):
         raise UserError(f"spec file path {spec_file!r} has a control character; use a plain path")
     stdout, stderr = log_paths(spec)
-    flags = {**resource_flags(spec), "output": stdout, "error": stderr}
-    for name in ("output", "error"):
-        if UNSAFE_IN_FLAG.search(flags[name]):
-            raise SpecError("rendering the sbatch script", [Problem("slurm.log_dir", f"{flags[name]!r} has a control character or backslash", "use a plain path")])
+    log_flags = {"output": stdout, "error": stderr}
+    _refuse_unreadable(log_flags, [])
+    flags = {**resource_flags(spec), **log_flags}
     variables = {
         "spec": spec,
         "spec_file": str(spec_file),
@@ -185,10 +182,20 @@ def sbatch_directives(script: str) -> Iterator[tuple[str, str | bool]]:
                 yield name, value if sep else True
 
 
+def _refuse_unreadable(flags: dict[str, str | int | bool], problems: list[Problem]) -> None:
+    """Raise every problem so far, plus each flag value sbatch could not read back as written."""
+    for flag, value in flags.items():
+        if isinstance(value, str) and UNSAFE_IN_FLAG.search(value):
+            path = FLAG_FIELDS.get(flag, f"slurm.extra_flags.{flag}")
+            problems.append(Problem(path, f"{value!r} has a control character or backslash", "remove it"))
+    if problems:
+        raise SpecError(RENDERING, problems)
+
+
 def _user_setup(spec: JobSpec) -> list[str]:
     for index, line in enumerate(spec.slurm.setup):
         if "\x00" in line:
-            raise SpecError("rendering the sbatch script", [Problem(f"slurm.setup[{index}]", "contains a NUL byte", "remove it")])
+            raise SpecError(RENDERING, [Problem(f"slurm.setup[{index}]", "contains a NUL byte", "remove it")])
     return list(spec.slurm.setup)
 
 
@@ -222,4 +229,5 @@ def _template(spec: JobSpec) -> jinja2.Template:
     try:
         return environment_.from_string(source)
     except jinja2.TemplateSyntaxError as error:
-        raise UserError(f"sbatch template {_template_name(spec)}, line {error.lineno}: {error.message}") from None
+        where = f"sbatch template {_template_name(spec)}, line {error.lineno}"
+        raise UserError(f"{where}: {error.message}") from None

@@ -217,12 +217,16 @@ def build_parser(prog: str = "python -m lance_hpc.submit") -> argparse.ArgumentP
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a spec field, e.g. --set train.lr=0.05 (repeatable)")
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--render-only", action="store_true", help="write the sbatch script and the resolved spec; submit nothing")
-    mode.add_argument("--dry-run", action="store_true", help="print the resolved spec, the script and the data plan; write and submit nothing")
+    mode.add_argument("--render-only", action="store_true",
+                      help="write the sbatch script and the resolved spec; submit nothing")
+    mode.add_argument("--dry-run", action="store_true",
+                      help="print the resolved spec, the script and the data plan; write and submit nothing")
     mode.add_argument("--local", action="store_true", help="run the job on this machine without SLURM")
-    parser.add_argument("-o", "--output", type=Path, metavar="FILE", help="with --render-only: script path [<log_dir>/<name>.sbatch]")
+    parser.add_argument("-o", "--output", type=Path, metavar="FILE",
+                        help="with --render-only: script path [<log_dir>/<name>.sbatch]")
     parser.add_argument("--nproc", type=int, metavar="N", help="with --local: processes [the spec's world size]")
-    parser.add_argument("--wait", action="store_true", help="after submitting, wait for the job and report how it ended")
+    parser.add_argument("--wait", action="store_true",
+                        help="after submitting, wait for the job and report how it ended (exit 1 if it failed)")
     return parser
 
 
