@@ -414,7 +414,7 @@ def _problem_from_pydantic(item: Mapping[str, Any], raw: Mapping[str, Any]) -> P
         return Problem(path, f"{value!r} has characters that are not allowed", "use letters, digits, '.', '_', '-'")
     if kind.endswith("_type") or kind.endswith("_parsing"):
         expected = kind.split("_")[0]
-        return Problem(path, f"expected {expected}, got {type(value).__name__} {value!r}", f"write a {expected} value")
+        return Problem(path, f"expected {expected}, got {type(value).__name__} {value!r}", f"write a value of type {expected}")
     return Problem(path, item["msg"])
 
 
