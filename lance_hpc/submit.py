@@ -97,9 +97,19 @@ def make_executor(spec: JobSpec, folder: Path) -> submitit.SlurmExecutor:
     return executor
 
 
-def submit(spec: JobSpec, wait: bool = False) -> int:
+def check_data(spec: JobSpec) -> None:
+    """Fail before any GPU hour is spent if the job could not open its data."""
+    from lance_hpc.data import preflight
+
+    preflight(spec.data)
+    print(f"data preflight ok: {spec.data.uri}" + (f" and {spec.data.val_uri}" if spec.data.val_uri else ""))
+
+
+def submit(spec: JobSpec, wait: bool = False, check: bool = True) -> int:
     """Submit through submitit; print the job id, log paths and how to watch it."""
     _check_slurm_commands()
+    if check:
+        check_data(spec)
     try:
         from lance_hpc.run import SubmititJob
     except ImportError as error:
@@ -225,6 +235,8 @@ def build_parser(prog: str = "python -m lance_hpc.submit") -> argparse.ArgumentP
     parser.add_argument("-o", "--output", type=Path, metavar="FILE",
                         help="with --render-only: script path [<log_dir>/<name>.sbatch]")
     parser.add_argument("--nproc", type=int, metavar="N", help="with --local: processes [the spec's world size]")
+    parser.add_argument("--no-preflight", action="store_true",
+                        help="submit without first checking that the dataset (and bucket, credentials) can be opened")
     parser.add_argument("--wait", action="store_true",
                         help="after submitting, wait for the job and report how it ended (exit 1 if it failed)")
     return parser
@@ -251,7 +263,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m lance_hpc.sub
 
             spec_file, _ = write_job_files(loaded.spec)
             return run_local(spec_file, args.nproc or loaded.spec.slurm.world_size)
-        return submit(loaded.spec, wait=args.wait)
+        return submit(loaded.spec, wait=args.wait, check=not args.no_preflight)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USER_ERROR

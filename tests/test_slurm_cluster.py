@@ -110,7 +110,7 @@ def test_failing_job_reports_exit_status_and_log(slurm_cluster: SlurmCluster, tm
         "data": {"uri": str(tmp_path / "missing.lance")},
     }
     spec_path = write_spec(tmp_path / "fails.yaml", raw)
-    result = lance_submit(slurm_cluster, tmp_path, str(spec_path), "--wait")
+    result = lance_submit(slurm_cluster, tmp_path, str(spec_path), "--wait", "--no-preflight")
     assert result.returncode == 1, result.stdout + result.stderr
     assert "ended FAILED with exit code 1:0" in result.stderr
     assert f"logs: {tmp_path}/logs/fails/submitit/" in result.stderr
@@ -123,7 +123,8 @@ def test_failing_trainer_reports_the_task_that_failed(slurm_cluster: SlurmCluste
         "data": {"uri": str(tmp_path / "missing.lance")},  # no dataset and nothing to ingest it from
     }
     spec_path = write_spec(tmp_path / "nodata.yaml", raw)
-    result = lance_submit(slurm_cluster, tmp_path, str(spec_path), "--wait")
+    # past the preflight check on purpose: a job whose data vanishes after submission
+    result = lance_submit(slurm_cluster, tmp_path, str(spec_path), "--wait", "--no-preflight")
     assert result.returncode == 1, result.stdout + result.stderr
     assert "failed; task 0 failed first" in result.stderr and "missing.lance" in result.stderr
     assert f"{tmp_path}/logs/nodata/submitit/" in result.stderr
@@ -144,7 +145,8 @@ def test_controller_down_is_a_clear_error(slurm_cluster: SlurmCluster, tmp_path:
     (tmp_path / "down.conf").write_text("\n".join(down) + "\n")
     raw = {"name": "down", "slurm": {"time": "00:05:00"}, "data": {"uri": "/d"}}
     spec_path = write_spec(tmp_path / "down.yaml", raw)
-    result = lance_submit(slurm_cluster, tmp_path, str(spec_path), env={**os.environ, "SLURM_CONF": str(tmp_path / "down.conf")})
+    down_env = {**os.environ, "SLURM_CONF": str(tmp_path / "down.conf")}
+    result = lance_submit(slurm_cluster, tmp_path, str(spec_path), "--no-preflight", env=down_env)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert "Unable to contact slurm controller" in result.stderr and "scontrol ping" in result.stderr

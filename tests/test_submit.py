@@ -118,7 +118,7 @@ def test_option_combinations_are_checked(tmp_path: Path) -> None:
 
 def test_submit_prints_job_id_logs_and_tensorboard(shims: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     raw = {"name": "sub", "data": {"uri": "/d"}, "slurm": {"log_dir": str(tmp_path / "logs")}, "logging": {"tensorboard_dir": "/tb/sub"}}
-    assert submit.main([str(write_spec(tmp_path, raw))]) == 0
+    assert submit.main([str(write_spec(tmp_path, raw)), "--no-preflight"]) == 0
     out = capsys.readouterr().out
     assert "submitted job 4242" in out
     assert f"stdout   {tmp_path}/logs/submitit/4242_0_log.out" in out
@@ -127,6 +127,29 @@ def test_submit_prints_job_id_logs_and_tensorboard(shims: Path, tmp_path: Path, 
     submitted = DelayedSubmission.load(tmp_path / "logs" / "submitit" / "4242_submitted.pkl")
     assert type(submitted.function).__name__ == "SubmititJob"
     assert submitted.function.spec_file == str(tmp_path / "logs" / "sub.spec.yaml")
+
+
+def test_preflight_stops_a_job_whose_dataset_is_missing(
+    shims: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    raw = {"name": "x", "data": {"uri": str(tmp_path / "missing.lance")}, "slurm": {"log_dir": str(tmp_path / "logs")}}
+    assert submit.main([str(write_spec(tmp_path, raw))]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "missing.lance" in err and "Traceback" not in err
+    assert not any(call.startswith("sbatch") for call in calls(shims))  # nothing reached the cluster
+
+
+def test_preflight_passes_a_dataset_that_ingest_will_create(
+    shims: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    raw = {
+        "name": "x",
+        "data": {"uri": str(tmp_path / "digits.lance"), "ingest": {"source": "sklearn-digits"}},
+        "slurm": {"log_dir": str(tmp_path / "logs")},
+    }
+    assert submit.main([str(write_spec(tmp_path, raw))]) == 0
+    assert "data preflight ok" in capsys.readouterr().out
+    assert any(call.startswith("sbatch") for call in calls(shims))
 
 
 def test_missing_sbatch_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -149,7 +172,7 @@ def test_sbatch_failures_are_explained(
 ) -> None:
     monkeypatch.setenv("SBATCH_FAIL", sbatch_error)
     raw = {"name": "x", "data": {"uri": "/d"}, "slurm": {"log_dir": str(tmp_path / "logs")}}
-    assert submit.main([str(write_spec(tmp_path, raw))]) == 2
+    assert submit.main([str(write_spec(tmp_path, raw)), "--no-preflight"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: sbatch refused the job:\n")
     assert sbatch_error.split("failed: ")[1] in err and fix in err
@@ -195,7 +218,7 @@ def srun_call(script: str) -> tuple[list[str], list[str]]:
 def test_submitit_asks_for_the_same_job_as_the_script(raw: Any, shims: Path, tmp_path: Path) -> None:
     spec_path = raw if isinstance(raw, Path) else write_spec(tmp_path, raw)
     log_dir = tmp_path / "logs"
-    assert submit.main([str(spec_path), "--set", f"slurm.log_dir={log_dir}"]) == 0
+    assert submit.main([str(spec_path), "--set", f"slurm.log_dir={log_dir}", "--no-preflight"]) == 0
     spec = load_spec(spec_path, [f"slurm.log_dir={log_dir}"]).spec
     ours = render.render_sbatch(spec, str(log_dir / f"{spec.name}.spec.yaml"))
     theirs = (shims / "submitted.sbatch").read_text()
