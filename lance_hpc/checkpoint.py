@@ -69,20 +69,21 @@ def prune(directory: str | Path, keep: int) -> None:
         path.unlink(missing_ok=True)
 
 
-def save(directory: str | Path, step: int, state: dict[str, Any], keep: int) -> Path:
+def save(directory: str | Path, step: int, state: dict[str, Any], rank_state: dict[str, Any], keep: int) -> Path:
     """Collective: every rank calls it with the same step; rank 0 writes, then all ranks go on.
 
-    Each rank's RNG states are gathered into the file, so each rank gets its own back on resume.
-    A failed write raises on every rank (rank 0's error is broadcast) instead of leaving the
-    others waiting.
+    ``state`` is rank 0's (the model and optimizer are the same on every rank). ``rank_state``
+    and the RNG states of every rank are gathered into ``state["ranks"][rank]``, so each rank gets
+    its own back on resume. A failed write raises on every rank (rank 0's error is broadcast)
+    instead of leaving the others waiting.
     """
-    rng_states: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(rng_states, capture_rng())
+    ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, {**rank_state, "rng": capture_rng()})
     path = checkpoint_path(directory, step)
     outcome = [""]
     if dist.get_rank() == 0:
         try:
-            write_atomically({**state, "rng": rng_states}, path)
+            write_atomically({**state, "ranks": ranks}, path)
             prune(directory, keep)
         except Exception as error:  # reported on every rank below
             outcome[0] = f"cannot write checkpoint {path}: {type(error).__name__}: {error}"

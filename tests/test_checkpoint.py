@@ -107,20 +107,21 @@ def test_rng_states_round_trip() -> None:
     assert torch.equal(torch.rand(3), expected[2])
 
 
-def test_collective_save_writes_rng_of_every_rank_and_keeps_k(tmp_path: Path, single_rank: torch.device) -> None:
+def test_collective_save_gathers_every_rank_and_keeps_k(tmp_path: Path, single_rank: torch.device) -> None:
     for step in range(1, 5):
-        path = checkpoint.save(tmp_path, step, state(step), keep=2)
+        path = checkpoint.save(tmp_path, step, state(step), {"loader": {"batches_consumed": step}}, keep=2)
     assert path == checkpoint.checkpoint_path(tmp_path, 4)
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step-00000003.pt", "step-00000004.pt"]
     _, loaded = checkpoint.load_latest(tmp_path)
-    assert len(loaded["rng"]) == dist.get_world_size() and set(loaded["rng"][0]) == {"python", "numpy", "torch", "cuda"}
+    assert len(loaded["ranks"]) == dist.get_world_size() and loaded["ranks"][0]["loader"] == {"batches_consumed": 4}
+    assert set(loaded["ranks"][0]["rng"]) == {"python", "numpy", "torch", "cuda"}
 
 
 def test_failed_save_raises_instead_of_hanging(tmp_path: Path, single_rank: torch.device) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("a file where the checkpoint directory should be")
     with pytest.raises(RuntimeError, match="cannot write checkpoint"):
-        checkpoint.save(blocker / "checkpoints", 1, state(1), keep=1)
+        checkpoint.save(blocker / "checkpoints", 1, state(1), {}, keep=1)
 
 
 def test_preemption_signal_only_sets_a_flag(single_rank: torch.device) -> None:

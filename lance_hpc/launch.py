@@ -1,0 +1,126 @@
+"""Local runs: N processes on this machine through the same code path as a SLURM job.
+
+:func:`run_local` prepares the dataset once, then starts ``python -m lance_hpc.run SPEC`` N times
+with the variables torchrun would set (gloo on CPU), forwards SLURM's stop signals to them, and
+when one rank dies stops the others and says which rank died and how.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Sequence
+
+import lance_hpc
+from lance_hpc import data
+from lance_hpc.checkpoint import PREEMPTION_SIGNALS
+from lance_hpc.errors import UserError
+from lance_hpc.run import EXIT_STOPPED
+from lance_hpc.spec import load_spec
+
+# After one rank fails, the others get this long to notice (a broken connection) and exit.
+GRACE_S = 15.0
+
+
+def run_local(spec_file: str | Path, nproc: int) -> int:
+    """Train with ``nproc`` local ranks; returns 0, or the exit code of the first rank that failed."""
+    spec_file = Path(spec_file).resolve()
+    data.ensure_dataset(load_spec(spec_file).spec.data)
+    port = free_port()
+    package_root = str(Path(lance_hpc.__file__).resolve().parents[1])
+    ranks = []
+    for rank in range(nproc):
+        environ = {
+            **os.environ,
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
+            "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            # the ranks import the same lance_hpc as this process, installed or not
+            "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
+        }
+        ranks.append(subprocess.Popen([sys.executable, "-m", "lance_hpc.run", str(spec_file)], env=environ))
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        for process in ranks:
+            if process.poll() is None:
+                process.send_signal(signum)
+
+    previous = {signum: signal.signal(signum, forward) for signum in PREEMPTION_SIGNALS}
+    try:
+        return wait_for_ranks(ranks)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def wait_for_ranks(ranks: Sequence[subprocess.Popen]) -> int:
+    """Wait for every rank; after the first failure give the others GRACE_S, then kill them."""
+    failed: tuple[int, int] | None = None
+    deadline = float("inf")
+    while any(process.poll() is None for process in ranks):
+        if failed is None:
+            failed = first_failure(ranks)
+            if failed is not None:
+                rank, code = failed
+                print(f"lance_hpc.launch: rank {rank} (pid {ranks[rank].pid}) {describe_exit(code)}; "
+                      "stopping the other ranks", file=sys.stderr, flush=True)
+                deadline = time.monotonic() + GRACE_S
+        if time.monotonic() > deadline:
+            for process in ranks:
+                if process.poll() is None:
+                    process.kill()
+        time.sleep(0.1)
+    failed = failed or first_failure(ranks)
+    if failed is None:
+        return EXIT_STOPPED if any(process.returncode == EXIT_STOPPED for process in ranks) else 0
+    rank, code = failed
+    print(f"lance_hpc.launch: the job failed: rank {rank} (pid {ranks[rank].pid}) {describe_exit(code)}",
+          file=sys.stderr, flush=True)
+    return code if code > 0 else 128 - code
+
+
+def first_failure(ranks: Sequence[subprocess.Popen]) -> tuple[int, int] | None:
+    """(rank, exit code) of a failed rank, if any. When several failed since the last look, a rank
+    killed by a signal is the likelier cause: the others exit with an error once it is gone."""
+    failed = [(rank, process.returncode) for rank, process in enumerate(ranks)
+              if process.returncode not in (None, 0, EXIT_STOPPED)]
+    return min(failed, key=lambda item: (item[1] > 0, item[0]), default=None)
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lance_hpc.launch", description=__doc__.splitlines()[0])
+    parser.add_argument("spec_file", help="job spec (YAML)")
+    parser.add_argument("--nproc", type=int, default=2, help="number of local ranks (default 2)")
+    args = parser.parse_args(argv)
+    try:
+        return run_local(args.spec_file, args.nproc)
+    except UserError as error:
+        print(f"lance_hpc.launch: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""The entry point of every rank: ``python -m lance_hpc.run SPEC_FILE``.
+
+srun starts one per GPU (or :mod:`lance_hpc.launch` one per local process); each reads the
+resolved spec, joins the process group, trains, and on preemption saves and requeues the job.
+Exit codes: 0 finished or requeued, 1 training failed, 2 a problem the user can fix,
+3 stopped by a signal without requeue (the checkpoint holds the state; run again to resume).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import signal
+import sys
+import traceback
+from typing import Any, Callable, Sequence
+
+import submitit
+import torch.distributed as dist
+
+from lance_hpc import checkpoint, data, trainer
+from lance_hpc.env import DistEnv, detect, explain_failure, process_group
+from lance_hpc.errors import UserError
+from lance_hpc.spec import JobSpec, load_spec
+
+EXIT_FAILED, EXIT_USER_ERROR, EXIT_STOPPED = 1, 2, 3
+
+# How a preempted job gets back into the queue: (env, spec, preemption) -> (requeued, message).
+Requeue = Callable[[DistEnv, JobSpec, checkpoint.Preemption], tuple[bool, str]]
+
+
+def requeue_with_scontrol(env: DistEnv, spec: JobSpec, preemption: checkpoint.Preemption) -> tuple[bool, str]:
+    """sbatch jobs: ``scontrol requeue`` up to slurm.max_requeues; other launchers just stop."""
+    if env.launcher != "slurm":
+        return False, "stopped by a signal; run the same command again to resume from the checkpoint"
+    return checkpoint.requeue_sbatch(env, spec.slurm.max_requeues)
+
+
+def requeue_with_submitit(env: DistEnv, spec: JobSpec, preemption: checkpoint.Preemption) -> tuple[bool, str]:
+    """submitit jobs: hand over to submitit's own USR2 handler, which calls SubmititJob.checkpoint,
+    requeues within the executor's limit and exits."""
+    handler = preemption.previous.get(signal.SIGUSR2)
+    if not callable(handler):
+        return requeue_with_scontrol(env, spec, preemption)
+    handler(signal.SIGUSR2, None)
+    return True, "requeued by submitit"
+
+
+def run_job(spec_file: str, requeue: Requeue) -> trainer.Summary:
+    """Train this rank's part of the job described by ``spec_file``; requeue it when preempted."""
+    spec = load_spec(spec_file).spec
+    env = detect()
+    try:
+        with checkpoint.Preemption() as preemption, process_group(env, spec.train.collective_timeout_s) as device:
+            on_main_rank(lambda: data.ensure_dataset(spec.data), "prepare the dataset")
+            summary = trainer.train(spec, env, device, preemption)
+            if summary.status == "preempted":
+                outcome: list[Any] = [None]
+                if env.is_main:
+                    outcome[0] = requeue(env, spec, preemption)
+                dist.broadcast_object_list(outcome, src=0)
+                requeued, message = outcome[0]
+                if env.is_main:
+                    print(f"preempted at step {summary.step}; checkpoint {summary.checkpoint}; {message}", flush=True)
+                return dataclasses.replace(summary, status="requeued" if requeued else "stopped")
+            dist.barrier()  # rank 0 hosts the rendezvous store: nobody leaves while others still use it
+            return summary
+    except UserError:
+        raise
+    except Exception as error:
+        raise TrainingFailed(explain_failure(error, env)) from error
+
+
+def on_main_rank(action: Callable[[], None], what: str) -> None:
+    """Run ``action`` on rank 0 while the others wait; an error on rank 0 is raised on every rank."""
+    outcome: list[str | None] = [None]
+    if dist.get_rank() == 0:
+        try:
+            action()
+        except Exception as error:
+            outcome[0] = str(error) if isinstance(error, UserError) else f"{type(error).__name__}: {error}"
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise UserError(f"rank 0 could not {what}: {outcome[0]}")
+
+
+class TrainingFailed(RuntimeError):
+    """A rank failed; the message says which and the likely cause."""
+
+
+class SubmititJob(submitit.helpers.Checkpointable):
+    """The callable submitit pickles and runs in every task.
+
+    It holds only the spec path: everything else lives in the checkpoint directory, so the
+    inherited ``checkpoint()`` (resubmit the same callable) is the whole requeue protocol.
+    """
+
+    def __init__(self, spec_file: str):
+        self.spec_file = str(spec_file)
+
+    def __call__(self) -> dict[str, Any]:
+        return dataclasses.asdict(run_job(self.spec_file, requeue_with_submitit))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lance_hpc.run", description=__doc__.splitlines()[0])
+    parser.add_argument("spec_file", help="resolved job spec (YAML)")
+    args = parser.parse_args(argv)
+    try:
+        summary = run_job(args.spec_file, requeue_with_scontrol)
+    except UserError as error:
+        print(f"lance_hpc.run: {error}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
+    except TrainingFailed as error:
+        traceback.print_exception(error.__cause__, file=sys.stderr)
+        print(f"lance_hpc.run: {error}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    return EXIT_STOPPED if summary.status == "stopped" else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""The trainer on CPU with the real data layer: two local gloo ranks train the digits to the
+accuracy bar and log TensorBoard scalars; an interrupted run resumes to the same weights as an
+uninterrupted one; a killed rank ends the job with a clear error; schedule and model units."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from lance_hpc import data, trainer
+from lance_hpc.checkpoint import Preemption, checkpoint_path, load_latest, write_atomically
+from lance_hpc.env import DistEnv, detect, process_group
+from lance_hpc.errors import UserError
+from lance_hpc.metrics import TAGS
+from lance_hpc.models import MODELS, build_model
+from lance_hpc.run import EXIT_STOPPED
+from lance_hpc.spec import load_spec
+from tests.trainer_jobs import (
+    FINAL_ACCURACY, REPO_ROOT, digits, final_state, hparams_logged, same_weights, scalars, write_spec,
+)
+
+__all__ = ["digits"]  # the session fixture, imported for pytest
+
+
+def test_lr_warms_up_linearly_then_decays_to_zero() -> None:
+    factors = [trainer.lr_factor(step, warmup_steps=4, total_steps=20) for step in range(20)]
+    assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert all(later <= earlier for earlier, later in zip(factors[4:], factors[5:]))
+    assert trainer.lr_factor(20, 4, 20) == 0.0 and math.isclose(trainer.lr_factor(12, 4, 20), 0.5)
+    assert trainer.lr_factor(0, 0, 10) == 1.0  # no warmup
+
+
+def test_peak_lr_follows_the_linear_scaling_rule(tmp_path: Path, digits) -> None:
+    spec = load_spec(write_spec(tmp_path, digits, train={"lr": 0.1, "lr_scaling": "linear", "base_batch_size": 256,
+                                                         "grad_accum": 2})).spec
+    assert trainer.peak_lr(spec, world_size=8) == pytest.approx(0.1 * 16 * 8 * 2 / 256)
+    unscaled = load_spec(write_spec(tmp_path, digits, train={"lr": 0.1, "lr_scaling": "none"})).spec
+    assert trainer.peak_lr(unscaled, world_size=8) == 0.1
+
+
+@pytest.mark.parametrize("arch", sorted(MODELS))
+def test_models_build_untrained_with_num_classes(arch: str) -> None:
+    model = build_model(arch, num_classes=7).eval()
+    assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 7)
+
+
+def test_unknown_model_lists_the_valid_ones() -> None:
+    with pytest.raises(UserError, match="use one of: small_cnn, resnet18, resnet34, resnet50"):
+        build_model("vgg", 10)
+
+
+def test_one_rank_with_grad_accumulation_and_max_steps(tmp_path: Path, digits) -> None:
+    """In-process, world size 1: 3 micro-batches per step, stop after 5 optimizer steps."""
+    spec = load_spec(write_spec(tmp_path, digits, train={"grad_accum": 3, "max_steps": 5, "warmup_epochs": 0.1})).spec
+    with Preemption() as preemption, process_group(detect({}), spec.train.collective_timeout_s) as device:
+        summary = trainer.train(spec, detect({}), device, preemption)
+    assert summary.status == "completed" and summary.step == 5 and summary.val_accuracy is not None
+    state = final_state(tmp_path)
+    assert state["step"] == 5 and state["scheduler"]["_last_lr"] == [0.0]  # cosine reached zero at max_steps
+    logged = scalars(tmp_path / "runs")
+    assert [step for step, _ in logged["train/loss"]] == [5]
+    loader = data.build_train_loader(spec.data, 0, 1)
+    assert math.ceil(loader.steps_per_epoch / 3) > 5  # so max_steps, not the epoch, ended the run
+
+
+def test_resume_refuses_another_world_size_mid_epoch() -> None:
+    env = DistEnv("torchrun", 0, 0, 4, 4, 0, 1, "127.0.0.1", 1)
+    with pytest.raises(UserError, match="(?s)written mid-epoch by 2 ranks.*resume with 2 ranks"):
+        trainer.check_resumable({"mid_epoch": True, "ranks": [{}, {}]}, env, "step-00000007.pt")
+    trainer.check_resumable({"mid_epoch": False, "ranks": [{}, {}]}, env, "step-00000010.pt")
+
+
+def test_resume_reads_the_checkpointed_dataset_version(tmp_path: Path, digits) -> None:
+    spec = load_spec(write_spec(tmp_path, digits)).spec
+    assert trainer.pinned_data(spec.data, {"dataset_version": 1}).version == 1
+    pinned = spec.data.model_copy(update={"version": 2})
+    with pytest.raises(UserError, match="data.version is 2 but the checkpoint was trained on version 1"):
+        trainer.pinned_data(pinned, {"dataset_version": 1})
+
+
+def test_fresh_start_refuses_a_directory_with_old_checkpoints(tmp_path: Path, digits) -> None:
+    spec = load_spec(write_spec(tmp_path, digits, checkpoint={"resume": False})).spec
+    assert trainer.find_resume_point(spec) is None
+    write_atomically({"step": 1}, checkpoint_path(spec.checkpoint.dir, 1))
+    with pytest.raises(UserError, match="holds checkpoints of an earlier run"):
+        trainer.find_resume_point(spec)
+
+
+@dataclass(frozen=True)
+class FinishedRun:
+    directory: Path
+    spec_file: Path
+    output: str
+
+
+@pytest.fixture(scope="module")
+def reference_run(digits, tmp_path_factory: pytest.TempPathFactory) -> FinishedRun:
+    """Two local ranks train the digits for BASE_SPEC's 4 epochs, uninterrupted."""
+    directory = tmp_path_factory.mktemp("reference")
+    spec_file = write_spec(directory, digits)
+    process = launch(spec_file)
+    output = process.communicate(timeout=600)[0]
+    assert process.returncode == 0, output
+    return FinishedRun(directory, spec_file, output)
+
+
+@pytest.mark.slow
+def test_two_ranks_train_to_the_bar_and_log_tensorboard(reference_run: FinishedRun) -> None:
+    accuracy = float(FINAL_ACCURACY.search(reference_run.output).group(1))
+    assert accuracy >= 0.90, reference_run.output
+
+    spec = load_spec(reference_run.spec_file).spec
+    steps_per_epoch = data.build_train_loader(spec.data, 0, 2).steps_per_epoch
+    total_steps = spec.train.epochs * steps_per_epoch
+    logged = scalars(reference_run.directory / "runs")
+    assert set(logged) == set(TAGS)
+    assert [step for step, _ in logged["val/accuracy"]] == [steps_per_epoch * (epoch + 1) for epoch in range(4)]
+    assert logged["val/accuracy"][-1][1] == pytest.approx(accuracy, abs=1e-4)
+    assert logged["train/loss"][-1][0] == total_steps and logged["train/loss"][-1][1] < logged["train/loss"][0][1]
+    assert max(value for _, value in logged["train/lr"]) == pytest.approx(spec.train.lr, rel=0.02)
+    assert logged["train/lr"][-1][1] == 0.0
+    assert all(0 <= value <= 1 for tag in ("train/accuracy", "perf/data_wait_share") for _, value in logged[tag])
+    for (_, global_rate), (_, per_rank) in zip(logged["perf/samples_per_s"], logged["perf/samples_per_s_per_rank"]):
+        assert global_rate > 0 and per_rank == pytest.approx(global_rate / 2)
+    assert len(logged["perf/epoch_time_s"]) == 4 and all(value > 0 for _, value in logged["perf/epoch_time_s"])
+    hparams = hparams_logged(reference_run.directory / "runs")
+    assert hparams["model.arch"] == "small_cnn" and hparams["world_size"] == 2 and hparams["train.lr"] == 0.003
+
+    every, epoch_ends = spec.checkpoint.every_steps, [steps_per_epoch * (epoch + 1) for epoch in range(4)]
+    saved_steps = sorted({step for step in range(every, total_steps, every) if step % steps_per_epoch} | set(epoch_ends))
+    checkpoints = sorted(path.name for path in (reference_run.directory / "checkpoints").iterdir())
+    assert checkpoints == [f"step-{step:08d}.pt" for step in saved_steps[-spec.checkpoint.keep:]]
+
+
+def launch(spec_file: Path) -> subprocess.Popen:
+    """``python -m lance_hpc.launch SPEC --nproc 2`` in the background, its stdout piped."""
+    environ = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "lance_hpc.launch", str(spec_file), "--nproc", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environ, cwd=REPO_ROOT,
+    )
+
+
+def read_until(process: subprocess.Popen, marker: str, timeout_s: float = 120) -> str:
+    """The output of ``process`` up to and including the first line that contains ``marker``."""
+    lines, deadline = [], time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if marker in line:
+            return "".join(lines)
+    raise AssertionError(f"{marker!r} never appeared:\n{''.join(lines)}")
+
+
+def rank_pid(launcher: subprocess.Popen, rank: int) -> int:
+    """The pid of local rank ``rank``, a child of ``launcher``."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == launcher.pid and f"RANK={rank}".encode() in environ:
+            return int(entry.name)
+    raise AssertionError(f"rank {rank} of launcher {launcher.pid} not found")
+
+
+@pytest.mark.slow
+def test_interrupted_run_resumes_to_the_same_weights(reference_run: FinishedRun, tmp_path: Path, digits) -> None:
+    """SIGUSR2 mid-epoch: the ranks agree, save and stop; a second run resumes from that step and
+    ends bit for bit where the uninterrupted reference run ends, having read the rest of the
+    interrupted epoch exactly as the uninterrupted run did (no batch twice, none skipped)."""
+    spec_file = write_spec(tmp_path, digits)
+    spec = load_spec(spec_file).spec
+    steps_per_epoch = data.build_train_loader(spec.data, 0, 2).steps_per_epoch
+    interrupted = launch(spec_file)
+    read_until(interrupted, f"step {steps_per_epoch + 5}/")  # early in epoch 2 of 4
+    interrupted.send_signal(signal.SIGUSR2)
+    output = interrupted.communicate(timeout=120)[0]
+    assert interrupted.returncode == EXIT_STOPPED, output
+    assert "preempted at step" in output and "run the same command again to resume" in output
+    stopped_path, stopped = load_latest(tmp_path / "checkpoints")
+    assert stopped["mid_epoch"] and steps_per_epoch < stopped["step"] < 2 * steps_per_epoch
+
+    resumed = launch(spec_file)
+    output = resumed.communicate(timeout=300)[0]
+    assert resumed.returncode == 0, output
+    assert f"resuming from {stopped_path} at step {stopped['step']}" in output
+    final, reference = final_state(tmp_path), final_state(reference_run.directory)
+    assert final["step"] == reference["step"] == spec.train.epochs * steps_per_epoch
+    assert same_weights(final["model"], reference["model"]) == []
+
+    for rank in range(2):  # the resumed epoch reads exactly the batches the uninterrupted epoch read next
+        position = stopped["ranks"][rank]["loader"]
+        full = data.build_train_loader(spec.data, rank, 2)
+        full.set_epoch(position["epoch"])
+        expected = list(full)[position["batches_consumed"]:]
+        restored = data.build_train_loader(spec.data, rank, 2)
+        restored.load_state_dict(position)
+        restored.set_epoch(position["epoch"])
+        rest = list(restored)
+        assert len(rest) == len(expected) == steps_per_epoch - position["batches_consumed"] > 0
+        for (images, labels), (expected_images, expected_labels) in zip(rest, expected):
+            assert torch.equal(images, expected_images) and torch.equal(labels, expected_labels)
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_the_local_job_with_a_clear_error(tmp_path: Path, digits) -> None:
+    spec_file = write_spec(tmp_path, digits, train={"epochs": 50},
+                           logging={"log_every_steps": 1, "progress": False})
+    launcher = launch(spec_file)
+    read_until(launcher, "step 3/")
+    rank_pid_killed = rank_pid(launcher, 1)
+    os.kill(rank_pid_killed, signal.SIGKILL)
+    killed_at = time.monotonic()
+    output = launcher.communicate(timeout=120)[0]
+    print(f"the job ended {time.monotonic() - killed_at:.1f} s after the kill")
+    assert time.monotonic() - killed_at < 60  # no hang: well inside collective_timeout_s
+    assert launcher.returncode == 128 + signal.SIGKILL, output
+    assert f"the job failed: rank 1 (pid {rank_pid_killed}) was killed by SIGKILL" in output
+    assert "rank 0/2: lost contact with another rank" in output
