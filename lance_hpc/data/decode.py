@@ -98,16 +98,20 @@ def random_resized_crop_box(height: int, width: int, rng: np.random.Generator) -
 
 def decode_image(data: torch.Tensor) -> torch.Tensor:
     """Encoded bytes (1-D uint8 tensor) -> RGB uint8 [3, H, W]; raises ValueError if undecodable."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=TORCHVISION_DECODE_NOTICE, category=DeprecationWarning)
+        return _decode_image(data)
+
+
+def _decode_image(data: torch.Tensor) -> torch.Tensor:
     from torchvision.io import ImageReadMode, decode_image as decode_any, decode_jpeg
 
     if data.numel() == 0:
         raise ValueError("empty image")
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=TORCHVISION_DECODE_NOTICE, category=DeprecationWarning)
-            if bytes(data[:3].tolist()) == JPEG_MAGIC:
-                return decode_jpeg(data, mode=ImageReadMode.RGB)
-            return decode_any(data, mode=ImageReadMode.RGB)
+        if bytes(data[:3].tolist()) == JPEG_MAGIC:
+            return decode_jpeg(data, mode=ImageReadMode.RGB)
+        return decode_any(data, mode=ImageReadMode.RGB)
     except RuntimeError as error:
         first_error = str(error).split(",")[0]
     try:
@@ -118,6 +122,17 @@ def decode_image(data: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(pixels.copy()).permute(2, 0, 1)
     except Exception as error:  # PIL raises many types for bad bytes
         raise ValueError(f"{first_error}; PIL: {error}") from None
+
+
+def _output_batch(count: int, size: int) -> torch.Tensor:
+    """The uint8 batch tensor; in a DataLoader worker it is allocated in shared memory, so sending
+    it to the main process does not copy it again (what default_collate does for its stack)."""
+    shape = (count, 3, size, size)
+    if torch.utils.data.get_worker_info() is None:
+        return torch.empty(shape, dtype=torch.uint8)
+    prototype = torch.empty(0, dtype=torch.uint8)
+    storage = prototype._typed_storage()._new_shared(count * 3 * size * size, device=prototype.device)
+    return prototype.new(storage).resize_(*shape)
 
 
 def binary_values(column: pa.Array | pa.ChunkedArray) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
@@ -165,23 +180,11 @@ def decode_batch(
     size = transform.image_size
     count = len(row_ids)
     values, offsets, valid = binary_values(images)
-    out = torch.empty((count, 3, size, size), dtype=torch.uint8)
+    out = _output_batch(count, size)
     label_tensor = torch.from_numpy(np.array(labels, dtype=np.int64))
-    bad: list[int] = []
-    for index in range(count):
-        try:
-            if not valid[index]:
-                raise ValueError("null image")
-            image = decode_image(values[offsets[index] : offsets[index + 1]])
-            out[index].copy_(transform(image, rng))
-        except ValueError as error:
-            if on_corrupt == "fail":
-                raise CorruptImageError(
-                    f"cannot decode the image in row {int(row_ids[index])} of {dataset or 'the dataset'}: {error}. "
-                    "Fix or delete the row, or set data.on_corrupt: skip to replace such rows and count them."
-                ) from None
-            log.warning("skipping corrupt image in row %d of %s: %s", int(row_ids[index]), dataset or "the dataset", error)
-            bad.append(index)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=TORCHVISION_DECODE_NOTICE, category=DeprecationWarning)
+        bad = _decode_into(out, values, offsets, valid, row_ids, transform, rng, on_corrupt, dataset)
     if bad:
         good = [index for index in range(count) if index not in set(bad)]
         for position, index in enumerate(bad):
@@ -192,3 +195,32 @@ def decode_batch(
             else:
                 out[index].zero_()  # a batch with no decodable image keeps its shape
     return DecodedBatch(out, label_tensor, len(bad))
+
+
+def _decode_into(
+    out: torch.Tensor,
+    values: torch.Tensor,
+    offsets: np.ndarray,
+    valid: np.ndarray,
+    row_ids: np.ndarray,
+    transform: Transform,
+    rng: np.random.Generator,
+    on_corrupt: str,
+    dataset: str,
+) -> list[int]:
+    """Decode every image into ``out``; returns the positions of corrupt ones (policy ``skip``)."""
+    bad = []
+    for index in range(len(row_ids)):
+        try:
+            if not valid[index]:
+                raise ValueError("null image")
+            out[index].copy_(transform(_decode_image(values[offsets[index] : offsets[index + 1]]), rng))
+        except ValueError as error:
+            if on_corrupt == "fail":
+                raise CorruptImageError(
+                    f"cannot decode the image in row {int(row_ids[index])} of {dataset or 'the dataset'}: {error}. "
+                    "Fix or delete the row, or set data.on_corrupt: skip to replace such rows and count them."
+                ) from None
+            log.warning("skipping corrupt image in row %d of %s: %s", int(row_ids[index]), dataset or "the dataset", error)
+            bad.append(index)
+    return bad
