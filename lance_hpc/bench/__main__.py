@@ -1,0 +1,5 @@
+import sys
+
+from lance_hpc.bench import main
+
+sys.exit(main())

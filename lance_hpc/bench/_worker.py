@@ -1,0 +1,194 @@
+"""One measurement in a fresh process: ``python -m lance_hpc.bench._worker CONFIG_JSON``.
+
+Builds the pipeline the configuration names, takes the first batch (its time from the start of
+building is the time to first batch), then reads until the measuring window or the epoch ends and
+reports the steady rate after the first batch, with the peak memory of this process and of its
+DataLoader workers. It writes a :class:`Result` as JSON to ``config.result_path``.
+
+With ``world_size > 1`` this process is one rank of a gloo process group: every step all-reduces
+a "still have a batch" flag, as DDP's gradient all-reduce would, so ranks that take different step
+counts show up as an error instead of a hang.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import asdict
+from datetime import timedelta
+from typing import Any, Iterator
+
+from lance_hpc.bench.configs import Measurement, Result
+from lance_hpc.bench.memory import MemorySampler
+
+# How many pixel values of each image go into its fingerprint (a strided sample of the tensor).
+FINGERPRINT_VALUES = 4096
+# Images the decode limit cycles through (read once, decoded again and again).
+DECODE_SAMPLE = 256
+
+
+def fingerprints(images: Any) -> list[str]:
+    """A short hash per image of a strided sample of its pixels: equal images, equal strings."""
+    flat = images.reshape(images.shape[0], -1)
+    step = max(1, flat.shape[1] // FINGERPRINT_VALUES)
+    sample = flat[:, ::step].contiguous().numpy()
+    return [hashlib.blake2b(row.tobytes(), digest_size=8).hexdigest() for row in sample]
+
+
+def decode_limit(config: Measurement) -> Result:
+    """One core decoding and resizing the same image bytes in a tight loop, times ``config.cores``."""
+    import lance
+    import torch
+    from torchvision.io import ImageReadMode, decode_image
+    from torchvision.transforms.v2 import functional as F
+
+    torch.set_num_threads(1)
+    dataset = lance.dataset(
+        config.lance_uri, version=config.data.get("version"), storage_options=config.data.get("storage_options") or None
+    )
+    rows = min(DECODE_SAMPLE, dataset.count_rows())
+    column = config.data.get("image_column", "image")
+    encoded = [
+        torch.frombuffer(bytearray(value), dtype=torch.uint8)
+        for value in dataset.take(list(range(rows)), columns=[column]).column(column).to_pylist()
+    ]
+    size = [config.image_size, config.image_size]
+
+    def decode(data: torch.Tensor) -> torch.Tensor:
+        return F.resize(decode_image(data, mode=ImageReadMode.RGB), size, antialias=True)
+
+    decode(encoded[0])  # warm up kernels and allocations
+    images, start = 0, time.perf_counter()
+    while time.perf_counter() - start < config.seconds:
+        for data in encoded:
+            decode(data)
+        images += len(encoded)
+    elapsed = time.perf_counter() - start
+    return Result(
+        label=config.label,
+        dataset=config.dataset,
+        images_per_s=images / elapsed * config.cores,
+        first_batch_s=0.0,
+        images=images,
+        batches=0,
+        seconds=elapsed,
+        main_rss_mib=0.0,
+        worker_rss_mib=0.0,
+        worker_growth_mib=0.0,
+    )
+
+
+class _Lockstep:
+    """Every step, all ranks agree whether each still has a batch (one small all-reduce)."""
+
+    def __init__(self, config: Measurement) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.world_size = config.world_size
+        self.dist = dist
+        self.torch = torch
+        if self.world_size > 1:
+            dist.init_process_group(
+                "gloo", rank=config.rank, world_size=config.world_size, timeout=timedelta(seconds=120)
+            )
+
+    def all_have_batch(self, have_batch: bool) -> bool:
+        """True when every rank has a batch; raises when some do and some do not."""
+        if self.world_size == 1:
+            return have_batch
+        flag = self.torch.tensor([1 if have_batch else 0])
+        self.dist.all_reduce(flag)
+        count = int(flag.item())
+        if 0 < count < self.world_size:
+            raise RuntimeError(
+                f"ranks took different numbers of steps: {count} of {self.world_size} still had a batch"
+                " (real DDP would hang here in the gradient all-reduce)"
+            )
+        return count == self.world_size
+
+    def close(self) -> None:
+        if self.world_size > 1:
+            self.dist.barrier()
+            self.dist.destroy_process_group()
+
+
+def measure(config: Measurement) -> Result:
+    """Time to first batch, then the steady rate over the window (or the whole epoch)."""
+    from lance_hpc.bench.pipelines import batch_images, build_pipeline
+
+    lockstep = _Lockstep(config)
+    seen: list[str] = []
+    with MemorySampler() as memory:
+        window_origin = memory.started_at
+        start = time.perf_counter()
+        pipeline = build_pipeline(config)
+        batches: Iterator[Any] = iter(pipeline)
+        first = next(batches, None)
+        first_at = time.perf_counter()
+        if not lockstep.all_have_batch(first is not None):
+            raise RuntimeError("the pipeline yielded no batch")
+        if config.fingerprint:
+            seen += fingerprints(batch_images(first))
+        images = count = 0
+        epoch_done = False
+        while config.full_epoch or time.perf_counter() - first_at < config.seconds:
+            batch = next(batches, None)
+            if not lockstep.all_have_batch(batch is not None):
+                epoch_done = True
+                break
+            image_tensor = batch_images(batch)
+            images += int(image_tensor.shape[0])
+            count += 1
+            if config.fingerprint:
+                seen += fingerprints(image_tensor)
+        end = time.perf_counter()
+        del batches, pipeline  # shut the workers down before the last memory sample
+    lockstep.close()
+    elapsed = end - first_at
+    return Result(
+        label=config.label,
+        dataset=config.dataset,
+        images_per_s=images / elapsed if elapsed > 0 else 0.0,
+        first_batch_s=first_at - start,
+        images=images,
+        batches=count,
+        seconds=elapsed,
+        rank=config.rank,
+        world_size=config.world_size,
+        epoch_done=epoch_done,
+        fingerprints=seen,
+        worker_rss_timeline=memory.worker_timeline(first_at - window_origin),
+        **memory.summary(first_at - window_origin, end - window_origin),
+    )
+
+
+def run(config: Measurement) -> Result:
+    if config.kind == "decode_limit":
+        return decode_limit(config)
+    return measure(config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    config = Measurement.from_json(argv[0])
+    try:
+        result = run(config)
+        status = 0
+    except Exception:  # the parent reports it in the table; the traceback goes to stderr
+        traceback.print_exc()
+        result = Result(config.label, config.dataset, 0.0, 0.0, 0, 0, 0.0, 0.0, 0.0, 0.0,
+                        rank=config.rank, world_size=config.world_size, error=traceback.format_exc(limit=3))
+        status = 1
+    with open(config.result_path + ".tmp", "w") as handle:
+        json.dump(asdict(result), handle)
+    os.replace(config.result_path + ".tmp", config.result_path)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

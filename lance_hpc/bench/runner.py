@@ -1,0 +1,192 @@
+"""Runs measurements, each in a fresh process, and gathers their results.
+
+A measurement is ``python -m lance_hpc.bench._worker CONFIG_JSON``; a DDP measurement is one such
+process per rank, started together with a gloo rendezvous on loopback. Rounds are interleaved (every
+configuration once, then again) so that a slow spell of a noisy machine hits every configuration
+alike, and each configuration's median over the rounds is reported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+import lance_hpc
+from lance_hpc.bench.configs import Measurement, Result
+
+# A measurement that takes longer than this is stopped and reported as failed.
+MEASUREMENT_TIMEOUT_S = 300
+
+
+def _environment(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The worker's environment: this lance_hpc importable even when it is not installed."""
+    environment = dict(os.environ)
+    package_root = str(Path(lance_hpc.__file__).resolve().parents[1])
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, environment.get("PYTHONPATH")]))
+    environment.update(extra or {})
+    return environment
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _read_result(config: Measurement, returncode: int | None, log_path: Path) -> Result:
+    path = Path(config.result_path)
+    if path.is_file():
+        return Result.from_dict(json.loads(path.read_text()))
+    reason = "timed out" if returncode is None else f"exited with {returncode}"
+    return Result(config.label, config.dataset, 0.0, 0.0, 0, 0, 0.0, 0.0, 0.0, 0.0, rank=config.rank,
+                  world_size=config.world_size, error=f"worker {reason}; see {log_path}")
+
+
+def _start(config: Measurement, log_path: Path, environment: dict[str, str]) -> subprocess.Popen:
+    Path(config.result_path).unlink(missing_ok=True)
+    with open(log_path, "w") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "lance_hpc.bench._worker", config.to_json()],
+            stdout=log, stderr=subprocess.STDOUT, env=environment,
+        )
+
+
+def _wait(process: subprocess.Popen, deadline: float) -> int | None:
+    try:
+        return process.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        return None
+
+
+def run_measurement(config: Measurement, work_dir: Path) -> list[Result]:
+    """Measure ``config`` in fresh processes: one, or one per rank when ``world_size > 1``."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"{config.dataset}-{config.label}".replace(" ", "_").replace("/", "_")
+    environment = _environment()
+    if config.world_size > 1:
+        environment = _environment({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
+    ranks = [
+        replace(config, rank=rank, result_path=str(work_dir / f"{stem}.rank{rank}.json"))
+        for rank in range(config.world_size)
+    ]
+    logs = [work_dir / f"{stem}.rank{rank.rank}.log" for rank in ranks]
+    processes = [_start(rank, log, environment) for rank, log in zip(ranks, logs)]
+    deadline = time.monotonic() + MEASUREMENT_TIMEOUT_S
+    codes = [_wait(process, deadline) for process in processes]
+    return [_read_result(rank, code, log) for rank, code, log in zip(ranks, codes, logs)]
+
+
+@dataclass
+class Summary:
+    """One configuration over all its runs."""
+
+    label: str
+    dataset: str
+    runs: list[list[Result]] = field(default_factory=list)  # per run, one result per rank
+
+    @property
+    def ok_runs(self) -> list[list[Result]]:
+        return [run for run in self.runs if not any(result.error for result in run)]
+
+    @property
+    def errors(self) -> list[str]:
+        return [result.error for run in self.runs for result in run if result.error]
+
+    def rates(self) -> list[float]:
+        """Images/s of each good run; for DDP, all ranks' images over the slowest rank's time."""
+        return [
+            sum(result.images for result in run) / max(result.seconds for result in run)
+            if len(run) > 1 else run[0].images_per_s
+            for run in self.ok_runs
+        ]
+
+    @property
+    def images_per_s(self) -> float:
+        rates = self.rates()
+        return statistics.median(rates) if rates else 0.0
+
+    def _median(self, attribute: str) -> float:
+        values = [max(getattr(result, attribute) for result in run) for run in self.ok_runs]
+        return statistics.median(values) if values else 0.0
+
+    @property
+    def first_batch_s(self) -> float:
+        return self._median("first_batch_s")
+
+    def _peak(self, attribute: str) -> float:
+        return max((getattr(result, attribute) for run in self.ok_runs for result in run), default=0.0)
+
+    @property
+    def main_rss_mib(self) -> float:
+        return self._peak("main_rss_mib")
+
+    @property
+    def worker_rss_mib(self) -> float:
+        return self._peak("worker_rss_mib")
+
+    @property
+    def worker_growth_mib(self) -> float:
+        return self._peak("worker_growth_mib")
+
+
+@dataclass
+class ExactlyOnce:
+    """The rows a DDP run read, against one process reading the same epoch."""
+
+    ranks: int
+    steps_per_rank: list[int]
+    rows_read: int
+    rows_expected: int
+    duplicated: int
+    missing: int
+
+    @property
+    def ok(self) -> bool:
+        return self.duplicated == 0 and self.missing == 0 and len(set(self.steps_per_rank)) == 1
+
+
+def exactly_once(ddp_run: list[Result], single_run: list[Result]) -> ExactlyOnce:
+    """Compares the multisets of image fingerprints: identical images stay distinguishable by count."""
+    read = Counter(fingerprint for result in ddp_run for fingerprint in result.fingerprints)
+    expected = Counter(single_run[0].fingerprints)
+    return ExactlyOnce(
+        ranks=len(ddp_run),
+        # +1: the first batch is not among the measured ones
+        steps_per_rank=[result.batches + 1 for result in ddp_run],
+        rows_read=sum(read.values()),
+        rows_expected=sum(expected.values()),
+        duplicated=sum((read - expected).values()),
+        missing=sum((expected - read).values()),
+    )
+
+
+def run_rounds(
+    configs: list[Measurement], runs: int, work_dir: Path, log: Callable[[str], None] = print
+) -> list[Summary]:
+    """Every configuration ``runs`` times, interleaved; the order rotates from round to round."""
+    summaries = {(config.dataset, config.label): Summary(config.label, config.dataset) for config in configs}
+    for round_index in range(runs):
+        shift = round_index % len(configs)
+        for config in configs[shift:] + configs[:shift]:
+            started = time.monotonic()
+            results = run_measurement(config, work_dir / f"run{round_index}")
+            summaries[(config.dataset, config.label)].runs.append(results)
+            status = next((result.error.strip().splitlines()[-1] for result in results if result.error), "")
+            rate = summaries[(config.dataset, config.label)].rates()[-1] if not status else 0.0
+            log(
+                f"  run {round_index + 1}/{runs}  {config.dataset:<6} {config.label:<38} "
+                + (f"{rate:8,.0f} img/s" if not status else f"FAILED: {status}")
+                + f"  ({time.monotonic() - started:.0f} s)"
+            )
+    return list(summaries.values())
