@@ -87,6 +87,7 @@ def test_resume_mid_epoch_in_process(layout_dataset, style, sampler):
     restored = build_train_loader(data, 1, 2)
     restored.load_state_dict(state)
     restored.set_epoch(4)  # the trainer sets the epoch again: the offset survives
+    assert restored.steps_remaining == len(full) - 3
     tail = [labels.tolist() for _, labels in restored]
     assert head + tail == full
     assert epoch_labels(restored, 5) != full and len(epoch_labels(restored, 5)) == len(full)

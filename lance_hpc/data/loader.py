@@ -97,6 +97,11 @@ class TrainLoader:
     def __len__(self) -> int:
         return self.steps_per_epoch
 
+    @property
+    def steps_remaining(self) -> int:
+        """Batches the next pass yields: the whole epoch, or the rest of a restored one."""
+        return self.steps_per_epoch - self._resume_at
+
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order the next pass reads (a restored epoch keeps its offset)."""
         if epoch != self.epoch:
