@@ -232,3 +232,20 @@ def test_a_killed_rank_ends_the_local_job_with_a_clear_error(tmp_path: Path, dig
     assert launcher.returncode == 128 + signal.SIGKILL, output
     assert f"the job failed: rank 1 (pid {rank_pid_killed}) was killed by SIGKILL" in output
     assert "rank 0/2: lost contact with another rank" in output
+
+
+@pytest.mark.slow
+def test_quickstart_prints_a_validation_accuracy_of_at_least_90_percent(tmp_path: Path) -> None:
+    """The README's main command, with its outputs moved under tmp_path."""
+    overrides = {
+        "data.uri": tmp_path / "digits_train.lance", "data.val_uri": tmp_path / "digits_val.lance",
+        "checkpoint.dir": tmp_path / "checkpoints", "logging.tensorboard_dir": tmp_path / "runs",
+        "slurm.log_dir": tmp_path / "logs", "logging.progress": "false",
+    }
+    command = [sys.executable, "-m", "lance_hpc.submit", "jobs/quickstart.yaml", "--local"]
+    for key, value in overrides.items():
+        command += ["--set", f"{key}={value}"]
+    finished = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    assert float(FINAL_ACCURACY.search(finished.stdout).group(1)) >= 0.90, finished.stdout
