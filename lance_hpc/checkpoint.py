@@ -137,12 +137,12 @@ class Preemption:
         self.received: int | None = None
         self.previous: dict[int, Any] = {}
 
-    def __enter__(self) -> "Preemption":
+    def __enter__(self) -> Preemption:
         for signum in PREEMPTION_SIGNALS:
             self.previous[signum] = signal.signal(signum, self._on_signal)
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
 

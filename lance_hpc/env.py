@@ -18,9 +18,10 @@ from __future__ import annotations
 import datetime
 import os
 import re
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Literal, Mapping
+from typing import Literal
 
 import torch
 import torch.distributed as dist

@@ -14,9 +14,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Sequence
 
 import lance_hpc
 from lance_hpc import data

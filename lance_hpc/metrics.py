@@ -7,7 +7,8 @@ The tags are part of the interface (dashboards and the README name them); :data:
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping, Protocol
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist

@@ -13,7 +13,8 @@ import dataclasses
 import signal
 import sys
 import traceback
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import submitit
 import torch.distributed as dist
@@ -37,13 +38,18 @@ def requeue_with_scontrol(env: DistEnv, spec: JobSpec, preemption: checkpoint.Pr
 
 
 def requeue_with_submitit(env: DistEnv, spec: JobSpec, preemption: checkpoint.Preemption) -> tuple[bool, str]:
-    """submitit jobs: hand over to submitit's own USR2 handler, which calls SubmititJob.checkpoint,
-    requeues within the executor's limit and exits."""
+    """submitit jobs: run submitit's own USR2 handler now, at the step boundary. It calls
+    SubmititJob.checkpoint, requeues within the executor's max_num_timeout, then exits."""
     handler = preemption.previous.get(signal.SIGUSR2)
     if not callable(handler):
         return requeue_with_scontrol(env, spec, preemption)
-    handler(signal.SIGUSR2, None)
-    return True, "requeued by submitit"
+    try:
+        handler(signal.SIGUSR2, None)
+    except SystemExit:  # submitit requeued the job and ends this task; the other ranks hear it first
+        return True, "requeued by submitit"
+    except submitit.core.utils.UncompletedJobError as error:
+        return False, str(error)
+    return False, "submitit did not requeue the job"
 
 
 def run_job(spec_file: str, requeue: Requeue) -> trainer.Summary:
@@ -99,7 +105,10 @@ class SubmititJob(submitit.helpers.Checkpointable):
         self.spec_file = str(spec_file)
 
     def __call__(self) -> dict[str, Any]:
-        return dataclasses.asdict(run_job(self.spec_file, requeue_with_submitit))
+        summary = run_job(self.spec_file, requeue_with_submitit)
+        if summary.status == "requeued":
+            sys.exit(-1)  # as submitit's handler does: a requeued task leaves no result behind
+        return dataclasses.asdict(summary)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -11,9 +11,10 @@ import math
 import os
 import random
 import sys
+from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,7 +26,13 @@ from tqdm import tqdm
 from lance_hpc import checkpoint, data
 from lance_hpc.env import DistEnv
 from lance_hpc.errors import UserError
-from lance_hpc.metrics import MetricLogger, Stopwatch, TrainWindow, build_logger, flatten
+from lance_hpc.metrics import (
+    MetricLogger,
+    Stopwatch,
+    TrainWindow,
+    build_logger,
+    flatten,
+)
 from lance_hpc.models import build_model
 from lance_hpc.spec import DataSpec, JobSpec, TrainSpec
 
@@ -138,7 +145,12 @@ def build_run(spec: JobSpec, env: DistEnv, device: torch.device, resumed: tuple[
     total_steps = min(spec.train.max_steps or sys.maxsize, spec.train.epochs * steps_per_epoch)
     warmup_steps = round(spec.train.warmup_epochs * steps_per_epoch)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, warmup_steps, total_steps))
-    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    # DDP regroups its gradient buckets after the first iteration, which changes the order in which
+    # all-reduce sums each gradient; a resumed job would sum its first step differently from the
+    # uninterrupted one. find_unused_parameters keeps the first grouping for good (at the cost of
+    # one graph traversal per step), so deterministic runs resume bit for bit.
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                  find_unused_parameters=spec.train.deterministic)
     step = state["step"] if state else 0
     logger = build_logger(spec.logging.tensorboard_dir, env.is_main, purge_step=step if state else None)
     logger.log_hparams({**flatten(spec.to_dict()), "world_size": env.world_size, "peak_lr": peak_lr(spec, env.world_size)})

@@ -11,7 +11,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lance_hpc.env import DistEnv, detect, explain_failure, hostnames, port_for_job, process_group, tasks_per_node
+from lance_hpc.env import (
+    DistEnv,
+    detect,
+    explain_failure,
+    hostnames,
+    port_for_job,
+    process_group,
+    tasks_per_node,
+)
 from lance_hpc.errors import UserError
 
 # Real node-list forms and their expansion (as `scontrol show hostnames` prints them).

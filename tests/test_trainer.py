@@ -17,7 +17,12 @@ import pytest
 import torch
 
 from lance_hpc import data, trainer
-from lance_hpc.checkpoint import Preemption, checkpoint_path, load_latest, write_atomically
+from lance_hpc.checkpoint import (
+    Preemption,
+    checkpoint_path,
+    load_latest,
+    write_atomically,
+)
 from lance_hpc.env import DistEnv, detect, process_group
 from lance_hpc.errors import UserError
 from lance_hpc.metrics import TAGS
@@ -25,7 +30,15 @@ from lance_hpc.models import MODELS, build_model
 from lance_hpc.run import EXIT_STOPPED
 from lance_hpc.spec import load_spec
 from tests.trainer_jobs import (
-    FINAL_ACCURACY, REPO_ROOT, digits, final_state, hparams_logged, same_weights, scalars, write_spec,
+    FINAL_ACCURACY,
+    REPO_ROOT,
+    assert_epoch_resumes_in_place,
+    digits,
+    final_state,
+    hparams_logged,
+    same_weights,
+    scalars,
+    write_spec,
 )
 
 __all__ = ["digits"]  # the session fixture, imported for pytest
@@ -203,18 +216,7 @@ def test_interrupted_run_resumes_to_the_same_weights(reference_run: FinishedRun,
     assert final["step"] == reference["step"] == spec.train.epochs * steps_per_epoch
     assert same_weights(final["model"], reference["model"]) == []
 
-    for rank in range(2):  # the resumed epoch reads exactly the batches the uninterrupted epoch read next
-        position = stopped["ranks"][rank]["loader"]
-        full = data.build_train_loader(spec.data, rank, 2)
-        full.set_epoch(position["epoch"])
-        expected = list(full)[position["batches_consumed"]:]
-        restored = data.build_train_loader(spec.data, rank, 2)
-        restored.load_state_dict(position)
-        restored.set_epoch(position["epoch"])
-        rest = list(restored)
-        assert len(rest) == len(expected) == steps_per_epoch - position["batches_consumed"] > 0
-        for (images, labels), (expected_images, expected_labels) in zip(rest, expected):
-            assert torch.equal(images, expected_images) and torch.equal(labels, expected_labels)
+    assert_epoch_resumes_in_place(spec, stopped["ranks"])
 
 
 @pytest.mark.slow

@@ -14,8 +14,8 @@ import torch
 import yaml
 
 from lance_hpc import checkpoint
-from lance_hpc.data import ensure_dataset
-from lance_hpc.spec import DataSpec, IngestSpec
+from lance_hpc.data import build_train_loader, ensure_dataset
+from lance_hpc.spec import DataSpec, IngestSpec, JobSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FINAL_ACCURACY = re.compile(r"final validation accuracy: ([0-9.]+)")
@@ -99,3 +99,22 @@ def hparams_logged(log_dir: Path) -> dict[str, Any]:
     content = accumulator.PluginTagToContent("hparams")["_hparams_/session_start_info"]
     start = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info
     return {name: value.WhichOneof("kind") and getattr(value, value.WhichOneof("kind")) for name, value in start.hparams.items()}
+
+
+def assert_epoch_resumes_in_place(spec: JobSpec, ranks: list[dict[str, Any]]) -> None:
+    """Each rank's loader, restored from its position in a mid-epoch checkpoint (``ranks``), yields
+    exactly what an uninterrupted pass of that epoch yields after that position: no batch twice,
+    none skipped."""
+    world_size = len(ranks)
+    for rank, saved in enumerate(ranks):
+        position = saved["loader"]
+        full = build_train_loader(spec.data, rank, world_size)
+        full.set_epoch(position["epoch"])
+        expected = list(full)[position["batches_consumed"]:]
+        restored = build_train_loader(spec.data, rank, world_size)
+        restored.load_state_dict(position)
+        restored.set_epoch(position["epoch"])
+        rest = list(restored)
+        assert len(rest) == len(expected) == full.steps_per_epoch - position["batches_consumed"] > 0
+        for (images, labels), (expected_images, expected_labels) in zip(rest, expected):
+            assert torch.equal(images, expected_images) and torch.equal(labels, expected_labels)

@@ -1,0 +1,201 @@
+"""The trainer on the real two-node SLURM test cluster: 4 ranks (2 nodes x 2 tasks) over gloo.
+
+A job trains to the accuracy bar; a job sent USR2 mid-epoch checkpoints, requeues itself, resumes
+and ends with the reference job's weights (through sbatch and through submitit); a job whose
+rank is SIGKILLed ends with a clear error well before any 10-minute watchdog.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from lance_hpc.data import build_train_loader
+from lance_hpc.run import SubmititJob
+from lance_hpc.slurm_cluster import SlurmCluster
+from lance_hpc.spec import JobSpec, load_spec
+from lance_hpc.submit import FINAL_STATES, make_executor, write_job_files
+from tests.trainer_jobs import (
+    FINAL_ACCURACY,
+    REPO_ROOT,
+    Digits,
+    assert_epoch_resumes_in_place,
+    digits,
+    final_state,
+    same_weights,
+    write_spec,
+)
+
+__all__ = ["digits"]  # the session fixture, imported for pytest
+pytestmark = [pytest.mark.slow, pytest.mark.slurm]
+
+TASKS = 4
+
+
+@dataclass(frozen=True)
+class SlurmRun:
+    spec: JobSpec
+    job_id: str
+    state: str
+    output: str
+
+
+def job_spec(directory: Path, dataset: Digits, cluster: SlurmCluster, **sections: dict) -> JobSpec:
+    """2 nodes x 2 CPU tasks; 22 steps per epoch; every step logged so tests can follow along."""
+    slurm = {"partition": cluster.partition, "nodes": 2, "tasks_per_node": 2, "cpus_per_task": 1,
+             "time": "00:15:00", "max_requeues": 2, "log_dir": str(directory / "logs")}
+    base = {"slurm": slurm, "train": {"epochs": 5}, "logging": {"log_every_steps": 1, "progress": False},
+            "checkpoint": {"every_steps": 50, "keep": 10}}
+    for section, values in sections.items():
+        base.setdefault(section, {}).update(values)
+    return load_spec(write_spec(directory, dataset, name="digits4", **base)).spec
+
+
+def environ(cluster: SlurmCluster) -> dict[str, str]:
+    return {**os.environ, **cluster.env, "PYTHONPATH": str(REPO_ROOT)}
+
+
+def sbatch(cluster: SlurmCluster, spec: JobSpec) -> str:
+    """Render and submit the job as a user's own sbatch would; returns the job id."""
+    _, script = write_job_files(spec)
+    submitted = subprocess.run(["sbatch", "--parsable", str(script)], env=environ(cluster), cwd=REPO_ROOT,
+                               capture_output=True, text=True, check=True)
+    return submitted.stdout.strip().split(";")[0]
+
+
+def job_state(cluster: SlurmCluster, job_id: str) -> tuple[str, int]:
+    """(JobState, restart count) as scontrol shows them."""
+    shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=environ(cluster),
+                           capture_output=True, text=True).stdout
+    fields = dict(word.split("=", 1) for word in shown.split() if "=" in word)
+    return fields.get("JobState", "UNKNOWN"), int(fields.get("Restarts", 0))
+
+
+def wait_for_job(cluster: SlurmCluster, job_id: str, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state, _ = job_state(cluster, job_id)
+        if state in FINAL_STATES:
+            return state
+        time.sleep(1)
+    subprocess.run(["scancel", job_id], env=environ(cluster))
+    raise AssertionError(f"job {job_id} did not end within {timeout_s} s")
+
+
+def output_of(spec: JobSpec, job_id: str) -> str:
+    logs = Path(spec.slurm.log_dir)
+    return "".join((logs / f"{spec.name}-{job_id}.{kind}").read_text() for kind in ("out", "err"))
+
+
+def wait_for_output(read, marker: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if marker in read():
+                return
+        except FileNotFoundError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"{marker!r} never appeared")
+
+
+def run_to_end(cluster: SlurmCluster, spec: JobSpec, timeout_s: float = 600) -> SlurmRun:
+    job_id = sbatch(cluster, spec)
+    state = wait_for_job(cluster, job_id, timeout_s)
+    return SlurmRun(spec, job_id, state, output_of(spec, job_id))
+
+
+@pytest.fixture(scope="module")
+def reference(slurm_cluster: SlurmCluster, digits: Digits, tmp_path_factory: pytest.TempPathFactory) -> SlurmRun:
+    """The uninterrupted 4-rank sbatch job every other job here is compared with."""
+    return run_to_end(slurm_cluster, job_spec(tmp_path_factory.mktemp("reference"), digits, slurm_cluster))
+
+
+def steps_per_epoch(spec: JobSpec) -> int:
+    return build_train_loader(spec.data, 0, TASKS).steps_per_epoch
+
+
+def test_four_ranks_on_two_nodes_train_to_the_bar(reference: SlurmRun) -> None:
+    assert reference.state == "COMPLETED", reference.output
+    assert float(FINAL_ACCURACY.search(reference.output).group(1)) >= 0.90, reference.output
+    final = final_state(Path(reference.spec.checkpoint.dir).parent)
+    assert len(final["ranks"]) == TASKS and final["step"] == reference.spec.train.epochs * steps_per_epoch(reference.spec)
+
+
+def test_usr2_mid_epoch_requeues_and_resumes_to_the_same_weights(
+    slurm_cluster: SlurmCluster, digits: Digits, reference: SlurmRun, tmp_path: Path
+) -> None:
+    spec = job_spec(tmp_path, digits, slurm_cluster)
+    job_id = sbatch(slurm_cluster, spec)
+    wait_for_output(lambda: output_of(spec, job_id), f"step {steps_per_epoch(spec) + 3}/")  # early in epoch 2
+    subprocess.run(["scancel", "--signal=USR2", job_id], env=environ(slurm_cluster), check=True)
+    assert wait_for_job(slurm_cluster, job_id, 600) == "COMPLETED", output_of(spec, job_id)
+    output = output_of(spec, job_id)
+    assert job_state(slurm_cluster, job_id)[1] == 1, output
+    assert f"requeued job {job_id} (requeue 1 of at most 2)" in output and "restart 1" in output
+
+    step, path = re.search(r"preempted at step (\d+); checkpoint (\S+?);", output).groups()
+    assert f"resuming from {path} at step {step}" in output
+    stopped = torch.load(path, map_location="cpu", weights_only=True)
+    assert stopped["mid_epoch"] and steps_per_epoch(spec) < stopped["step"] < 2 * steps_per_epoch(spec)
+    assert same_weights(final_state(tmp_path)["model"], final_state(Path(reference.spec.checkpoint.dir).parent)["model"]) == []
+    assert_epoch_resumes_in_place(spec, stopped["ranks"])
+
+
+def test_submitit_preemption_checkpoints_requeues_and_resumes(
+    slurm_cluster: SlurmCluster, digits: Digits, reference: SlurmRun, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = job_spec(tmp_path, digits, slurm_cluster)
+    spec_file, _ = write_job_files(spec)
+    for key, value in environ(slurm_cluster).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(REPO_ROOT)
+    job = make_executor(spec, tmp_path / "submitit").submit(SubmititJob(str(spec_file)))
+    wait_for_output(lambda: Path(job.paths.stdout).read_text(), f"step {steps_per_epoch(spec) + 3}/")
+    job._interrupt()  # what SLURM does to a preempted job: SIGTERM, then submitit's USR2
+    assert wait_for_job(slurm_cluster, job.job_id, 600) == "COMPLETED", Path(job.paths.stderr).read_text()
+    assert job_state(slurm_cluster, job.job_id)[1] == 1
+    result = job.task(0).result()
+    assert result["status"] == "completed" and result["val_accuracy"] >= 0.90
+    assert "requeued by submitit" in Path(job.paths.stdout).read_text()
+    assert same_weights(final_state(tmp_path)["model"], final_state(Path(reference.spec.checkpoint.dir).parent)["model"]) == []
+
+
+def test_a_rank_killed_with_sigkill_ends_the_job_with_a_clear_error(
+    slurm_cluster: SlurmCluster, digits: Digits, tmp_path: Path
+) -> None:
+    spec = job_spec(tmp_path, digits, slurm_cluster, train={"epochs": 100, "collective_timeout_s": 60})
+    job_id = sbatch(slurm_cluster, spec)
+    wait_for_output(lambda: output_of(spec, job_id), "step 3/")
+    os.kill(task_pid(job_id, rank=1), signal.SIGKILL)
+    killed_at = time.monotonic()
+    state = wait_for_job(slurm_cluster, job_id, timeout_s=spec.train.collective_timeout_s + 60)
+    print(f"job ended {time.monotonic() - killed_at:.1f} s after the kill")
+    output = output_of(spec, job_id)
+    assert state == "FAILED", output
+    assert "task 1: Killed" in output  # srun names the task that died
+    assert "lost contact with another rank" in output or "Terminating StepId" in output
+
+
+def task_pid(job_id: str, rank: int) -> int:
+    """The pid of the trainer process of task ``rank`` of ``job_id`` (the emulated nodes are local)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = set((entry / "environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        if b"lance_hpc.run" in command and {f"SLURM_JOB_ID={job_id}".encode(), f"SLURM_PROCID={rank}".encode()} <= environ:
+            return int(entry.name)
+    raise AssertionError(f"task {rank} of job {job_id} not found")
+
