@@ -23,7 +23,7 @@ from datetime import timedelta
 from typing import Any, Iterator
 
 from lance_hpc.bench.configs import Measurement, Result
-from lance_hpc.bench.memory import MemorySampler
+from lance_hpc.bench.resources import ResourceSampler
 
 # How many pixel values of each image go into its fingerprint (a strided sample of the tensor).
 FINGERPRINT_VALUES = 4096
@@ -41,15 +41,15 @@ def fingerprints(images: Any) -> list[str]:
 
 def decode_limit(config: Measurement) -> Result:
     """One core decoding and resizing the same image bytes in a tight loop, times ``config.cores``."""
-    import lance
     import torch
     from torchvision.io import ImageReadMode, decode_image
     from torchvision.transforms.v2 import functional as F
 
+    from lance_hpc.data.storage import open_dataset, storage_options
+
     torch.set_num_threads(1)
-    dataset = lance.dataset(
-        config.lance_uri, version=config.data.get("version"), storage_options=config.data.get("storage_options") or None
-    )
+    options = storage_options(config.lance_uri, config.data.get("storage_options"))  # credentials from the environment
+    dataset = open_dataset(config.lance_uri, config.data.get("version"), options)
     rows = min(DECODE_SAMPLE, dataset.count_rows())
     column = config.data.get("image_column", "image")
     encoded = [
@@ -62,12 +62,12 @@ def decode_limit(config: Measurement) -> Result:
         return F.resize(decode_image(data, mode=ImageReadMode.RGB), size, antialias=True)
 
     decode(encoded[0])  # warm up kernels and allocations
-    images, start = 0, time.perf_counter()
+    images, start, cpu_start = 0, time.perf_counter(), time.process_time()
     while time.perf_counter() - start < config.seconds:
         for data in encoded:
             decode(data)
         images += len(encoded)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     return Result(
         label=config.label,
         dataset=config.dataset,
@@ -79,6 +79,7 @@ def decode_limit(config: Measurement) -> Result:
         main_rss_mib=0.0,
         worker_rss_mib=0.0,
         worker_growth_mib=0.0,
+        cpu_ms_per_image=1000 * cpu / images,
     )
 
 
@@ -119,23 +120,25 @@ class _Lockstep:
 
 def measure(config: Measurement) -> Result:
     """Time to first batch, then the steady rate over the window (or the whole epoch)."""
-    from lance_hpc.bench.pipelines import batch_images, build_pipeline
+    from lance_hpc.bench.pipelines import batch_images, build_pipeline, import_modules
 
+    import_modules(config)
     lockstep = _Lockstep(config)
     seen: list[str] = []
-    with MemorySampler() as memory:
-        window_origin = memory.started_at
+    with ResourceSampler() as resources:
         start = time.perf_counter()
         pipeline = build_pipeline(config)
         batches: Iterator[Any] = iter(pipeline)
         first = next(batches, None)
         first_at = time.perf_counter()
+        at_first = resources.mark()
         if not lockstep.all_have_batch(first is not None):
             raise RuntimeError("the pipeline yielded no batch")
         if config.fingerprint:
             seen += fingerprints(batch_images(first))
         images = count = 0
         epoch_done = False
+        batch = first
         while config.full_epoch or time.perf_counter() - first_at < config.seconds:
             batch = next(batches, None)
             if not lockstep.all_have_batch(batch is not None):
@@ -147,7 +150,8 @@ def measure(config: Measurement) -> Result:
             if config.fingerprint:
                 seen += fingerprints(image_tensor)
         end = time.perf_counter()
-        del batches, pipeline  # shut the workers down before the last memory sample
+        at_end = resources.mark()
+        del batches, pipeline, first, batch  # shut the workers down
     lockstep.close()
     elapsed = end - first_at
     return Result(
@@ -162,8 +166,8 @@ def measure(config: Measurement) -> Result:
         world_size=config.world_size,
         epoch_done=epoch_done,
         fingerprints=seen,
-        worker_rss_timeline=memory.worker_timeline(first_at - window_origin),
-        **memory.summary(first_at - window_origin, end - window_origin),
+        worker_rss_timeline=resources.worker_timeline(at_first),
+        **resources.summary(at_first, at_end, images),
     )
 
 

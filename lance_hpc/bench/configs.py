@@ -52,6 +52,7 @@ class Result:
     main_rss_mib: float
     worker_rss_mib: float
     worker_growth_mib: float
+    cpu_ms_per_image: float = 0.0  # main process and workers, over the window
     rank: int = 0
     world_size: int = 1
     epoch_done: bool = False

@@ -124,6 +124,19 @@ PIPELINES: dict[str, Builder] = {
 }
 
 
+def import_modules(config: Measurement) -> None:
+    """Import what the pipeline needs before the clock starts: a training script has torch,
+    torchvision and its data library loaded long before it asks for the first batch."""
+    import lance  # noqa: F401
+    import torch  # noqa: F401
+    import torchvision  # noqa: F401
+
+    if config.kind == "lance_hpc":
+        import lance_hpc.data  # noqa: F401
+    else:
+        import lance.torch.data  # noqa: F401
+
+
 def build_pipeline(config: Measurement) -> Iterable[Any]:
     """The pipeline named by ``config.kind``; an unknown name lists the valid ones."""
     try:

@@ -62,7 +62,7 @@ def table_rows(summaries: Sequence[Summary]) -> tuple[list[str], list[list[str]]
     by_label = {summary.label: summary for summary in summaries}
     base = {label: by_label[label].images_per_s if label in by_label else 0.0 for label in (DECODE_LIMIT, *PEERS)}
     header = ["configuration", "images/s (min-max)", "x decode limit", "x ref map", "x ref iterable",
-              "x ImageFolder", "first batch s", "main RSS MiB", "worker RSS MiB", "worker growth MiB"]
+              "x ImageFolder", "CPU ms/img", "first batch s", "main RSS MiB", "worker RSS MiB", "worker growth MiB"]
     rows = []
     for summary in summaries:
         rate = summary.images_per_s
@@ -72,6 +72,7 @@ def table_rows(summaries: Sequence[Summary]) -> tuple[list[str], list[list[str]]
             _rate(summary),
             _ratio(rate, base[DECODE_LIMIT]),
             *(_ratio(rate, base[peer]) for peer in PEERS),
+            f"{summary.cpu_ms_per_image:.2f}" if summary.ok_runs else "-",
             "-" if is_limit else f"{summary.first_batch_s:.2f}",
             "-" if is_limit else f"{summary.main_rss_mib:,.0f}",
             "-" if is_limit or not summary.worker_rss_mib else f"{summary.worker_rss_mib:,.0f}",
@@ -174,8 +175,8 @@ def bar_chart(tables: dict[str, Sequence[Summary]], path: Path, title: str) -> N
         if limit:
             axis.axvline(limit, color="#d62728", linestyle="--", label=f"decode limit {limit:,.0f} img/s")
             axis.legend(loc="lower right", fontsize=8)
-        for y, rate in enumerate(rates):
-            axis.text(rate, y, f" {rate:,.0f}", va="center", fontsize=8)
+        for y, (rate, above) in enumerate(zip(rates, high)):
+            axis.text(rate + above, y, f"  {rate:,.0f}", va="center", fontsize=8)
         axis.set_title(name, fontsize=10)
         axis.set_xlabel("images/s (median; bars span min-max)")
     figure.suptitle(title, fontsize=10)

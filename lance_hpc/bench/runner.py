@@ -121,6 +121,16 @@ class Summary:
         return statistics.median(values) if values else 0.0
 
     @property
+    def cpu_ms_per_image(self) -> float:
+        """Median over runs of the CPU time (main process and workers, all ranks) per image."""
+        values = [
+            sum(r.cpu_ms_per_image * r.images for r in run) / max(1, sum(r.images for r in run)) if len(run) > 1
+            else run[0].cpu_ms_per_image
+            for run in self.ok_runs
+        ]
+        return statistics.median(values) if values else 0.0
+
+    @property
     def first_batch_s(self) -> float:
         return self._median("first_batch_s")
 
