@@ -25,7 +25,11 @@ from lance_hpc.env import DistEnv
 
 NAME_PATTERN = re.compile(r"^step-(\d+)\.pt$")
 TEMP_SUFFIX = ".tmp"
-PREEMPTION_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+# USR2: SLURM's --signal before the time limit, or submitit's preemption signal: save and requeue.
+REQUEUE_SIGNAL = signal.SIGUSR2
+# SIGTERM: scancel, or a preemption that SLURM requeues by itself: save and stop.
+STOP_SIGNAL = signal.SIGTERM
+PREEMPTION_SIGNALS = (STOP_SIGNAL, REQUEUE_SIGNAL)  # in rising precedence
 
 
 def checkpoint_path(directory: str | Path, step: int) -> Path:
@@ -133,12 +137,14 @@ class Preemption:
     previous handlers (submitit's, in a submitit job) are kept in :attr:`previous`.
     """
 
-    def __init__(self) -> None:
-        self.received: int | None = None
+    def __init__(self, signals: tuple[int, ...] = PREEMPTION_SIGNALS) -> None:
+        self.signals = signals
+        self.received: int | None = None  # the strongest signal this rank got
+        self.agreed_signal: int | None = None  # after agreed(): the strongest any rank got
         self.previous: dict[int, Any] = {}
 
     def __enter__(self) -> Preemption:
-        for signum in PREEMPTION_SIGNALS:
+        for signum in self.signals:
             self.previous[signum] = signal.signal(signum, self._on_signal)
         return self
 
@@ -147,13 +153,16 @@ class Preemption:
             signal.signal(signum, handler)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self.received = signum
+        if self.received is None or PREEMPTION_SIGNALS.index(signum) > PREEMPTION_SIGNALS.index(self.received):
+            self.received = signum
 
     def agreed(self, device: torch.device) -> bool:
-        """Collective: True on every rank when any rank received a signal."""
-        flag = torch.tensor(0 if self.received is None else 1, device=device)
+        """Collective: True on every rank when any rank received a signal (then see agreed_signal)."""
+        code = 0 if self.received is None else PREEMPTION_SIGNALS.index(self.received) + 1
+        flag = torch.tensor(code, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        self.agreed_signal = PREEMPTION_SIGNALS[int(flag.item()) - 1] if flag.item() else None
+        return self.agreed_signal is not None
 
 
 def requeue_sbatch(env: DistEnv, max_requeues: int) -> tuple[bool, str]:

@@ -30,10 +30,18 @@ EXIT_FAILED, EXIT_USER_ERROR, EXIT_STOPPED = 1, 2, 3
 Requeue = Callable[[DistEnv, JobSpec, checkpoint.Preemption], tuple[bool, str]]
 
 
+def after_preemption(env: DistEnv, spec: JobSpec, preemption: checkpoint.Preemption, requeue: Requeue) -> tuple[bool, str]:
+    """Rank 0's decision once the ranks stopped on a signal: only USR2 asks for a requeue."""
+    if preemption.agreed_signal != checkpoint.REQUEUE_SIGNAL:
+        return False, ("not requeued: a cancelled job ends here and SLURM requeues a preempted one itself; "
+                       "run or submit it again to resume from the checkpoint")
+    return requeue(env, spec, preemption)
+
+
 def requeue_with_scontrol(env: DistEnv, spec: JobSpec, preemption: checkpoint.Preemption) -> tuple[bool, str]:
     """sbatch jobs: ``scontrol requeue`` up to slurm.max_requeues; other launchers just stop."""
     if env.launcher != "slurm":
-        return False, "stopped by a signal; run the same command again to resume from the checkpoint"
+        return False, "run the same command again to resume from the checkpoint"
     return checkpoint.requeue_sbatch(env, spec.slurm.max_requeues)
 
 
@@ -52,22 +60,25 @@ def requeue_with_submitit(env: DistEnv, spec: JobSpec, preemption: checkpoint.Pr
     return False, "submitit did not requeue the job"
 
 
-def run_job(spec_file: str, requeue: Requeue) -> trainer.Summary:
+def run_job(
+    spec_file: str, requeue: Requeue, signals: tuple[int, ...] = checkpoint.PREEMPTION_SIGNALS
+) -> trainer.Summary:
     """Train this rank's part of the job described by ``spec_file``; requeue it when preempted."""
     spec = load_spec(spec_file).spec
     env = detect()
     try:
-        with checkpoint.Preemption() as preemption, process_group(env, spec.train.collective_timeout_s) as device:
+        with checkpoint.Preemption(signals) as preemption, process_group(env, spec.train.collective_timeout_s) as device:
             on_main_rank(lambda: data.ensure_dataset(spec.data), "prepare the dataset")
             summary = trainer.train(spec, env, device, preemption)
             if summary.status == "preempted":
                 outcome: list[Any] = [None]
                 if env.is_main:
-                    outcome[0] = requeue(env, spec, preemption)
+                    outcome[0] = after_preemption(env, spec, preemption, requeue)
                 dist.broadcast_object_list(outcome, src=0)
                 requeued, message = outcome[0]
                 if env.is_main:
-                    print(f"preempted at step {summary.step}; checkpoint {summary.checkpoint}; {message}", flush=True)
+                    name = signal.Signals(preemption.agreed_signal).name
+                    print(f"stopped at step {summary.step} by {name}; checkpoint {summary.checkpoint}; {message}", flush=True)
                 return dataclasses.replace(summary, status="requeued" if requeued else "stopped")
             dist.barrier()  # rank 0 hosts the rendezvous store: nobody leaves while others still use it
             return summary
@@ -105,7 +116,8 @@ class SubmititJob(submitit.helpers.Checkpointable):
         self.spec_file = str(spec_file)
 
     def __call__(self) -> dict[str, Any]:
-        summary = run_job(self.spec_file, requeue_with_submitit)
+        # submitit's protocol: USR2 checkpoints and requeues; SIGTERM keeps submitit's handler (it logs it)
+        summary = run_job(self.spec_file, requeue_with_submitit, signals=(checkpoint.REQUEUE_SIGNAL,))
         if summary.status == "requeued":
             sys.exit(-1)  # as submitit's handler does: a requeued task leaves no result behind
         return dataclasses.asdict(summary)

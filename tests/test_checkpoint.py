@@ -125,13 +125,15 @@ def test_failed_save_raises_instead_of_hanging(tmp_path: Path, single_rank: torc
 
 
 def test_preemption_signal_only_sets_a_flag(single_rank: torch.device) -> None:
-    before = signal.getsignal(signal.SIGUSR2)
+    before = signal.getsignal(signal.SIGUSR2), signal.getsignal(signal.SIGTERM)
     with checkpoint.Preemption() as preemption:
-        assert not preemption.agreed(single_rank)
+        assert not preemption.agreed(single_rank) and preemption.agreed_signal is None
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert preemption.agreed(single_rank) and preemption.agreed_signal == signal.SIGTERM
         os.kill(os.getpid(), signal.SIGUSR2)
-        assert preemption.received == signal.SIGUSR2
-        assert preemption.agreed(single_rank)
-    assert signal.getsignal(signal.SIGUSR2) == before
+        os.kill(os.getpid(), signal.SIGTERM)  # a later SIGTERM does not take back the requeue request
+        assert preemption.agreed(single_rank) and preemption.agreed_signal == signal.SIGUSR2
+    assert (signal.getsignal(signal.SIGUSR2), signal.getsignal(signal.SIGTERM)) == before
 
 
 def test_no_requeue_beyond_max_requeues() -> None:

@@ -142,7 +142,7 @@ def test_usr2_mid_epoch_requeues_and_resumes_to_the_same_weights(
     assert job_state(slurm_cluster, job_id)[1] == 1, output
     assert f"requeued job {job_id} (requeue 1 of at most 2)" in output and "restart 1" in output
 
-    step, path = re.search(r"preempted at step (\d+); checkpoint (\S+?);", output).groups()
+    step, path = re.search(r"stopped at step (\d+) by SIGUSR2; checkpoint (\S+?);", output).groups()
     assert f"resuming from {path} at step {step}" in output
     stopped = torch.load(path, map_location="cpu", weights_only=True)
     assert stopped["mid_epoch"] and steps_per_epoch(spec) < stopped["step"] < 2 * steps_per_epoch(spec)
@@ -165,8 +165,23 @@ def test_submitit_preemption_checkpoints_requeues_and_resumes(
     assert job_state(slurm_cluster, job.job_id)[1] == 1
     result = job.task(0).result()
     assert result["status"] == "completed" and result["val_accuracy"] >= 0.90
-    assert "requeued by submitit" in Path(job.paths.stdout).read_text()
+    assert "by SIGUSR2; checkpoint" in Path(job.paths.stdout).read_text() and "requeued by submitit" in Path(job.paths.stdout).read_text()
     assert same_weights(final_state(tmp_path)["model"], final_state(Path(reference.spec.checkpoint.dir).parent)["model"]) == []
+
+
+def test_scancel_saves_a_checkpoint_and_ends_without_requeue(
+    slurm_cluster: SlurmCluster, digits: Digits, tmp_path: Path
+) -> None:
+    spec = job_spec(tmp_path, digits, slurm_cluster, train={"epochs": 100})
+    job_id = sbatch(slurm_cluster, spec)
+    wait_for_output(lambda: output_of(spec, job_id), "step 3/")
+    subprocess.run(["scancel", job_id], env=environ(slurm_cluster), check=True)  # SIGTERM to every task
+    assert wait_for_job(slurm_cluster, job_id, 120) == "CANCELLED"
+    time.sleep(5)  # long enough for a wrongful requeue to show
+    assert job_state(slurm_cluster, job_id) == ("CANCELLED", 0)
+    output = output_of(spec, job_id)
+    step, path = re.search(r"stopped at step (\d+) by SIGTERM; checkpoint (\S+?); not requeued", output).groups()
+    assert torch.load(path, map_location="cpu", weights_only=True)["step"] == int(step)
 
 
 def test_a_rank_killed_with_sigkill_ends_the_job_with_a_clear_error(

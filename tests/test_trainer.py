@@ -27,7 +27,7 @@ from lance_hpc.env import DistEnv, detect, process_group
 from lance_hpc.errors import UserError
 from lance_hpc.metrics import TAGS
 from lance_hpc.models import MODELS, build_model
-from lance_hpc.run import EXIT_STOPPED
+from lance_hpc.run import EXIT_STOPPED, after_preemption
 from lance_hpc.spec import load_spec
 from tests.trainer_jobs import (
     FINAL_ACCURACY,
@@ -83,6 +83,23 @@ def test_one_rank_with_grad_accumulation_and_max_steps(tmp_path: Path, digits) -
     assert [step for step, _ in logged["train/loss"]] == [5]
     loader = data.build_train_loader(spec.data, 0, 1)
     assert math.ceil(loader.steps_per_epoch / 3) > 5  # so max_steps, not the epoch, ended the run
+
+
+def test_only_usr2_requeues_sigterm_stops(tmp_path: Path, digits) -> None:
+    spec = load_spec(write_spec(tmp_path, digits)).spec
+    env = DistEnv("slurm", 0, 0, 4, 2, 0, 2, "node1", 20001, job_id="7")
+    preemption = Preemption()
+    asked = []
+
+    def requeue(*args: object) -> tuple[bool, str]:
+        asked.append(args)
+        return True, "requeued"
+
+    preemption.agreed_signal = signal.SIGTERM
+    requeued, message = after_preemption(env, spec, preemption, requeue)
+    assert not requeued and not asked and "a cancelled job ends here" in message
+    preemption.agreed_signal = signal.SIGUSR2
+    assert after_preemption(env, spec, preemption, requeue) == (True, "requeued") and len(asked) == 1
 
 
 def test_resume_refuses_another_world_size_mid_epoch() -> None:
@@ -204,7 +221,7 @@ def test_interrupted_run_resumes_to_the_same_weights(reference_run: FinishedRun,
     interrupted.send_signal(signal.SIGUSR2)
     output = interrupted.communicate(timeout=120)[0]
     assert interrupted.returncode == EXIT_STOPPED, output
-    assert "preempted at step" in output and "run the same command again to resume" in output
+    assert "by SIGUSR2; checkpoint" in output and "run the same command again to resume" in output
     stopped_path, stopped = load_latest(tmp_path / "checkpoints")
     assert stopped["mid_epoch"] and steps_per_epoch < stopped["step"] < 2 * steps_per_epoch
 
