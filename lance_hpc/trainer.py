@@ -283,6 +283,8 @@ def evaluate(run: Run) -> dict[str, float] | None:
     if run.spec.data.val_uri is None:
         return None
     model = run.model.module
+    for buffer in model.buffers():  # BatchNorm statistics drift apart per rank: evaluate rank 0's, the saved ones
+        dist.broadcast(buffer, src=0)
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=run.device)  # loss sum, correct, count
     for images, labels in data.build_eval_loader(run.spec.data, run.env.rank, run.env.world_size,
