@@ -110,9 +110,10 @@ def load_latest(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:
 def capture_rng() -> dict[str, Any]:
     """This process's random number generator states, in types torch.load(weights_only=True) reads."""
     numpy_state = np.random.get_state(legacy=False)
+    numpy_key = torch.from_numpy(numpy_state["state"]["key"].astype(np.int64))
     return {
         "python": random.getstate(),
-        "numpy": {**numpy_state, "state": {**numpy_state["state"], "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64))}},
+        "numpy": {**numpy_state, "state": {**numpy_state["state"], "key": numpy_key}},
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
     }

@@ -70,7 +70,8 @@ class TensorBoardLogger:
     def log_hparams(self, hparams: Mapping[str, Any]) -> None:
         from torch.utils.tensorboard.summary import hparams as hparams_summaries
 
-        values = {key: value if isinstance(value, (int, float, str, bool)) else str(value) for key, value in hparams.items()}
+        plain = (int, float, str, bool)
+        values = {key: value if isinstance(value, plain) else str(value) for key, value in hparams.items()}
         # into this run's own event file (SummaryWriter.add_hparams would start a separate run)
         for summary in hparams_summaries(values, dict.fromkeys(HPARAM_METRICS, 0.0)):
             self.writer.file_writer.add_summary(summary)

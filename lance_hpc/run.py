@@ -30,7 +30,9 @@ EXIT_FAILED, EXIT_USER_ERROR, EXIT_STOPPED = 1, 2, 3
 Requeue = Callable[[DistEnv, JobSpec, checkpoint.Preemption], tuple[bool, str]]
 
 
-def after_preemption(env: DistEnv, spec: JobSpec, preemption: checkpoint.Preemption, requeue: Requeue) -> tuple[bool, str]:
+def after_preemption(
+    env: DistEnv, spec: JobSpec, preemption: checkpoint.Preemption, requeue: Requeue
+) -> tuple[bool, str]:
     """Rank 0's decision once the ranks stopped on a signal: only USR2 asks for a requeue."""
     if preemption.agreed_signal != checkpoint.REQUEUE_SIGNAL:
         return False, ("not requeued: a cancelled job ends here and SLURM requeues a preempted one itself; "
@@ -67,7 +69,8 @@ def run_job(
     spec = load_spec(spec_file).spec
     env = detect()
     try:
-        with checkpoint.Preemption(signals) as preemption, process_group(env, spec.train.collective_timeout_s) as device:
+        timeout_s = spec.train.collective_timeout_s
+        with checkpoint.Preemption(signals) as preemption, process_group(env, timeout_s) as device:
             on_main_rank(lambda: data.ensure_dataset(spec.data), "prepare the dataset")
             summary = trainer.train(spec, env, device, preemption)
             if summary.status == "preempted":
@@ -78,7 +81,8 @@ def run_job(
                 requeued, message = outcome[0]
                 if env.is_main:
                     name = signal.Signals(preemption.agreed_signal).name
-                    print(f"stopped at step {summary.step} by {name}; checkpoint {summary.checkpoint}; {message}", flush=True)
+                    print(f"stopped at step {summary.step} by {name}; checkpoint {summary.checkpoint}; {message}",
+                          flush=True)
                 return dataclasses.replace(summary, status="requeued" if requeued else "stopped")
             dist.barrier()  # rank 0 hosts the rendezvous store: nobody leaves while others still use it
             return summary

@@ -99,7 +99,8 @@ def train(spec: JobSpec, env: DistEnv, device: torch.device, preemption: checkpo
         run.logger.close()
     report_final(run, metrics)
     metrics = metrics or {}
-    return Summary("completed", run.step, run.epoch, str(saved) if saved else None, metrics.get("val/accuracy"), metrics.get("val/loss"))
+    return Summary("completed", run.step, run.epoch, str(saved) if saved else None,
+                   metrics.get("val/accuracy"), metrics.get("val/loss"))
 
 
 def configure_process(train_spec: TrainSpec, env: DistEnv, device: torch.device) -> None:
@@ -153,7 +154,8 @@ def build_run(spec: JobSpec, env: DistEnv, device: torch.device, resumed: tuple[
                                   find_unused_parameters=spec.train.deterministic)
     step = state["step"] if state else 0
     logger = build_logger(spec.logging.tensorboard_dir, env.is_main, purge_step=step if state else None)
-    logger.log_hparams({**flatten(spec.to_dict()), "world_size": env.world_size, "peak_lr": peak_lr(spec, env.world_size)})
+    hparams = {**flatten(spec.to_dict()), "world_size": env.world_size, "peak_lr": peak_lr(spec, env.world_size)}
+    logger.log_hparams(hparams)
     run = Run(spec, env, device, loader, ddp, optimizer, scheduler, logger, steps_per_epoch, total_steps, step)
     if state:
         optimizer.load_state_dict(state["optimizer"])
@@ -175,7 +177,7 @@ def pinned_data(data_spec: DataSpec, state: dict | None) -> DataSpec:
     if data_spec.version is not None and data_spec.version != version:
         raise UserError(
             f"data.version is {data_spec.version} but the checkpoint was trained on version {version}\n"
-            "  fix: remove data.version to resume, or set checkpoint.resume: false (or a new checkpoint.dir) to start over"
+            "  fix: remove data.version to resume, or start over with checkpoint.resume: false and a new checkpoint.dir"
         )
     return data_spec.model_copy(update={"version": version})
 
@@ -235,7 +237,8 @@ def train_epoch(run: Run, preemption: checkpoint.Preemption) -> str:
                 run.logger.log(scalars, run.step)
                 progress.set_postfix(loss=f"{scalars['train/loss']:.3f}", acc=f"{scalars['train/accuracy']:.3f}")
                 if run.env.is_main and not run.spec.logging.progress:
-                    print(f"step {run.step}/{run.total_steps}: " + ", ".join(f"{k} {v:.4g}" for k, v in scalars.items()), flush=True)
+                    values = ", ".join(f"{tag} {value:.4g}" for tag, value in scalars.items())
+                    print(f"step {run.step}/{run.total_steps}: {values}", flush=True)
             if end_of_epoch:
                 return "epoch_end"
             if run.step >= run.total_steps:
