@@ -96,7 +96,7 @@ def run_peer_benchmark(args: argparse.Namespace) -> int:
     cores = len(os.sched_getaffinity(0))
     workers = args.workers or cores
     runs = args.runs or (1 if args.tiny else 3)
-    seconds = args.seconds or (1.0 if args.tiny else 3.0)
+    seconds = args.seconds or (0.5 if args.tiny else 2.0)
     machine = report.machine_description()
     print(f"lance_hpc loader benchmark on {machine}")
     sets = [prepare(spec, out / "data") for spec in data_sets(args.tiny)]
@@ -208,8 +208,9 @@ def run_job_benchmark(args: argparse.Namespace) -> int:
     keep = [0, 1, 2, 6, 7, 8, 9, 10]  # the peers' ratio columns do not apply here
     print()
     print(report.format_text([header[i] for i in keep], [[row[i] for i in keep] for row in rows]))
-    print(f"\nimages/s is one rank's loader on this machine's {cores} cores; a GPU step that needs more images/s "
-          "than this waits on data: raise num_workers (up to the cores per task) or check decode cost.")
+    print(f"\nimages/s is one rank's loader on this machine's {cores} cores (the job asks for "
+          f"slurm.cpus_per_task: {spec.slurm.cpus_per_task}). A training step that consumes images faster than this "
+          "waits on data: raise data.num_workers up to the cores per task, or lower the decode cost (image size).")
     failures = [error for summary in summaries for error in summary.errors]
     for error in failures:
         print(f"failed: {error.strip().splitlines()[-1]}", file=sys.stderr)
