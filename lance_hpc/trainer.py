@@ -224,7 +224,9 @@ def train_epoch(run: Run, preemption: checkpoint.Preemption) -> str:
     accum = run.spec.train.grad_accum
     batches = iter(run.loader)
     epoch_watch = Stopwatch()
-    with tqdm(total=run.steps_per_epoch, initial=first, desc=f"epoch {epoch + 1}", leave=False,
+    # In a SLURM log (no terminal) a bar redrawn ten times a second buries everything else.
+    redraw_s = 0.1 if sys.stdout.isatty() else 30.0
+    with tqdm(total=run.steps_per_epoch, initial=first, desc=f"epoch {epoch + 1}", leave=False, mininterval=redraw_s,
               disable=not (run.env.is_main and run.spec.logging.progress), file=sys.stdout) as progress:
         for index in range(first, last):
             train_step(run, batches, micro_batches=min(accum, run.loader.steps_per_epoch - index * accum))

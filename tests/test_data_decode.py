@@ -71,6 +71,14 @@ def test_train_transform_is_deterministic_per_generator_and_eval_has_no_randomne
     assert torch.equal(*evaluated)
 
 
+def test_without_augmentation_evaluation_sees_what_training_sees():
+    images = pa.array(photo_bytes(3), pa.binary())
+    trained = decode_batch(images, np.zeros(3), np.arange(3), Transform(24, train=True, augment="none"), rng()).images
+    evaluated = decode_batch(images, np.zeros(3), np.arange(3), Transform(24, train=False, augment="none"), rng()).images
+    cropped = decode_batch(images, np.zeros(3), np.arange(3), Transform(24, train=False), rng()).images
+    assert torch.equal(trained, evaluated) and not torch.equal(evaluated, cropped)
+
+
 def test_random_resized_crop_box_stays_inside_the_image():
     generator = np.random.default_rng(1)
     for height, width in [(10, 10), (300, 40), (40, 300), (1, 1), (500, 375)]:

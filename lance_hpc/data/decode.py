@@ -62,11 +62,11 @@ class Transform:
         import torchvision.transforms.v2.functional as F
 
         size = self.image_size
+        if self.augment == "none":  # evaluation sees the same geometry as training
+            return F.resize(image, [size, size], antialias=True)
         if not self.train:
             short = round(size / EVAL_CROP_FRACTION)
             return F.center_crop(F.resize(image, [short], antialias=True), [size, size])
-        if self.augment == "none":
-            return F.resize(image, [size, size], antialias=True)
         top, left, height, width = random_resized_crop_box(image.shape[-2], image.shape[-1], rng)
         image = F.resized_crop(image, top, left, height, width, [size, size], antialias=True)
         if self.augment == "crop_flip" and rng.random() < 0.5:

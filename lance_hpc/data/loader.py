@@ -184,7 +184,7 @@ class EvalLoader:
         self.rows = sum(len(batch) for batch in self.batches)
         reader = BatchReader(
             data.val_uri, self.dataset_version, options, data.image_column, data.label_column,
-            Transform(data.image_size, train=False), data.on_corrupt, data.seed, rank,
+            Transform(data.image_size, train=False, augment=data.augment), data.on_corrupt, data.seed, rank,
         )
         self._loader = _data_loader(
             LanceMapDataset(reader, rows), data, pin_memory, True, batch_sampler=_FixedBatches(self.batches)
