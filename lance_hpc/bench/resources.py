@@ -60,6 +60,24 @@ def _proc_children(pid: int) -> list[int]:
     return found
 
 
+def descendants(pid: int) -> list[int]:
+    """Pids of every descendant process of ``pid``."""
+    if psutil is None:
+        return _proc_children(pid)
+    try:
+        return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def command_line(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return cmdline.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def usage_tree(pid: int) -> tuple[Usage | None, dict[int, Usage]]:
     """Usage of ``pid`` itself and of each of its descendants, by pid."""
     if psutil is None:
