@@ -131,10 +131,11 @@ def measure(config: Measurement) -> Result:
         pipeline = build_pipeline(config)
         batches: Iterator[Any] = iter(pipeline)
         first = next(batches, None)
-        first_at = time.perf_counter()
-        at_first = resources.mark()
         if not lockstep.all_have_batch(first is not None):
             raise RuntimeError("the pipeline yielded no batch")
+        # After the first all-reduce: in DDP, every rank's clock starts when the slowest has its batch.
+        first_at = time.perf_counter()
+        at_first = resources.mark()
         if config.fingerprint:
             seen += fingerprints(batch_images(first))
         images = count = 0

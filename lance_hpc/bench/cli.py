@@ -110,7 +110,7 @@ def run_peer_benchmark(args: argparse.Namespace) -> int:
     load_after = os.getloadavg()[0]
 
     main_set = sets[0].spec.name
-    tables = {data.spec.name: [s for s in summaries if s.dataset == data.spec.name and s.label != DDP_LABEL] for data in sets}
+    tables = {data.spec.name: [s for s in summaries if s.dataset == data.spec.name] for data in sets}
     ddp = next((s for s in summaries if s.label == DDP_LABEL), None)
     single = next(s for s in tables[main_set] if s.label == DEFAULT_STRATEGY)
     check = None
@@ -125,20 +125,22 @@ def run_peer_benchmark(args: argparse.Namespace) -> int:
         "# lance_hpc loader benchmark", "",
         f"Machine: {machine}.", "",
         f"Each configuration ran {runs}x in a fresh process, interleaved; images/s is the median steady rate "
-        f"after the first batch ({seconds:g} s window; lance_hpc's default strategy reads the whole epoch). "
+        f"after the first batch ({seconds:g} s window; lance_hpc's default strategy and the DDP run read the whole epoch). "
         f"{workers} DataLoader workers for every pipeline that has workers (the reference iterable pipeline has none). "
         f"The decode limit is one core's torchvision decode + resize rate on the same bytes, times {cores} cores. "
-        f"Load average (1 min) {load_before:.1f} before, {load_after:.1f} after: other work on the machine shows as noise "
-        "in images/s, less so in CPU ms/img (main process and workers, per image read), which the machine's load "
-        "hardly changes; the decode limit's CPU ms/img is the floor.",
+        f"Load average (1 min) {load_before:.1f} before, {load_after:.1f} after: other work on the machine shows as "
+        "noise in images/s; CPU ms/img (main process and workers, per image read) moves less with the load and shows "
+        "the work each pipeline does per image, against the decode limit's floor.",
     ]
     for name, rows in tables.items():
         header, cells = report.table_rows(rows)
         text += ["", titles[name], report.format_text(header, cells)]
         markdown += ["", f"## {titles[name]}", "", report.format_markdown(header, cells)]
     if ddp is not None:
-        ddp_line = (f"2-rank DDP (gloo, {max(1, workers // DDP_RANKS)} worker(s) per rank): "
-                    f"{ddp.images_per_s:,.0f} img/s vs one process with {workers} workers {single.images_per_s:,.0f} img/s")
+        runs_text = ", ".join(f"{rate:,.0f}" for rate in ddp.rates())
+        ddp_line = (f"2-rank DDP (gloo, {max(1, workers // DDP_RANKS)} worker(s) per rank, an all-reduce every step): "
+                    f"{ddp.images_per_s:,.0f} img/s (runs: {runs_text}) vs one process with {workers} workers "
+                    f"{single.images_per_s:,.0f} img/s (runs: {', '.join(f'{rate:,.0f}' for rate in single.rates())})")
         text += ["", ddp_line]
         markdown += ["", "## DDP", "", ddp_line + "."]
     text += ["", "Targets (" + main_set + "):", *("  " + verdict.line() for verdict in verdicts)]
@@ -149,10 +151,9 @@ def run_peer_benchmark(args: argparse.Namespace) -> int:
         markdown += ["", "## Failed runs", "", *(f"- {line}" for line in failures)]
 
     chart = out / "results.png"
-    charted = {name: rows + ([ddp] if ddp is not None and name == main_set else []) for name, rows in tables.items()}
     chart.unlink(missing_ok=True)
     try:
-        report.bar_chart(charted, chart, f"lance_hpc loader benchmark - {machine.split(';')[0]}")
+        report.bar_chart(tables, chart, f"lance_hpc loader benchmark - {machine.split(';')[0]}")
         markdown += ["", f"![loader throughput]({chart.name})", ""]
     except ImportError:
         print("no chart: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
