@@ -53,6 +53,7 @@ class Result:
     worker_rss_mib: float
     worker_growth_mib: float
     cpu_ms_per_image: float = 0.0  # main process and workers, over the window
+    main_cpu_ms_per_image: float = 0.0  # the main process's share
     rank: int = 0
     world_size: int = 1
     epoch_done: bool = False

@@ -156,13 +156,14 @@ class ResourceSampler:
         if len(in_window) >= 2:
             start, end = in_window[0].workers, in_window[-1].workers
             growth = sum(end[pid].rss - start[pid].rss for pid in set(start) & set(end)) / MIB
-        cpu = (last.main.cpu_s - first.main.cpu_s) if first.main and last.main else 0.0
-        cpu += sum(last.workers[pid].cpu_s - first.workers[pid].cpu_s for pid in set(first.workers) & set(last.workers))
+        main_cpu = (last.main.cpu_s - first.main.cpu_s) if first.main and last.main else 0.0
+        worker_cpu = sum(last.workers[pid].cpu_s - first.workers[pid].cpu_s for pid in set(first.workers) & set(last.workers))
         return {
             "main_rss_mib": main_peak / MIB,
             "worker_rss_mib": worker_peak / MIB,
             "worker_growth_mib": growth,
-            "cpu_ms_per_image": 1000 * cpu / images if images else 0.0,
+            "cpu_ms_per_image": 1000 * (main_cpu + worker_cpu) / images if images else 0.0,
+            "main_cpu_ms_per_image": 1000 * main_cpu / images if images else 0.0,
         }
 
     def worker_timeline(self, first: Sample, points: int = 20) -> list[tuple[float, float]]:
