@@ -197,6 +197,6 @@ def run_rounds(
             log(
                 f"  run {round_index + 1}/{runs}  {config.dataset:<6} {config.label:<38} "
                 + (f"{rate:8,.0f} img/s" if not status else f"FAILED: {status}")
-                + f"  ({time.monotonic() - started:.0f} s)"
+                + f"  ({time.monotonic() - started:.0f} s, load {os.getloadavg()[0]:.1f})"
             )
     return list(summaries.values())
