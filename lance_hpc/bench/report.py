@@ -174,7 +174,7 @@ def bar_chart(tables: dict[str, Sequence[Summary]], path: Path, title: str) -> N
         limit = next((summary.images_per_s for summary in summaries if summary.label == DECODE_LIMIT), 0.0)
         if limit:
             axis.axvline(limit, color="#d62728", linestyle="--", label=f"decode limit {limit:,.0f} img/s")
-            axis.legend(loc="lower right", fontsize=8)
+            axis.legend(loc="upper right", fontsize=8)
         for y, (rate, above) in enumerate(zip(rates, high)):
             axis.text(rate + above, y, f"  {rate:,.0f}", va="center", fontsize=8)
         axis.set_title(name, fontsize=10)
