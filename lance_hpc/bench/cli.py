@@ -140,7 +140,8 @@ def run_peer_benchmark(args: argparse.Namespace) -> int:
         runs_text = ", ".join(f"{rate:,.0f}" for rate in ddp.rates())
         ddp_line = (f"2-rank DDP (gloo, {max(1, workers // DDP_RANKS)} worker(s) per rank, an all-reduce every step): "
                     f"{ddp.images_per_s:,.0f} img/s (runs: {runs_text}) vs one process with {workers} workers "
-                    f"{single.images_per_s:,.0f} img/s (runs: {', '.join(f'{rate:,.0f}' for rate in single.rates())})")
+                    f"{single.images_per_s:,.0f} img/s (runs: {', '.join(f'{rate:,.0f}' for rate in single.rates())}); "
+                    f"DDP / one process in each round: {', '.join(f'{d / o:.2f}x' for d, o in zip(ddp.rates(), single.rates()))}")
         text += ["", ddp_line]
         markdown += ["", "## DDP", "", ddp_line + "."]
     text += ["", "Targets (" + main_set + "):", *("  " + verdict.line() for verdict in verdicts)]
