@@ -24,7 +24,7 @@ from typing import Sequence
 from lance_hpc.bench import report
 from lance_hpc.bench.configs import Measurement
 from lance_hpc.bench.datasets import DataSet, DataSetSpec, prepare
-from lance_hpc.bench.runner import exactly_once, run_rounds
+from lance_hpc.bench.runner import Summary, exactly_once, run_rounds
 from lance_hpc.errors import UserError
 
 DEFAULT_OUT = "bench_out"
@@ -89,6 +89,15 @@ def _data_fields(data: DataSet, style: str, sampler: str, workers: int) -> dict:
     )
 
 
+def _paired_rates(first: Summary, second: Summary) -> list[tuple[float, float]]:
+    """Both configurations' rates in the rounds where both ran without error."""
+    return [
+        (Summary(first.label, first.dataset, [a]).images_per_s, Summary(second.label, second.dataset, [b]).images_per_s)
+        for a, b in zip(first.runs, second.runs)
+        if not any(result.error for result in a + b)
+    ]
+
+
 def run_peer_benchmark(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -141,7 +150,7 @@ def run_peer_benchmark(args: argparse.Namespace) -> int:
         ddp_line = (f"2-rank DDP (gloo, {max(1, workers // DDP_RANKS)} worker(s) per rank, an all-reduce every step): "
                     f"{ddp.images_per_s:,.0f} img/s (runs: {runs_text}) vs one process with {workers} workers "
                     f"{single.images_per_s:,.0f} img/s (runs: {', '.join(f'{rate:,.0f}' for rate in single.rates())}); "
-                    f"DDP / one process in each round: {', '.join(f'{d / o:.2f}x' for d, o in zip(ddp.rates(), single.rates()))}")
+                    f"DDP / one process in each round: {', '.join(f'{d / o:.2f}x' for d, o in _paired_rates(ddp, single))}")
         text += ["", ddp_line]
         markdown += ["", "## DDP", "", ddp_line + "."]
     text += ["", "Targets (" + main_set + "):", *("  " + verdict.line() for verdict in verdicts)]
