@@ -12,6 +12,8 @@ counts show up as an error instead of a hang.
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import hashlib
 import json
 import os
@@ -194,6 +196,12 @@ def _stop_workers() -> None:
             os.waitpid(pid, 0)
         except ChildProcessError:  # not a direct child, or already reaped
             pass
+    # A worker killed while torch was creating a shared-memory batch leaves its segment behind
+    # (torch unlinks it right after creation); the name carries the creating pid.
+    for pid in workers:
+        for leftover in glob.glob(f"/dev/shm/torch_{pid}_*"):
+            with contextlib.suppress(OSError):
+                os.unlink(leftover)
 
 
 def run(config: Measurement) -> Result:
