@@ -96,7 +96,7 @@ def test_cifar_style_arrays_are_encoded(tmp_path):
             return 7
 
     items = ingest_module.torchvision_items(FakeCifar(), "torchvision:FakeCifar")
-    data, label = items.read(2)
+    data, label = items[2]
     assert data[:3] == b"\xff\xd8\xff" and label == 2 and items.class_names == ("a", "b", "c")
 
 

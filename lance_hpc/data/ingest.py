@@ -26,37 +26,20 @@ import shutil
 import sys
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
 
 from lance_hpc.data import sources
+from lance_hpc.data.sources import ImageSource
 from lance_hpc.data.reader import CLASS_NAMES_KEY
 from lance_hpc.data.storage import dataset_exists, is_remote, storage_options
 from lance_hpc.errors import UserError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 WRITE_CHUNK_ROWS = 256
-
-
-@dataclass(frozen=True)
-class Items:
-    """Random access to (encoded image bytes, label) pairs of one split."""
-
-    name: str
-    class_names: tuple[str, ...]
-    length: int
-    read: Callable[[int], tuple[bytes, int]]
-
-    def __len__(self) -> int:
-        return self.length
-
-
-def _from_image_source(source: sources.ImageSource) -> Items:
-    return Items(source.name, source.class_names, len(source), source.__getitem__)
 
 
 def _parse_options(text: str) -> dict[str, int]:
@@ -69,7 +52,7 @@ def _parse_options(text: str) -> dict[str, int]:
     return options
 
 
-def imagefolder_items(directory: str | Path) -> Items:
+def imagefolder_items(directory: str | Path) -> ImageSource:
     """One sub-directory per class; files with image extensions, stored as their bytes."""
     root = Path(directory)
     if not root.is_dir():
@@ -82,11 +65,11 @@ def imagefolder_items(directory: str | Path) -> Items:
         ]
     if not files:
         raise UserError(f"imagefolder source {root} has no images in class sub-directories (e.g. {root}/cat/1.jpg)")
-    return Items(f"imagefolder:{root}", tuple(classes), len(files), lambda index: (files[index][0].read_bytes(), files[index][1]))
+    return ImageSource(f"imagefolder:{root}", tuple(classes), len(files), lambda index: (files[index][0].read_bytes(), files[index][1]))
 
 
-def torchvision_items(dataset: Any, name: str) -> Items:
-    """Items of a torchvision dataset object: file bytes when it keeps paths, else re-encoded pixels."""
+def torchvision_items(dataset: Any, name: str) -> ImageSource:
+    """ImageSource of a torchvision dataset object: file bytes when it keeps paths, else re-encoded pixels."""
     classes = tuple(str(c) for c in getattr(dataset, "classes", ()))
     if hasattr(dataset, "_image_files") and hasattr(dataset, "_labels"):  # Food101, Flowers102, ...
         paths, labels = list(dataset._image_files), [int(label) for label in dataset._labels]
@@ -101,10 +84,10 @@ def torchvision_items(dataset: Any, name: str) -> Items:
         read = lambda index: (sources.encode_image(dataset[index][0], "jpeg", 95), int(dataset[index][1]))  # noqa: E731
     if not classes:
         raise UserError(f"torchvision dataset {name} has no .classes attribute to name the labels")
-    return Items(name, classes, len(dataset), read)
+    return ImageSource(name, classes, len(dataset), read)
 
 
-def open_torchvision(name: str, root: str) -> tuple[Items, Items | None]:
+def open_torchvision(name: str, root: str) -> tuple[ImageSource, ImageSource | None]:
     """Train and (official) test split of ``torchvision.datasets.<name>`` at ``root``, no download."""
     import inspect
 
@@ -136,14 +119,14 @@ def open_torchvision(name: str, root: str) -> tuple[Items, Items | None]:
     return items[0], (items[1] if len(items) > 1 else None)
 
 
-def resolve_source(text: str) -> tuple[Items, Items | None]:
+def resolve_source(text: str) -> tuple[ImageSource, ImageSource | None]:
     """(train items, official validation items or None) for a source string."""
     kind, _, rest = text.partition(":")
     if kind == "sklearn-digits":
-        return _from_image_source(sources.sklearn_digits(**_parse_options(rest))), None
+        return sources.sklearn_digits(**_parse_options(rest)), None
     if kind == "skimage-photos":
         options = {"count": 2000, **_parse_options(rest)}
-        return _from_image_source(sources.skimage_photo_crops(**options)), None
+        return sources.skimage_photo_crops(**options), None
     if kind == "imagefolder" and rest:
         return imagefolder_items(rest), None
     if kind == "torchvision" and ":" in rest:
@@ -169,11 +152,11 @@ def schema_for(class_names: Sequence[str], source: str) -> pa.Schema:
     )
 
 
-def _batches(items: Items, indices: np.ndarray, schema: pa.Schema, progress: Any) -> Iterator[pa.RecordBatch]:
+def _batches(items: ImageSource, indices: np.ndarray, schema: pa.Schema, progress: Any) -> Iterator[pa.RecordBatch]:
     with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
         for start in range(0, len(indices), WRITE_CHUNK_ROWS):
             chunk = [int(index) for index in indices[start : start + WRITE_CHUNK_ROWS]]
-            rows = list(pool.map(items.read, chunk))
+            rows = list(pool.map(items.__getitem__, chunk))
             progress.update(len(rows))
             yield pa.record_batch(
                 [pa.array([data for data, _ in rows], pa.binary()), pa.array([label for _, label in rows], pa.int64())],
@@ -182,7 +165,7 @@ def _batches(items: Items, indices: np.ndarray, schema: pa.Schema, progress: Any
 
 
 def write_split(
-    items: Items,
+    items: ImageSource,
     indices: np.ndarray,
     uri: str,
     *,
