@@ -27,29 +27,76 @@ def rng():
 
 def test_decode_jpeg_and_png_to_rgb_uint8():
     jpeg = photo_bytes(1)[0]
-    image = decode_image(torch.frombuffer(bytearray(jpeg), dtype=torch.uint8))
+    image = decode_image(jpeg)
     assert image.dtype == torch.uint8 and image.shape[0] == 3 and 60 <= min(image.shape[1:]) <= 90
     pixels = np.zeros((10, 12, 3), dtype=np.uint8)
     pixels[..., 0] = 200
-    png = decode_image(torch.frombuffer(bytearray(encode_image(pixels, "png")), dtype=torch.uint8))
+    png = decode_image(np.frombuffer(encode_image(pixels, "png"), dtype=np.uint8))
     assert png.shape == (3, 10, 12) and int(png[0, 0, 0]) == 200
 
 
-def test_decode_falls_back_to_pil_for_formats_torchvision_lacks():
+def test_decode_falls_back_to_pil_for_formats_other_than_jpeg():
     import io
 
     from PIL import Image
 
     buffer = io.BytesIO()
     Image.new("RGB", (9, 7), (10, 20, 30)).save(buffer, format="BMP")
-    image = decode_image(torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8))
+    image = decode_image(buffer.getvalue())
     assert image.shape == (3, 7, 9) and image[:, 0, 0].tolist() == [10, 20, 30]
 
 
 @pytest.mark.parametrize("bad", [b"", b"not an image", b"\xff\xd8\xff" + b"truncated jpeg"])
 def test_undecodable_bytes_raise_value_error(bad):
     with pytest.raises(ValueError):
-        decode_image(torch.frombuffer(bytearray(bad), dtype=torch.uint8) if bad else torch.zeros(0, dtype=torch.uint8))
+        decode_image(bad)
+
+
+def test_cmyk_jpeg_that_libjpeg_turbo_refuses_decodes_through_pil():
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("CMYK", (8, 6), (0, 255, 255, 0)).save(buffer, format="JPEG")
+    image = decode_image(buffer.getvalue())
+    assert image.shape == (3, 6, 8) and image[0, 0, 0] > 200 and image[1, 0, 0] < 60
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torchvision's decoders, deprecated for TorchCodec
+def test_decode_matches_torchvision_within_rounding():
+    from torchvision.io import decode_jpeg
+
+    for jpeg in photo_bytes(3):
+        ours = decode_image(jpeg).int()
+        theirs = decode_jpeg(torch.frombuffer(bytearray(jpeg), dtype=torch.uint8)).int()
+        assert ours.shape == theirs.shape and (ours - theirs).abs().max() <= 1
+
+
+@pytest.mark.parametrize("size", [24, 61])
+def test_transforms_give_torchvision_pixels(size):
+    """Resize, centre crop and random resized crop + flip equal torchvision's v2 functions."""
+    import torchvision.transforms.v2.functional as F
+
+    for jpeg in photo_bytes(3):
+        image = decode_image(jpeg)
+        assert torch.equal(Transform(size, augment="none")(image.permute(1, 2, 0), rng()), F.resize(image, [size, size]))
+        short = round(size / 0.875)
+        expected = F.center_crop(F.resize(image, [short]), [size, size])
+        assert torch.equal(Transform(size, train=False)(image.permute(1, 2, 0), rng()), expected)
+        for seed in range(4):
+            generator = np.random.default_rng(seed)
+            top, left, height, width = random_resized_crop_box(image.shape[1], image.shape[2], generator)
+            expected = F.resized_crop(image, top, left, height, width, [size, size])
+            if generator.random() < 0.5:
+                expected = F.horizontal_flip(expected)
+            assert torch.equal(Transform(size)(image.permute(1, 2, 0), np.random.default_rng(seed)), expected)
+
+
+def test_batches_are_channels_last_so_images_copy_in_without_reordering():
+    images = pa.array(photo_bytes(2), pa.binary())
+    batch = decode_batch(images, np.arange(2), np.arange(2), Transform(16), rng()).images
+    assert batch.shape == (2, 3, 16, 16) and batch.is_contiguous(memory_format=torch.channels_last)
 
 
 @pytest.mark.parametrize("train,augment", [(True, "crop_flip"), (True, "crop"), (True, "none"), (False, "crop_flip")])

@@ -136,7 +136,7 @@ def run_peer_benchmark(args: argparse.Namespace) -> int:
         f"Each configuration ran {runs}x in a fresh process, interleaved; images/s is the median steady rate "
         f"after the first batch ({seconds:g} s window; lance_hpc's default strategy and the DDP run read the whole epoch). "
         f"{workers} DataLoader workers for every pipeline that has workers (the reference iterable pipeline has none). "
-        f"The decode limit is one core's torchvision decode + resize rate on the same bytes, times {cores} cores. "
+        f"The decode limit is one core's decode + resize rate on the same bytes (lance_hpc's decoder and resize, with no loader around them), times {cores} cores. "
         f"Load average (1 min) {load_before:.1f} before, {load_after:.1f} after: other work on the machine shows as "
         "noise in images/s; CPU ms/img (main process and workers, per image read) moves less with the load and shows "
         "the work each pipeline does per image, against the decode limit's floor.",

@@ -1,8 +1,11 @@
 """Image bytes to batched uint8 tensors: decode, train/eval transforms, and normalisation.
 
-JPEG goes through ``torchvision.io.decode_jpeg`` (about 3x faster than PIL here); other formats
-through torchvision's generic decoder, then PIL. Transforms work on uint8 tensors, so batches
-cross process boundaries at a quarter of the float size; :func:`normalize` runs on the device.
+JPEG goes through simplejpeg (libjpeg-turbo, straight into an H x W x 3 array); other formats, and
+JPEGs it refuses (CMYK, for one), through PIL. Pixels stay in that H x W x 3 layout from decode to
+batch: resizing keeps it (torch's uint8 antialiased kernel works on it without repacking) and the
+batch is allocated the same way, so each image lands in it with a plain copy. Batches are uint8
+``[B, 3, S, S]`` tensors in channels-last memory: they cross process boundaries at a quarter of
+the float size, and :func:`normalize` runs on the device. Workers never import torchvision.
 """
 
 from __future__ import annotations
@@ -10,12 +13,13 @@ from __future__ import annotations
 import io
 import logging
 import math
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import simplejpeg
 import torch
+import torch.nn.functional as nnf
 
 from lance_hpc.errors import UserError
 
@@ -30,9 +34,6 @@ CROP_LOG_RATIO = (math.log(3 / 4), math.log(4 / 3))
 # Evaluation resizes the short side to image_size / EVAL_CROP_FRACTION, then crops the centre.
 EVAL_CROP_FRACTION = 0.875
 AUGMENTS = ("crop_flip", "crop", "none")
-# torchvision 0.29 warns on every decode call that TorchCodec will take over image decoding; the
-# decoders still work and are what this module relies on, so batches do not repeat it.
-TORCHVISION_DECODE_NOTICE = "The image decoding and encoding capabilities of TorchVision"
 
 
 class CorruptImageError(UserError):
@@ -58,20 +59,38 @@ class Transform:
         if self.augment not in AUGMENTS:
             raise ValueError(f"unknown augment {self.augment!r}: use one of {', '.join(AUGMENTS)}")
 
-    def __call__(self, image: torch.Tensor, rng: np.random.Generator) -> torch.Tensor:
-        import torchvision.transforms.v2.functional as F
-
+    def __call__(self, pixels: torch.Tensor, rng: np.random.Generator) -> torch.Tensor:
+        """uint8 [H, W, 3] -> [3, S, S] in channels-last memory; the same pixels as torchvision's
+        Resize / CenterCrop / RandomResizedCrop + RandomHorizontalFlip with antialiasing."""
         size = self.image_size
         if self.augment == "none":  # evaluation sees the same geometry as training
-            return F.resize(image, [size, size], antialias=True)
+            return resize(pixels, size, size)
+        height, width = pixels.shape[0], pixels.shape[1]
         if not self.train:
             short = round(size / EVAL_CROP_FRACTION)
-            return F.center_crop(F.resize(image, [short], antialias=True), [size, size])
-        top, left, height, width = random_resized_crop_box(image.shape[-2], image.shape[-1], rng)
-        image = F.resized_crop(image, top, left, height, width, [size, size], antialias=True)
+            if height <= width:
+                height, width = short, int(short * width / height)
+            else:
+                height, width = int(short * height / width), short
+            top, left = int(round((height - size) / 2.0)), int(round((width - size) / 2.0))
+            return resize(pixels, height, width)[:, top : top + size, left : left + size]
+        top, left, height, width = random_resized_crop_box(height, width, rng)
+        image = resize(pixels[top : top + height, left : left + width], size, size)
         if self.augment == "crop_flip" and rng.random() < 0.5:
             image = image.flip(-1)
         return image
+
+
+def resize(pixels: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """uint8 [H, W, 3] -> [3, height, width], antialiased bilinear (torchvision's Resize), in
+    channels-last memory."""
+    if not pixels.is_contiguous():  # a crop: rows of the crop, one after the other
+        pixels = pixels.contiguous()
+    if (pixels.shape[0], pixels.shape[1]) == (height, width):
+        return pixels.permute(2, 0, 1)
+    # [1, H, W, 3] seen as [1, 3, H, W] has channels-last strides, so interpolate keeps the layout.
+    batch = pixels.unsqueeze(0).permute(0, 3, 1, 2)
+    return nnf.interpolate(batch, size=(height, width), mode="bilinear", align_corners=False, antialias=True)[0]
 
 
 def random_resized_crop_box(height: int, width: int, rng: np.random.Generator) -> tuple[int, int, int, int]:
@@ -96,46 +115,37 @@ def random_resized_crop_box(height: int, width: int, rng: np.random.Generator) -
     return (height - crop_height) // 2, (width - crop_width) // 2, crop_height, crop_width
 
 
-def decode_image(data: torch.Tensor) -> torch.Tensor:
-    """Encoded bytes (1-D uint8 tensor) -> RGB uint8 [3, H, W]; raises ValueError if undecodable."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=TORCHVISION_DECODE_NOTICE, category=DeprecationWarning)
-        return _decode_image(data)
+def decode_image(data: np.ndarray | bytes) -> torch.Tensor:
+    """Encoded bytes -> RGB uint8 [3, H, W] (a view of H x W x 3 memory); ValueError if undecodable."""
+    return decode_pixels(data).permute(2, 0, 1)
 
 
-def _decode_image(data: torch.Tensor) -> torch.Tensor:
-    from torchvision.io import ImageReadMode, decode_image as decode_any, decode_jpeg
-
-    if data.numel() == 0:
+def decode_pixels(data: np.ndarray | bytes) -> torch.Tensor:
+    """Encoded bytes (bytes or a 1-D uint8 array) -> RGB uint8 [H, W, 3]; ValueError if undecodable."""
+    if len(data) == 0:
         raise ValueError("empty image")
-    try:
-        if bytes(data[:3].tolist()) == JPEG_MAGIC:
-            return decode_jpeg(data, mode=ImageReadMode.RGB)
-        return decode_any(data, mode=ImageReadMode.RGB)
-    except RuntimeError as error:
-        first_error = str(error).split(",")[0]
+    jpeg_error = ""
+    if bytes(data[:3]) == JPEG_MAGIC:
+        try:
+            return torch.from_numpy(simplejpeg.decode_jpeg(data, colorspace="RGB"))
+        except ValueError as error:  # e.g. CMYK, which PIL converts
+            jpeg_error = f"{error}; "
     try:
         from PIL import Image
 
-        with Image.open(io.BytesIO(data.numpy().tobytes())) as image:
-            pixels = np.asarray(image.convert("RGB"))
-        return torch.from_numpy(pixels.copy()).permute(2, 0, 1)
+        with Image.open(io.BytesIO(data)) as image:
+            pixels = np.array(image.convert("RGB"))
     except Exception as error:  # PIL raises many types for bad bytes
-        raise ValueError(f"{first_error}; PIL: {error}") from None
+        raise ValueError(f"{jpeg_error}PIL: {error}") from None
+    return torch.from_numpy(pixels)
 
 
-def _output_batch(count: int, size: int) -> torch.Tensor:
-    """The uint8 batch tensor; in a DataLoader worker it is allocated in shared memory, so sending
-    it to the main process does not copy it again (what default_collate does for its stack)."""
-    shape = (count, 3, size, size)
-    if torch.utils.data.get_worker_info() is None:
-        return torch.empty(shape, dtype=torch.uint8)
-    prototype = torch.empty(0, dtype=torch.uint8)
-    storage = prototype._typed_storage()._new_shared(count * 3 * size * size, device=prototype.device)
-    return prototype.new(storage).resize_(*shape)
+def empty_batch(count: int, size: int) -> torch.Tensor:
+    """uint8 [count, 3, size, size] over [count, size, size, 3] memory (channels-last)."""
+    return torch.empty((count, size, size, 3), dtype=torch.uint8).permute(0, 3, 1, 2)
 
 
-def binary_values(column: pa.Array | pa.ChunkedArray) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+def binary_values(column: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One buffer holding every value of a binary column, with start/end offsets and validity."""
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks()
@@ -150,13 +160,12 @@ def binary_values(column: pa.Array | pa.ChunkedArray) -> tuple[torch.Tensor, np.
     valid = column.is_valid().to_numpy(zero_copy_only=False)
     start, stop = int(offsets[0]), int(offsets[-1])
     raw = np.frombuffer(data_buffer, dtype=np.uint8)[start:stop] if data_buffer is not None else np.zeros(0, np.uint8)
-    # One copy of the batch's bytes makes them a writable tensor that torchvision can decode from.
-    return torch.from_numpy(raw.copy()), (offsets - start).astype(np.int64), valid
+    return raw, (offsets - start).astype(np.int64), valid
 
 
 @dataclass
 class DecodedBatch:
-    images: torch.Tensor  # uint8 [B, 3, S, S]
+    images: torch.Tensor  # uint8 [B, 3, S, S], channels-last memory
     labels: torch.Tensor  # int64 [B]
     skipped: int  # corrupt rows replaced by another row of the batch
 
@@ -170,36 +179,38 @@ def decode_batch(
     *,
     on_corrupt: str = "skip",
     dataset: str = "",
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> DecodedBatch:
-    """Decode and transform a batch into one uint8 tensor.
+    """Decode and transform a batch into one uint8 tensor (into ``out``, images and labels, if given).
 
     A corrupt image with ``on_corrupt: skip`` is replaced by a good image of the same batch (with
     its label), so the batch keeps its size and every rank its step count; it is logged and counted.
     With ``fail`` it raises :class:`CorruptImageError` naming the row and the dataset.
     """
-    size = transform.image_size
     count = len(row_ids)
     values, offsets, valid = binary_values(images)
-    out = _output_batch(count, size)
-    label_tensor = torch.from_numpy(np.array(labels, dtype=np.int64))
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=TORCHVISION_DECODE_NOTICE, category=DeprecationWarning)
-        bad = _decode_into(out, values, offsets, valid, row_ids, transform, rng, on_corrupt, dataset)
+    label_values = torch.from_numpy(np.array(labels, dtype=np.int64))
+    if out is None:
+        batch, label_tensor = empty_batch(count, transform.image_size), label_values
+    else:
+        batch, label_tensor = out
+        label_tensor.copy_(label_values)
+    bad = _decode_into(batch, values, offsets, valid, row_ids, transform, rng, on_corrupt, dataset)
     if bad:
         good = [index for index in range(count) if index not in set(bad)]
         for position, index in enumerate(bad):
             if good:
                 source = good[position % len(good)]
-                out[index].copy_(out[source])
+                batch[index].copy_(batch[source])
                 label_tensor[index] = label_tensor[source]
             else:
-                out[index].zero_()  # a batch with no decodable image keeps its shape
-    return DecodedBatch(out, label_tensor, len(bad))
+                batch[index].zero_()  # a batch with no decodable image keeps its shape
+    return DecodedBatch(batch, label_tensor, len(bad))
 
 
 def _decode_into(
     out: torch.Tensor,
-    values: torch.Tensor,
+    values: np.ndarray,
     offsets: np.ndarray,
     valid: np.ndarray,
     row_ids: np.ndarray,
@@ -214,7 +225,7 @@ def _decode_into(
         try:
             if not valid[index]:
                 raise ValueError("null image")
-            out[index].copy_(transform(_decode_image(values[offsets[index] : offsets[index + 1]]), rng))
+            out[index].copy_(transform(decode_pixels(values[offsets[index] : offsets[index + 1]]), rng))
         except ValueError as error:
             if on_corrupt == "fail":
                 raise CorruptImageError(
