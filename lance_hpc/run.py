@@ -68,6 +68,8 @@ def run_job(
     """Train this rank's part of the job described by ``spec_file``; requeue it when preempted."""
     spec = load_spec(spec_file).spec
     env = detect()
+    if spec.data.num_workers > 0:
+        data.worker_context()  # the DataLoader worker server imports torch while the process group forms
     try:
         timeout_s = spec.train.collective_timeout_s
         with checkpoint.Preemption(signals) as preemption, process_group(env, timeout_s) as device:

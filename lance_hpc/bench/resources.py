@@ -40,9 +40,9 @@ def _proc_usage(pid: int) -> Usage | None:
         return None
 
 
-def _proc_children(pid: int) -> list[int]:
-    """All descendants of ``pid`` from /proc/PID/task/*/children."""
-    found, pending = [], [pid]
+def _proc_children(pid: int) -> dict[int, int]:
+    """Every descendant of ``pid`` and its parent, from /proc/PID/task/*/children."""
+    found, pending = {}, [pid]
     while pending:
         parent = pending.pop()
         try:
@@ -55,7 +55,7 @@ def _proc_children(pid: int) -> list[int]:
                     kids = [int(child) for child in children.read().split()]
             except OSError:
                 continue
-            found += kids
+            found.update(dict.fromkeys(kids, parent))
             pending += kids
     return found
 
@@ -63,7 +63,7 @@ def _proc_children(pid: int) -> list[int]:
 def descendants(pid: int) -> list[int]:
     """Pids of every descendant process of ``pid``."""
     if psutil is None:
-        return _proc_children(pid)
+        return list(_proc_children(pid))
     try:
         return [child.pid for child in psutil.Process(pid).children(recursive=True)]
     except psutil.Error:
@@ -79,9 +79,12 @@ def command_line(pid: int) -> str:
 
 
 def usage_tree(pid: int) -> tuple[Usage | None, dict[int, Usage]]:
-    """Usage of ``pid`` itself and of each of its descendants, by pid."""
+    """Usage of ``pid`` itself and of each of its workers, by pid: the descendants that have no
+    children of their own (a forkserver, say, is a parent of workers, not one)."""
     if psutil is None:
-        children = {child: _proc_usage(child) for child in _proc_children(pid)}
+        tree = _proc_children(pid)
+        leaves = set(tree) - set(tree.values())
+        children = {child: _proc_usage(child) for child in leaves}
         return _proc_usage(pid), {child: usage for child, usage in children.items() if usage is not None}
 
     def usage(process: "psutil.Process") -> Usage | None:
@@ -95,9 +98,10 @@ def usage_tree(pid: int) -> tuple[Usage | None, dict[int, Usage]]:
     try:
         main = psutil.Process(pid)
         children = main.children(recursive=True)
+        parents = {child.ppid() for child in children}
     except psutil.Error:
         return None, {}
-    found = {child.pid: usage(child) for child in children}
+    found = {child.pid: usage(child) for child in children if child.pid not in parents}
     return usage(main), {child: value for child, value in found.items() if value is not None}
 
 

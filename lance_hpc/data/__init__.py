@@ -1,12 +1,12 @@
 """Lance data layer: ingest, planning, map-style and iterable loading strategies, decode, storage.
 
 The trainer uses :func:`ensure_dataset`, :func:`build_train_loader`, :func:`build_eval_loader` and
-:func:`normalize`; the command line :func:`plan_data` and :func:`preflight`.
+:func:`normalize` (and :func:`worker_context`, to start the worker server early); the command line :func:`plan_data` and :func:`preflight`.
 """
 
 from lance_hpc.data.decode import normalize
 from lance_hpc.data.ingest import ensure_dataset
-from lance_hpc.data.loader import EvalLoader, TrainLoader, build_eval_loader, build_train_loader
+from lance_hpc.data.loader import EvalLoader, TrainLoader, build_eval_loader, build_train_loader, worker_context
 from lance_hpc.data.plan import plan_data, preflight
 from lance_hpc.data.sampling import DataPlan
 
@@ -20,4 +20,5 @@ __all__ = [
     "normalize",
     "plan_data",
     "preflight",
+    "worker_context",
 ]
