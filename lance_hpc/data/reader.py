@@ -15,6 +15,7 @@ import torch
 from lance_hpc.data.decode import DecodedBatch, Transform, decode_batch
 from lance_hpc.data.sampling import FragmentTable, epoch_batches
 from lance_hpc.data.storage import open_dataset
+from lance_hpc.data.transport import SharedBatch, worker_pool
 
 CLASS_NAMES_KEY = b"class_names"
 
@@ -72,8 +73,11 @@ class BatchReader:
             self._dataset = open_dataset(self.uri, self.version, self.options)
         return self._dataset
 
-    def read(self, row_ids: np.ndarray, epoch: int, batch_index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(images uint8 [B,3,S,S], labels int64 [B], corrupt rows replaced); rows in row-id order."""
+    def read(self, row_ids: np.ndarray, epoch: int, batch_index: int) -> tuple[torch.Tensor, torch.Tensor, int] | SharedBatch:
+        """(images uint8 [B,3,S,S], labels int64 [B], corrupt rows replaced); rows in row-id order.
+
+        In a DataLoader worker the batch is written into one of the worker's shared buffers and
+        reaches the main process as that same tuple (see :mod:`lance_hpc.data.transport`)."""
         ids = np.asarray(row_ids, dtype=np.int64)
         unique, inverse = np.unique(ids, return_inverse=True)  # sorted: Lance reads in file order
         table = self.dataset.take(unique, columns=[self.image_column, self.label_column])
@@ -83,16 +87,28 @@ class BatchReader:
             unique = unique[inverse]
         # Augmentation depends only on (seed, epoch, rank, batch), not on which worker decodes.
         rng = np.random.default_rng([self.seed % 2**64, epoch, self.rank, batch_index])
-        decoded: DecodedBatch = decode_batch(
-            images,
-            labels.to_numpy(),
-            unique,
-            self.transform,
-            rng,
-            on_corrupt=self.on_corrupt,
-            dataset=self.uri,
-        )
-        return decoded.images, decoded.labels, decoded.skipped
+        shared = None
+        if torch.utils.data.get_worker_info() is not None:
+            shared = worker_pool().batch(len(unique), self.transform.image_size)
+        try:
+            decoded: DecodedBatch = decode_batch(
+                images,
+                labels.to_numpy(),
+                unique,
+                self.transform,
+                rng,
+                on_corrupt=self.on_corrupt,
+                dataset=self.uri,
+                out=None if shared is None else (shared.images, shared.labels),
+            )
+        except BaseException:
+            if shared is not None:
+                shared.release()
+            raise
+        if shared is None:
+            return decoded.images, decoded.labels, decoded.skipped
+        shared.skipped = decoded.skipped
+        return shared
 
 
 def fragment_table(dataset: Any) -> FragmentTable:
