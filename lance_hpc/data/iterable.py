@@ -14,8 +14,8 @@ from typing import Iterator
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from lance_hpc.data.reader import BatchReader, EpochPlanner
-from lance_hpc.data.sampling import worker_steps
+from lance_hpc.data.reader import BatchReader
+from lance_hpc.data.sampling import EpochPlanner, worker_steps
 
 
 class LanceIterableDataset(IterableDataset):

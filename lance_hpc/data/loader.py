@@ -19,8 +19,8 @@ from torch.utils.data import DataLoader
 from lance_hpc.data.decode import Transform
 from lance_hpc.data.iterable import LanceIterableDataset
 from lance_hpc.data.mapstyle import LanceMapDataset, PlanBatchSampler
-from lance_hpc.data.reader import BatchReader, EpochPlanner, class_names, fragment_table, init_worker, keep_batch
-from lance_hpc.data.sampling import DataPlan, eval_batches, plan_from_table
+from lance_hpc.data.reader import BatchReader, class_names, fragment_table, init_worker, keep_batch
+from lance_hpc.data.sampling import DataPlan, epoch_planner, eval_batches, plan_from_table
 from lance_hpc.data.storage import open_dataset, storage_options
 from lance_hpc.errors import UserError
 from lance_hpc.spec import DataSpec
@@ -100,7 +100,9 @@ class TrainLoader:
             data.uri, self.dataset_version, options, data.image_column, data.label_column,
             Transform(data.image_size, train=True, augment=data.augment), data.on_corrupt, data.seed, rank,
         )
-        planner = EpochPlanner(table, data.sampler, rank, world_size, data.batch_size, data.uneven, data.shuffle, data.seed)
+        planner = epoch_planner(
+            table, data.sampler, rank, world_size, data.batch_size, uneven=data.uneven, shuffle=data.shuffle, seed=data.seed
+        )
         if data.style == "map":
             self._positioned: Any = PlanBatchSampler(planner, self.plan.steps_per_rank)
             dataset_object: Any = LanceMapDataset(reader, self.plan.rows)

@@ -1,5 +1,5 @@
 """Reading one batch: a single ``take`` of sorted row ids and only the two needed columns, then
-decode. Shared by the map-style and iterable strategies, and safe to pickle into spawned workers:
+decode. Shared by the map-style and iterable strategies, and safe to pickle into worker processes:
 the dataset is opened lazily in each process with the full options (storage options, pinned
 version)."""
 
@@ -13,38 +13,11 @@ import numpy as np
 import torch
 
 from lance_hpc.data.decode import DecodedBatch, Transform, decode_batch
-from lance_hpc.data.sampling import FragmentTable, epoch_batches
+from lance_hpc.data.sampling import FragmentTable
 from lance_hpc.data.storage import open_dataset
 from lance_hpc.data.transport import SharedBatch, worker_pool
 
 CLASS_NAMES_KEY = b"class_names"
-
-
-@dataclass(frozen=True)
-class EpochPlanner:
-    """One rank's plan, recomputed from (seed, epoch) wherever it is needed: main process or worker."""
-
-    table: FragmentTable
-    sampler: str
-    rank: int
-    world_size: int
-    batch_size: int
-    uneven: str
-    shuffle: bool
-    seed: int
-
-    def __call__(self, epoch: int) -> list[np.ndarray]:
-        return epoch_batches(
-            self.table,
-            self.sampler,
-            self.rank,
-            self.world_size,
-            self.batch_size,
-            uneven=self.uneven,
-            shuffle=self.shuffle,
-            seed=self.seed,
-            epoch=epoch,
-        )
 
 
 @dataclass

@@ -20,7 +20,7 @@ ids ``LanceDataset.take`` accepts.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -195,6 +195,36 @@ def strategy_function(sampler: str) -> Callable[[EpochRequest], list[np.ndarray]
         raise ValueError(f"unknown sampler {sampler!r}: use one of {', '.join(STRATEGIES)}") from None
 
 
+@dataclass(frozen=True)
+class EpochPlanner:
+    """One rank's batches for any epoch, recomputed from (seed, epoch) wherever they are needed:
+    in the main process or in a DataLoader worker."""
+
+    sampler: str
+    layout: EpochRequest  # everything but the epoch, which each call supplies
+
+    def __call__(self, epoch: int) -> list[np.ndarray]:
+        return strategy_function(self.sampler)(replace(self.layout, epoch=epoch))
+
+
+def epoch_planner(
+    table: FragmentTable,
+    sampler: str,
+    rank: int,
+    world_size: int,
+    batch_size: int,
+    *,
+    uneven: str = "drop",
+    shuffle: bool = True,
+    seed: int = 0,
+) -> EpochPlanner:
+    """The planner of one rank; an unknown sampler or a rank outside the world fails here."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside world size {world_size}")
+    strategy_function(sampler)
+    return EpochPlanner(sampler, EpochRequest(table, rank, world_size, batch_size, uneven, shuffle, seed, epoch=0))
+
+
 def epoch_batches(
     table: FragmentTable,
     sampler: str,
@@ -208,10 +238,7 @@ def epoch_batches(
     epoch: int = 0,
 ) -> list[np.ndarray]:
     """This rank's batches (arrays of row ids) for one epoch; the same count on every rank."""
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} outside world size {world_size}")
-    request = EpochRequest(table, rank, world_size, batch_size, uneven, shuffle, seed, epoch)
-    return strategy_function(sampler)(request)
+    return epoch_planner(table, sampler, rank, world_size, batch_size, uneven=uneven, shuffle=shuffle, seed=seed)(epoch)
 
 
 def worker_steps(steps: int, start: int, worker: int, num_workers: int) -> range:
