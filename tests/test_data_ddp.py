@@ -1,4 +1,4 @@
-"""Real multi-process DDP data loading: 3 gloo ranks (spawned), one spawned DataLoader worker each,
+"""Real multi-process DDP data loading: 3 gloo ranks (spawned), one DataLoader worker each,
 a full epoch of every strategy with an all-reduce every step on a dataset whose last fragment is
 short (the reference example's shape). Every rank must take the same number of steps and the rows
 must be covered as planned; a hang fails the test at its deadline instead of blocking CI."""

@@ -1,5 +1,5 @@
 """The loaders on real Lance datasets: every strategy yields the planned steps and rows, a resumed
-epoch continues exactly (also with spawned, persistent workers), corrupt rows never change step
+epoch continues exactly (also with persistent worker processes), corrupt rows never change step
 counts, versions are pinned, evaluation covers every row once; plan and preflight on local data."""
 
 import collections
@@ -95,7 +95,7 @@ def test_resume_mid_epoch_in_process(layout_dataset, style, sampler):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("style,sampler", [("map", "distributed"), ("iterable", "sharded_fragment")])
-def test_spawned_persistent_workers_reshuffle_per_epoch_and_resume_exactly(layout_dataset, style, sampler):
+def test_persistent_workers_reshuffle_per_epoch_and_resume_exactly(layout_dataset, style, sampler):
     data = spec(layout_dataset, style=style, sampler=sampler, num_workers=2)
     in_process = build_train_loader(spec(layout_dataset, style=style, sampler=sampler), 0, 2)
     loader = build_train_loader(data, 0, 2)

@@ -1,6 +1,6 @@
 """Object storage against the loopback S3 server (moto, credentials checked): ingest and read
 s3:// datasets with options from the spec and credentials from AWS_* variables, in-process and in
-spawned workers; preflight errors for bad credentials, missing bucket/dataset and an unreachable
+worker processes; preflight errors for bad credentials, missing bucket/dataset and an unreachable
 endpoint; credentials never printed."""
 
 import lance
@@ -55,7 +55,7 @@ def test_ingest_plan_and_read_on_s3(s3_env):
 
 @pytest.mark.s3
 @pytest.mark.slow
-def test_spawned_workers_read_s3_with_the_full_options(s3_env):
+def test_workers_read_s3_with_the_full_options(s3_env):
     data = s3_spec(s3_env, "photos", num_workers=1, ingest=IngestSpec(source="skimage-photos:count=64,size=24", rows_per_fragment=20))
     ensure_dataset(data)
     loader = build_train_loader(data, 0, 1)

@@ -28,7 +28,7 @@ def pil_transform(image_size: int) -> Any:
 class PilCollate:
     """Collate for SafeLanceDataset rows (dicts): PIL open, convert, resize, to tensor, stack.
 
-    A class rather than a closure so spawned DataLoader workers can unpickle it."""
+    A class rather than a closure so DataLoader workers in other processes can unpickle it."""
 
     def __init__(self, image_size: int) -> None:
         self.image_size = image_size
