@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -226,19 +226,11 @@ def epoch_planner(
 
 
 def epoch_batches(
-    table: FragmentTable,
-    sampler: str,
-    rank: int,
-    world_size: int,
-    batch_size: int,
-    *,
-    uneven: str = "drop",
-    shuffle: bool = True,
-    seed: int = 0,
-    epoch: int = 0,
+    table: FragmentTable, sampler: str, rank: int, world_size: int, batch_size: int, *, epoch: int = 0, **options: Any
 ) -> list[np.ndarray]:
-    """This rank's batches (arrays of row ids) for one epoch; the same count on every rank."""
-    return epoch_planner(table, sampler, rank, world_size, batch_size, uneven=uneven, shuffle=shuffle, seed=seed)(epoch)
+    """This rank's batches (arrays of row ids) for one epoch; the same count on every rank.
+    ``options``: ``uneven``, ``shuffle`` and ``seed``, as :func:`epoch_planner` takes them."""
+    return epoch_planner(table, sampler, rank, world_size, batch_size, **options)(epoch)
 
 
 def worker_steps(steps: int, start: int, worker: int, num_workers: int) -> range:
