@@ -1,7 +1,7 @@
 """The loaders on real Lance datasets: every strategy yields the planned steps and rows, a resumed
 epoch continues exactly (also with persistent worker processes), a killed worker ends the epoch
-with an error, corrupt rows never change step
-counts, versions are pinned, evaluation covers every row once; plan and preflight on local data."""
+with an error, corrupt rows never change step counts, versions are pinned, evaluation covers every
+row once; plan and preflight on local data."""
 
 import collections
 
