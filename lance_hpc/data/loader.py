@@ -7,8 +7,12 @@ dataset lazily with the full options, run one intra-op thread each, and persist 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
+import os
+import signal
+import threading
 from multiprocessing import forkserver
 from multiprocessing.context import BaseContext
 from typing import Any, Iterator
@@ -19,7 +23,7 @@ from torch.utils.data import DataLoader
 from lance_hpc.data.decode import Transform
 from lance_hpc.data.iterable import LanceIterableDataset
 from lance_hpc.data.mapstyle import LanceMapDataset, PlanBatchSampler
-from lance_hpc.data.reader import BatchReader, class_names, fragment_table, init_worker, keep_batch
+from lance_hpc.data.reader import BatchReader, class_names, fragment_table, keep_batch
 from lance_hpc.data.sampling import DataPlan, epoch_planner, eval_batches, plan_from_table
 from lance_hpc.data.storage import open_dataset, storage_options
 from lance_hpc.errors import UserError
@@ -32,6 +36,13 @@ STATE_VERSION = 1
 WORKER_PRELOAD = ("torch", "numpy", "simplejpeg", "PIL.Image")
 
 
+# SLURM sends its preemption warning (USR2) and SIGTERM (scancel, time limit) to every process of a
+# job step. The rank process turns them into a checkpoint at the next step boundary; the worker
+# server and the workers must not die of them first, which would fail the epoch instead (and lose
+# the batches they already prepared). SIGKILL, which follows SIGTERM, still ends them.
+RANK_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+
+
 def worker_context() -> BaseContext:
     """Where DataLoader workers come from: forked from a server process ("forkserver") that has
     already imported torch, so a worker is ready in a fraction of a second rather than the seconds
@@ -39,12 +50,47 @@ def worker_context() -> BaseContext:
 
     The server starts on the first call and imports in the background, so calling this early
     (before building the model) overlaps that import with other setup. It serves every loader of
-    the process; workers get the environment of the moment it started.
+    the process; workers get the environment of the moment it started, and ignore USR2 and
+    SIGTERM (:data:`RANK_SIGNALS`), which are the rank process's to handle.
     """
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(WORKER_PRELOAD))
-    forkserver.ensure_running()
+    if threading.current_thread() is not threading.main_thread():
+        forkserver.ensure_running()  # signal dispositions can only be set from the main thread
+        return context
+    previous = {number: signal.signal(number, signal.SIG_IGN) for number in RANK_SIGNALS}
+    try:
+        forkserver.ensure_running()  # an ignored signal stays ignored in the server and its forks
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
     return context
+
+
+def init_worker(_worker_id: int) -> None:
+    """DataLoader worker setup: one intra-op thread per worker, so workers do not oversubscribe;
+    :data:`RANK_SIGNALS` ignored (torch's worker setup makes SIGTERM fatal); and no hold on the
+    worker server's life (see :func:`release_forkserver`)."""
+    torch.set_num_threads(1)
+    for number in RANK_SIGNALS:
+        signal.signal(number, signal.SIG_IGN)
+    release_forkserver()
+
+
+def release_forkserver() -> None:
+    """A process forked by multiprocessing's forkserver inherits the write end of the pipe whose
+    closing tells the server that the rank process is gone. Held by a worker, it keeps the server
+    (the worker's parent) alive after the rank process dies, so torch's parent watchdog never
+    stops the worker: orphans holding memory and data. Closed here, the server exits with the
+    rank process and the workers follow it."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    descriptor = getattr(server, "_forkserver_alive_fd", None)
+    if descriptor is not None:
+        with contextlib.suppress(OSError):
+            os.close(descriptor)
+        server._forkserver_alive_fd = None
 
 
 def _data_loader(dataset: Any, data: DataSpec, pin_memory: bool, persistent: bool, **kwargs: Any) -> DataLoader:

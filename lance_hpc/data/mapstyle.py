@@ -33,7 +33,7 @@ class LanceMapDataset(Dataset):
         return self.reader.read(row_ids, epoch, batch_index)
 
     def __getitem__(self, row_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        images, labels, _ = self.reader.read(np.array([row_id]), 0, int(row_id))
+        images, labels, _ = self.reader.read(np.array([row_id]), 0, int(row_id), shared=False)
         return images[0], labels[0]
 
 

@@ -46,11 +46,14 @@ class BatchReader:
             self._dataset = open_dataset(self.uri, self.version, self.options)
         return self._dataset
 
-    def read(self, row_ids: np.ndarray, epoch: int, batch_index: int) -> tuple[torch.Tensor, torch.Tensor, int] | SharedBatch:
+    def read(
+        self, row_ids: np.ndarray, epoch: int, batch_index: int, *, shared: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor, int] | SharedBatch:
         """(images uint8 [B,3,S,S], labels int64 [B], corrupt rows replaced); rows in row-id order.
 
-        In a DataLoader worker the batch is written into one of the worker's shared buffers and
-        reaches the main process as that same tuple (see :mod:`lance_hpc.data.transport`)."""
+        In a DataLoader worker (and with ``shared``) the batch is written into one of the worker's
+        shared buffers and reaches the main process as that same tuple (see
+        :mod:`lance_hpc.data.transport`)."""
         ids = np.asarray(row_ids, dtype=np.int64)
         unique, inverse = np.unique(ids, return_inverse=True)  # sorted: Lance reads in file order
         table = self.dataset.take(unique, columns=[self.image_column, self.label_column])
@@ -60,9 +63,9 @@ class BatchReader:
             unique = unique[inverse]
         # Augmentation depends only on (seed, epoch, rank, batch), not on which worker decodes.
         rng = np.random.default_rng([self.seed % 2**64, epoch, self.rank, batch_index])
-        shared = None
-        if torch.utils.data.get_worker_info() is not None:
-            shared = worker_pool().batch(len(unique), self.transform.image_size)
+        out = None
+        if shared and torch.utils.data.get_worker_info() is not None:
+            out = worker_pool().batch(len(unique), self.transform.image_size)
         try:
             decoded: DecodedBatch = decode_batch(
                 images,
@@ -72,16 +75,16 @@ class BatchReader:
                 rng,
                 on_corrupt=self.on_corrupt,
                 dataset=self.uri,
-                out=None if shared is None else (shared.images, shared.labels),
+                out=None if out is None else (out.images, out.labels),
             )
         except BaseException:
-            if shared is not None:
-                shared.release()
+            if out is not None:
+                out.release()
             raise
-        if shared is None:
+        if out is None:
             return decoded.images, decoded.labels, decoded.skipped
-        shared.skipped = decoded.skipped
-        return shared
+        out.skipped = decoded.skipped
+        return out
 
 
 def fragment_table(dataset: Any) -> FragmentTable:
@@ -102,11 +105,6 @@ def class_names(dataset: Any, label_column: str) -> list[str]:
     labels = dataset.to_table(columns=[label_column]).column(label_column)
     top = labels.to_numpy().max() if len(labels) else -1
     return [str(label) for label in range(int(top) + 1)]
-
-
-def init_worker(_worker_id: int) -> None:
-    """DataLoader worker setup: one intra-op thread per worker, so workers do not oversubscribe."""
-    torch.set_num_threads(1)
 
 
 def keep_batch(batch: Any) -> Any:

@@ -76,7 +76,13 @@ class SharedBatch:
 
 def _receive(fd: Any, nbytes: int, count: int, size: int, skipped: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Main process: map the buffer; when the last tensor over it is freed, mark it free."""
-    descriptor = fd.detach()
+    try:
+        descriptor = fd.detach()  # fetched from the worker that sent the batch
+    except (OSError, EOFError) as error:
+        raise RuntimeError(
+            f"a DataLoader worker exited before handing over a batch it had prepared ({error}): see its "
+            "error above, or the system log if it was killed (out of memory, for one)"
+        ) from error
     try:
         mapping = mmap.mmap(descriptor, nbytes)
     finally:

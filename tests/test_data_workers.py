@@ -1,0 +1,127 @@
+"""DataLoader worker processes under what a SLURM job step does to them: SLURM's USR2 warning and
+SIGTERM sent to every process of the step leave the workers serving batches (the rank process
+checkpoints); a rank process that is SIGKILLed takes its worker server and workers with it; a
+SIGKILLed worker ends the epoch with an error, not a hang. Also: the per-row ``__getitem__`` path
+works inside a worker, and the trainer gives the model the memory format it asked for."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lance_hpc import trainer
+from lance_hpc.bench.resources import descendants
+from lance_hpc.data import build_train_loader, worker_context
+from lance_hpc.data.decode import Transform
+from lance_hpc.data.mapstyle import LanceMapDataset
+from lance_hpc.data.reader import BatchReader
+from lance_hpc.spec import DataSpec
+from tests.test_data_loader import write_dataset
+
+# How long processes may take to go after their rank process dies (torch's worker watchdog polls
+# every few seconds); the test fails only if they never go.
+GONE_WITHIN_S = 90
+
+
+def loader_on(tmp_path, **fields):
+    uri = write_dataset(str(tmp_path / "d.lance"), [40, 40, 40])
+    loader = build_train_loader(DataSpec(uri=uri, batch_size=6, image_size=16, **{"num_workers": 2, **fields}), 0, 1)
+    loader.set_epoch(0)
+    return loader
+
+
+def workers_of(pid):
+    return [child for child in descendants(pid) if "lance_hpc-batch" in open(f"/proc/{child}/maps").read()]
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("number", [signal.SIGUSR2, signal.SIGTERM])
+def test_slurm_signals_to_every_process_of_the_step_leave_the_workers_serving(tmp_path, number):
+    loader = loader_on(tmp_path)
+    batches = iter(loader)
+    next(batches)
+    received = []
+    previous = signal.signal(number, lambda signum, frame: received.append(signum))
+    try:
+        for pid in [os.getpid(), *descendants(os.getpid())]:  # the worker server and the workers too
+            os.kill(pid, number)
+        rest = sum(1 for _ in batches)
+    finally:
+        signal.signal(number, previous)
+    assert received == [number] and rest == loader.steps_per_epoch - 1
+
+
+def test_a_killed_worker_stops_the_epoch_with_an_error_not_a_hang(tmp_path):
+    loader = loader_on(tmp_path, num_workers=1)
+    batches = iter(loader)
+    next(batches)
+    (worker,) = workers_of(os.getpid())
+    os.kill(worker, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match="worker.* exited"):
+        for _ in batches:
+            pass
+
+
+def test_a_killed_rank_process_takes_its_worker_server_and_workers_with_it(tmp_path):
+    script = textwrap.dedent(f"""
+        import os, sys, time
+        sys.path.insert(0, {os.getcwd()!r})
+        from tests.test_data_workers import loader_on
+        from pathlib import Path
+        if __name__ == "__main__":
+            loader = loader_on(Path({str(tmp_path)!r}))
+            batches = iter(loader)
+            next(batches)
+            print("ready", flush=True)
+            time.sleep(600)
+    """)
+    (tmp_path / "rank.py").write_text(script)
+    rank = subprocess.Popen([sys.executable, str(tmp_path / "rank.py")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank.stdout.readline().strip() == "ready"
+        processes = descendants(rank.pid)
+        assert workers_of(rank.pid) and len(processes) >= 3  # the server, two workers, the tracker
+    finally:
+        rank.kill()
+        rank.wait()
+    deadline = time.monotonic() + GONE_WITHIN_S
+    while any(alive(pid) for pid in processes) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not [pid for pid in processes if alive(pid)]
+
+
+def test_rows_by_index_work_inside_a_worker(tmp_path):
+    uri = write_dataset(str(tmp_path / "d.lance"), [10])
+    reader = BatchReader(uri, 1, {}, "image", "label", Transform(8, train=False), seed=0)
+    dataset = LanceMapDataset(reader, 10)
+    rows = DataLoader(dataset, batch_size=None, num_workers=1, multiprocessing_context=worker_context())
+    got = [(image, int(label)) for image, label in rows]
+    assert [label for _, label in got] == list(range(10))
+    assert all(torch.equal(image, dataset[index][0]) for index, (image, _) in enumerate(got))
+
+
+@pytest.mark.parametrize("device,channels_last,expected", [
+    ("cpu", True, torch.contiguous_format),
+    ("cpu", False, torch.contiguous_format),
+])
+def test_batches_reach_the_model_in_its_memory_format(device, channels_last, expected):
+    run = SimpleNamespace(device=torch.device(device), spec=SimpleNamespace(model=SimpleNamespace(channels_last=channels_last)))
+    batch = torch.zeros(2, 8, 8, 3, dtype=torch.uint8).permute(0, 3, 1, 2)  # what the loaders deliver
+    images, labels = trainer.to_device(run, batch, torch.zeros(2, dtype=torch.int64))
+    assert images.is_contiguous(memory_format=expected) and images.dtype == torch.float32
+    assert np.allclose(images.numpy()[0, 0, 0, 0], (0 - 0.485) / 0.229)
