@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torchvision
 from torch import nn
 
 from lance_hpc.errors import UserError
@@ -30,6 +29,8 @@ def small_cnn(num_classes: int) -> nn.Module:
 
 def _torchvision(name: str) -> Callable[[int], nn.Module]:
     def build(num_classes: int) -> nn.Module:
+        import torchvision  # here, not at the top: DataLoader workers import the rank's main module
+
         return getattr(torchvision.models, name)(weights=None, num_classes=num_classes)
 
     return build

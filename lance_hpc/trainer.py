@@ -274,10 +274,11 @@ def train_step(run: Run, batches: Iterator, micro_batches: int) -> None:
 
 
 def to_device(run: Run, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """uint8 batches cross to the device as they are (4x fewer bytes), then normalize there."""
+    """uint8 batches cross to the device as they are (4x fewer bytes), then normalize there, in
+    the memory format of the model (loaders deliver channels-last batches)."""
     images = data.normalize(images.to(run.device, non_blocking=True))
-    if run.device.type == "cuda" and run.spec.model.channels_last:
-        images = images.contiguous(memory_format=torch.channels_last)
+    channels_last = run.device.type == "cuda" and run.spec.model.channels_last
+    images = images.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     return images, labels.to(run.device, non_blocking=True)
 
 
