@@ -38,12 +38,12 @@ DECODE_SAMPLE = 256
 def fingerprints(images: Any) -> list[str]:
     """A short hash per image of its first and last bytes: equal images, equal strings. The
     exactly-once check compares multisets of these, so images that happen to be equal still count."""
-    # numpy, not torch: a torch op here would wake the intra-op thread pool, whose spinning threads
-    # take CPU from the DataLoader workers being measured.
     import torch
 
     if images.dim() == 4 and images.is_contiguous(memory_format=torch.channels_last):
         images = images.permute(0, 2, 3, 1)  # memory order, so the rows below are views, not copies
+    # numpy, not torch: a torch op here would wake the intra-op thread pool, whose spinning threads
+    # take CPU from the DataLoader workers being measured.
     flat = images.numpy().reshape(images.shape[0], -1)
     return [
         hashlib.blake2b(row[:FINGERPRINT_BYTES].tobytes() + row[-FINGERPRINT_BYTES:].tobytes(), digest_size=8).hexdigest()

@@ -1,7 +1,8 @@
 """Lance data layer: ingest, planning, map-style and iterable loading strategies, decode, storage.
 
 The trainer uses :func:`ensure_dataset`, :func:`build_train_loader`, :func:`build_eval_loader` and
-:func:`normalize` (and :func:`worker_context`, to start the worker server early); the command line :func:`plan_data` and :func:`preflight`.
+:func:`normalize`, and :func:`worker_context` to start the worker server early; the command line
+:func:`plan_data` and :func:`preflight`.
 """
 
 from lance_hpc.data.decode import normalize

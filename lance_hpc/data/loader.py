@@ -1,8 +1,9 @@
 """The loaders the trainer uses: :func:`build_train_loader` and :func:`build_eval_loader`.
 
 Workers fork from a server process that imported torch once (:func:`worker_context`), open the
-dataset lazily with the full options, run one intra-op thread each, and persist across epochs. The train loader yields exactly
-``steps_per_epoch`` batches on every rank and can resume mid-epoch from its ``state_dict``.
+dataset lazily with the full options, run one intra-op thread each, and persist across epochs.
+The train loader yields exactly ``steps_per_epoch`` batches on every rank and can resume
+mid-epoch from its ``state_dict``.
 """
 
 from __future__ import annotations
@@ -34,8 +35,6 @@ STATE_VERSION = 1
 # What the worker server imports before any worker forks from it. Not Lance: a process that has
 # used Lance must not fork, so each worker imports it after the fork.
 WORKER_PRELOAD = ("torch", "numpy", "simplejpeg", "PIL.Image")
-
-
 # SLURM sends its preemption warning (USR2) and SIGTERM (scancel, time limit) to every process of a
 # job step. The rank process turns them into a checkpoint at the next step boundary; the worker
 # server and the workers must not die of them first, which would fail the epoch instead (and lose
@@ -83,8 +82,6 @@ def release_forkserver() -> None:
     (the worker's parent) alive after the rank process dies, so torch's parent watchdog never
     stops the worker: orphans holding memory and data. Closed here, the server exits with the
     rank process and the workers follow it."""
-    from multiprocessing import forkserver
-
     server = getattr(forkserver, "_forkserver", None)
     descriptor = getattr(server, "_forkserver_alive_fd", None)
     if descriptor is not None:
