@@ -6,7 +6,6 @@ buffers for a whole epoch."""
 import gc
 import os
 import pickle
-import re
 
 import torch
 from multiprocessing.reduction import ForkingPickler
@@ -63,7 +62,12 @@ def test_a_smaller_batch_fits_a_larger_free_buffer():
 def batch_mappings(pid):
     """Distinct batch buffers mapped by ``pid``."""
     with open(f"/proc/{pid}/maps") as maps:
-        return {line.split()[4] for line in maps if re.search(r"memfd:lance_hpc-batch", line)}
+        return {line.split()[4] for line in maps if "memfd:lance_hpc-batch" in line}
+
+
+def workers_of(pid):
+    """The descendants of ``pid`` that hold batch buffers: its DataLoader workers."""
+    return [child for child in descendants(pid) if batch_mappings(child)]
 
 
 def test_a_worker_reuses_a_few_buffers_for_a_whole_epoch(tmp_path):
@@ -71,7 +75,7 @@ def test_a_worker_reuses_a_few_buffers_for_a_whole_epoch(tmp_path):
     loader = build_train_loader(DataSpec(uri=uri, batch_size=6, image_size=16, num_workers=1, prefetch_factor=2), 0, 1)
     loader.set_epoch(0)
     steps = sum(1 for _ in loader)  # each batch dropped before the next
-    workers = [pid for pid in descendants(os.getpid()) if batch_mappings(pid)]
+    workers = workers_of(os.getpid())
     assert steps == 20 and len(workers) == 1
     # In flight at once: the prefetched batches, the one being written and the one just handed over.
     assert 1 <= len(batch_mappings(workers[0])) <= 2 + 2

@@ -25,6 +25,7 @@ from lance_hpc.data.mapstyle import LanceMapDataset
 from lance_hpc.data.reader import BatchReader
 from lance_hpc.spec import DataSpec
 from tests.test_data_loader import write_dataset
+from tests.test_data_transport import workers_of
 
 # How long processes may take to go after their rank process dies (torch's worker watchdog polls
 # every few seconds); the test fails only if they never go.
@@ -36,10 +37,6 @@ def loader_on(tmp_path, **fields):
     loader = build_train_loader(DataSpec(uri=uri, batch_size=6, image_size=16, **{"num_workers": 2, **fields}), 0, 1)
     loader.set_epoch(0)
     return loader
-
-
-def workers_of(pid):
-    return [child for child in descendants(pid) if "lance_hpc-batch" in open(f"/proc/{child}/maps").read()]
 
 
 def alive(pid):
