@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -22,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 from lance_hpc.env import DistEnv
+from lance_hpc.errors import UserError
+from lance_hpc.spec import DataSpec, JobSpec
 
 NAME_PATTERN = re.compile(r"^step-(\d+)\.pt$")
 TEMP_SUFFIX = ".tmp"
@@ -97,14 +100,80 @@ def save(directory: str | Path, step: int, state: dict[str, Any], rank_state: di
     return path
 
 
-def load_latest(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint that loads, as (path, state); None when there is none."""
+@dataclass(frozen=True)
+class Checkpoint:
+    """A loaded checkpoint: what rank 0 saved, plus every rank's own part in ``state["ranks"]``."""
+
+    path: Path
+    state: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.state["step"])
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks wrote it."""
+        return len(self.state["ranks"])
+
+    def rank_state(self, rank: int) -> dict[str, Any]:
+        """What ``rank`` saved (its RNG states, its data position, ...)."""
+        return self.state["ranks"][rank]
+
+
+def load_latest(directory: str | Path) -> Checkpoint | None:
+    """The newest checkpoint that loads; None when there is none."""
     for path in reversed(list_checkpoints(directory)):
         try:
-            return path, torch.load(path, map_location="cpu", weights_only=True)
+            return Checkpoint(path, torch.load(path, map_location="cpu", weights_only=True))
         except Exception as error:  # an unreadable file (e.g. a damaged disk): fall back to the previous one
             print(f"lance_hpc: skipping unreadable checkpoint {path}: {error}", file=sys.stderr)
     return None
+
+
+def find_resume_point(spec: JobSpec) -> Checkpoint | None:
+    """The latest checkpoint in checkpoint.dir, unless resume is off (then the directory must hold none:
+    pruning would otherwise delete the new run's checkpoints in favour of the old run's later steps)."""
+    if spec.checkpoint.resume:
+        return load_latest(spec.checkpoint.dir)
+    if list_checkpoints(spec.checkpoint.dir):
+        raise UserError(
+            f"checkpoint.dir {spec.checkpoint.dir} holds checkpoints of an earlier run and checkpoint.resume is false\n"
+            "  fix: use a new checkpoint.dir, delete the old checkpoints, or set checkpoint.resume: true"
+        )
+    return None
+
+
+def check_resumable(resumed: Checkpoint, env: DistEnv) -> None:
+    """A mid-epoch data position is only valid for the world size that wrote it."""
+    if resumed.state["mid_epoch"] and resumed.world_size != env.world_size:
+        raise UserError(
+            f"checkpoint {resumed.path} was written mid-epoch by {resumed.world_size} ranks, and its data position "
+            f"is only valid for that many; this job has {env.world_size}\n"
+            f"  fix: resume with {resumed.world_size} ranks, or delete it to fall back to an epoch-end checkpoint"
+        )
+
+
+def pinned_data(data_spec: DataSpec, resumed: Checkpoint | None) -> DataSpec:
+    """A resumed job reads the dataset version its checkpoint was trained on."""
+    if resumed is None:
+        return data_spec
+    version = resumed.state["dataset_version"]
+    if data_spec.version is not None and data_spec.version != version:
+        raise UserError(
+            f"data.version is {data_spec.version} but the checkpoint was trained on version {version}\n"
+            "  fix: remove data.version to resume, or start over with checkpoint.resume: false and a new checkpoint.dir"
+        )
+    return data_spec.model_copy(update={"version": version})
+
+
+def restore_rank(resumed: Checkpoint, rank: int, loader: Any | None) -> None:
+    """This rank's RNG states, and its data position when the checkpoint was written mid-epoch
+    (set_epoch of the same epoch then keeps that position)."""
+    mine = resumed.rank_state(rank)
+    restore_rng(mine["rng"])
+    if loader is not None and mine.get("loader") is not None:
+        loader.load_state_dict(mine["loader"])
 
 
 def capture_rng() -> dict[str, Any]:

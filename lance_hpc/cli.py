@@ -10,9 +10,12 @@ import argparse
 import importlib
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from lance_hpc.errors import UserError
+
+if TYPE_CHECKING:
+    from lance_hpc.spec import JobSpec
 
 # subcommand -> (module, function, one-line help)
 COMMANDS = {
@@ -70,10 +73,17 @@ def validate(argv: list[str]) -> int:
         return 2
     slurm = loaded.spec.slurm
     print(f"{args.spec}: valid ({loaded.spec.name}: {slurm.nodes} node(s) x {slurm.ntasks_per_node} task(s), "
-          f"{loaded.spec.data.style}/{loaded.spec.data.sampler}, {loaded.spec.model.arch})")
+          f"{loaded.spec.data.style}/{loaded.spec.data.sampler}, {describe_task(loaded.spec)})")
     for item in loaded.resolutions:
         print(f"  {item.path}: {item.before} -> {item.after}")
     return 0
+
+
+def describe_task(spec: JobSpec) -> str:
+    """``image_classification (resnet50)``, ``my_pkg.tasks:MyTask``, or ``entry my_pkg.train:main``."""
+    model = spec.task.options.get("model")
+    text = spec.task.name + (f" ({model})" if isinstance(model, str) else "")
+    return f"{text}, entry {spec.entry}" if spec.entry else text
 
 
 def submit(argv: list[str]) -> int:

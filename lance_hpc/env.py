@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import datetime
 import os
+import random
 import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from submitit.slurm.slurm import SlurmParseException, _parse_node_list
@@ -258,6 +260,20 @@ def process_group(env: DistEnv, timeout_s: float) -> Iterator[torch.device]:
         yield device
     finally:
         dist.destroy_process_group()
+
+
+def configure_process(seed: int, deterministic: bool, env: DistEnv, device: torch.device) -> None:
+    """Seeds, determinism and CPU threads, before anything draws a random number."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # every rank builds the same initial model
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it to be deterministic
+        torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = device.type == "cuda" and not deterministic
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # ranks on one node share its cores; more threads than cores slows every rank down
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // env.local_world_size))
 
 
 def explain_failure(error: BaseException, env: DistEnv) -> str:

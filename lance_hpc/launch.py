@@ -1,6 +1,6 @@
 """Local runs: N processes on this machine through the same code path as a SLURM job.
 
-:func:`run_local` prepares the dataset once, then starts ``python -m lance_hpc.run SPEC`` N times
+:func:`run_local` prepares the dataset once and checks the task against it, then starts ``python -m lance_hpc.run SPEC`` N times
 with the variables torchrun would set (gloo on CPU), forwards SLURM's stop signals to them, and
 when one rank dies stops the others and says which rank died and how.
 """
@@ -24,6 +24,7 @@ from lance_hpc.checkpoint import PREEMPTION_SIGNALS
 from lance_hpc.errors import UserError
 from lance_hpc.run import EXIT_STOPPED
 from lance_hpc.spec import load_spec
+from lance_hpc.tasks import load_task
 
 # After one rank fails, the others get this long to notice (a broken connection) and exit.
 GRACE_S = 15.0
@@ -32,7 +33,9 @@ GRACE_S = 15.0
 def run_local(spec_file: str | Path, nproc: int) -> int:
     """Train with ``nproc`` local ranks; returns 0, or the exit code of the first rank that failed."""
     spec_file = Path(spec_file).resolve()
-    data.ensure_dataset(load_spec(spec_file).spec.data)
+    spec = load_spec(spec_file).spec
+    data.ensure_dataset(spec.data)
+    load_task(spec)  # a column the task needs but the data lacks: one error here, not one per rank
     port = free_port()
     package_root = str(Path(lance_hpc.__file__).resolve().parents[1])
     ranks = []

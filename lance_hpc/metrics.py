@@ -7,32 +7,27 @@ The tags are part of the interface (dashboards and the README name them); :data:
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+# Tags every job writes; each task adds its own (``Task.tags``: train/loss, val/accuracy, ...).
 TAGS: dict[str, str] = {
-    "train/loss": "mean training loss since the previous log point, over all ranks",
-    "train/accuracy": "top-1 training accuracy since the previous log point, over all ranks",
     "train/lr": "learning rate of the logged step",
-    "perf/samples_per_s": "training images per second, all ranks together",
-    "perf/samples_per_s_per_rank": "training images per second of one rank (mean over ranks)",
+    "perf/samples_per_s": "training samples per second, all ranks together",
+    "perf/samples_per_s_per_rank": "training samples per second of one rank (mean over ranks)",
     "perf/step_time_s": "mean wall time of one optimizer step, data wait included",
     "perf/data_wait_share": "share of the step time spent waiting for the next batch (mean over ranks)",
     "perf/epoch_time_s": "wall time of the epoch that just ended (logged at its last step)",
-    "val/loss": "validation loss over the whole validation set",
-    "val/accuracy": "top-1 validation accuracy over the whole validation set",
 }
-# Metrics the hparams dashboard shows beside each run's hyperparameters.
-HPARAM_METRICS = ("val/accuracy", "val/loss")
 
 
 class MetricLogger(Protocol):
     def log(self, scalars: Mapping[str, float], step: int) -> None: ...
 
-    def log_hparams(self, hparams: Mapping[str, Any]) -> None: ...
+    def log_hparams(self, hparams: Mapping[str, Any], metrics: Sequence[str]) -> None: ...
 
     def close(self) -> None: ...
 
@@ -43,7 +38,7 @@ class NullLogger:
     def log(self, scalars: Mapping[str, float], step: int) -> None:
         pass
 
-    def log_hparams(self, hparams: Mapping[str, Any]) -> None:
+    def log_hparams(self, hparams: Mapping[str, Any], metrics: Sequence[str]) -> None:
         pass
 
     def close(self) -> None:
@@ -67,13 +62,14 @@ class TensorBoardLogger:
             self.writer.add_scalar(tag, value, step)
         self.writer.flush()
 
-    def log_hparams(self, hparams: Mapping[str, Any]) -> None:
+    def log_hparams(self, hparams: Mapping[str, Any], metrics: Sequence[str]) -> None:
+        """``hparams`` beside the ``metrics`` tags in the HParams tab."""
         from torch.utils.tensorboard.summary import hparams as hparams_summaries
 
         plain = (int, float, str, bool)
         values = {key: value if isinstance(value, plain) else str(value) for key, value in hparams.items()}
         # into this run's own event file (SummaryWriter.add_hparams would start a separate run)
-        for summary in hparams_summaries(values, dict.fromkeys(HPARAM_METRICS, 0.0)):
+        for summary in hparams_summaries(values, dict.fromkeys(metrics, 0.0)):
             self.writer.file_writer.add_summary(summary)
         self.writer.flush()
 
@@ -97,53 +93,44 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 class TrainWindow:
-    """Sums over the steps since the last log point; :meth:`reduce` turns them into TAGS values.
+    """Sums over the steps since the last log point: the task's metric sums (kept on the device,
+    so no host sync per step) and step timings. :meth:`reduce` is one all-reduce, which every
+    rank calls at the same step."""
 
-    Loss and correct counts stay on the device (no host sync per step); :meth:`reduce` is one
-    all-reduce, which every rank calls at the same step.
-    """
-
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, metric_names: Sequence[str]):
         self.device = device
+        self.metric_names = tuple(metric_names)
         self.reset()
 
     def reset(self) -> None:
-        self.loss_sum = torch.zeros((), device=self.device)
-        self.correct = torch.zeros((), device=self.device)
+        self.sums = torch.zeros(len(self.metric_names), dtype=torch.float64, device=self.device)
         self.samples = 0
         self.steps = 0
         self.step_time = 0.0
         self.data_wait = 0.0
 
-    def add_batch(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        self.loss_sum += loss.detach().float() * labels.numel()
-        self.correct += (logits.detach().argmax(dim=1) == labels).sum()
-        self.samples += labels.numel()
+    def add_batch(self, sums: torch.Tensor, samples: int) -> None:
+        self.sums += sums.detach().double()
+        self.samples += samples
 
     def add_step(self, step_time: float, data_wait: float) -> None:
         self.steps += 1
         self.step_time += step_time
         self.data_wait += data_wait
 
-    def reduce(self) -> dict[str, float]:
-        totals = torch.stack(
-            [
-                self.loss_sum,
-                self.correct.float(),
-                torch.tensor(float(self.samples), device=self.device),
-                torch.tensor(self.step_time, device=self.device),
-                torch.tensor(self.data_wait, device=self.device),
-            ]
-        ).double()
+    def reduce(self) -> tuple[dict[str, float], float, dict[str, float]]:
+        """(the task's summed metrics, wall seconds of the window, perf/* values), over all ranks."""
+        timing = torch.tensor([self.samples, self.step_time, self.data_wait], dtype=torch.float64, device=self.device)
+        totals = torch.cat([self.sums, timing])
         dist.all_reduce(totals)
-        loss_sum, correct, samples, step_time, data_wait = totals.tolist()
+        values = totals.tolist()
+        sums = dict(zip(self.metric_names, values))
+        samples, step_time, data_wait = values[len(self.metric_names):]
         world_size = dist.get_world_size()
         seconds = step_time / world_size  # the ranks step together: mean wall time of the window
         steps = max(self.steps, 1)
         self.reset()
-        return {
-            "train/loss": loss_sum / max(samples, 1),
-            "train/accuracy": correct / max(samples, 1),
+        return sums, seconds, {
             "perf/samples_per_s": samples / max(seconds, 1e-9),
             "perf/samples_per_s_per_rank": samples / world_size / max(seconds, 1e-9),
             "perf/step_time_s": seconds / steps,

@@ -1,4 +1,6 @@
-"""Models by name: a small CNN for tests and demos, and torchvision's ResNets (never pretrained)."""
+"""Image classifiers by name: the built-in ``small_cnn``, any torchvision classification model
+(``resnet50``, ``convnext_tiny``, ``vit_b_16``, ...; never pretrained), or a factory by import path
+(``my_pkg.models:build``, called with ``num_classes``)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ from collections.abc import Callable
 from torch import nn
 
 from lance_hpc.errors import UserError
+from lance_hpc.imports import is_import_path, load_callable
 
 
 def small_cnn(num_classes: int) -> nn.Module:
@@ -27,27 +30,40 @@ def small_cnn(num_classes: int) -> nn.Module:
     )
 
 
-def _torchvision(name: str) -> Callable[[int], nn.Module]:
-    def build(num_classes: int) -> nn.Module:
-        import torchvision  # here, not at the top: DataLoader workers import the rank's main module
-
-        return getattr(torchvision.models, name)(weights=None, num_classes=num_classes)
-
-    return build
+BUILT_IN: dict[str, Callable[[int], nn.Module]] = {"small_cnn": small_cnn}
 
 
-MODELS: dict[str, Callable[[int], nn.Module]] = {
-    "small_cnn": small_cnn,
-    "resnet18": _torchvision("resnet18"),
-    "resnet34": _torchvision("resnet34"),
-    "resnet50": _torchvision("resnet50"),
-}
+def torchvision_models() -> list[str]:
+    """Names of torchvision's classification models (imported here, not at the top: DataLoader
+    workers import the rank's main module, and they never need torchvision)."""
+    import torchvision
+
+    return torchvision.models.list_models(module=torchvision.models)
 
 
-def build_model(arch: str, num_classes: int) -> nn.Module:
-    """A freshly initialised model; an unknown name lists the valid ones."""
-    try:
-        factory = MODELS[arch]
-    except KeyError:
-        raise UserError(f"unknown model.arch '{arch}'\n  fix: use one of: {', '.join(MODELS)}") from None
-    return factory(num_classes)
+def model_problem(name: str) -> str | None:
+    """Why ``name`` names no image classifier, or None when it does (import paths load later)."""
+    if name in BUILT_IN or is_import_path(name):
+        return None
+    known = torchvision_models()
+    if name in known:
+        return None
+    return (f"unknown model {name!r}; use small_cnn, a torchvision classification model "
+            f"({', '.join(known[:6])}, ... {len(known)} in all), or a factory by import path (my_pkg.models:build)")
+
+
+def build_model(name: str, num_classes: int) -> nn.Module:
+    """A freshly initialised classifier with ``num_classes`` outputs."""
+    if name in BUILT_IN:
+        return BUILT_IN[name](num_classes)
+    if is_import_path(name):
+        model = load_callable(name, "task.options.model")(num_classes=num_classes)
+        if not isinstance(model, nn.Module):
+            raise UserError(f"task.options.model: {name} returned a {type(model).__name__}, not a torch.nn.Module")
+        return model
+    problem = model_problem(name)
+    if problem:
+        raise UserError(f"task.options.model: {problem}")
+    import torchvision
+
+    return torchvision.models.get_model(name, weights=None, num_classes=num_classes)

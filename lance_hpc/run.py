@@ -1,7 +1,8 @@
 """The entry point of every rank: ``python -m lance_hpc.run SPEC_FILE``.
 
 srun starts one per GPU (or :mod:`lance_hpc.launch` one per local process); each reads the
-resolved spec, joins the process group, trains, and on preemption saves and requeues the job.
+resolved spec, joins the process group, checks the task against the data, trains (the built-in
+loop, or the spec's ``entry`` in script mode), and on preemption saves and requeues the job.
 Exit codes: 0 finished or requeued, 1 training failed, 2 a problem the user can fix,
 3 stopped by a signal without requeue (the checkpoint holds the state; run again to resume).
 """
@@ -19,10 +20,12 @@ from typing import Any
 import submitit
 import torch.distributed as dist
 
-from lance_hpc import checkpoint, data, trainer
+from lance_hpc import checkpoint, data, script, trainer
 from lance_hpc.env import DistEnv, detect, explain_failure, process_group
 from lance_hpc.errors import UserError
+from lance_hpc.imports import load_callable
 from lance_hpc.spec import JobSpec, load_spec
+from lance_hpc.tasks import load_task
 
 EXIT_FAILED, EXIT_USER_ERROR, EXIT_STOPPED = 1, 2, 3
 
@@ -66,15 +69,22 @@ def run_job(
     spec_file: str, requeue: Requeue, signals: tuple[int, ...] = checkpoint.PREEMPTION_SIGNALS
 ) -> trainer.Summary:
     """Train this rank's part of the job described by ``spec_file``; requeue it when preempted."""
+    # Loading the spec imports its task and entry, so a task file's directory is on sys.path
+    # before the worker server starts and copies it (workers then unpickle the task's decoder).
     spec = load_spec(spec_file).spec
     env = detect()
+    entry = load_callable(spec.entry, "entry") if spec.entry else None
     if spec.data.num_workers > 0:
         data.worker_context()  # the DataLoader worker server imports torch while the process group forms
     try:
         timeout_s = spec.train.collective_timeout_s
         with checkpoint.Preemption(signals) as preemption, process_group(env, timeout_s) as device:
             on_main_rank(lambda: data.ensure_dataset(spec.data), "prepare the dataset")
-            summary = trainer.train(spec, env, device, preemption)
+            task = load_task(spec)
+            if entry is not None:
+                summary = script.run_script(entry, spec, env, device, preemption, task)
+            else:
+                summary = trainer.train(spec, env, device, preemption, task)
             if summary.status == "preempted":
                 outcome: list[Any] = [None]
                 if env.is_main:

@@ -103,6 +103,18 @@ def check_data(spec: JobSpec) -> None:
 
     preflight(spec.data)
     print(f"data preflight ok: {spec.data.uri}" + (f" and {spec.data.val_uri}" if spec.data.val_uri else ""))
+    check_task(spec)
+
+
+def check_task(spec: JobSpec) -> None:
+    """The task's columns and types against the datasets, unless ingest has yet to create them."""
+    from lance_hpc.data.storage import dataset_exists, storage_options
+    from lance_hpc.tasks import load_task
+
+    uris = [uri for uri in (spec.data.uri, spec.data.val_uri) if uri]
+    if all(dataset_exists(uri, storage_options(uri, spec.data.storage_options)) for uri in uris):
+        load_task(spec)
+        print(f"task check ok: {spec.task.name} reads what it needs from the data")
 
 
 def submit(spec: JobSpec, wait: bool = False, check: bool = True) -> int:

@@ -102,10 +102,22 @@ def test_job_spec_mode_measures_that_jobs_pipeline(tmp_path, capsys):
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump({
         "name": "bench-job",
-        "data": {"uri": data.lance_uri, "batch_size": 16, "num_workers": 1, "image_size": 32},
+        "data": {"uri": data.lance_uri, "batch_size": 16, "num_workers": 1},
+        "task": {"name": "image_classification", "options": {"image_size": 32}},
     }))
     code = main([str(job), "--out", str(tmp_path / "out"), "--runs", "1", "--seconds", "0.5", "--batch-size", "8,16"])
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert "map/distributed workers=1 batch=8" in printed and "map/distributed workers=1 batch=16" in printed
     assert "decode limit" in printed and "first batch s" in printed
+
+
+def test_job_spec_mode_says_it_measures_image_classification_jobs(tmp_path, capsys):
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({
+        "name": "bench-text", "data": {"uri": str(tmp_path / "tokens.lance")}, "task": {"name": "language_model"},
+    }))
+    assert main([str(job), "--out", str(tmp_path / "out")]) == 2
+    printed = capsys.readouterr()
+    assert "task.name is 'language_model'" in printed.err and "image_classification jobs only" in printed.err
+    assert not (tmp_path / "tokens.lance").exists() and not (tmp_path / "out").exists()  # refused before any work

@@ -40,7 +40,8 @@ def test_atomic_write_lists_and_prunes(tmp_path: Path) -> None:
     ]
     checkpoint.prune(tmp_path, keep=2)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["step-00000015.pt", "step-00000020.pt"]
-    path, loaded = checkpoint.load_latest(tmp_path)
+    found = checkpoint.load_latest(tmp_path)
+    path, loaded = found.path, found.state
     assert path.name == "step-00000020.pt" and loaded["note"] == "step 20"
     assert checkpoint.load_latest(tmp_path / "missing") is None
 
@@ -54,7 +55,8 @@ def test_failure_between_write_and_rename_keeps_the_previous_checkpoint(tmp_path
     monkeypatch.setattr(checkpoint.os, "replace", fail)
     with pytest.raises(OSError, match="No space left"):
         checkpoint.write_atomically(state(2), checkpoint.checkpoint_path(tmp_path, 2))
-    path, loaded = checkpoint.load_latest(tmp_path)
+    found = checkpoint.load_latest(tmp_path)
+    path, loaded = found.path, found.state
     assert path.name == "step-00000001.pt" and torch.equal(loaded["model"]["weight"], torch.full((4, 4), 1.0))
     assert [p.name for p in tmp_path.iterdir()] == ["step-00000001.pt"]  # the temporary file is gone
 
@@ -84,7 +86,8 @@ def test_process_killed_mid_write_leaves_a_loadable_previous_checkpoint(tmp_path
         process.wait()
     leftovers = [p.name for p in tmp_path.iterdir() if p.name.endswith(checkpoint.TEMP_SUFFIX)]
     assert len(leftovers) == 1 and (tmp_path / leftovers[0]).stat().st_size > 40_000_000
-    path, loaded = checkpoint.load_latest(tmp_path)
+    found = checkpoint.load_latest(tmp_path)
+    path, loaded = found.path, found.state
     assert path.name == "step-00000001.pt" and loaded["step"] == 1
     checkpoint.prune(tmp_path, keep=3)  # the next save clears what the crash left
     assert [p.name for p in tmp_path.iterdir()] == ["step-00000001.pt"]
@@ -93,7 +96,7 @@ def test_process_killed_mid_write_leaves_a_loadable_previous_checkpoint(tmp_path
 def test_unreadable_newest_checkpoint_falls_back_to_the_previous(tmp_path: Path, capsys) -> None:
     checkpoint.write_atomically(state(1), checkpoint.checkpoint_path(tmp_path, 1))
     checkpoint.checkpoint_path(tmp_path, 2).write_bytes(b"not a checkpoint")
-    path, _ = checkpoint.load_latest(tmp_path)
+    path = checkpoint.load_latest(tmp_path).path
     assert path.name == "step-00000001.pt"
     assert "skipping unreadable checkpoint" in capsys.readouterr().err
 
@@ -112,7 +115,7 @@ def test_collective_save_gathers_every_rank_and_keeps_k(tmp_path: Path, single_r
         path = checkpoint.save(tmp_path, step, state(step), {"loader": {"batches_consumed": step}}, keep=2)
     assert path == checkpoint.checkpoint_path(tmp_path, 4)
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step-00000003.pt", "step-00000004.pt"]
-    _, loaded = checkpoint.load_latest(tmp_path)
+    loaded = checkpoint.load_latest(tmp_path).state
     assert len(loaded["ranks"]) == dist.get_world_size() and loaded["ranks"][0]["loader"] == {"batches_consumed": 4}
     assert set(loaded["ranks"][0]["rng"]) == {"python", "numpy", "torch", "cuda"}
 

@@ -13,9 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lance_hpc.data import build_eval_loader, build_train_loader
 from lance_hpc.spec import DataSpec
-from tests.test_data_loader import write_dataset
+from tests.test_data_loader import eval_loader, train_loader, write_dataset
 
 WORLD_SIZE = 3
 DEADLINE_S = 540
@@ -32,22 +31,23 @@ def rank_main(rank: int, world_size: int, store: str, uri: str, out_dir: str) ->
     results = {}
     for style, sampler, uneven in RUNS:
         data = DataSpec(uri=uri, val_uri=uri, style=style, sampler=sampler, uneven=uneven, batch_size=8,
-                        num_workers=1, image_size=16, seed=11)
-        loader = build_train_loader(data, rank, world_size)
+                        num_workers=1, seed=11)
+        loader = train_loader(data, rank, world_size)
         loader.set_epoch(2)
         rows, steps = [], 0
-        for _, labels in loader:
+        for batch in loader:
             ranks_here = torch.ones(1)
             dist.all_reduce(ranks_here)  # a rank short of batches would leave the others waiting here
             assert int(ranks_here.item()) == world_size
-            rows += labels.tolist()
+            assert torch.equal(batch["row_id"], batch["label"])  # the label is the row id
+            rows += batch["label"].tolist()
             steps += 1
         step_counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
         dist.all_gather(step_counts, torch.tensor([steps]))
         results[sampler] = {"steps": steps, "planned": loader.steps_per_epoch, "all_steps": [int(c) for c in step_counts],
                             "rows": rows, "dropped": loader.plan.dropped, "padded": loader.plan.padded}
         del loader
-    evaluated = [labels.tolist() for _, labels in build_eval_loader(data, rank, world_size)]
+    evaluated = [batch["label"].tolist() for batch in eval_loader(data, rank, world_size)]
     results["eval"] = {"rows": [row for batch in evaluated for row in batch]}
     Path(out_dir, f"{rank}.json").write_text(json.dumps(results))
     dist.barrier()

@@ -1,4 +1,4 @@
-"""Decode and transforms: uint8 batches of the right shape, the PIL fallback, the corrupt-image
+"""Decode and transforms: uint8 batches of the right shape, the PIL fallback, the corrupt-row
 policy (skip keeps the batch size and counts; fail names the row), normalisation."""
 
 import numpy as np
@@ -6,15 +6,11 @@ import pyarrow as pa
 import pytest
 import torch
 
-from lance_hpc.data.decode import (
-    CorruptImageError,
-    Transform,
-    decode_batch,
-    decode_image,
-    normalize,
-    random_resized_crop_box,
-)
+from lance_hpc.data.decode import Transform, binary_values, decode_image, normalize, random_resized_crop_box
+from lance_hpc.data.reader import ROW_ID_FIELD, CorruptRowError, apply_corrupt_policy
 from lance_hpc.data.sources import encode_image, skimage_photo_crops
+from lance_hpc.tasks.base import ROW_ID
+from lance_hpc.tasks.image import ImageDecoder
 
 
 def photo_bytes(count=4, size=None):
@@ -23,6 +19,18 @@ def photo_bytes(count=4, size=None):
 
 def rng():
     return np.random.default_rng(0)
+
+
+def decode_batch(images, labels, row_ids, transform, generator, *, on_corrupt="skip", dataset=""):
+    """What the reader does with one batch: the image decoder into the batch's fields, then the
+    corrupt-row policy. Returns (fields, rows replaced)."""
+    decoder = ImageDecoder("image", "label", transform)
+    table = pa.table({"image": images, "label": pa.array(np.asarray(labels, dtype=np.int64))})
+    fields = {**decoder.fields(), ROW_ID: ROW_ID_FIELD}
+    out = {name: spec.empty(len(row_ids)) for name, spec in fields.items()}
+    out[ROW_ID].copy_(torch.as_tensor(np.asarray(row_ids, dtype=np.int64)))
+    bad = decoder.decode(table, out, generator)
+    return out, apply_corrupt_policy(out, bad, on_corrupt, dataset)
 
 
 def test_decode_jpeg_and_png_to_rgb_uint8():
@@ -95,34 +103,38 @@ def test_transforms_give_torchvision_pixels(size):
 
 def test_batches_are_channels_last_so_images_copy_in_without_reordering():
     images = pa.array(photo_bytes(2), pa.binary())
-    batch = decode_batch(images, np.arange(2), np.arange(2), Transform(16), rng()).images
+    batch = decode_batch(images, np.arange(2), np.arange(2), Transform(16), rng())[0]["image"]
     assert batch.shape == (2, 3, 16, 16) and batch.is_contiguous(memory_format=torch.channels_last)
 
 
 @pytest.mark.parametrize("train,augment", [(True, "crop_flip"), (True, "crop"), (True, "none"), (False, "crop_flip")])
 def test_batches_are_uint8_squares(train, augment):
     images = pa.array(photo_bytes(5), pa.binary())
-    batch = decode_batch(images, np.arange(5), np.arange(5), Transform(32, train=train, augment=augment), rng())
-    assert batch.images.shape == (5, 3, 32, 32) and batch.images.dtype == torch.uint8
-    assert batch.labels.tolist() == [0, 1, 2, 3, 4] and batch.labels.dtype == torch.int64
-    assert batch.skipped == 0
+    batch, skipped = decode_batch(images, np.arange(5), np.arange(5), Transform(32, train=train, augment=augment), rng())
+    assert batch["image"].shape == (5, 3, 32, 32) and batch["image"].dtype == torch.uint8
+    assert batch["label"].tolist() == [0, 1, 2, 3, 4] and batch["label"].dtype == torch.int64
+    assert skipped == 0
+
+
+def images_of(images, transform, generator):
+    return decode_batch(images, np.zeros(3), np.arange(3), transform, generator)[0]["image"]
 
 
 def test_train_transform_is_deterministic_per_generator_and_eval_has_no_randomness():
     images = pa.array(photo_bytes(3), pa.binary())
-    first = decode_batch(images, np.zeros(3), np.arange(3), Transform(24), np.random.default_rng(5)).images
-    again = decode_batch(images, np.zeros(3), np.arange(3), Transform(24), np.random.default_rng(5)).images
-    other = decode_batch(images, np.zeros(3), np.arange(3), Transform(24), np.random.default_rng(6)).images
+    first = images_of(images, Transform(24), np.random.default_rng(5))
+    again = images_of(images, Transform(24), np.random.default_rng(5))
+    other = images_of(images, Transform(24), np.random.default_rng(6))
     assert torch.equal(first, again) and not torch.equal(first, other)
-    evaluated = [decode_batch(images, np.zeros(3), np.arange(3), Transform(24, train=False), np.random.default_rng(s)).images for s in (1, 2)]
+    evaluated = [images_of(images, Transform(24, train=False), np.random.default_rng(s)) for s in (1, 2)]
     assert torch.equal(*evaluated)
 
 
 def test_without_augmentation_evaluation_sees_what_training_sees():
     images = pa.array(photo_bytes(3), pa.binary())
-    trained = decode_batch(images, np.zeros(3), np.arange(3), Transform(24, train=True, augment="none"), rng()).images
-    evaluated = decode_batch(images, np.zeros(3), np.arange(3), Transform(24, train=False, augment="none"), rng()).images
-    cropped = decode_batch(images, np.zeros(3), np.arange(3), Transform(24, train=False), rng()).images
+    trained = images_of(images, Transform(24, train=True, augment="none"), rng())
+    evaluated = images_of(images, Transform(24, train=False, augment="none"), rng())
+    cropped = images_of(images, Transform(24, train=False), rng())
     assert torch.equal(trained, evaluated) and not torch.equal(evaluated, cropped)
 
 
@@ -140,29 +152,37 @@ def test_skip_replaces_corrupt_rows_with_rows_of_the_same_batch_and_counts_them(
     images = pa.array([good[0], b"garbage", good[1], None, good[2]], pa.binary())
     labels = np.array([10, 11, 12, 13, 14])
     with caplog.at_level("WARNING", logger="lance_hpc.data"):
-        batch = decode_batch(images, labels, np.array([100, 101, 102, 103, 104]), Transform(16), rng(), dataset="/d.lance")
-    assert batch.images.shape == (5, 3, 16, 16) and batch.skipped == 2
-    assert set(batch.labels.tolist()) <= {10, 12, 14}
+        batch, skipped = decode_batch(images, labels, np.array([100, 101, 102, 103, 104]), Transform(16), rng(), dataset="/d.lance")
+    assert batch["image"].shape == (5, 3, 16, 16) and skipped == 2
+    assert set(batch["label"].tolist()) <= {10, 12, 14}
+    # A replaced row is a whole good row: its image, its label and the row it came from.
+    assert (batch[ROW_ID] - batch["label"]).tolist() == [90] * 5
+    for index in (1, 3):
+        source = batch[ROW_ID].tolist().index(int(batch[ROW_ID][index]))
+        assert source in (0, 2, 4) and torch.equal(batch["image"][index], batch["image"][source])
     assert "row 101 of /d.lance" in caplog.text and "row 103" in caplog.text
 
 
 def test_a_batch_without_any_decodable_image_keeps_its_shape():
-    batch = decode_batch(pa.array([b"x", b"y"], pa.binary()), np.array([1, 2]), np.array([7, 8]), Transform(8), rng())
-    assert batch.images.shape == (2, 3, 8, 8) and batch.skipped == 2 and int(batch.images.sum()) == 0
+    batch, skipped = decode_batch(pa.array([b"x", b"y"], pa.binary()), np.array([1, 2]), np.array([7, 8]), Transform(8), rng())
+    assert batch["image"].shape == (2, 3, 8, 8) and skipped == 2 and int(batch["image"].sum()) == 0
 
 
 def test_fail_names_the_row_and_the_dataset():
     images = pa.array([photo_bytes(1)[0], b"garbage"], pa.binary())
-    with pytest.raises(CorruptImageError, match=r"row 42 of s3://b/train.lance.*on_corrupt: skip"):
+    with pytest.raises(CorruptRowError, match=r"row 42 of s3://b/train.lance.*on_corrupt: skip"):
         decode_batch(images, np.array([0, 1]), np.array([41, 42]), Transform(8), rng(), on_corrupt="fail", dataset="s3://b/train.lance")
 
 
 def test_large_binary_and_sliced_columns_decode_too():
     data = photo_bytes(4, size=20)
     sliced = pa.array(data, pa.large_binary()).slice(1, 2)
-    batch = decode_batch(sliced, np.array([1, 2]), np.array([1, 2]), Transform(8, train=False), rng())
-    direct = decode_batch(pa.array(data[1:3], pa.binary()), np.array([1, 2]), np.array([1, 2]), Transform(8, train=False), rng())
-    assert torch.equal(batch.images, direct.images)
+    batch, _ = decode_batch(sliced, np.array([1, 2]), np.array([1, 2]), Transform(8, train=False), rng())
+    direct, _ = decode_batch(pa.array(data[1:3], pa.binary()), np.array([1, 2]), np.array([1, 2]), Transform(8, train=False), rng())
+    assert torch.equal(batch["image"], direct["image"])
+    # The decoder's column view honours an array's offset itself (a table may hand it a slice).
+    for got, want in zip(binary_values(sliced), binary_values(pa.array(data[1:3], pa.binary()))):
+        assert np.array_equal(got, want)
 
 
 def test_normalize_uses_imagenet_statistics():

@@ -10,12 +10,14 @@ import pyarrow as pa
 import pytest
 import torch
 
-from lance_hpc.data import build_eval_loader, build_train_loader, plan_data, preflight
+from lance_hpc.data import build_eval_loader, build_train_loader, dataset_info, plan_data, preflight
+from lance_hpc.data.decode import Transform
 from lance_hpc.data.ingest import schema_for
 from lance_hpc.data.plan import main as plan_main
 from lance_hpc.data.sources import skimage_photo_crops
 from lance_hpc.errors import UserError
 from lance_hpc.spec import DataSpec, IngestSpec
+from lance_hpc.tasks.image import ImageClassification, ImageDecoder, ImageOptions
 
 STRATEGIES = [("map", "distributed"), ("iterable", "sharded_batch"), ("iterable", "sharded_fragment")]
 IMAGES = [data for data, _ in skimage_photo_crops(13, size=20)]
@@ -44,20 +46,33 @@ def layout_dataset(tmp_path):
 
 
 def spec(uri, **fields):
-    defaults = dict(batch_size=8, num_workers=0, image_size=16, seed=3)
+    defaults = dict(batch_size=8, num_workers=0, seed=3)
     return DataSpec(uri=uri, **(defaults | fields))
+
+
+def image_decoder(train=True, image_size=16, augment="crop_flip"):
+    """The image task's worker half, as ImageClassification builds it from its options."""
+    return ImageDecoder("image", "label", Transform(image_size, train=train, augment=augment))
+
+
+def train_loader(data, rank, world_size, **decoder):
+    return build_train_loader(data, image_decoder(**decoder), rank, world_size)
+
+
+def eval_loader(data, rank, world_size):
+    return build_eval_loader(data, image_decoder(train=False), rank, world_size)
 
 
 def epoch_labels(loader, epoch):
     loader.set_epoch(epoch)
-    return [labels.tolist() for _, labels in loader]
+    return [batch["label"].tolist() for batch in loader]
 
 
 @pytest.mark.parametrize("style,sampler", STRATEGIES)
 @pytest.mark.parametrize("uneven", ["drop", "pad"])
 def test_every_strategy_reads_the_planned_rows_with_equal_steps(layout_dataset, style, sampler, uneven):
     world_size = 3
-    loaders = [build_train_loader(spec(layout_dataset, style=style, sampler=sampler, uneven=uneven), r, world_size) for r in range(world_size)]
+    loaders = [train_loader(spec(layout_dataset, style=style, sampler=sampler, uneven=uneven), r, world_size) for r in range(world_size)]
     plan = loaders[0].plan
     per_rank = [epoch_labels(loader, 1) for loader in loaders]
     assert [len(batches) for batches in per_rank] == [plan.steps_per_rank] * world_size
@@ -69,26 +84,31 @@ def test_every_strategy_reads_the_planned_rows_with_equal_steps(layout_dataset, 
     else:
         assert len(counts) == 157 and sum(counts.values()) == 157 + plan.padded
     first = loaders[0]
-    assert first.num_classes == 157 and first.dataset_version == 7 and first.class_names[:2] == ["0", "1"]
+    task = ImageClassification(ImageOptions(image_size=16), dataset_info(first.data, layout_dataset))
+    assert task.num_classes == 157 and first.dataset_version == 7 and task.class_names[:2] == ["0", "1"]
     batch = next(iter(first))
-    assert batch[0].dtype == torch.uint8 and batch[0].shape[1:] == (3, 16, 16) and batch[1].dtype == torch.int64
+    assert set(batch) == {"image", "label", "row_id"}
+    assert batch["image"].dtype == torch.uint8 and batch["image"].shape[1:] == (3, 16, 16)
+    assert batch["image"].is_contiguous(memory_format=torch.channels_last)
+    assert batch["label"].dtype == torch.int64 and batch["row_id"].dtype == torch.int64
+    assert torch.equal(batch["row_id"], batch["label"])  # the label is the row id: row_id names the row read
 
 
 @pytest.mark.parametrize("style,sampler", STRATEGIES)
 def test_resume_mid_epoch_in_process(layout_dataset, style, sampler):
     data = spec(layout_dataset, style=style, sampler=sampler)
-    loader = build_train_loader(data, 1, 2)
+    loader = train_loader(data, 1, 2)
     full = epoch_labels(loader, 4)
     loader.set_epoch(4)
     batches = iter(loader)
-    head = [next(batches)[1].tolist() for _ in range(3)]
+    head = [next(batches)["label"].tolist() for _ in range(3)]
     state = loader.state_dict()
     assert state["epoch"] == 4 and state["batches_consumed"] == 3
-    restored = build_train_loader(data, 1, 2)
+    restored = train_loader(data, 1, 2)
     restored.load_state_dict(state)
     restored.set_epoch(4)  # the trainer sets the epoch again: the offset survives
     assert restored.steps_remaining == len(full) - 3
-    tail = [labels.tolist() for _, labels in restored]
+    tail = [batch["label"].tolist() for batch in restored]
     assert head + tail == full
     assert epoch_labels(restored, 5) != full and len(epoch_labels(restored, 5)) == len(full)
 
@@ -97,24 +117,24 @@ def test_resume_mid_epoch_in_process(layout_dataset, style, sampler):
 @pytest.mark.parametrize("style,sampler", [("map", "distributed"), ("iterable", "sharded_fragment")])
 def test_persistent_workers_reshuffle_per_epoch_and_resume_exactly(layout_dataset, style, sampler):
     data = spec(layout_dataset, style=style, sampler=sampler, num_workers=2)
-    in_process = build_train_loader(spec(layout_dataset, style=style, sampler=sampler), 0, 2)
-    loader = build_train_loader(data, 0, 2)
+    in_process = train_loader(spec(layout_dataset, style=style, sampler=sampler), 0, 2)
+    loader = train_loader(data, 0, 2)
     epochs = [epoch_labels(loader, epoch) for epoch in (0, 1)]
     # Workers read the same rows as the in-process loader: no duplicates across workers, new epoch order.
     assert epochs == [epoch_labels(in_process, epoch) for epoch in (0, 1)]
     assert epochs[0] != epochs[1]
     loader.set_epoch(1)
     batches = iter(loader)
-    head = [next(batches)[1].tolist() for _ in range(5)]
+    head = [next(batches)["label"].tolist() for _ in range(5)]
     state = loader.state_dict()
-    restored = build_train_loader(data, 0, 2)
+    restored = train_loader(data, 0, 2)
     restored.load_state_dict(state)
-    assert head + [labels.tolist() for _, labels in restored] == epochs[1]
+    assert head + [batch["label"].tolist() for batch in restored] == epochs[1]
 
 
 def test_corrupt_rows_are_skipped_without_changing_step_counts(tmp_path):
     uri = write_dataset(str(tmp_path / "c.lance"), [30, 30], corrupt={3, 17, 44})
-    loaders = [build_train_loader(spec(uri, sampler="distributed"), rank, 2) for rank in range(2)]
+    loaders = [train_loader(spec(uri, sampler="distributed"), rank, 2) for rank in range(2)]
     steps = [len(epoch_labels(loader, 0)) for loader in loaders]
     assert steps == [loaders[0].steps_per_epoch] * 2
     assert sum(loader.skipped_rows for loader in loaders) == 3
@@ -123,7 +143,7 @@ def test_corrupt_rows_are_skipped_without_changing_step_counts(tmp_path):
 
 def test_corrupt_rows_fail_names_the_row(tmp_path):
     uri = write_dataset(str(tmp_path / "c.lance"), [10], corrupt={6})
-    loader = build_train_loader(spec(uri, on_corrupt="fail", shuffle=False), 0, 1)
+    loader = train_loader(spec(uri, on_corrupt="fail", shuffle=False), 0, 1)
     with pytest.raises(UserError, match=f"row 6 of {uri}"):
         list(loader)
 
@@ -131,8 +151,8 @@ def test_corrupt_rows_fail_names_the_row(tmp_path):
 def test_version_is_pinned(tmp_path):
     uri = write_dataset(str(tmp_path / "v.lance"), [20])
     write_dataset(uri, [12], mode="append")
-    latest = build_train_loader(spec(uri), 0, 1)
-    pinned = build_train_loader(spec(uri, version=1), 0, 1)
+    latest = train_loader(spec(uri), 0, 1)
+    pinned = train_loader(spec(uri, version=1), 0, 1)
     assert (latest.dataset_version, latest.plan.rows) == (2, 32)
     assert (pinned.dataset_version, pinned.plan.rows) == (1, 20)
     assert max(row for batch in epoch_labels(pinned, 0) for row in batch) < 20
@@ -142,27 +162,28 @@ def test_version_is_pinned(tmp_path):
 def test_eval_loader(tmp_path, mode):
     uri = write_dataset(str(tmp_path / "val.lance"), [9, 9, 5])
     data = spec(str(tmp_path / "train.lance"), val_uri=uri, val_sampler=mode)
-    per_rank = [[row for _, labels in build_eval_loader(data, rank, 3) for row in labels.tolist()] for rank in range(3)]
+    per_rank = [[row for batch in eval_loader(data, rank, 3) for row in batch["label"].tolist()] for rank in range(3)]
     if mode == "sharded":
         assert sorted(row for rows in per_rank for row in rows) == list(range(23))
     else:
         assert all(sorted(rows) == list(range(23)) for rows in per_rank)
-    images, _ = next(iter(build_eval_loader(data, 0, 3)))
-    assert images.shape[1:] == (3, 16, 16) and images.dtype == torch.uint8
+    batch = next(iter(eval_loader(data, 0, 3)))
+    assert batch["image"].shape[1:] == (3, 16, 16) and batch["image"].dtype == torch.uint8
+    assert torch.equal(batch["row_id"], batch["label"])
 
 
 def test_clear_errors(tmp_path, layout_dataset):
     tiny = write_dataset(str(tmp_path / "tiny.lance"), [2])
     with pytest.raises(UserError, match="uneven: pad"):
-        build_train_loader(spec(tiny), 0, 4)
-    assert build_train_loader(spec(tiny, uneven="pad"), 3, 4).steps_per_epoch == 1
+        train_loader(spec(tiny), 0, 4)
+    assert train_loader(spec(tiny, uneven="pad"), 3, 4).steps_per_epoch == 1
     with pytest.raises(UserError, match="no Lance dataset there"):
-        build_train_loader(spec(str(tmp_path / "missing.lance")), 0, 1)
+        train_loader(spec(str(tmp_path / "missing.lance")), 0, 1)
     with pytest.raises(UserError, match="val_uri is not set"):
-        build_eval_loader(spec(layout_dataset), 0, 1)
-    loader = build_train_loader(spec(layout_dataset), 0, 2)
+        eval_loader(spec(layout_dataset), 0, 1)
+    loader = train_loader(spec(layout_dataset), 0, 2)
     with pytest.raises(UserError, match="world_size was 4, now 2"):
-        loader.load_state_dict(build_train_loader(spec(layout_dataset), 0, 4).state_dict())
+        loader.load_state_dict(train_loader(spec(layout_dataset), 0, 4).state_dict())
 
 
 def test_plan_data_and_preflight_on_local_data(tmp_path, layout_dataset, capsys):

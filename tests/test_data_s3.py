@@ -6,12 +6,14 @@ endpoint; credentials never printed."""
 import lance
 import pytest
 
-from lance_hpc.data import build_eval_loader, build_train_loader, ensure_dataset, plan_data, preflight
+from lance_hpc.data import dataset_info, ensure_dataset, plan_data, preflight
 from lance_hpc.data.plan import main as plan_main
 from lance_hpc.data.storage import redact, storage_options
 from lance_hpc.errors import UserError
 from lance_hpc.spec import DataSpec, IngestSpec
+from lance_hpc.tasks.image import ImageClassification, ImageOptions
 from tests.fixtures_s3 import free_port
+from tests.test_data_loader import eval_loader, train_loader
 
 
 def test_storage_options_take_credentials_from_the_environment_and_never_override_the_spec():
@@ -32,7 +34,7 @@ def s3_env(s3_server, monkeypatch):
 
 
 def s3_spec(server, name, **fields):
-    defaults = dict(storage_options=server.storage_options, batch_size=32, num_workers=0, image_size=16)
+    defaults = dict(storage_options=server.storage_options, batch_size=32, num_workers=0)
     return DataSpec(uri=server.uri(f"{name}.lance"), val_uri=server.uri(f"{name}_val.lance"), **(defaults | fields))
 
 
@@ -46,10 +48,11 @@ def test_ingest_plan_and_read_on_s3(s3_env):
     assert lance.dataset(data.uri, storage_options=options).count_rows() == 1617
     plan = plan_data(data, 2)
     assert (plan.rows, plan.fragments, plan.version) == (1617, 5, 1)
-    loaders = [build_train_loader(data, rank, 2) for rank in range(2)]
+    loaders = [train_loader(data, rank, 2) for rank in range(2)]
     steps = [sum(1 for _ in loader) for loader in loaders]
-    assert steps == [plan.steps_per_rank] * 2 and loaders[0].num_classes == 10
-    assert sum(len(labels) for _, labels in build_eval_loader(data, 0, 1)) == 180
+    task = ImageClassification(ImageOptions(image_size=16), dataset_info(data, data.uri), dataset_info(data, data.val_uri))
+    assert steps == [plan.steps_per_rank] * 2 and task.num_classes == 10
+    assert sum(len(batch["label"]) for batch in eval_loader(data, 0, 1)) == 180
     preflight(data)
 
 
@@ -58,8 +61,8 @@ def test_ingest_plan_and_read_on_s3(s3_env):
 def test_workers_read_s3_with_the_full_options(s3_env):
     data = s3_spec(s3_env, "photos", num_workers=1, ingest=IngestSpec(source="skimage-photos:count=64,size=24", rows_per_fragment=20))
     ensure_dataset(data)
-    loader = build_train_loader(data, 0, 1)
-    batches = [labels for _, labels in loader]
+    loader = train_loader(data, 0, 1)
+    batches = [batch["label"] for batch in loader]
     assert len(batches) == loader.steps_per_epoch == 2
 
 
@@ -77,7 +80,7 @@ def test_preflight_errors_are_clear_and_never_show_credentials(s3_env, monkeypat
     with pytest.raises(UserError, match="rejected the credentials .SignatureDoesNotMatch.") as wrong_secret:
         preflight(data)
     with pytest.raises(UserError, match="rejected the credentials"):
-        build_train_loader(data, 0, 1)
+        train_loader(data, 0, 1)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_env.secret_access_key)
 
     with pytest.raises(UserError, match="no Lance dataset there") as missing:

@@ -11,10 +11,11 @@ import torch
 from multiprocessing.reduction import ForkingPickler
 
 from lance_hpc.bench.resources import descendants
-from lance_hpc.data import build_train_loader
+from lance_hpc.data.reader import ROW_ID_FIELD
 from lance_hpc.data.transport import BufferPool
 from lance_hpc.spec import DataSpec
-from tests.test_data_loader import write_dataset
+from lance_hpc.tasks.base import ROW_ID
+from tests.test_data_loader import image_decoder, train_loader, write_dataset
 
 
 def send(batch):
@@ -22,41 +23,51 @@ def send(batch):
     return pickle.loads(ForkingPickler.dumps(batch))
 
 
+def image_fields(image_size):
+    """The fields a reader writes for the image task: uint8 channels-last images, labels, row ids."""
+    return {**image_decoder(image_size=image_size).fields(), ROW_ID: ROW_ID_FIELD}
+
+
 def test_a_buffer_is_reused_only_after_every_tensor_over_it_is_freed():
     pool = BufferPool()
-    first = pool.batch(2, 4)
-    first.images.copy_(torch.arange(96, dtype=torch.uint8).view(2, 4, 4, 3).permute(0, 3, 1, 2))
-    first.labels.copy_(torch.tensor([7, 9]))
+    first = pool.batch(image_fields(4), 2)
+    assert first.fields["image"].is_contiguous(memory_format=torch.channels_last)
+    first.fields["image"].copy_(torch.arange(96, dtype=torch.uint8).view(2, 4, 4, 3).permute(0, 3, 1, 2))
+    first.fields["label"].copy_(torch.tensor([7, 9]))
+    first.fields[ROW_ID].copy_(torch.tensor([70, 90]))
     first.skipped = 1
-    images, labels, skipped = send(first)
-    assert torch.equal(images, first.images) and labels.tolist() == [7, 9] and skipped == 1
-    assert images.is_contiguous(memory_format=torch.channels_last)
+    fields, skipped = send(first)
+    assert set(fields) == {"image", "label", ROW_ID} and skipped == 1
+    assert torch.equal(fields["image"], first.fields["image"]) and fields["label"].tolist() == [7, 9]
+    assert fields[ROW_ID].tolist() == [70, 90] and fields[ROW_ID].dtype == torch.int64
+    assert fields["image"].is_contiguous(memory_format=torch.channels_last)
 
-    held_view = images[1]  # a view keeps the buffer as busy as the batch itself
-    del images, labels
+    held_view = fields["image"][1]  # a view keeps the buffer as busy as the batch itself
+    del fields
     gc.collect()
-    second = pool.batch(2, 4)
+    second = pool.batch(image_fields(4), 2)
     assert second.buffer is not first.buffer and len(pool.buffers) == 2
     assert int(held_view[0, 0, 0]) == 48  # untouched
 
     del held_view
     gc.collect()
     assert first.buffer.free
-    assert pool.batch(2, 4).buffer is first.buffer and len(pool.buffers) == 2
+    assert pool.batch(image_fields(4), 2).buffer is first.buffer and len(pool.buffers) == 2
 
 
 def test_a_batch_that_failed_gives_its_buffer_back():
     pool = BufferPool()
-    pool.batch(3, 8).release()
-    pool.batch(3, 8)
+    pool.batch(image_fields(8), 3).release()
+    pool.batch(image_fields(8), 3)
     assert len(pool.buffers) == 1
 
 
 def test_a_smaller_batch_fits_a_larger_free_buffer():
     pool = BufferPool()
-    pool.batch(4, 8).release()
-    smaller = pool.batch(2, 8)
-    assert len(pool.buffers) == 1 and smaller.images.shape == (2, 3, 8, 8) and smaller.labels.shape == (2,)
+    pool.batch(image_fields(8), 4).release()
+    smaller = pool.batch(image_fields(8), 2)
+    assert len(pool.buffers) == 1 and smaller.fields["image"].shape == (2, 3, 8, 8)
+    assert smaller.fields["label"].shape == (2,) and smaller.fields[ROW_ID].shape == (2,)
 
 
 def batch_mappings(pid):
@@ -72,7 +83,7 @@ def workers_of(pid):
 
 def test_a_worker_reuses_a_few_buffers_for_a_whole_epoch(tmp_path):
     uri = write_dataset(str(tmp_path / "d.lance"), [40, 40, 40])
-    loader = build_train_loader(DataSpec(uri=uri, batch_size=6, image_size=16, num_workers=1, prefetch_factor=2), 0, 1)
+    loader = train_loader(DataSpec(uri=uri, batch_size=6, num_workers=1, prefetch_factor=2), 0, 1)
     loader.set_epoch(0)
     steps = sum(1 for _ in loader)  # each batch dropped before the next
     workers = workers_of(os.getpid())
@@ -83,17 +94,18 @@ def test_a_worker_reuses_a_few_buffers_for_a_whole_epoch(tmp_path):
 
 def test_workers_hand_over_in_process_pixels_and_never_overwrite_a_held_batch(tmp_path):
     uri = write_dataset(str(tmp_path / "d.lance"), [40, 40, 40])
-    fields = dict(uri=uri, batch_size=6, image_size=16, seed=5, augment="crop_flip")
-    expected = build_train_loader(DataSpec(**fields, num_workers=0), 0, 1)
+    fields = dict(uri=uri, batch_size=6, seed=5)
+    expected = train_loader(DataSpec(**fields, num_workers=0), 0, 1, augment="crop_flip")
     expected.set_epoch(0)
     reference = list(expected)
 
-    loader = build_train_loader(DataSpec(**fields, num_workers=2), 0, 1)
+    loader = train_loader(DataSpec(**fields, num_workers=2), 0, 1, augment="crop_flip")
     loader.set_epoch(0)
     held = list(loader)  # every batch kept, so no buffer may be reused under them
     assert len(held) == len(reference) == 20
-    for (images, labels), (want_images, want_labels) in zip(held, reference):
-        assert torch.equal(labels, want_labels) and torch.equal(images, want_images)
-    del held, images, labels
+    for batch, want in zip(held, reference):
+        assert batch.keys() == want.keys() == {"image", "label", ROW_ID}
+        assert all(torch.equal(batch[name], want[name]) for name in want)
+    del held, batch
     gc.collect()
     assert not batch_mappings(os.getpid())  # released batches are unmapped in the main process

@@ -2,7 +2,8 @@
 SIGTERM sent to every process of the step leave the workers serving batches (the rank process
 checkpoints); a rank process that is SIGKILLed takes its worker server and workers with it; a
 SIGKILLed worker ends the epoch with an error, not a hang. Also: the per-row ``__getitem__`` path
-works inside a worker, and the trainer gives the model the memory format it asked for."""
+works inside a worker, and the image task gives the model and its batches the memory format it
+asked for."""
 
 import os
 import signal
@@ -10,21 +11,21 @@ import subprocess
 import sys
 import textwrap
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lance_hpc import trainer
 from lance_hpc.bench.resources import descendants
-from lance_hpc.data import build_train_loader, worker_context
-from lance_hpc.data.decode import Transform
+from lance_hpc.data import worker_context
+from lance_hpc.data.ingest import schema_for
 from lance_hpc.data.mapstyle import LanceMapDataset
 from lance_hpc.data.reader import BatchReader
 from lance_hpc.spec import DataSpec
-from tests.test_data_loader import write_dataset
+from lance_hpc.tasks.base import ROW_ID, DatasetInfo
+from lance_hpc.tasks.image import ImageClassification, ImageOptions
+from tests.test_data_loader import image_decoder, train_loader, write_dataset
 from tests.test_data_transport import workers_of
 
 # How long processes may take to go after their rank process dies (torch's worker watchdog polls
@@ -34,7 +35,7 @@ GONE_WITHIN_S = 90
 
 def loader_on(tmp_path, **fields):
     uri = write_dataset(str(tmp_path / "d.lance"), [40, 40, 40])
-    loader = build_train_loader(DataSpec(uri=uri, batch_size=6, image_size=16, **{"num_workers": 2, **fields}), 0, 1)
+    loader = train_loader(DataSpec(uri=uri, batch_size=6, **{"num_workers": 2, **fields}), 0, 1)
     loader.set_epoch(0)
     return loader
 
@@ -108,12 +109,13 @@ def test_a_killed_rank_process_takes_its_worker_server_and_workers_with_it(tmp_p
 
 def test_rows_by_index_work_inside_a_worker(tmp_path):
     uri = write_dataset(str(tmp_path / "d.lance"), [10])
-    reader = BatchReader(uri, 1, {}, "image", "label", Transform(8, train=False), seed=0)
+    reader = BatchReader(uri, 1, {}, image_decoder(train=False, image_size=8), seed=0)
     dataset = LanceMapDataset(reader, 10)
     rows = DataLoader(dataset, batch_size=None, num_workers=1, multiprocessing_context=worker_context())
-    got = [(image, int(label)) for image, label in rows]
-    assert [label for _, label in got] == list(range(10))
-    assert all(torch.equal(image, dataset[index][0]) for index, (image, _) in enumerate(got))
+    got = list(rows)
+    assert [int(row["label"]) for row in got] == list(range(10)) == [int(row[ROW_ID]) for row in got]
+    assert all(row["image"].shape == (3, 8, 8) and row["image"].dtype == torch.uint8 for row in got)
+    assert all(torch.equal(row["image"], dataset[index]["image"]) for index, row in enumerate(got))
 
 
 @pytest.mark.parametrize("device,channels_last,expected", [
@@ -121,8 +123,14 @@ def test_rows_by_index_work_inside_a_worker(tmp_path):
     ("cpu", False, torch.contiguous_format),
 ])
 def test_batches_reach_the_model_in_its_memory_format(device, channels_last, expected):
-    run = SimpleNamespace(device=torch.device(device), spec=SimpleNamespace(model=SimpleNamespace(channels_last=channels_last)))
-    batch = torch.zeros(2, 8, 8, 3, dtype=torch.uint8).permute(0, 3, 1, 2)  # what the loaders deliver
-    images, labels = trainer.to_device(run, batch, torch.zeros(2, dtype=torch.int64))
-    assert images.is_contiguous(memory_format=expected) and images.dtype == torch.float32
-    assert np.allclose(images.numpy()[0, 0, 0, 0], (0 - 0.485) / 0.229)
+    info = DatasetInfo("memory://train.lance", schema_for(["a", "b"], "test"), 0)
+    task = ImageClassification(ImageOptions(image_size=8, model="small_cnn", channels_last=channels_last), info)
+    model = task.prepare_model(task.build_model(), torch.device(device))
+    kernel = next(parameter for parameter in model.parameters() if parameter.dim() == 4)
+    assert kernel.is_contiguous(memory_format=expected)
+    images = torch.zeros(2, 8, 8, 3, dtype=torch.uint8).permute(0, 3, 1, 2)  # what the loaders deliver
+    batch = {"image": images, "label": torch.zeros(2, dtype=torch.int64), ROW_ID: torch.arange(2)}
+    moved = task.to_device(batch, torch.device(device))
+    assert moved["image"].is_contiguous(memory_format=expected) and moved["image"].dtype == torch.float32
+    assert moved["label"].dtype == torch.int64 and moved["label"].device.type == device
+    assert np.allclose(moved["image"].numpy()[0, 0, 0, 0], (0 - 0.485) / 0.229)

@@ -29,6 +29,7 @@ from lance_hpc.spec import JobSpec, load_spec, validate_spec
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden"
 JOBS = sorted((ROOT / "jobs").glob("*.yaml"))
+EXAMPLES = sorted((ROOT / "examples").glob("*/job.yaml"))
 BASE_DIR = "/project"  # relative paths resolve here, so golden files do not depend on the checkout
 
 FULL_SPEC: dict[str, Any] = {
@@ -83,13 +84,23 @@ def test_shipped_jobs_validate_and_match_golden(job: Path) -> None:
     check_golden(job.with_suffix(".sbatch").name, render.render_sbatch(spec, spec_file_of(spec)))
 
 
+@pytest.mark.parametrize("job", EXAMPLES, ids=lambda path: path.parent.name)
+def test_example_jobs_validate_and_match_golden(job: Path) -> None:
+    """Examples name files of their own (entry: examples/...py:main), which must exist to validate:
+    they resolve against the checkout, shown as BASE_DIR in the golden file."""
+    spec = load_spec(job, base_dir=ROOT).spec
+    script = render.render_sbatch(spec, spec_file_of(spec)).replace(str(ROOT), BASE_DIR)
+    check_golden(f"example-{job.parent.name}.sbatch", script)
+
+
 def test_every_option_matches_golden() -> None:
     spec = spec_from(FULL_SPEC)
     check_golden("full-options.sbatch", render.render_sbatch(spec, spec_file_of(spec)))
 
 
 def test_shipped_jobs_exist() -> None:
-    assert {path.name for path in JOBS} >= {"quickstart.yaml", "map_gpu.yaml", "iterable_gpu.yaml", "s3.yaml"}
+    assert {path.name for path in JOBS} >= {"quickstart.yaml", "lm_quickstart.yaml", "map_gpu.yaml", "iterable_gpu.yaml", "s3.yaml"}
+    assert {path.parent.name for path in EXAMPLES} >= {"script_mode"}
 
 
 def test_script_requests_what_the_spec_says() -> None:

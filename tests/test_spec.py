@@ -46,9 +46,26 @@ def problems_of(raw: dict[str, Any], overrides: tuple[str, ...] = ()) -> str:
         (with_fields(train={"lr": 0}), ["train.lr: must be > 0"]),
         (with_fields(slurm={"signal_delay_s": 5}), ["slurm.signal_delay_s: must be >= 10"]),
         # unknown names list the valid ones
-        (with_fields(data={"sampler": "random"}), ["data.sampler: 'random' is not a valid choice", "'distributed', 'sharded_batch', 'sharded_fragment' or 'full_scan'"]),
-        (with_fields(data={"style": "stream"}), ["data.style: 'stream' is not a valid choice", "'map' or 'iterable'"]),
-        (with_fields(model={"arch": "vit"}), ["model.arch: 'vit' is not a valid choice", "'resnet50'"]),
+        (with_fields(data={"sampler": "random"}), ["data.sampler: 'random' is not a valid choice", "use one of: distributed, sharded_batch, sharded_fragment, full_scan"]),
+        (with_fields(data={"style": "stream"}), ["data.style: 'stream' is not a valid choice", "use one of: map, iterable"]),
+        (with_fields(data={"uneven": "cut"}), ["data.uneven: 'cut' is not a valid choice", "use one of: drop, pad"]),
+        (with_fields(train={"optimizer": "lion"}), ["train.optimizer: 'lion' is not a valid choice", "use one of: sgd, adamw"]),
+        # tasks: unknown names, options checked with their YAML path, import paths that do not import
+        (with_fields(task={"name": "segmentation"}), ["task.name: unknown task 'segmentation'", "image_classification, language_model"]),
+        (with_fields(task={"options": {"model": "vitt_b_16"}}), ["task.options.model: unknown model 'vitt_b_16'", "small_cnn, a torchvision"]),
+        (with_fields(task={"options": {"augment": "mixup"}}), ["task.options.augment: unknown augment 'mixup'", "crop_flip, crop, none"]),
+        (with_fields(task={"options": {"image_sise": 64}}), ["task.options.image_sise: unknown key", "did you mean 'image_size'?"]),
+        (with_fields(task={"options": {"num_classes": 1}}), ["task.options.num_classes: must be >= 2"]),
+        (with_fields(task={"name": "language_model", "options": {"layers": 0}}), ["task.options.layers: must be >= 1"]),
+        (with_fields(task={"name": "no_such_pkg.tasks:MyTask"}), ["task.name: cannot import 'no_such_pkg.tasks'", "ModuleNotFoundError", "PYTHONPATH"]),
+        (with_fields(task={"name": "lance_hpc.tasks.base:NoSuchTask"}), ["task.name: 'lance_hpc.tasks.base' has no 'NoSuchTask'", "it defines:"]),
+        (with_fields(task={"name": "lance_hpc.tasks.base:ROW_ID"}), ["task.name: 'lance_hpc.tasks.base:ROW_ID' names a str, not something callable"]),
+        (with_fields(task={"name": "lance_hpc.tasks.base:FieldSpec"}), ["task.name: 'lance_hpc.tasks.base:FieldSpec' is not a subclass of lance_hpc.tasks.Task"]),
+        ({**BASE, "entry": "no_such_pkg.train:main"}, ["entry: cannot import 'no_such_pkg.train'", "PYTHONPATH"]),
+        ({**BASE, "entry": "missing_dir/train.py:main"}, ["entry: ", "missing_dir/train.py: no such file"]),
+        # keys that moved into task.options say where they went
+        (with_fields(model={"arch": "resnet50"}), ["model.arch: moved to task.options.model", "options: {model: resnet50}"]),
+        (with_fields(data={"image_size": 64, "label_column": "y"}), ["data.image_size: moved to task.options.image_size", "data.label_column: moved to task.options.label_column"]),
         # combinations that cannot work
         (with_fields(data={"style": "map", "sampler": "sharded_batch"}), ["sampler 'sharded_batch' does not work with style 'map'", "with style 'map' use: distributed"]),
         (with_fields(data={"style": "iterable"}), ["data.sampler: iterable style needs a sampler", "sharded_batch, sharded_fragment"]),
@@ -81,6 +98,25 @@ def test_every_problem_is_reported_at_once() -> None:
     assert message.startswith("<spec>: 5 problems in the job spec")
     for path in ("slurm.nodes", "slurm.time", "slurm.partiton", "data.sampler", "data.batch_size"):
         assert f"  {path}: " in message
+
+
+def test_a_key_written_twice_is_an_error_with_both_lines() -> None:
+    with pytest.raises(SpecError) as caught:
+        load_spec_text("name: a\ndata:\n  uri: /x\n  batch_size: 8\n  batch_size: 16\nname: b\n")
+    message = str(caught.value)
+    assert "name: written twice, on lines 1 and 6" in message
+    assert "data.batch_size: written twice, on lines 4 and 5" in message
+
+
+def test_a_task_file_path_resolves_against_the_spec_directory(tmp_path: Path) -> None:
+    (tmp_path / "my_task_module.py").write_text(
+        "from lance_hpc.tasks.image import ImageClassification\n\nclass MyTask(ImageClassification):\n    pass\n")
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text("name: a\ndata: {uri: d.lance}\ntask: {name: my_task_module.py:MyTask, options: {model: small_cnn}}\n")
+    loaded = load_spec(spec_file, base_dir=tmp_path)
+    assert loaded.spec.task.name == f"{tmp_path}/my_task_module.py:MyTask"
+    assert loaded.spec.task.options["image_size"] == 224  # the task's defaults are filled in, and shown
+    assert any(item.path == "task.name" for item in loaded.resolutions)
 
 
 def test_missing_file_and_bad_yaml(tmp_path: Path) -> None:
@@ -175,10 +211,13 @@ def raw_specs(draw: st.DrawFn) -> dict[str, Any]:
             "batch_size": draw(st.integers(1, 1024)),
             "num_workers": draw(st.integers(0, 16)),
             "shuffle": draw(st.booleans()),
-            "image_size": draw(st.integers(8, 512)),
             "storage_options": draw(st.dictionaries(st.sampled_from(["endpoint", "region"]), plain_text, max_size=2)),
         },
-        "model": {"arch": draw(st.sampled_from(["small_cnn", "resnet18", "resnet50"]))},
+        "task": draw(st.sampled_from([
+            {"name": "image_classification", "options": {"model": draw(st.sampled_from(["small_cnn", "resnet18", "convnext_tiny"])),
+                                                         "image_size": draw(st.integers(8, 512))}},
+            {"name": "language_model", "options": {"layers": draw(st.integers(1, 8)), "width": 256}},
+        ])),
         "train": {
             "epochs": draw(st.integers(1, 100)),
             "lr": draw(st.floats(1e-5, 10, allow_nan=False)),

@@ -14,6 +14,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from lance_hpc.data import build_train_loader
 from lance_hpc.run import SubmititJob
 from lance_hpc.slurm_cluster import SlurmCluster
 from lance_hpc.spec import JobSpec, load_spec
+from lance_hpc.tasks import load_task
 from lance_hpc.submit import FINAL_STATES, make_executor, write_job_files
 from tests.trainer_jobs import (
     FINAL_ACCURACY,
@@ -48,14 +50,17 @@ class SlurmRun:
     output: str
 
 
-def job_spec(directory: Path, dataset: Digits, cluster: SlurmCluster, **sections: dict) -> JobSpec:
+def job_spec(directory: Path, dataset: Digits, cluster: SlurmCluster, **sections: Any) -> JobSpec:
     """2 nodes x 2 CPU tasks; 22 steps per epoch; every step logged so tests can follow along."""
     slurm = {"partition": cluster.partition, "nodes": 2, "tasks_per_node": 2, "cpus_per_task": 1,
              "time": "00:15:00", "max_requeues": 2, "log_dir": str(directory / "logs")}
     base = {"slurm": slurm, "train": {"epochs": 5}, "logging": {"log_every_steps": 1, "progress": False},
             "checkpoint": {"every_steps": 50, "keep": 10}}
     for section, values in sections.items():
-        base.setdefault(section, {}).update(values)
+        if isinstance(values, dict):
+            base.setdefault(section, {}).update(values)
+        else:
+            base[section] = values
     return load_spec(write_spec(directory, dataset, name="digits4", **base)).spec
 
 
@@ -120,7 +125,7 @@ def reference(slurm_cluster: SlurmCluster, digits: Digits, tmp_path_factory: pyt
 
 
 def steps_per_epoch(spec: JobSpec) -> int:
-    return build_train_loader(spec.data, 0, TASKS).steps_per_epoch
+    return build_train_loader(spec.data, load_task(spec).decoder(train=True), 0, TASKS).steps_per_epoch
 
 
 def test_four_ranks_on_two_nodes_train_to_the_bar(reference: SlurmRun) -> None:
@@ -150,6 +155,49 @@ def test_usr2_mid_epoch_requeues_and_resumes_to_the_same_weights(
     assert_epoch_resumes_in_place(spec, stopped["ranks"])
 
 
+def interrupt_with_usr2(cluster: SlurmCluster, spec: JobSpec) -> tuple[str, str, dict]:
+    """sbatch ``spec``, send USR2 early in epoch 2, wait for the requeued job to complete; returns
+    (job id, its output, the checkpoint the interrupted run saved)."""
+    job_id = sbatch(cluster, spec)
+    wait_for_output(lambda: output_of(spec, job_id), f"step {steps_per_epoch(spec) + 3}/")
+    subprocess.run(["scancel", "--signal=USR2", job_id], env=environ(cluster), check=True)
+    assert wait_for_job(cluster, job_id, 600) == "COMPLETED", output_of(spec, job_id)
+    output = output_of(spec, job_id)
+    assert job_state(cluster, job_id)[1] == 1 and f"requeued job {job_id} (requeue 1 of at most 2)" in output, output
+    step, path = re.search(r"stopped at step (\d+) by SIGUSR2; checkpoint (\S+?);", output).groups()
+    assert f"resuming from {path} at step {step}" in output
+    stopped = torch.load(path, map_location="cpu", weights_only=True)
+    assert stopped["mid_epoch"] and steps_per_epoch(spec) < stopped["step"] < 2 * steps_per_epoch(spec)
+    return job_id, output, stopped
+
+
+def test_a_task_from_a_test_module_requeues_and_resumes_to_the_same_weights(
+    slurm_cluster: SlurmCluster, digits: Digits, tmp_path: Path
+) -> None:
+    """A task no lance_hpc module defines, named by file path, decoding in DataLoader workers."""
+    custom = {"task": {"name": f"{REPO_ROOT}/tests/custom_task.py:PixelMLP", "options": {"hidden": 32}},
+              "data": {"num_workers": 1}, "train": {"epochs": 3, "lr": 0.01}}
+    reference = run_to_end(slurm_cluster, job_spec(tmp_path / "reference", digits, slurm_cluster, **custom))
+    assert reference.state == "COMPLETED" and "final validation accuracy" in reference.output, reference.output
+    spec = job_spec(tmp_path / "interrupted", digits, slurm_cluster, **custom)
+    interrupt_with_usr2(slurm_cluster, spec)
+    final, expected = final_state(tmp_path / "interrupted"), final_state(tmp_path / "reference")
+    assert final["step"] == expected["step"] == 3 * steps_per_epoch(spec)
+    assert same_weights(final["model"], expected["model"]) == []
+
+
+def test_script_mode_example_requeues_and_resumes_on_the_cluster(
+    slurm_cluster: SlurmCluster, digits: Digits, tmp_path: Path
+) -> None:
+    """examples/script_mode (its own loop) through sbatch, preempted mid-epoch: saves, requeues,
+    resumes and finishes with every rank on the same step."""
+    spec = job_spec(tmp_path, digits, slurm_cluster, entry=f"{REPO_ROOT}/examples/script_mode/train.py:main",
+                    train={"epochs": 3})
+    _, output, _ = interrupt_with_usr2(slurm_cluster, spec)
+    assert "final validation accuracy" in output
+    assert final_state(tmp_path)["step"] == 3 * steps_per_epoch(spec)
+
+
 def test_submitit_preemption_checkpoints_requeues_and_resumes(
     slurm_cluster: SlurmCluster, digits: Digits, reference: SlurmRun, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -164,7 +212,7 @@ def test_submitit_preemption_checkpoints_requeues_and_resumes(
     assert wait_for_job(slurm_cluster, job.job_id, 600) == "COMPLETED", Path(job.paths.stderr).read_text()
     assert job_state(slurm_cluster, job.job_id)[1] == 1
     result = job.task(0).result()
-    assert result["status"] == "completed" and result["val_accuracy"] >= 0.90
+    assert result["status"] == "completed" and result["metrics"]["val/accuracy"] >= 0.90
     assert "by SIGUSR2; checkpoint" in Path(job.paths.stdout).read_text() and "requeued by submitit" in Path(job.paths.stdout).read_text()
     assert same_weights(final_state(tmp_path)["model"], final_state(Path(reference.spec.checkpoint.dir).parent)["model"]) == []
 

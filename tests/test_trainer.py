@@ -18,17 +18,23 @@ import torch
 
 from lance_hpc import data, trainer
 from lance_hpc.checkpoint import (
+    Checkpoint,
     Preemption,
+    check_resumable,
     checkpoint_path,
+    find_resume_point,
     load_latest,
+    pinned_data,
     write_atomically,
 )
 from lance_hpc.env import DistEnv, detect, process_group
 from lance_hpc.errors import UserError
 from lance_hpc.metrics import TAGS
-from lance_hpc.models import MODELS, build_model
+from lance_hpc.models import build_model
 from lance_hpc.run import EXIT_STOPPED, after_preemption
 from lance_hpc.spec import load_spec
+from lance_hpc.tasks import load_task
+from lance_hpc.tasks.image import ImageClassification
 from tests.trainer_jobs import (
     FINAL_ACCURACY,
     REPO_ROOT,
@@ -60,14 +66,19 @@ def test_peak_lr_follows_the_linear_scaling_rule(tmp_path: Path, digits) -> None
     assert trainer.peak_lr(unscaled, world_size=8) == 0.1
 
 
-@pytest.mark.parametrize("arch", sorted(MODELS))
-def test_models_build_untrained_with_num_classes(arch: str) -> None:
-    model = build_model(arch, num_classes=7).eval()
+@pytest.mark.parametrize("name", ["small_cnn", "resnet18", "mobilenet_v3_small", "tests.test_trainer:tiny_classifier"])
+def test_models_build_untrained_with_num_classes(name: str) -> None:
+    model = build_model(name, num_classes=7).eval()
     assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 7)
 
 
+def tiny_classifier(num_classes: int) -> torch.nn.Module:
+    """A model factory named by import path in a spec (task.options.model)."""
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.LazyLinear(num_classes))
+
+
 def test_unknown_model_lists_the_valid_ones() -> None:
-    with pytest.raises(UserError, match="use one of: small_cnn, resnet18, resnet34, resnet50"):
+    with pytest.raises(UserError, match="unknown model 'vgg'; use small_cnn, a torchvision classification model"):
         build_model("vgg", 10)
 
 
@@ -75,13 +86,13 @@ def test_one_rank_with_grad_accumulation_and_max_steps(tmp_path: Path, digits) -
     """In-process, world size 1: 3 micro-batches per step, stop after 5 optimizer steps."""
     spec = load_spec(write_spec(tmp_path, digits, train={"grad_accum": 3, "max_steps": 5, "warmup_epochs": 0.1})).spec
     with Preemption() as preemption, process_group(detect({}), spec.train.collective_timeout_s) as device:
-        summary = trainer.train(spec, detect({}), device, preemption)
-    assert summary.status == "completed" and summary.step == 5 and summary.val_accuracy is not None
+        summary = trainer.train(spec, detect({}), device, preemption, load_task(spec))
+    assert summary.status == "completed" and summary.step == 5 and "val/accuracy" in summary.metrics
     state = final_state(tmp_path)
     assert state["step"] == 5 and state["scheduler"]["_last_lr"] == [0.0]  # cosine reached zero at max_steps
     logged = scalars(tmp_path / "runs")
     assert [step for step, _ in logged["train/loss"]] == [5]
-    loader = data.build_train_loader(spec.data, 0, 1)
+    loader = data.build_train_loader(spec.data, load_task(spec).decoder(train=True), 0, 1)
     assert math.ceil(loader.steps_per_epoch / 3) > 5  # so max_steps, not the epoch, ended the run
 
 
@@ -105,24 +116,25 @@ def test_only_usr2_requeues_sigterm_stops(tmp_path: Path, digits) -> None:
 def test_resume_refuses_another_world_size_mid_epoch() -> None:
     env = DistEnv("torchrun", 0, 0, 4, 4, 0, 1, "127.0.0.1", 1)
     with pytest.raises(UserError, match="(?s)written mid-epoch by 2 ranks.*resume with 2 ranks"):
-        trainer.check_resumable({"mid_epoch": True, "ranks": [{}, {}]}, env, "step-00000007.pt")
-    trainer.check_resumable({"mid_epoch": False, "ranks": [{}, {}]}, env, "step-00000010.pt")
+        check_resumable(Checkpoint(Path("step-00000007.pt"), {"mid_epoch": True, "ranks": [{}, {}]}), env)
+    check_resumable(Checkpoint(Path("step-00000010.pt"), {"mid_epoch": False, "ranks": [{}, {}]}), env)
 
 
 def test_resume_reads_the_checkpointed_dataset_version(tmp_path: Path, digits) -> None:
     spec = load_spec(write_spec(tmp_path, digits)).spec
-    assert trainer.pinned_data(spec.data, {"dataset_version": 1}).version == 1
+    saved = Checkpoint(tmp_path / "step-00000001.pt", {"dataset_version": 1})
+    assert pinned_data(spec.data, saved).version == 1
     pinned = spec.data.model_copy(update={"version": 2})
     with pytest.raises(UserError, match="data.version is 2 but the checkpoint was trained on version 1"):
-        trainer.pinned_data(pinned, {"dataset_version": 1})
+        pinned_data(pinned, saved)
 
 
 def test_fresh_start_refuses_a_directory_with_old_checkpoints(tmp_path: Path, digits) -> None:
     spec = load_spec(write_spec(tmp_path, digits, checkpoint={"resume": False})).spec
-    assert trainer.find_resume_point(spec) is None
+    assert find_resume_point(spec) is None
     write_atomically({"step": 1}, checkpoint_path(spec.checkpoint.dir, 1))
     with pytest.raises(UserError, match="holds checkpoints of an earlier run"):
-        trainer.find_resume_point(spec)
+        find_resume_point(spec)
 
 
 @dataclass(frozen=True)
@@ -149,10 +161,10 @@ def test_two_ranks_train_to_the_bar_and_log_tensorboard(reference_run: FinishedR
     assert accuracy >= 0.90, reference_run.output
 
     spec = load_spec(reference_run.spec_file).spec
-    steps_per_epoch = data.build_train_loader(spec.data, 0, 2).steps_per_epoch
+    steps_per_epoch = data.build_train_loader(spec.data, load_task(spec).decoder(train=True), 0, 2).steps_per_epoch
     total_steps = spec.train.epochs * steps_per_epoch
     logged = scalars(reference_run.directory / "runs")
-    assert set(logged) == set(TAGS)
+    assert set(logged) == set(TAGS) | set(ImageClassification.tags)
     assert [step for step, _ in logged["val/accuracy"]] == [steps_per_epoch * (epoch + 1) for epoch in range(4)]
     assert logged["val/accuracy"][-1][1] == pytest.approx(accuracy, abs=1e-4)
     assert logged["train/loss"][-1][0] == total_steps and logged["train/loss"][-1][1] < logged["train/loss"][0][1]
@@ -163,7 +175,7 @@ def test_two_ranks_train_to_the_bar_and_log_tensorboard(reference_run: FinishedR
         assert global_rate > 0 and per_rank == pytest.approx(global_rate / 2)
     assert len(logged["perf/epoch_time_s"]) == 4 and all(value > 0 for _, value in logged["perf/epoch_time_s"])
     hparams = hparams_logged(reference_run.directory / "runs")
-    assert hparams["model.arch"] == "small_cnn" and hparams["world_size"] == 2 and hparams["train.lr"] == 0.003
+    assert hparams["task.options.model"] == "small_cnn" and hparams["world_size"] == 2 and hparams["train.lr"] == 0.003
 
     every, epoch_ends = spec.checkpoint.every_steps, [steps_per_epoch * (epoch + 1) for epoch in range(4)]
     saved_steps = sorted({step for step in range(every, total_steps, every) if step % steps_per_epoch} | set(epoch_ends))
@@ -215,14 +227,14 @@ def test_interrupted_run_resumes_to_the_same_weights(reference_run: FinishedRun,
     interrupted epoch exactly as the uninterrupted run did (no batch twice, none skipped)."""
     spec_file = write_spec(tmp_path, digits)
     spec = load_spec(spec_file).spec
-    steps_per_epoch = data.build_train_loader(spec.data, 0, 2).steps_per_epoch
+    steps_per_epoch = data.build_train_loader(spec.data, load_task(spec).decoder(train=True), 0, 2).steps_per_epoch
     interrupted = launch(spec_file)
     read_until(interrupted, f"step {steps_per_epoch + 5}/")  # early in epoch 2 of 4
     interrupted.send_signal(signal.SIGUSR2)
     output = interrupted.communicate(timeout=120)[0]
     assert interrupted.returncode == EXIT_STOPPED, output
     assert "by SIGUSR2; checkpoint" in output and "run the same command again to resume" in output
-    stopped_path, stopped = load_latest(tmp_path / "checkpoints")
+    stopped_path, stopped = load_latest(tmp_path / "checkpoints").path, load_latest(tmp_path / "checkpoints").state
     assert stopped["mid_epoch"] and steps_per_epoch < stopped["step"] < 2 * steps_per_epoch
 
     resumed = launch(spec_file)

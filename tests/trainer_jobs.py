@@ -16,13 +16,14 @@ import yaml
 from lance_hpc import checkpoint
 from lance_hpc.data import build_train_loader, ensure_dataset
 from lance_hpc.spec import DataSpec, IngestSpec, JobSpec
+from lance_hpc.tasks import load_task
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FINAL_ACCURACY = re.compile(r"final validation accuracy: ([0-9.]+)")
 # Converges to >= 90% validation accuracy on the digits in a few epochs, deterministically, on CPU.
 BASE_SPEC: dict[str, Any] = {
-    "data": {"batch_size": 16, "num_workers": 0, "image_size": 16, "augment": "none", "shuffle": True, "seed": 0},
-    "model": {"arch": "small_cnn"},
+    "data": {"batch_size": 16, "num_workers": 0, "shuffle": True, "seed": 0},
+    "task": {"name": "image_classification", "options": {"model": "small_cnn", "image_size": 16, "augment": "none"}},
     "train": {
         "epochs": 4, "optimizer": "adamw", "lr": 0.003, "lr_scaling": "none", "warmup_epochs": 0.5,
         "weight_decay": 0.0001, "precision": "fp32", "deterministic": True, "seed": 0, "collective_timeout_s": 60,
@@ -48,7 +49,7 @@ def digits(tmp_path_factory: pytest.TempPathFactory) -> Digits:
     return dataset
 
 
-def write_spec(directory: Path, dataset: Digits, name: str = "digits", **sections: dict[str, Any]) -> Path:
+def write_spec(directory: Path, dataset: Digits, name: str = "digits", **sections: Any) -> Path:
     """A job spec for ``dataset`` with outputs under ``directory``; ``sections`` override BASE_SPEC."""
     raw = copy.deepcopy(BASE_SPEC)
     raw["name"] = name
@@ -57,7 +58,10 @@ def write_spec(directory: Path, dataset: Digits, name: str = "digits", **section
     raw["logging"]["tensorboard_dir"] = str(directory / "runs")
     raw["slurm"] = {"log_dir": str(directory / "logs")}
     for section, values in sections.items():
-        raw.setdefault(section, {}).update(values)
+        if isinstance(values, dict):
+            raw.setdefault(section, {}).update(values)
+        else:  # a top-level value, e.g. entry
+            raw[section] = values
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.spec.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
@@ -68,7 +72,7 @@ def final_state(directory: Path) -> dict[str, Any]:
     """The newest checkpoint a run wrote under ``directory``."""
     found = checkpoint.load_latest(directory / "checkpoints")
     assert found is not None, f"no checkpoint under {directory}"
-    return found[1]
+    return found.state
 
 
 def same_weights(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> list[str]:
@@ -106,15 +110,17 @@ def assert_epoch_resumes_in_place(spec: JobSpec, ranks: list[dict[str, Any]]) ->
     exactly what an uninterrupted pass of that epoch yields after that position: no batch twice,
     none skipped."""
     world_size = len(ranks)
+    decoder = load_task(spec).decoder(train=True)
     for rank, saved in enumerate(ranks):
         position = saved["loader"]
-        full = build_train_loader(spec.data, rank, world_size)
+        full = build_train_loader(spec.data, decoder, rank, world_size)
         full.set_epoch(position["epoch"])
         expected = list(full)[position["batches_consumed"]:]
-        restored = build_train_loader(spec.data, rank, world_size)
+        restored = build_train_loader(spec.data, decoder, rank, world_size)
         restored.load_state_dict(position)
         restored.set_epoch(position["epoch"])
         rest = list(restored)
         assert len(rest) == len(expected) == full.steps_per_epoch - position["batches_consumed"] > 0
-        for (images, labels), (expected_images, expected_labels) in zip(rest, expected):
-            assert torch.equal(images, expected_images) and torch.equal(labels, expected_labels)
+        for batch, expected_batch in zip(rest, expected):
+            assert batch.keys() == expected_batch.keys()
+            assert all(torch.equal(batch[name], expected_batch[name]) for name in batch)

@@ -66,7 +66,7 @@ def decode_limit(config: Measurement) -> Result:
     options = storage_options(config.lance_uri, config.data.get("storage_options"))  # credentials from the environment
     dataset = open_dataset(config.lance_uri, config.data.get("version"), options)
     rows = min(DECODE_SAMPLE, dataset.count_rows())
-    column = config.data.get("image_column", "image")
+    column = config.image_column
     encoded = dataset.take(list(range(rows)), columns=[column]).column(column).to_pylist()
     transform = Transform(config.image_size, augment="none")
     rng = np.random.default_rng(0)

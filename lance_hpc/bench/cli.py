@@ -5,9 +5,10 @@ the decode limit, the peers and every lance_hpc strategy each in a fresh process
 ``--runs`` times, and writes a table (terminal and markdown), a PNG chart and the raw results to
 the output directory.
 
-With a job spec: measures that job's own data pipeline (its strategy, batch size and workers, one
-rank's share of the data) on this machine without training, next to the decode limit of the same
-images, so workers and batch size can be tuned before the job is submitted.
+With a job spec (an ``image_classification`` job): measures that job's own data pipeline (its
+strategy, batch size and workers, its image size and augmentation, one rank's share of the data) on
+this machine without training, next to the decode limit of the same images, so workers and batch
+size can be tuned before the job is submitted.
 """
 
 from __future__ import annotations
@@ -19,13 +20,17 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from lance_hpc.bench import report
 from lance_hpc.bench.configs import Measurement
 from lance_hpc.bench.datasets import DataSet, DataSetSpec, prepare
 from lance_hpc.bench.runner import Summary, exactly_once, run_rounds
 from lance_hpc.errors import UserError
+
+if TYPE_CHECKING:
+    from lance_hpc.spec import JobSpec
+    from lance_hpc.tasks.image import ImageOptions
 
 DEFAULT_OUT = "bench_out"
 # lance_hpc's strategies: (label, style, sampler); the first is the default a job spec gets.
@@ -57,7 +62,7 @@ def peer_configs(data: DataSet, workers: int, seconds: float, with_ddp: bool) ->
     spec = data.spec
     common = dict(
         dataset=spec.name, lance_uri=data.lance_uri, folder=data.folder, image_size=spec.image_size,
-        batch_size=spec.batch_size, num_workers=workers, seconds=seconds,
+        augment="none", batch_size=spec.batch_size, num_workers=workers, seconds=seconds,
     )
     cores = len(os.sched_getaffinity(0))
     configs = [
@@ -82,10 +87,11 @@ def peer_configs(data: DataSet, workers: int, seconds: float, with_ddp: bool) ->
 
 
 def _data_fields(data: DataSet, style: str, sampler: str, workers: int) -> dict:
-    """DataSpec fields for a lance_hpc strategy: resize only, like the peers (no random crop)."""
+    """DataSpec fields for a lance_hpc strategy (the decoder resizes only, like the peers: augment
+    "none" in :func:`peer_configs`)."""
     return dict(
         uri=data.lance_uri, style=style, sampler=sampler, batch_size=data.spec.batch_size, num_workers=workers,
-        image_size=data.spec.image_size, augment="none", shuffle=True, seed=0,
+        shuffle=True, seed=0,
     )
 
 
@@ -191,11 +197,29 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def image_options(spec: JobSpec, job: str) -> ImageOptions:
+    """The image options of a job's task. The benchmark measures image decoding and resizing, so
+    it takes image_classification jobs (or a task class that extends it) only."""
+    from lance_hpc.tasks import task_class
+    from lance_hpc.tasks.image import ImageClassification
+
+    cls = task_class(spec.task.name)
+    if not issubclass(cls, ImageClassification):
+        raise UserError(
+            f"{job}: task.name is {spec.task.name!r}, but lance-hpc bench measures the data pipelines of "
+            "image_classification jobs only (image decode and resize)\n"
+            "  fix: bench a job with task.name: image_classification, or time this task's data with a short "
+            "training run (train.max_steps)"
+        )
+    return cls.Options.model_validate(spec.task.options)
+
+
 def run_job_benchmark(args: argparse.Namespace) -> int:
     from lance_hpc.data import ensure_dataset
     from lance_hpc.spec import load_spec
 
     spec = load_spec(args.job, overrides=args.overrides).spec
+    image = image_options(spec, args.job)
     data = spec.data
     ensure_dataset(data)
     out = Path(args.out)
@@ -203,8 +227,8 @@ def run_job_benchmark(args: argparse.Namespace) -> int:
     runs = args.runs or 3
     seconds = args.seconds or 5.0
     world_size = spec.slurm.world_size
-    common = dict(dataset="job", lance_uri=data.uri, image_size=data.image_size, seconds=seconds,
-                  data_world_size=world_size)
+    common = dict(dataset="job", lance_uri=data.uri, image_size=image.image_size, image_column=image.image_column,
+                  label_column=image.label_column, augment=image.augment, seconds=seconds, data_world_size=world_size)
     configs = [Measurement(report.DECODE_LIMIT, "decode_limit", cores=cores,
                            data=data.model_dump(mode="json"), **common)]
     for workers in args.workers or [data.num_workers]:
@@ -221,7 +245,8 @@ def run_job_benchmark(args: argparse.Namespace) -> int:
     print(report.format_text([header[i] for i in keep], [[row[i] for i in keep] for row in rows]))
     print(f"\nimages/s is one rank's loader on this machine's {cores} cores (the job asks for "
           f"slurm.cpus_per_task: {spec.slurm.cpus_per_task}). A training step that consumes images faster than this "
-          "waits on data: raise data.num_workers up to the cores per task, or lower the decode cost (image size).")
+          "waits on data: raise data.num_workers up to the cores per task, or lower the decode cost "
+          "(task.options.image_size).")
     failures = [error for summary in summaries for error in summary.errors]
     for error in failures:
         print(f"failed: {error.strip().splitlines()[-1]}", file=sys.stderr)

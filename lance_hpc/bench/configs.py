@@ -19,12 +19,15 @@ class Measurement:
     lance_uri: str = ""
     folder: str = ""  # the ImageFolder copy of the same images
     image_size: int = 224
+    image_column: str = "image"  # the image task's columns, for lance_hpc pipelines and the decode limit
+    label_column: str = "label"
+    augment: str = "none"  # lance_hpc pipelines' training augmentation: resize only, like the peers
     batch_size: int = 64
     num_workers: int = 2
     seconds: float = 4.0  # measuring window after the first batch
     full_epoch: bool = False  # read the whole epoch, however long it takes
     fingerprint: bool = False  # return a fingerprint of every image read (exactly-once check)
-    data: dict[str, Any] = field(default_factory=dict)  # DataSpec fields, for lance_hpc pipelines
+    data: dict[str, Any] = field(default_factory=dict)  # DataSpec fields only, for lance_hpc pipelines
     rank: int = 0
     world_size: int = 1  # processes started (a gloo group when > 1)
     data_world_size: int | None = None  # ranks the loader shards for; None: world_size

@@ -64,10 +64,11 @@ def _write_image_folder(lance_uri: Path, root: Path) -> tuple[float, float, floa
     import lance
     from PIL import Image
 
-    from lance_hpc.data.reader import class_names
+    from lance_hpc.tasks.base import DatasetInfo
+    from lance_hpc.tasks.image import class_names
 
     dataset = lance.dataset(str(lance_uri))
-    names = class_names(dataset, "label")
+    names = class_names(DatasetInfo(str(lance_uri), dataset.schema, dataset.count_rows(), dataset), "label")
     for name in names:
         (root / name).mkdir(parents=True, exist_ok=True)
     row = 0

@@ -106,12 +106,17 @@ def image_folder(config: Measurement) -> Iterable[Any]:
 
 
 def lance_hpc_loader(config: Measurement) -> Iterable[Any]:
-    """lance_hpc's build_train_loader for the strategy in ``config.data``."""
+    """lance_hpc's build_train_loader for the strategy in ``config.data``, with the image task's
+    decoder at the configuration's size and augmentation (resize only unless a job asks for more)."""
     from lance_hpc.data import build_train_loader
+    from lance_hpc.data.decode import Transform
     from lance_hpc.spec import DataSpec
+    from lance_hpc.tasks.image import ImageDecoder
 
     world_size = config.data_world_size or config.world_size
-    loader = build_train_loader(DataSpec.model_validate(config.data), config.rank, world_size)
+    decoder = ImageDecoder(config.image_column, config.label_column,
+                           Transform(config.image_size, train=True, augment=config.augment))
+    loader = build_train_loader(DataSpec.model_validate(config.data), decoder, config.rank, world_size)
     loader.set_epoch(0)
     return loader
 
@@ -147,7 +152,8 @@ def build_pipeline(config: Measurement) -> Iterable[Any]:
 
 
 def batch_images(batch: Any) -> Any:
-    """The image tensor of a batch: ``(images, labels)``, ``[images, labels]`` or ``{"image": ...}``."""
+    """The image tensor of a batch: ``(images, labels)``, ``[images, labels]`` or a dict with an
+    ``"image"`` field (the peers' collates and lance_hpc's batches)."""
     if isinstance(batch, dict):
         return batch["image"]
     return batch[0]

@@ -1,13 +1,19 @@
 """Lance data layer: ingest, planning, map-style and iterable loading strategies, decode, storage.
 
 The trainer uses :func:`ensure_dataset`, :func:`build_train_loader`, :func:`build_eval_loader` and
-:func:`normalize`, and :func:`worker_context` to start the worker server early; the command line
+:func:`dataset_info`, and :func:`worker_context` to start the worker server early; the command line
 :func:`plan_data` and :func:`preflight`.
 """
 
-from lance_hpc.data.decode import normalize
 from lance_hpc.data.ingest import ensure_dataset
-from lance_hpc.data.loader import EvalLoader, TrainLoader, build_eval_loader, build_train_loader, worker_context
+from lance_hpc.data.loader import (
+    EvalLoader,
+    TrainLoader,
+    build_eval_loader,
+    build_train_loader,
+    dataset_info,
+    worker_context,
+)
 from lance_hpc.data.plan import plan_data, preflight
 from lance_hpc.data.sampling import DataPlan
 
@@ -17,8 +23,8 @@ __all__ = [
     "TrainLoader",
     "build_eval_loader",
     "build_train_loader",
+    "dataset_info",
     "ensure_dataset",
-    "normalize",
     "plan_data",
     "preflight",
     "worker_context",

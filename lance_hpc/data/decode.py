@@ -11,7 +11,6 @@ the float size, and :func:`normalize` runs on the device. Workers never import t
 from __future__ import annotations
 
 import io
-import logging
 import math
 from dataclasses import dataclass
 
@@ -21,9 +20,6 @@ import simplejpeg
 import torch
 import torch.nn.functional as nnf
 
-from lance_hpc.errors import UserError
-
-log = logging.getLogger("lance_hpc.data")
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -33,11 +29,8 @@ CROP_SCALE = (0.08, 1.0)
 CROP_LOG_RATIO = (math.log(3 / 4), math.log(4 / 3))
 # Evaluation resizes the short side to image_size / EVAL_CROP_FRACTION, then crops the centre.
 EVAL_CROP_FRACTION = 0.875
+# Training augmentations by name; evaluation always resizes (and, unless "none", centre-crops).
 AUGMENTS = ("crop_flip", "crop", "none")
-
-
-class CorruptImageError(UserError):
-    """An image that does not decode, with ``on_corrupt: fail``; the message names the row."""
 
 
 def normalize(images: torch.Tensor) -> torch.Tensor:
@@ -140,11 +133,6 @@ def decode_pixels(data: np.ndarray | bytes) -> torch.Tensor:
     return torch.from_numpy(pixels)
 
 
-def empty_batch(count: int, size: int) -> torch.Tensor:
-    """uint8 [count, 3, size, size] over [count, size, size, 3] memory (channels-last)."""
-    return torch.empty((count, size, size, 3), dtype=torch.uint8).permute(0, 3, 1, 2)
-
-
 def binary_values(column: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One buffer holding every value of a binary column, with start/end offsets and validity."""
     if isinstance(column, pa.ChunkedArray):
@@ -161,77 +149,3 @@ def binary_values(column: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.nd
     start, stop = int(offsets[0]), int(offsets[-1])
     raw = np.frombuffer(data_buffer, dtype=np.uint8)[start:stop] if data_buffer is not None else np.zeros(0, np.uint8)
     return raw, (offsets - start).astype(np.int64), valid
-
-
-@dataclass
-class DecodedBatch:
-    images: torch.Tensor  # uint8 [B, 3, S, S], channels-last memory
-    labels: torch.Tensor  # int64 [B]
-    skipped: int  # corrupt rows replaced by another row of the batch
-
-
-def decode_batch(
-    images: pa.Array | pa.ChunkedArray,
-    labels: np.ndarray,
-    row_ids: np.ndarray,
-    transform: Transform,
-    rng: np.random.Generator,
-    *,
-    on_corrupt: str = "skip",
-    dataset: str = "",
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> DecodedBatch:
-    """Decode and transform a batch into one uint8 tensor (into ``out``, images and labels, if given).
-
-    A corrupt image with ``on_corrupt: skip`` is replaced by a good image of the same batch (with
-    its label), so the batch keeps its size and every rank its step count; it is logged and counted.
-    With ``fail`` it raises :class:`CorruptImageError` naming the row and the dataset.
-    """
-    count = len(row_ids)
-    values, offsets, valid = binary_values(images)
-    label_values = torch.from_numpy(np.array(labels, dtype=np.int64))
-    if out is None:
-        batch, label_tensor = empty_batch(count, transform.image_size), label_values
-    else:
-        batch, label_tensor = out
-        label_tensor.copy_(label_values)
-    bad = _decode_into(batch, values, offsets, valid, row_ids, transform, rng, on_corrupt, dataset)
-    if bad:
-        good = [index for index in range(count) if index not in set(bad)]
-        for position, index in enumerate(bad):
-            if good:
-                source = good[position % len(good)]
-                batch[index].copy_(batch[source])
-                label_tensor[index] = label_tensor[source]
-            else:
-                batch[index].zero_()  # a batch with no decodable image keeps its shape
-    return DecodedBatch(batch, label_tensor, len(bad))
-
-
-def _decode_into(
-    out: torch.Tensor,
-    values: np.ndarray,
-    offsets: np.ndarray,
-    valid: np.ndarray,
-    row_ids: np.ndarray,
-    transform: Transform,
-    rng: np.random.Generator,
-    on_corrupt: str,
-    dataset: str,
-) -> list[int]:
-    """Decode every image into ``out``; returns the positions of corrupt ones (policy ``skip``)."""
-    bad = []
-    for index in range(len(row_ids)):
-        try:
-            if not valid[index]:
-                raise ValueError("null image")
-            out[index].copy_(transform(decode_pixels(values[offsets[index] : offsets[index + 1]]), rng))
-        except ValueError as error:
-            if on_corrupt == "fail":
-                raise CorruptImageError(
-                    f"cannot decode the image in row {int(row_ids[index])} of {dataset or 'the dataset'}: {error}. "
-                    "Fix or delete the row, or set data.on_corrupt: skip to replace such rows and count them."
-                ) from None
-            log.warning("skipping corrupt image in row %d of %s: %s", int(row_ids[index]), dataset or "the dataset", error)
-            bad.append(index)
-    return bad

@@ -1,4 +1,4 @@
-"""Ingest: write an image classification dataset to Lance.
+"""Ingest: write an image classification dataset, or the token sequences of a text corpus, to Lance.
 
 Schema: ``image`` (encoded bytes, stored as given), ``label`` (int64), and the class names as JSON
 in the schema metadata. Rows are written in a seeded random order, so contiguous reads (the
@@ -14,7 +14,9 @@ Sources (``data.ingest.source`` or the first argument of ``lance-hpc ingest``):
 ``sklearn-digits``, ``skimage-photos[:count=N,size=S,seed=K,min_side=A,max_side=B,quality=Q]``,
 ``imagefolder:<dir>`` (one sub-directory per class) and ``torchvision:<Name>:<root>`` (a
 torchvision dataset already on disk, opened with ``download=False``: Food101, CIFAR10/100, ...;
-its official test split becomes the validation set).
+its official test split becomes the validation set). Text sources, ``text:<glob>`` and
+``python-stdlib[:max_mb=N]``, become token sequences for a language model: see
+:mod:`lance_hpc.data.text`.
 """
 
 from __future__ import annotations
@@ -34,10 +36,12 @@ import pyarrow as pa
 
 from lance_hpc.data import sources
 from lance_hpc.data.sources import ImageSource
-from lance_hpc.data.reader import CLASS_NAMES_KEY
 from lance_hpc.data.storage import dataset_exists, is_remote, storage_options
+from lance_hpc.data.text import ingest_text, is_text_source
 from lance_hpc.errors import UserError
 
+# Schema metadata of an image dataset: the class names as JSON (image_classification reads them).
+CLASS_NAMES_KEY = b"class_names"
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 WRITE_CHUNK_ROWS = 256
 
@@ -134,7 +138,7 @@ def resolve_source(text: str) -> tuple[ImageSource, ImageSource | None]:
         return open_torchvision(name, root)
     raise UserError(
         f"unknown ingest source {text!r}: use sklearn-digits, skimage-photos[:count=N,size=S], "
-        "imagefolder:<dir> or torchvision:<Name>:<root>"
+        "imagefolder:<dir> or torchvision:<Name>:<root> for images; text:<glob> or python-stdlib[:max_mb=N] for text"
     )
 
 
@@ -164,6 +168,29 @@ def _batches(items: ImageSource, indices: np.ndarray, schema: pa.Schema, progres
             )
 
 
+def write_lance_atomically(
+    reader: pa.RecordBatchReader, uri: str, *, rows_per_fragment: int, options: dict[str, str], replace: bool = False
+) -> None:
+    """Write ``reader`` to ``uri`` as one Lance commit. A local dataset is written to a hidden
+    sibling and renamed into place, so an interrupted write leaves nothing at ``uri``."""
+    import lance
+
+    write = dict(max_rows_per_file=rows_per_fragment, storage_options=options or None)
+    if is_remote(uri):
+        lance.write_dataset(reader, uri, mode="overwrite" if replace else "create", **write)
+        return
+    final = Path(uri)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    partial = final.parent / f".{final.name}.partial-{uuid.uuid4().hex[:8]}"
+    try:
+        lance.write_dataset(reader, str(partial), mode="create", **write)
+        if replace and final.exists():
+            shutil.rmtree(final)
+        os.replace(partial, final)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
 def write_split(
     items: ImageSource,
     indices: np.ndarray,
@@ -174,26 +201,12 @@ def write_split(
     replace: bool = False,
 ) -> int:
     """Write ``items[indices]`` to ``uri`` as one Lance commit; returns the rows written."""
-    import lance
     from tqdm import tqdm
 
     schema = schema_for(items.class_names, items.name)
     with tqdm(total=len(indices), desc=f"ingest {uri}", unit="img", file=sys.stderr, mininterval=1.0) as progress:
         reader = pa.RecordBatchReader.from_batches(schema, _batches(items, indices, schema, progress))
-        write = dict(max_rows_per_file=rows_per_fragment, storage_options=options or None)
-        if is_remote(uri):
-            lance.write_dataset(reader, uri, mode="overwrite" if replace else "create", **write)
-            return len(indices)
-        final = Path(uri)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        partial = final.parent / f".{final.name}.partial-{uuid.uuid4().hex[:8]}"
-        try:
-            lance.write_dataset(reader, str(partial), mode="create", **write)
-            if replace and final.exists():
-                shutil.rmtree(final)
-            os.replace(partial, final)
-        finally:
-            shutil.rmtree(partial, ignore_errors=True)
+        write_lance_atomically(reader, uri, rows_per_fragment=rows_per_fragment, options=options, replace=replace)
     return len(indices)
 
 
@@ -237,23 +250,37 @@ def ensure_dataset(data: Any) -> None:
     if data.ingest is None:
         raise UserError(f"{data.uri}: no Lance dataset there and data.ingest is not set: fix data.uri or add data.ingest")
     spec = data.ingest
-    ingest(
-        spec.source, data.uri, data.val_uri, val_fraction=spec.val_fraction, rows_per_fragment=spec.rows_per_fragment,
-        seed=spec.seed, options=options,
+    common: dict[str, Any] = dict(
+        val_fraction=spec.val_fraction, rows_per_fragment=spec.rows_per_fragment, seed=spec.seed, options=options,
         val_options=storage_options(data.val_uri, data.storage_options) if data.val_uri else None,
     )
+    if is_text_source(spec.source):
+        ingest_text(
+            spec.source, data.uri, data.val_uri, sequence_length=getattr(spec, "sequence_length", 256),
+            tokenizer=getattr(spec, "tokenizer", "bytes"), **common,
+        )
+    else:
+        ingest(spec.source, data.uri, data.val_uri, **common)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``lance-hpc ingest SOURCE URI`` or ``lance-hpc ingest --spec job.yaml``."""
     parser = argparse.ArgumentParser(prog="lance-hpc ingest", description=__doc__.split("\n\n")[0])
-    parser.add_argument("source", nargs="?", help="sklearn-digits | skimage-photos[:count=N] | imagefolder:<dir> | torchvision:<Name>:<root>")
+    parser.add_argument(
+        "source", nargs="?",
+        help="images: sklearn-digits | skimage-photos[:count=N] | imagefolder:<dir> | torchvision:<Name>:<root>; "
+        "text: text:<glob> | python-stdlib[:max_mb=N]",
+    )
     parser.add_argument("uri", nargs="?", help="training dataset to create (path or s3://bucket/x.lance)")
     parser.add_argument("--spec", help="job spec: ingest its data.ingest source to data.uri / data.val_uri")
     parser.add_argument("--val-uri", help="validation dataset to create")
-    parser.add_argument("--val-fraction", type=float, default=0.2, help="share of rows for validation (default 0.2)")
+    parser.add_argument(
+        "--val-fraction", type=float, default=0.2, help="share of rows (text: of documents) for validation (default 0.2)"
+    )
     parser.add_argument("--rows-per-fragment", type=int, default=1024, help="rows per Lance fragment (default 1024)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the split and row order")
+    parser.add_argument("--sequence-length", type=int, default=256, help="text: tokens per training sequence (default 256)")
+    parser.add_argument("--tokenizer", default="bytes", help="text: bytes (default) or an import path package.module:factory")
     parser.add_argument(
         "--storage-option", action="append", default=[], metavar="KEY=VALUE",
         help="object-store option (endpoint, region, allow_http); credentials come from AWS_* variables",
@@ -272,11 +299,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.source or not args.uri:
             parser.error("give SOURCE and URI, or --spec job.yaml")
         spec_options = dict(option.split("=", 1) for option in args.storage_option if "=" in option)
-        written = ingest(
-            args.source, args.uri, args.val_uri, val_fraction=args.val_fraction, rows_per_fragment=args.rows_per_fragment,
-            seed=args.seed, options=storage_options(args.uri, spec_options),
+        common: dict[str, Any] = dict(
+            val_fraction=args.val_fraction, rows_per_fragment=args.rows_per_fragment, seed=args.seed,
+            options=storage_options(args.uri, spec_options),
             val_options=storage_options(args.val_uri, spec_options) if args.val_uri else None,
         )
+        if is_text_source(args.source):
+            written = ingest_text(
+                args.source, args.uri, args.val_uri, sequence_length=args.sequence_length, tokenizer=args.tokenizer, **common
+            )
+        else:
+            written = ingest(args.source, args.uri, args.val_uri, **common)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

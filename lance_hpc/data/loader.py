@@ -2,8 +2,9 @@
 
 Workers fork from a server process that imported torch once (:func:`worker_context`), open the
 dataset lazily with the full options, run one intra-op thread each, and persist across epochs.
-The train loader yields exactly ``steps_per_epoch`` batches on every rank and can resume
-mid-epoch from its ``state_dict``.
+Both take the task's worker half (a :class:`~lance_hpc.tasks.base.Decoder`) and yield batches as
+dicts of tensors, each with a ``row_id`` field. The train loader yields exactly
+``steps_per_epoch`` batches on every rank and can resume mid-epoch from its ``state_dict``.
 """
 
 from __future__ import annotations
@@ -21,20 +22,20 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import DataLoader
 
-from lance_hpc.data.decode import Transform
 from lance_hpc.data.iterable import LanceIterableDataset
 from lance_hpc.data.mapstyle import LanceMapDataset, PlanBatchSampler
-from lance_hpc.data.reader import BatchReader, class_names, fragment_table, keep_batch
+from lance_hpc.data.reader import BatchReader, fragment_table, keep_batch
 from lance_hpc.data.sampling import DataPlan, epoch_planner, eval_batches, plan_from_table
 from lance_hpc.data.storage import open_dataset, storage_options
 from lance_hpc.errors import UserError
 from lance_hpc.spec import DataSpec
+from lance_hpc.tasks.base import Batch, DatasetInfo, Decoder
 
 log = logging.getLogger("lance_hpc.data")
 STATE_VERSION = 1
 # What the worker server imports before any worker forks from it. Not Lance: a process that has
 # used Lance must not fork, so each worker imports it after the fork.
-WORKER_PRELOAD = ("torch", "numpy", "simplejpeg", "PIL.Image")
+WORKER_PRELOAD = ("torch", "numpy", "simplejpeg", "PIL.Image", "pydantic")
 # SLURM sends its preemption warning (USR2) and SIGTERM (scancel, time limit) to every process of a
 # job step. The rank process turns them into a checkpoint at the next step boundary; the worker
 # server and the workers must not die of them first, which would fail the epoch instead (and lose
@@ -108,14 +109,21 @@ def _open(data: DataSpec, uri: str) -> tuple[Any, dict[str, str]]:
     return open_dataset(uri, data.version if uri == data.uri else None, options), options
 
 
+def dataset_info(data: DataSpec, uri: str) -> DatasetInfo:
+    """Schema, metadata and rows of ``uri`` (the training set at its pinned version), for a task
+    to check before training."""
+    dataset, _ = _open(data, uri)
+    return DatasetInfo(uri, dataset.schema, dataset.count_rows(), dataset)
+
+
 class TrainLoader:
-    """This rank's training batches: ``(images uint8 [B,3,S,S], labels int64 [B])``.
+    """This rank's training batches: dicts of the decoder's fields plus ``row_id``.
 
     Every rank yields exactly :attr:`steps_per_epoch` batches per epoch (computed from fragment
     metadata, the same on every rank); a short read is an error, never a silent early stop.
     """
 
-    def __init__(self, data: DataSpec, rank: int, world_size: int, *, pin_memory: bool = False):
+    def __init__(self, data: DataSpec, decoder: Decoder, rank: int, world_size: int, *, pin_memory: bool = False):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
         if data.num_workers > 0:
@@ -125,8 +133,6 @@ class TrainLoader:
         self.world_size = world_size
         dataset, options = _open(data, data.uri)
         self.dataset_version: int = int(dataset.version)
-        self.class_names: list[str] = class_names(dataset, data.label_column)
-        self.num_classes: int = len(self.class_names)
         table = fragment_table(dataset)
         self.plan: DataPlan = plan_from_table(
             table, world_size, data.batch_size, style=data.style, sampler=data.sampler,
@@ -139,20 +145,19 @@ class TrainLoader:
             )
         if data.sampler == "full_scan":
             log.warning("full_scan: every rank reads every row, so DDP ranks train on the same data")
-        reader = BatchReader(
-            data.uri, self.dataset_version, options, data.image_column, data.label_column,
-            Transform(data.image_size, train=True, augment=data.augment), data.on_corrupt, data.seed, rank,
-        )
+        reader = BatchReader(data.uri, self.dataset_version, options, decoder, data.on_corrupt, data.seed, rank)
         planner = epoch_planner(
             table, data.sampler, rank, world_size, data.batch_size, uneven=data.uneven, shuffle=data.shuffle, seed=data.seed
         )
+        # What the next pass starts from: the batch sampler (map style) or the dataset (iterable).
+        self._epoch_source: PlanBatchSampler | LanceIterableDataset
         if data.style == "map":
-            self._positioned: Any = PlanBatchSampler(planner, self.plan.steps_per_rank)
-            dataset_object: Any = LanceMapDataset(reader, self.plan.rows)
-            self._loader = _data_loader(dataset_object, data, pin_memory, True, batch_sampler=self._positioned)
+            self._epoch_source = PlanBatchSampler(planner, self.plan.steps_per_rank)
+            dataset_object = LanceMapDataset(reader, self.plan.rows)
+            self._loader = _data_loader(dataset_object, data, pin_memory, True, batch_sampler=self._epoch_source)
         else:
-            self._positioned = LanceIterableDataset(reader, planner)
-            self._loader = _data_loader(self._positioned, data, pin_memory, True, batch_size=None)
+            self._epoch_source = LanceIterableDataset(reader, planner)
+            self._loader = _data_loader(self._epoch_source, data, pin_memory, True, batch_size=None)
         self.epoch = 0
         self.consumed = 0  # batches of self.epoch handed to the trainer
         self._resume_at = 0
@@ -176,18 +181,18 @@ class TrainLoader:
             self.epoch, self._resume_at = epoch, 0
         self.consumed = self._resume_at
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[Batch]:
         start = self._resume_at
         self._resume_at = 0
         self.consumed = start
         steps = self.steps_per_epoch
         if start >= steps:
             return
-        self._positioned.set_epoch(self.epoch, start)
+        self._epoch_source.set_epoch(self.epoch, start)
         batches = iter(self._loader)
         for _ in range(start, steps):
             try:
-                images, labels, skipped = next(batches)
+                fields, skipped = next(batches)
             except StopIteration:
                 raise RuntimeError(
                     f"rank {self.rank}: the data loader ended after {self.consumed} of {steps} batches of epoch "
@@ -195,7 +200,7 @@ class TrainLoader:
                 ) from None
             self.consumed += 1
             self.skipped_rows += skipped
-            yield images, labels
+            yield fields
 
     def state_dict(self) -> dict[str, Any]:
         """Where this rank is: the epoch and the batches already handed to the trainer."""
@@ -242,7 +247,7 @@ class EvalLoader:
     """Evaluation batches of one rank: ``sharded`` (every row once over all ranks; step counts may
     differ by one) or ``full_scan`` (every rank all rows), with eval transforms."""
 
-    def __init__(self, data: DataSpec, rank: int, world_size: int, *, pin_memory: bool = False):
+    def __init__(self, data: DataSpec, decoder: Decoder, rank: int, world_size: int, *, pin_memory: bool = False):
         if not data.val_uri:
             raise UserError("data.val_uri is not set: there is no validation set to evaluate on")
         dataset, options = _open(data, data.val_uri)
@@ -250,10 +255,7 @@ class EvalLoader:
         rows = dataset.count_rows()
         self.batches = eval_batches(rows, rank, world_size, data.batch_size, data.val_sampler)
         self.rows = sum(len(batch) for batch in self.batches)
-        reader = BatchReader(
-            data.val_uri, self.dataset_version, options, data.image_column, data.label_column,
-            Transform(data.image_size, train=False, augment=data.augment), data.on_corrupt, data.seed, rank,
-        )
+        reader = BatchReader(data.val_uri, self.dataset_version, options, decoder, data.on_corrupt, data.seed, rank)
         self._loader = _data_loader(
             LanceMapDataset(reader, rows), data, pin_memory, True, batch_sampler=_FixedBatches(self.batches)
         )
@@ -262,10 +264,10 @@ class EvalLoader:
     def __len__(self) -> int:
         return len(self.batches)
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for images, labels, skipped in self._loader:
+    def __iter__(self) -> Iterator[Batch]:
+        for fields, skipped in self._loader:
             self.skipped_rows += skipped
-            yield images, labels
+            yield fields
 
 
 class _FixedBatches(torch.utils.data.Sampler):
@@ -280,9 +282,13 @@ class _FixedBatches(torch.utils.data.Sampler):
         return len(self.batches)
 
 
-def build_train_loader(data: DataSpec, rank: int, world_size: int, *, pin_memory: bool = False) -> TrainLoader:
-    return TrainLoader(data, rank, world_size, pin_memory=pin_memory)
+def build_train_loader(
+    data: DataSpec, decoder: Decoder, rank: int, world_size: int, *, pin_memory: bool = False
+) -> TrainLoader:
+    return TrainLoader(data, decoder, rank, world_size, pin_memory=pin_memory)
 
 
-def build_eval_loader(data: DataSpec, rank: int, world_size: int, *, pin_memory: bool = False) -> EvalLoader:
-    return EvalLoader(data, rank, world_size, pin_memory=pin_memory)
+def build_eval_loader(
+    data: DataSpec, decoder: Decoder, rank: int, world_size: int, *, pin_memory: bool = False
+) -> EvalLoader:
+    return EvalLoader(data, decoder, rank, world_size, pin_memory=pin_memory)

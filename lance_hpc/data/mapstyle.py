@@ -2,7 +2,7 @@
 
 The batch sampler runs in the main process and hands each worker a whole batch of row ids; the
 dataset's ``__getitems__`` reads it with one ``take`` of sorted ids and decodes it in the worker,
-returning ready uint8 tensors (no per-row Python objects cross a process boundary).
+returning the batch's fields as ready tensors (no per-row Python objects cross a process boundary).
 """
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ from __future__ import annotations
 from typing import Callable, Iterator
 
 import numpy as np
-import torch
 from torch.utils.data import Dataset, Sampler
 
 from lance_hpc.data.reader import BatchReader
+from lance_hpc.data.transport import SharedBatch
+from lance_hpc.tasks.base import Batch
 
 BatchRequest = tuple[int, int, np.ndarray]  # (epoch, batch index in the epoch, row ids)
 
@@ -28,13 +29,13 @@ class LanceMapDataset(Dataset):
     def __len__(self) -> int:
         return self.rows
 
-    def __getitems__(self, request: BatchRequest) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def __getitems__(self, request: BatchRequest) -> tuple[Batch, int] | SharedBatch:
         epoch, batch_index, row_ids = request
         return self.reader.read(row_ids, epoch, batch_index)
 
-    def __getitem__(self, row_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        images, labels, _ = self.reader.read(np.array([row_id]), 0, int(row_id), shared=False)
-        return images[0], labels[0]
+    def __getitem__(self, row_id: int) -> Batch:
+        fields, _ = self.reader.read(np.array([row_id]), 0, int(row_id), shared=False)
+        return {name: values[0] for name, values in fields.items()}
 
 
 class PlanBatchSampler(Sampler[BatchRequest]):

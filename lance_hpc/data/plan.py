@@ -20,13 +20,21 @@ from lance_hpc.spec import DataSpec
 def _table_before_ingest(data: DataSpec) -> FragmentTable:
     """The fragment layout ingest will write for the training split."""
     from lance_hpc.data.ingest import resolve_source
+    from lance_hpc.data.text import is_text_source, sequences_before_ingest
 
-    assert data.ingest is not None
-    train, official_val = resolve_source(data.ingest.source)
-    rows = len(train)
-    if official_val is None and data.val_uri:
-        rows -= int(round(rows * data.ingest.val_fraction))
-    per_fragment = data.ingest.rows_per_fragment
+    spec = data.ingest
+    assert spec is not None
+    if is_text_source(spec.source):
+        rows = sequences_before_ingest(
+            spec.source, getattr(spec, "sequence_length", 256), getattr(spec, "tokenizer", "bytes"), spec.val_fraction,
+            spec.seed, has_val=bool(data.val_uri),
+        )
+    else:
+        train, official_val = resolve_source(spec.source)
+        rows = len(train)
+        if official_val is None and data.val_uri:
+            rows -= int(round(rows * spec.val_fraction))
+    per_fragment = spec.rows_per_fragment
     sizes = [per_fragment] * (rows // per_fragment) + ([rows % per_fragment] if rows % per_fragment else [])
     return FragmentTable.from_rows(sizes)
 

@@ -1,23 +1,35 @@
-"""Reading one batch: a single ``take`` of sorted row ids and only the two needed columns, then
-decode. Shared by the map-style and iterable strategies, and safe to pickle into worker processes:
-the dataset is opened lazily in each process with the full options (storage options, pinned
-version)."""
+"""Reading one batch: a single ``take`` of sorted row ids and only the task's columns, then the
+task's decode. Shared by the map-style and iterable strategies, and safe to pickle into worker
+processes: the dataset is opened lazily in each process with the full options (storage options,
+pinned version).
+
+The reader, not the task, owns what keeps ranks in step and rows accounted for: the corrupt-row
+policy (a bad row is replaced by a good row of the same batch, or fails naming the row), the
+augmentation seed of each batch, and the ``row_id`` field of every batch.
+"""
 
 from __future__ import annotations
 
-import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from lance_hpc.data.decode import DecodedBatch, Transform, decode_batch
 from lance_hpc.data.sampling import FragmentTable
 from lance_hpc.data.storage import open_dataset
 from lance_hpc.data.transport import SharedBatch, worker_pool
+from lance_hpc.errors import UserError
+from lance_hpc.tasks.base import ROW_ID, Batch, Decoder, FieldSpec
 
-CLASS_NAMES_KEY = b"class_names"
+log = logging.getLogger("lance_hpc.data")
+ON_CORRUPT = ("skip", "fail")
+ROW_ID_FIELD = FieldSpec((), torch.int64)
+
+
+class CorruptRowError(UserError):
+    """A row the task could not decode, with ``on_corrupt: fail``; the message names the row."""
 
 
 @dataclass
@@ -27,9 +39,7 @@ class BatchReader:
     uri: str
     version: int
     options: dict[str, str] = field(repr=False)
-    image_column: str
-    label_column: str
-    transform: Transform
+    decoder: Decoder
     on_corrupt: str = "skip"
     seed: int = 0
     rank: int = 0
@@ -46,45 +56,66 @@ class BatchReader:
             self._dataset = open_dataset(self.uri, self.version, self.options)
         return self._dataset
 
-    def read(
-        self, row_ids: np.ndarray, epoch: int, batch_index: int, *, shared: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor, int] | SharedBatch:
-        """(images uint8 [B,3,S,S], labels int64 [B], corrupt rows replaced); rows in row-id order.
+    @property
+    def fields(self) -> dict[str, FieldSpec]:
+        return {**self.decoder.fields(), ROW_ID: ROW_ID_FIELD}
+
+    def read(self, row_ids: np.ndarray, epoch: int, batch_index: int, *, shared: bool = True) -> tuple[Batch, int] | SharedBatch:
+        """(fields, corrupt rows replaced) of the rows ``row_ids``, in row-id order.
 
         In a DataLoader worker (and with ``shared``) the batch is written into one of the worker's
-        shared buffers and reaches the main process as that same tuple (see
+        shared buffers and reaches the main process as that same pair (see
         :mod:`lance_hpc.data.transport`)."""
         ids = np.asarray(row_ids, dtype=np.int64)
         unique, inverse = np.unique(ids, return_inverse=True)  # sorted: Lance reads in file order
-        table = self.dataset.take(unique, columns=[self.image_column, self.label_column])
-        images, labels = table.column(self.image_column), table.column(self.label_column)
+        table = self.dataset.take(unique, columns=list(self.decoder.columns))
         if len(unique) != len(ids):  # padding can repeat a row within a batch
-            images, labels = images.take(inverse), labels.take(inverse)
+            table = table.take(inverse)
             unique = unique[inverse]
         # Augmentation depends only on (seed, epoch, rank, batch), not on which worker decodes.
         rng = np.random.default_rng([self.seed % 2**64, epoch, self.rank, batch_index])
-        out = None
+        shared_batch = None
         if shared and torch.utils.data.get_worker_info() is not None:
-            out = worker_pool().batch(len(unique), self.transform.image_size)
+            shared_batch = worker_pool().batch(self.fields, len(unique))
+            out = shared_batch.fields
+        else:
+            out = {name: spec.empty(len(unique)) for name, spec in self.fields.items()}
         try:
-            decoded: DecodedBatch = decode_batch(
-                images,
-                labels.to_numpy(),
-                unique,
-                self.transform,
-                rng,
-                on_corrupt=self.on_corrupt,
-                dataset=self.uri,
-                out=None if out is None else (out.images, out.labels),
-            )
+            out[ROW_ID].copy_(torch.from_numpy(unique))
+            bad = self.decoder.decode(table, out, rng)
+            skipped = apply_corrupt_policy(out, bad, self.on_corrupt, self.uri)
         except BaseException:
-            if out is not None:
-                out.release()
+            if shared_batch is not None:
+                shared_batch.release()
             raise
-        if out is None:
-            return decoded.images, decoded.labels, decoded.skipped
-        out.skipped = decoded.skipped
-        return out
+        if shared_batch is None:
+            return out, skipped
+        shared_batch.skipped = skipped
+        return shared_batch
+
+
+def apply_corrupt_policy(batch: Batch, bad: dict[int, str], on_corrupt: str, dataset: str) -> int:
+    """Replace each bad row by a good row of the batch (every field, so the batch keeps its size
+    and every rank its step count), logging each; with ``fail`` raise naming the first bad row.
+    Returns the rows replaced. ``row_id`` keeps naming the row a sample now came from."""
+    if not bad:
+        return 0
+    rows = batch[ROW_ID]
+    if on_corrupt == "fail":
+        index, reason = min(bad.items())
+        raise CorruptRowError(
+            f"cannot decode row {int(rows[index])} of {dataset or 'the dataset'}: {reason}. Fix or delete the row, "
+            "or set data.on_corrupt: skip to replace such rows and count them."
+        )
+    good = [index for index in range(len(rows)) if index not in bad]
+    for position, (index, reason) in enumerate(sorted(bad.items())):
+        log.warning("skipping corrupt row %d of %s: %s", int(rows[index]), dataset or "the dataset", reason)
+        for values in batch.values():
+            if good:
+                values[index].copy_(values[good[position % len(good)]])
+            else:
+                values[index].zero_()  # a batch with no decodable row keeps its shape
+    return len(bad)
 
 
 def fragment_table(dataset: Any) -> FragmentTable:
@@ -95,16 +126,6 @@ def fragment_table(dataset: Any) -> FragmentTable:
         count = fragment.metadata.num_rows
         rows.append(int(count) if count is not None else fragment.count_rows())
     return FragmentTable.from_rows(rows, [fragment.fragment_id for fragment in fragments])
-
-
-def class_names(dataset: Any, label_column: str) -> list[str]:
-    """Class names from the schema metadata that ingest writes; else "0".."max label"."""
-    metadata = dataset.schema.metadata or {}
-    if CLASS_NAMES_KEY in metadata:
-        return [str(name) for name in json.loads(metadata[CLASS_NAMES_KEY])]
-    labels = dataset.to_table(columns=[label_column]).column(label_column)
-    top = labels.to_numpy().max() if len(labels) else -1
-    return [str(label) for label in range(int(top) + 1)]
 
 
 def keep_batch(batch: Any) -> Any:

@@ -188,6 +188,13 @@ STRATEGIES: dict[str, Callable[[EpochRequest], list[np.ndarray]]] = {
 }
 
 
+# Which samplers each dataset style runs; full_scan gives every rank every row (evaluation only).
+STYLES: dict[str, tuple[str, ...]] = {
+    "map": ("distributed",),
+    "iterable": ("sharded_batch", "sharded_fragment", "full_scan"),
+}
+
+
 def strategy_function(sampler: str) -> Callable[[EpochRequest], list[np.ndarray]]:
     try:
         return STRATEGIES[sampler]

@@ -5,8 +5,8 @@ Writing a batch into fresh shared memory costs a page fault per 4 KiB page (abou
 224 px image on a 2-core VM, an eighth of decoding it), and that is what a new shared tensor per
 batch pays. Here each worker keeps a pool of buffers instead (``memfd``: never a file in
 /dev/shm, so a killed process leaves nothing behind). A batch travels as its buffer's file
-descriptor and layout; the main process maps the buffer and builds the image and label tensors
-over the mapping. When the last tensor over a batch is freed, the main process clears the
+descriptor and layout (each field's offset, shape, dtype and memory order); the main process maps
+the buffer and builds the batch's tensors over the mapping. When the last tensor over a batch is freed, the main process clears the
 buffer's in-use byte and the worker may write a later batch there. A buffer whose batch is still
 referenced is never written: the worker allocates another one rather than wait.
 """
@@ -22,22 +22,32 @@ from typing import Any
 import numpy as np
 import torch
 
-# Bytes before the images: byte 0 is the in-use flag; 64 keeps the pixels cache-line aligned.
+from lance_hpc.tasks.base import FieldSpec
+
+# Bytes before the first field: byte 0 is the in-use flag; 64 keeps every field cache-line aligned.
 HEADER = 64
+ALIGN = 64
 FREE, IN_USE = 0, 1
 
-
-def _layout(count: int, size: int) -> tuple[int, int]:
-    """(offset of the labels, total bytes) of a batch of ``count`` RGB ``size`` squares."""
-    labels_at = HEADER + -(-count * size * size * 3 // 8) * 8  # int64 labels, 8-byte aligned
-    return labels_at, labels_at + 8 * count
+Layout = tuple[tuple[str, FieldSpec, int], ...]  # (field name, spec, byte offset) in buffer order
 
 
-def _views(data: torch.Tensor, count: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """uint8 images [count, 3, size, size] in channels-last memory, and int64 labels [count]."""
-    labels_at, end = _layout(count, size)
-    images = data[HEADER : HEADER + count * size * size * 3].view(count, size, size, 3).permute(0, 3, 1, 2)
-    return images, data[labels_at:end].view(torch.int64)
+def layout(fields: dict[str, FieldSpec], rows: int) -> tuple[Layout, int]:
+    """Where each field of a ``rows``-row batch lies in a buffer, and the buffer's size in bytes."""
+    placed, offset = [], HEADER
+    for name, spec in fields.items():
+        placed.append((name, spec, offset))
+        offset += -(-spec.row_bytes * rows // ALIGN) * ALIGN
+    return tuple(placed), offset
+
+
+def _views(data: torch.Tensor, placed: Layout, rows: int) -> dict[str, torch.Tensor]:
+    """The batch's fields over ``data``, each in its own memory layout."""
+    views = {}
+    for name, spec, offset in placed:
+        stored = data[offset : offset + spec.row_bytes * rows].view(spec.dtype).view(rows, *spec.stored_shape)
+        views[name] = spec.view(stored)
+    return views
 
 
 class Buffer:
@@ -56,14 +66,14 @@ class Buffer:
 
 
 class SharedBatch:
-    """A batch written into a worker's buffer. Sent to the main process, it arrives as the tuple
-    ``(images, labels, skipped)`` of tensors over the same memory."""
+    """A batch written into a worker's buffer. Sent to the main process, it arrives as the pair
+    ``(fields, skipped)``: a dict of tensors over the same memory, and the rows skipped."""
 
-    def __init__(self, buffer: Buffer, count: int, size: int) -> None:
+    def __init__(self, buffer: Buffer, placed: Layout, rows: int) -> None:
         self.buffer = buffer
-        self.count = count
-        self.size = size
-        self.images, self.labels = _views(buffer.data, count, size)
+        self.placed = placed
+        self.rows = rows
+        self.fields = _views(buffer.data, placed, rows)
         self.skipped = 0
 
     def release(self) -> None:
@@ -71,10 +81,10 @@ class SharedBatch:
         self.buffer.mapping[0] = FREE
 
     def __reduce__(self) -> tuple[Any, tuple]:
-        return _receive, (DupFd(self.buffer.fd), self.buffer.nbytes, self.count, self.size, self.skipped)
+        return _receive, (DupFd(self.buffer.fd), self.buffer.nbytes, self.placed, self.rows, self.skipped)
 
 
-def _receive(fd: Any, nbytes: int, count: int, size: int, skipped: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _receive(fd: Any, nbytes: int, placed: Layout, rows: int, skipped: int) -> tuple[dict[str, torch.Tensor], int]:
     """Main process: map the buffer; when the last tensor over it is freed, mark it free."""
     try:
         descriptor = fd.detach()  # fetched from the worker that sent the batch
@@ -89,8 +99,7 @@ def _receive(fd: Any, nbytes: int, count: int, size: int, skipped: int) -> tuple
         os.close(descriptor)
     owner = np.frombuffer(mapping, dtype=np.uint8)  # kept alive by every tensor built below
     weakref.finalize(owner, _release, mapping)
-    images, labels = _views(torch.from_numpy(owner), count, size)
-    return images, labels, skipped
+    return _views(torch.from_numpy(owner), placed, rows), skipped
 
 
 def _release(mapping: mmap.mmap) -> None:
@@ -103,14 +112,14 @@ class BufferPool:
     def __init__(self) -> None:
         self.buffers: list[Buffer] = []
 
-    def batch(self, count: int, size: int) -> SharedBatch:
-        nbytes = _layout(count, size)[1]
+    def batch(self, fields: dict[str, FieldSpec], rows: int) -> SharedBatch:
+        placed, nbytes = layout(fields, rows)
         buffer = next((b for b in self.buffers if b.nbytes >= nbytes and b.free), None)
         if buffer is None:
             buffer = Buffer(nbytes)
             self.buffers.append(buffer)
         buffer.mapping[0] = IN_USE
-        return SharedBatch(buffer, count, size)
+        return SharedBatch(buffer, placed, rows)
 
 
 _pools: dict[int, BufferPool] = {}

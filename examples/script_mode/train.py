@@ -1,0 +1,58 @@
+"""A training loop of your own, run by lance_hpc in every rank (script mode).
+
+lance_hpc starts the ranks, joins the process group, and hands ``main`` a context: loaders with
+the spec's strategy, DDP wrapping, checkpoints of what you register, and a step iterator that
+resumes mid-epoch and stops every rank together when SLURM preempts the job.
+
+    lance-hpc submit examples/script_mode/job.yaml --local
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lance_hpc.script import Context
+
+
+def build_model(num_classes: int) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(), nn.Linear(32, num_classes),
+    )
+
+
+def main(ctx: Context) -> dict[str, float]:
+    loader = ctx.train_loader()  # the spec's task decodes: uint8 images, labels, row ids
+    model = ctx.wrap(build_model(ctx.task.num_classes))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=ctx.spec.train.lr)
+    ctx.register(model=model, optimizer=optimizer, loader=loader)  # restored here on resume
+
+    total = ctx.spec.train.epochs * loader.steps_per_epoch
+    for step, batch in ctx.steps(loader):
+        batch = ctx.to_device(batch)  # normalised images on this rank's device
+        with ctx.autocast():
+            loss = nn.functional.cross_entropy(model(batch["image"]), batch["label"])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if (step + 1) % ctx.spec.logging.log_every_steps == 0:
+            reduced = ctx.all_reduce({"train/loss": loss.item()})
+            ctx.log(reduced, step + 1)
+            if ctx.is_main:
+                print(f"step {step + 1}/{total}: loss {reduced['train/loss']:.4f}", flush=True)
+
+    correct, count = 0.0, 0.0
+    model.eval()
+    with torch.no_grad():
+        for batch in ctx.eval_loader():
+            batch = ctx.to_device(batch)
+            correct += (model.module(batch["image"]).argmax(1) == batch["label"]).sum().item()
+            count += len(batch["label"])
+    totals = ctx.all_reduce({"correct": correct, "count": count}, op="sum")
+    accuracy = totals["correct"] / totals["count"]
+    ctx.log({"val/accuracy": accuracy})
+    if ctx.is_main:
+        print(f"final validation accuracy: {accuracy:.4f} after {ctx.step} steps", flush=True)
+    return {"val/accuracy": accuracy}

@@ -1,0 +1,80 @@
+"""Import paths in a spec: ``pkg.module:Name`` or ``path/to/file.py:Name``.
+
+A file path is loaded as a module named after the file, with the file's directory put first on
+``sys.path``. That is also how the forkserver that DataLoader workers fork from finds it: the
+rank resolves every import path before the server starts, and the server copies ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from typing import Any
+
+from lance_hpc.errors import UserError
+
+PYTHONPATH_ADVICE = (
+    "check the spelling, and that the package is importable where the job runs: installed in its "
+    "environment, or its directory on PYTHONPATH (export PYTHONPATH=/path/to/project in slurm.setup); "
+    "or name a file: path/to/file.py:Name"
+)
+
+
+def is_import_path(text: str) -> bool:
+    """True for ``module:Name`` and ``file.py:Name`` (a registered name has no colon)."""
+    module, sep, name = text.rpartition(":")
+    return bool(sep and module and name)
+
+
+def load_object(path: str, what: str) -> Any:
+    """The object ``path`` names; a UserError naming ``what`` (e.g. ``task.name``), the path, the
+    exception and how to fix it, when it does not import or does not exist."""
+    module_name, sep, attribute = path.rpartition(":")
+    if not (sep and module_name and attribute):
+        raise UserError(f"{what}: {path!r} is not an import path\n  fix: write package.module:Name or path/to/file.py:Name")
+    try:
+        module = _import(module_name)
+    except UserError:
+        raise
+    except Exception as error:  # an import runs arbitrary code: any exception means "does not import"
+        raise UserError(
+            f"{what}: cannot import {module_name!r} from {path!r}: {type(error).__name__}: {error}\n  fix: {PYTHONPATH_ADVICE}"
+        ) from None
+    found: Any = module
+    for part in attribute.split("."):
+        if not hasattr(found, part):
+            public = sorted(name for name in vars(module) if not name.startswith("_"))
+            raise UserError(
+                f"{what}: {module_name!r} has no {attribute!r} (from {path!r}); it defines: {', '.join(public[:20]) or 'nothing'}\n"
+                "  fix: name one of those after the colon"
+            )
+        found = getattr(found, part)
+    return found
+
+
+def load_callable(path: str, what: str) -> Any:
+    """Like :func:`load_object`, and the object must be callable (a class or a function)."""
+    found = load_object(path, what)
+    if not callable(found):
+        raise UserError(f"{what}: {path!r} names a {type(found).__name__}, not something callable\n"
+                        "  fix: name a class or a function")
+    return found
+
+
+def _import(module_name: str) -> Any:
+    if not module_name.endswith(".py"):
+        return importlib.import_module(module_name)
+    file = Path(module_name).resolve()
+    if not file.is_file():
+        raise UserError(f"{module_name}: no such file\n  fix: give the file's path, absolute or relative to the directory you run lance-hpc from")
+    if not file.stem.isidentifier():
+        raise UserError(f"{file}: {file.stem!r} is not a valid module name\n  fix: rename the file, e.g. my_task.py")
+    directory = str(file.parent)
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
+    module = importlib.import_module(file.stem)
+    if Path(getattr(module, "__file__", "") or "").resolve() != file:
+        raise UserError(f"{file}: the module name {file.stem!r} is already taken by {module.__file__}\n"
+                        "  fix: rename the file")
+    return module

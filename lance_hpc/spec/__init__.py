@@ -1,0 +1,48 @@
+"""Job spec: YAML in, a frozen, validated :class:`JobSpec` out.
+
+Every user mistake becomes one :class:`SpecError` that lists each problem with its YAML path and
+a fix, never a traceback. The sections live in :mod:`~lance_hpc.spec.schema`, loading and path
+resolution in :mod:`~lance_hpc.spec.load`, rules across fields (and the task a spec names) in
+:mod:`~lance_hpc.spec.rules`, and error reporting in :mod:`~lance_hpc.spec.problems`.
+"""
+
+from lance_hpc.spec.load import (
+    LoadedSpec,
+    Resolution,
+    apply_overrides,
+    load_spec,
+    load_spec_text,
+    validate_spec,
+)
+from lance_hpc.spec.problems import Problem, SpecError
+from lance_hpc.spec.schema import (
+    CheckpointSpec,
+    DataSpec,
+    IngestSpec,
+    JobSpec,
+    LoggingSpec,
+    SlurmSpec,
+    TaskSpec,
+    TrainSpec,
+    parse_time_limit,
+)
+
+__all__ = [
+    "CheckpointSpec",
+    "DataSpec",
+    "IngestSpec",
+    "JobSpec",
+    "LoadedSpec",
+    "LoggingSpec",
+    "Problem",
+    "Resolution",
+    "SlurmSpec",
+    "SpecError",
+    "TaskSpec",
+    "TrainSpec",
+    "apply_overrides",
+    "load_spec",
+    "load_spec_text",
+    "parse_time_limit",
+    "validate_spec",
+]

@@ -1,0 +1,216 @@
+"""Loading a spec: YAML (duplicate keys refused, with both line numbers), ``--set`` overrides,
+placeholders and relative paths resolved once, then validation that reports every problem.
+
+Placeholders such as ``{name}`` in path fields are resolved at load time, and the resolutions are
+kept on the spec so the command line can show them. A relative path, and the file of an import
+path (``tasks/my_task.py:MyTask``), resolve against the base directory (by default the one
+lance-hpc runs in).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import yaml
+from pydantic import ValidationError
+
+from lance_hpc.spec.problems import Problem, SpecError, from_pydantic, unique
+from lance_hpc.spec.rules import cross_field_problems, entry_problems, moved_key_problems, task_problems
+from lance_hpc.spec.schema import CheckpointSpec, JobSpec, LoggingSpec, SlurmSpec
+
+# Fields whose string values may hold placeholders and name local paths (made absolute on load);
+# section None is the top level.
+PATH_FIELDS: tuple[tuple[str | None, str], ...] = (
+    ("data", "uri"),
+    ("data", "val_uri"),
+    ("checkpoint", "dir"),
+    ("logging", "tensorboard_dir"),
+    ("slurm", "log_dir"),
+    ("slurm", "template"),
+    ("task", "name"),
+    (None, "entry"),
+)
+# Of those, the ones holding import paths: only a file path before the colon is resolved.
+IMPORT_PATH_FIELDS = (("task", "name"), (None, "entry"))
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """A placeholder or relative path that load_spec replaced, shown to the user."""
+
+    path: str
+    before: str
+    after: str
+
+
+@dataclass(frozen=True)
+class LoadedSpec:
+    spec: JobSpec
+    resolutions: tuple[Resolution, ...]
+    source: str
+
+def duplicate_keys(node: yaml.Node | None, path: str = "") -> list[Problem]:
+    """Keys written twice in one mapping (YAML loaders silently keep the last), with both lines."""
+    problems: list[Problem] = []
+    if isinstance(node, yaml.MappingNode):
+        first_line: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            key = str(key_node.value)
+            where = f"{path}.{key}" if path else key
+            line = key_node.start_mark.line + 1
+            if key in first_line:
+                problems.append(Problem(where, f"written twice, on lines {first_line[key]} and {line}; YAML would keep only the second",
+                                        "keep one of them"))
+            else:
+                first_line[key] = line
+            problems += duplicate_keys(value_node, where)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            problems += duplicate_keys(item, f"{path}[{index}]")
+    return problems
+
+
+def _resolve_import_path(value: str, base_dir: Path) -> str:
+    """``file.py:Name`` with the file made absolute; module paths and registered names as they are."""
+    module, sep, name = value.rpartition(":")
+    if not sep or not module.endswith(".py") or Path(module).is_absolute():
+        return value
+    return f"{(base_dir / module).resolve()}:{name}"
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> list[Problem]:
+    """Apply ``section.key=value`` overrides in place; values are parsed as YAML scalars."""
+    problems = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            problems.append(Problem(f"--set {item}", "override is not KEY=VALUE", "write e.g. --set train.lr=0.05"))
+            continue
+        parts = key.strip().split(".")
+        node = raw
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                problems.append(Problem(key, f"cannot set inside '{part}', which is not a section"))
+                break
+            node = child
+        else:
+            node[parts[-1]] = yaml.safe_load(value) if value.strip() else None
+    return problems
+
+
+def load_spec(
+    path: str | Path,
+    overrides: Sequence[str] = (),
+    base_dir: str | Path | None = None,
+) -> LoadedSpec:
+    """Read, override, resolve and validate a job spec; raises SpecError listing every problem."""
+    source = str(path)
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise SpecError(source, [Problem("", f"spec file {source} does not exist", "check the path")]) from None
+    except OSError as error:
+        raise SpecError(source, [Problem("", f"cannot read {source}: {error.strerror}")]) from None
+    return load_spec_text(text, source, overrides, base_dir)
+
+
+def load_spec_text(
+    text: str,
+    source: str = "<spec>",
+    overrides: Sequence[str] = (),
+    base_dir: str | Path | None = None,
+) -> LoadedSpec:
+    """Like load_spec, from YAML text."""
+    try:
+        duplicates = duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader))
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "somewhere"
+        raise SpecError(source, [Problem("", f"not valid YAML at {where}: {getattr(error, 'problem', error)}")]) from None
+    if duplicates:
+        raise SpecError(source, duplicates)
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise SpecError(source, [Problem("", "the spec must be a mapping of sections", "start with 'name: ...'")])
+    return validate_spec(raw, source, overrides, base_dir)
+
+
+def validate_spec(
+    raw: Mapping[str, Any],
+    source: str = "<spec>",
+    overrides: Sequence[str] = (),
+    base_dir: str | Path | None = None,
+) -> LoadedSpec:
+    """Validate a spec mapping (a deep copy is modified); raises SpecError listing every problem."""
+    raw = yaml.safe_load(yaml.safe_dump(dict(raw)))  # deep copy through plain YAML types
+    problems = apply_overrides(raw, overrides)
+    problems += moved_key_problems(raw)
+    resolutions, resolve_problems = _resolve_paths(raw, Path(base_dir) if base_dir else Path.cwd())
+    problems += resolve_problems
+    problems += task_problems(raw) + entry_problems(raw)
+    try:
+        spec = JobSpec.model_validate(raw)
+    except ValidationError as error:
+        spec = None
+        problems += [from_pydantic(item, JobSpec) for item in error.errors()]
+    problems += cross_field_problems(raw)
+    if problems:
+        raise SpecError(source, unique(problems))
+    assert spec is not None
+    return LoadedSpec(spec=spec, resolutions=tuple(resolutions), source=source)
+
+
+def _resolve_paths(raw: dict[str, Any], base_dir: Path) -> tuple[list[Resolution], list[Problem]]:
+    name = raw.get("name") if isinstance(raw.get("name"), str) else None
+    values = {"name": name}
+    resolutions, problems = [], []
+    for section, key in PATH_FIELDS:
+        node = raw if section is None else raw.get(section)
+        if not isinstance(node, dict) and section in ("checkpoint", "logging", "slurm"):
+            if node is not None:
+                continue
+            node = raw[section] = {}
+        if not isinstance(node, dict):
+            continue
+        if key not in node:
+            default = _FIELD_DEFAULTS.get((section, key))
+            if default is None:
+                continue
+            node[key] = default
+        value = node[key]
+        if not isinstance(value, str):
+            continue
+        dotted = key if section is None else f"{section}.{key}"
+        resolved = value
+        for placeholder in re.findall(r"\{([^{}]*)\}", value):
+            if placeholder not in values:
+                problems.append(
+                    Problem(dotted, f"unknown placeholder {{{placeholder}}}", "valid placeholders: {name}")
+                )
+            elif values[placeholder] is None:
+                problems.append(Problem(dotted, "uses {name} but the spec has no valid name", "set name: ..."))
+            else:
+                resolved = resolved.replace(f"{{{placeholder}}}", values[placeholder])
+        if (section, key) in IMPORT_PATH_FIELDS:
+            resolved = _resolve_import_path(resolved, base_dir)
+        elif "://" not in resolved and not Path(resolved).is_absolute():
+            resolved = str((base_dir / resolved).resolve())
+        if resolved != value:
+            node[key] = resolved
+            resolutions.append(Resolution(dotted, value, resolved))
+    return resolutions, problems
+
+
+_FIELD_DEFAULTS = {
+    ("checkpoint", "dir"): CheckpointSpec.model_fields["dir"].default,
+    ("logging", "tensorboard_dir"): LoggingSpec.model_fields["tensorboard_dir"].default,
+    ("slurm", "log_dir"): SlurmSpec.model_fields["log_dir"].default,
+}

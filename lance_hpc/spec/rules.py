@@ -1,0 +1,158 @@
+"""Rules that span fields of a spec, keys that moved, and the task and entry a spec names.
+
+They read the raw mapping, so they run (and report) even when other fields are wrong.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+from lance_hpc.errors import UserError
+from lance_hpc.spec.problems import Problem, from_pydantic
+from lance_hpc.spec.schema import SlurmSpec, parse_time_limit
+
+# storage_options keys that would put a credential into a file; they must come from the environment.
+SECRET_KEY_PATTERN = re.compile(r"secret|access_key|session_token|password|token|credential", re.I)
+# Keys that moved into task.options when tasks became pluggable: old path -> new key.
+MOVED = {
+    ("model", "arch"): "model",
+    ("model", "num_classes"): "num_classes",
+    ("model", "channels_last"): "channels_last",
+    ("data", "image_column"): "image_column",
+    ("data", "label_column"): "label_column",
+    ("data", "image_size"): "image_size",
+    ("data", "augment"): "augment",
+}
+
+
+def moved_key_problems(raw: dict[str, Any]) -> list[Problem]:
+    """Take the keys that moved out of ``raw`` (so they are not reported twice as unknown), and
+    say where each went."""
+    problems = []
+    for (section, key), new_key in MOVED.items():
+        node = raw.get(section)
+        if isinstance(node, dict) and key in node:
+            value = node.pop(key)
+            problems.append(Problem(
+                f"{section}.{key}", f"moved to task.options.{new_key}",
+                f"write it under task: {{name: image_classification, options: {{{new_key}: {value}}}}}",
+            ))
+    if isinstance(raw.get("model"), dict):
+        leftover = raw.pop("model")
+        if leftover:
+            problems.append(Problem("model", "the model section moved into task.options",
+                                    "set the model with task.options.model (image_classification)"))
+    return problems
+
+
+def task_problems(raw: dict[str, Any]) -> list[Problem]:
+    """Check task.name resolves to a Task class and task.options against its Options; on success
+    the options in ``raw`` are replaced by the validated ones, defaults filled in."""
+    from lance_hpc.tasks import task_class, validate_options
+
+    task = raw.get("task")
+    if task is None:
+        task = raw["task"] = {}
+    if not isinstance(task, dict) or not isinstance(task.get("name", ""), str):
+        return []  # the schema reports the wrong type
+    try:
+        cls = task_class(task.get("name", "image_classification"))
+    except UserError as error:
+        return [_problem_from_user_error("task.name", error)]
+    options = task.get("options") or {}
+    if not isinstance(options, dict):
+        return []
+    validated, errors = validate_options(cls, options)
+    if validated is None:
+        return [from_pydantic(item, cls.Options, ("task", "options")) for error in errors for item in error.errors()]
+    task["options"] = validated.model_dump(mode="json")
+    return []
+
+
+def entry_problems(raw: Mapping[str, Any]) -> list[Problem]:
+    """Script mode: the entry must import and be callable."""
+    from lance_hpc.imports import load_callable
+
+    entry = raw.get("entry")
+    if not isinstance(entry, str):
+        return []
+    try:
+        load_callable(entry, "entry")
+    except UserError as error:
+        return [_problem_from_user_error("entry", error)]
+    return []
+
+
+def _problem_from_user_error(path: str, error: UserError) -> Problem:
+    message, _, fix = str(error).partition("\n  fix: ")
+    prefix = f"{path}: "
+    return Problem(path, message[len(prefix):] if message.startswith(prefix) else message, fix)
+
+
+def cross_field_problems(raw: Mapping[str, Any]) -> list[Problem]:
+    """Rules that span fields; read from the raw mapping so they run even when fields are wrong."""
+    from lance_hpc.data.sampling import STRATEGIES, STYLES
+    problems = []
+    data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
+    slurm = raw.get("slurm") if isinstance(raw.get("slurm"), dict) else {}
+    style = data.get("style", "map")
+    sampler = data.get("sampler", "distributed" if style == "map" else "sharded_batch")
+    if style == "iterable" and "sampler" not in data:
+        sampler = None  # validated below with an explicit message
+        problems.append(
+            Problem("data.sampler", "iterable style needs a sampler", "use one of: sharded_batch, sharded_fragment")
+        )
+    if style in STYLES and sampler in STRATEGIES and sampler not in STYLES[style]:
+        valid = ", ".join(STYLES[style])
+        problems.append(
+            Problem("data.sampler", f"sampler '{sampler}' does not work with style '{style}'", f"with style '{style}' use: {valid}")
+        )
+    if sampler == "full_scan":
+        problems.append(
+            Problem(
+                "data.sampler",
+                "full_scan gives every rank every row, so all ranks would train on the same data",
+                "train with sharded_batch or sharded_fragment; full_scan is for evaluation (data.val_sampler: full_scan)",
+            )
+        )
+    time_value = slurm.get("time", SlurmSpec.model_fields["time"].default)
+    try:
+        limit = parse_time_limit(str(time_value))
+    except ValueError:
+        problems.append(
+            Problem("slurm.time", f"{time_value!r} is not a SLURM time limit", "use MM, HH:MM:SS or D-HH:MM:SS, e.g. 04:00:00")
+        )
+    else:
+        delay = slurm.get("signal_delay_s", SlurmSpec.model_fields["signal_delay_s"].default)
+        if limit <= 0:
+            problems.append(Problem("slurm.time", "time limit must be positive", "e.g. 01:00:00"))
+        elif isinstance(delay, int) and delay >= limit:
+            problems.append(
+                Problem("slurm.signal_delay_s", f"{delay}s is not shorter than the time limit ({limit}s)", "lower it or raise slurm.time")
+            )
+    gpus, tasks = slurm.get("gpus_per_node", 0), slurm.get("tasks_per_node")
+    if isinstance(gpus, int) and isinstance(tasks, int) and gpus > 0 and tasks != gpus:
+        problems.append(
+            Problem(
+                "slurm.tasks_per_node",
+                f"{tasks} tasks per node with {gpus} GPUs per node: DDP runs one task per GPU",
+                f"set tasks_per_node: {gpus} or remove it",
+            )
+        )
+    template = slurm.get("template")
+    if isinstance(template, str) and not Path(template).is_file():
+        problems.append(Problem("slurm.template", f"template file {template} does not exist", "fix the path or remove the key"))
+    options = data.get("storage_options")
+    if isinstance(options, dict):
+        for key in options:
+            if SECRET_KEY_PATTERN.search(str(key)):
+                problems.append(
+                    Problem(
+                        f"data.storage_options.{key}",
+                        "credentials must not be written in the spec (they would land in scripts and logs)",
+                        "export AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_SESSION_TOKEN) in the environment",
+                    )
+                )
+    return problems

@@ -1,0 +1,239 @@
+"""The job spec's sections: frozen pydantic models, every field with a one-line description.
+
+Fields that name a strategy, mode or task are plain strings checked against the registry that
+defines those names (:func:`_choice`), so each set of names is written down once, where it is used.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
+
+# The forms sbatch accepts for --time.
+TIME_PATTERN = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+
+
+def parse_time_limit(text: str) -> int:
+    """Seconds in an sbatch time limit; raises ValueError for a malformed one."""
+    match = TIME_PATTERN.match(str(text).strip())
+    if not match:
+        raise ValueError(text)
+    days, first, second, third = match.groups()
+    if days is not None:  # D-HH[:MM[:SS]]
+        hours, minutes, seconds = int(first), int(second or 0), int(third or 0)
+        return ((int(days) * 24 + hours) * 60 + minutes) * 60 + seconds
+    if third is not None:  # HH:MM:SS
+        return (int(first) * 60 + int(second)) * 60 + int(third)
+    if second is not None:  # MM:SS
+        return int(first) * 60 + int(second)
+    return int(first) * 60  # MM
+
+
+def _choice(names: Callable[[], Any]) -> Callable[[str], str]:
+    """A validator: the value must be one of ``names()`` (imported when first checked)."""
+
+    def check(value: str) -> str:
+        valid = list(names())
+        if value not in valid:
+            raise PydanticCustomError("choice", "'{value}' is not a valid choice", {"value": value, "expected": ", ".join(valid)})
+        return value
+
+    return check
+
+
+def _samplers() -> list[str]:
+    from lance_hpc.data.sampling import STRATEGIES
+
+    return list(STRATEGIES)
+
+
+def _styles() -> list[str]:
+    from lance_hpc.data.sampling import STYLES
+
+    return list(STYLES)
+
+
+def _uneven_modes() -> tuple[str, ...]:
+    from lance_hpc.data.sampling import UNEVEN_MODES
+
+    return UNEVEN_MODES
+
+
+def _eval_modes() -> tuple[str, ...]:
+    from lance_hpc.data.sampling import EVAL_MODES
+
+    return EVAL_MODES
+
+
+def _corrupt_policies() -> tuple[str, ...]:
+    from lance_hpc.data.reader import ON_CORRUPT
+
+    return ON_CORRUPT
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+
+class SlurmSpec(_Section):
+    partition: str | None = Field(None, description="SLURM partition (-p); null uses the cluster default.")
+    nodes: int = Field(1, ge=1, description="Number of nodes (-N).")
+    gpus_per_node: int = Field(0, ge=0, description="GPUs per node (--gpus-per-node); 0 for CPU jobs.")
+    tasks_per_node: int | None = Field(
+        None, ge=1, description="Tasks per node; null means one per GPU (or 1 without GPUs)."
+    )
+    cpus_per_task: int = Field(4, ge=1, description="CPU cores per task, for DataLoader workers.")
+    mem_gb: int | None = Field(None, ge=1, description="Memory per node in GiB (--mem); null: cluster default.")
+    time: str = Field("01:00:00", description="Time limit, any sbatch form: MM, HH:MM:SS, D-HH:MM:SS.")
+    account: str | None = Field(None, description="Account to charge (-A).")
+    qos: str | None = Field(None, description="Quality of service (--qos).")
+    constraint: str | None = Field(None, description="Node feature constraint (-C).")
+    exclusive: bool = Field(False, description="Ask for whole nodes (--exclusive).")
+    setup: list[str] = Field(
+        default_factory=list, description="Shell lines run before launch (module load, venv activate)."
+    )
+    extra_flags: dict[str, str | int | bool | None] = Field(
+        default_factory=dict,
+        description="More sbatch flags by long name without dashes, e.g. {reservation: big}.",
+    )
+    template: str | None = Field(None, description="Path of a site sbatch template; null: built-in.")
+    max_requeues: int = Field(3, ge=0, description="How many times a preempted job requeues itself.")
+    signal_delay_s: int = Field(
+        120, ge=10, description="Seconds before the time limit SLURM sends USR2 to save and requeue."
+    )
+    log_dir: str = Field("logs/{name}", description="Where job stdout/stderr and rendered files go.")
+
+    @property
+    def ntasks_per_node(self) -> int:
+        """Tasks launched on each node: explicit, else one per GPU, else one."""
+        if self.tasks_per_node is not None:
+            return self.tasks_per_node
+        return max(self.gpus_per_node, 1)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ntasks_per_node
+
+    @property
+    def time_seconds(self) -> int:
+        return parse_time_limit(self.time)
+
+
+class IngestSpec(_Section):
+    source: str = Field(
+        ...,
+        description="What to ingest when data.uri does not exist yet: sklearn-digits, skimage-photos, "
+        "imagefolder:<dir>, torchvision:<Name>:<root>, text:<glob> or python-stdlib.",
+    )
+    val_fraction: float = Field(0.2, ge=0.0, lt=1.0, description="Share of rows written to data.val_uri.")
+    rows_per_fragment: int = Field(1024, ge=1, description="Rows per Lance fragment.")
+    seed: int = Field(0, description="Seed of the train/validation split.")
+    sequence_length: int = Field(256, ge=2, description="Text sources: tokens per training sequence.")
+    tokenizer: str = Field("bytes", description="Text sources: bytes (UTF-8, nothing to download) or pkg.mod:factory.")
+
+
+class DataSpec(_Section):
+    uri: str = Field(..., description="Training dataset: local path or s3://bucket/path.lance.")
+    val_uri: str | None = Field(None, description="Validation dataset; null skips evaluation.")
+    version: int | None = Field(None, ge=1, description="Pinned dataset version; null: latest at start.")
+    storage_options: dict[str, str] = Field(
+        default_factory=dict,
+        description="Object-store options (endpoint, region, allow_http); credentials come from env.",
+    )
+    style: str = Field("map", description="Dataset style: map | iterable.")
+    sampler: str = Field(
+        "distributed", description="Sampler: distributed (map) or sharded_batch | sharded_fragment (iterable)."
+    )
+    val_sampler: str = Field("sharded", description="Evaluation split: sharded across ranks, or full_scan on every rank.")
+    uneven: str = Field("drop", description="How ranks get equal steps: drop the surplus rows or pad by repeating rows.")
+    batch_size: int = Field(64, ge=1, description="Samples per rank per step.")
+    num_workers: int = Field(4, ge=0, description="DataLoader worker processes per rank.")
+    prefetch_factor: int = Field(2, ge=1, description="Batches each worker keeps ready.")
+    shuffle: bool = Field(True, description="Reshuffle every epoch from seed + epoch.")
+    seed: int = Field(0, description="Seed of the data order and of augmentation.")
+    on_corrupt: str = Field("skip", description="A row the task cannot decode: skip (counted in logs) or fail naming it.")
+    ingest: IngestSpec | None = Field(None, description="Create the dataset on first use from a source.")
+
+    check_style = field_validator("style")(_choice(_styles))
+    check_sampler = field_validator("sampler")(_choice(_samplers))
+    check_val_sampler = field_validator("val_sampler")(_choice(_eval_modes))
+    check_uneven = field_validator("uneven")(_choice(_uneven_modes))
+    check_on_corrupt = field_validator("on_corrupt")(_choice(_corrupt_policies))
+
+
+class TaskSpec(_Section):
+    name: str = Field(
+        "image_classification",
+        description="image_classification | language_model, or your Task class: my_pkg.tasks:MyTask or file.py:MyTask.",
+    )
+    options: dict[str, Any] = Field(default_factory=dict, description="The task's options (see the README's Tasks section).")
+
+
+# Optimisation choices; the trainer reads the same tuples.
+LR_SCALING = ("linear", "none")
+OPTIMIZERS = ("sgd", "adamw")
+PRECISIONS = ("bf16", "fp32")
+
+
+class TrainSpec(_Section):
+    epochs: int = Field(10, ge=1, description="Passes over the training data.")
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (quick runs).")
+    lr: float = Field(0.1, gt=0, description="Learning rate at base_batch_size.")
+    lr_scaling: str = Field(
+        "linear", description="linear: lr * global_batch / base_batch_size; none: lr as given."
+    )
+    base_batch_size: int = Field(256, ge=1, description="Global batch size at which lr applies.")
+    warmup_epochs: float = Field(1.0, ge=0, description="Linear warmup length, then cosine decay.")
+    optimizer: str = Field("sgd", description="sgd (momentum, nesterov) or adamw.")
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum.")
+    weight_decay: float = Field(5e-5, ge=0, description="Weight decay.")
+    precision: str = Field("bf16", description="bf16 autocast on GPU; CPU runs fp32.")
+    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    seed: int = Field(0, description="Seed of model init and augmentation.")
+    deterministic: bool = Field(False, description="Deterministic kernels (slower), for exact resume checks.")
+    collective_timeout_s: int = Field(
+        180, ge=10, description="Seconds a collective may wait before the job fails with a clear error."
+    )
+    eval_every_epochs: int = Field(1, ge=1, description="Evaluate every N epochs (and at the end).")
+
+    check_lr_scaling = field_validator("lr_scaling")(_choice(lambda: LR_SCALING))
+    check_optimizer = field_validator("optimizer")(_choice(lambda: OPTIMIZERS))
+    check_precision = field_validator("precision")(_choice(lambda: PRECISIONS))
+
+
+class CheckpointSpec(_Section):
+    dir: str = Field("checkpoints/{name}", description="Checkpoint directory.")
+    every_steps: int = Field(500, ge=1, description="Save every N optimizer steps (and at epoch end).")
+    keep: int = Field(3, ge=1, description="Checkpoints kept; older ones are deleted.")
+    resume: bool = Field(True, description="Start from the latest checkpoint in dir if there is one.")
+
+
+class LoggingSpec(_Section):
+    tensorboard_dir: str = Field("runs/{name}", description="TensorBoard event directory (rank 0 writes).")
+    log_every_steps: int = Field(20, ge=1, description="Log scalars every N steps.")
+    progress: bool = Field(True, description="Show a progress bar on rank 0.")
+
+
+class JobSpec(_Section):
+    name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="Job name.")
+    slurm: SlurmSpec = Field(default_factory=SlurmSpec, description="Resources and submission.")
+    data: DataSpec = Field(..., description="Dataset and loading strategy.")
+    task: TaskSpec = Field(default_factory=TaskSpec, description="What is trained: columns, model, loss, metrics.")
+    entry: str | None = Field(
+        None, description="Script mode: your training function (my_pkg.train:main or file.py:main) instead of the built-in loop."
+    )
+    train: TrainSpec = Field(default_factory=TrainSpec, description="Optimisation.")
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoints.")
+    logging: LoggingSpec = Field(default_factory=LoggingSpec, description="TensorBoard and progress.")
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
+
+

@@ -1,0 +1,93 @@
+"""Tasks by name: what is trained, from which columns, with which model, loss and metrics.
+
+``task.name`` in a spec is a registered name (:data:`TASKS`) or an import path to a
+:class:`~lance_hpc.tasks.base.Task` subclass (``my_pkg.tasks:MyTask``, ``path/to/file.py:MyTask``).
+Registered tasks are imported only when used, so naming one costs nothing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping
+
+from pydantic import ValidationError
+
+from lance_hpc.errors import UserError
+from lance_hpc.imports import is_import_path, load_callable
+from lance_hpc.tasks.base import (
+    ROW_ID,
+    Batch,
+    DatasetInfo,
+    Decoder,
+    FieldSpec,
+    Task,
+    TaskError,
+    TaskOptions,
+    column_problems,
+)
+
+if TYPE_CHECKING:
+    from lance_hpc.spec import JobSpec
+
+TASKS: dict[str, str] = {
+    "image_classification": "lance_hpc.tasks.image:ImageClassification",
+    "language_model": "lance_hpc.tasks.language:LanguageModel",
+}
+
+
+def task_class(name: str) -> type[Task]:
+    """The Task class a spec's ``task.name`` names; a UserError that lists the choices otherwise."""
+    if name in TASKS:
+        found = load_callable(TASKS[name], "task.name")
+    elif is_import_path(name):
+        found = load_callable(name, "task.name")
+    else:
+        raise UserError(f"task.name: unknown task {name!r}\n  fix: use one of: {', '.join(TASKS)}, "
+                        "or an import path to your Task class (my_pkg.tasks:MyTask or path/to/file.py:MyTask)")
+    if not (isinstance(found, type) and issubclass(found, Task)):
+        raise UserError(f"task.name: {name!r} is not a subclass of lance_hpc.tasks.Task\n"
+                        "  fix: subclass lance_hpc.tasks.Task (see the README's Tasks section)")
+    return found
+
+
+def validate_options(cls: type[Task], options: Mapping[str, Any]) -> tuple[TaskOptions | None, list[ValidationError]]:
+    """The task's options, or the pydantic error to report under ``task.options``."""
+    try:
+        return cls.Options.model_validate(dict(options)), []
+    except ValidationError as error:
+        return None, [error]
+
+
+def build_task(name: str, options: Mapping[str, Any], train: DatasetInfo, val: DatasetInfo | None) -> Task:
+    """The rank half of a task, checked against its datasets (raises TaskError listing problems)."""
+    cls = task_class(name)
+    validated, errors = validate_options(cls, options)
+    if errors:
+        raise UserError(f"task.options: {errors[0]}")
+    return cls(validated, train, val)
+
+
+def load_task(spec: JobSpec) -> Task:
+    """The spec's task, checked against the spec's training and validation datasets."""
+    from lance_hpc.data import dataset_info
+
+    data = spec.data
+    val = dataset_info(data, data.val_uri) if data.val_uri else None
+    return build_task(spec.task.name, spec.task.options, dataset_info(data, data.uri), val)
+
+
+__all__ = [
+    "ROW_ID",
+    "TASKS",
+    "Batch",
+    "DatasetInfo",
+    "Decoder",
+    "FieldSpec",
+    "Task",
+    "TaskError",
+    "TaskOptions",
+    "build_task",
+    "column_problems",
+    "load_task",
+    "task_class",
+    "validate_options",
+]

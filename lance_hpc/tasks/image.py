@@ -1,0 +1,146 @@
+"""``image_classification``: encoded images and integer labels in, a classifier trained with
+cross-entropy out; top-1 accuracy reported.
+
+Workers decode JPEG with libjpeg-turbo (other formats through PIL) and resize with torch's uint8
+kernel straight into the batch, which is uint8 ``[B, 3, S, S]`` in channels-last memory; the rank
+normalises on the device (4x fewer bytes cross to it than float pixels would).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import torch
+from pydantic import Field, field_validator
+from torch import nn
+
+from lance_hpc.data.ingest import CLASS_NAMES_KEY
+from lance_hpc.data.decode import AUGMENTS, Transform, binary_values, decode_pixels, normalize
+from lance_hpc.models import build_model, model_problem
+from lance_hpc.tasks.base import Batch, DatasetInfo, Decoder, FieldSpec, Task, TaskError, TaskOptions, column_problems
+
+class ImageOptions(TaskOptions):
+    image_column: str = Field("image", description="Column of encoded image bytes (JPEG, PNG, ...).")
+    label_column: str = Field("label", description="Column of integer class labels.")
+    image_size: int = Field(224, ge=8, description="Side of the square images the model sees.")
+    augment: str = Field("crop_flip", description=f"Training augmentation: {', '.join(AUGMENTS)}.")
+    model: str = Field("resnet18", description="small_cnn, a torchvision classification model, or my_pkg.models:build.")
+    num_classes: int | None = Field(None, ge=2, description="Classes; null reads them from the dataset.")
+    channels_last: bool = Field(True, description="Channels-last memory format on GPU (faster convolutions).")
+
+    @field_validator("augment")
+    @classmethod
+    def _known_augment(cls, value: str) -> str:
+        if value not in AUGMENTS:
+            raise ValueError(f"unknown augment {value!r}: use one of {', '.join(AUGMENTS)}")
+        return value
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, value: str) -> str:
+        problem = model_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+
+class ImageDecoder(Decoder):
+    """Worker half: decode, crop/resize (seeded per batch), label as int64."""
+
+    def __init__(self, image_column: str, label_column: str, transform: Transform) -> None:
+        self.image_column, self.label_column, self.transform = image_column, label_column, transform
+        self.columns = (image_column, label_column)
+
+    def fields(self) -> dict[str, FieldSpec]:
+        size = self.transform.image_size
+        return {"image": FieldSpec((3, size, size), torch.uint8, memory_order=(1, 2, 0)),
+                "label": FieldSpec((), torch.int64)}
+
+    def decode(self, table: pa.Table, out: Batch, rng: np.random.Generator) -> dict[int, str]:
+        values, offsets, valid = binary_values(table.column(self.image_column))
+        labels = table.column(self.label_column)
+        out["label"].copy_(torch.from_numpy(labels.to_numpy(zero_copy_only=False).astype(np.int64)))
+        images, bad = out["image"], {}
+        for index in range(table.num_rows):
+            try:
+                if not valid[index]:
+                    raise ValueError("null image")
+                images[index].copy_(self.transform(decode_pixels(values[offsets[index] : offsets[index + 1]]), rng))
+            except ValueError as error:
+                bad[index] = str(error)
+        return bad
+
+
+class ImageClassification(Task[ImageOptions]):
+    """Cross-entropy over ``num_classes``; reports loss and top-1 accuracy."""
+
+    Options = ImageOptions
+    metrics = ("loss_sum", "correct", "samples")
+    tags = {
+        "train/loss": "mean training loss since the previous log point, over all ranks",
+        "train/accuracy": "top-1 training accuracy since the previous log point, over all ranks",
+        "val/loss": "validation loss over the whole validation set",
+        "val/accuracy": "top-1 validation accuracy over the whole validation set",
+    }
+    headline_metric = "accuracy"
+
+    def __init__(self, options: ImageOptions, train: DatasetInfo, val: DatasetInfo | None = None) -> None:
+        super().__init__(options, train, val)
+        problems = []
+        for info in filter(None, (train, val)):
+            problems += column_problems(info, "image_column", options.image_column, "binary (encoded images)",
+                                        lambda kind: pa.types.is_binary(kind) or pa.types.is_large_binary(kind))
+            problems += column_problems(info, "label_column", options.label_column, "integers (class labels)",
+                                        pa.types.is_integer)
+        if problems:
+            raise TaskError("image_classification", problems)
+        self.class_names = class_names(train, options.label_column)
+        if options.num_classes is not None and options.num_classes < len(self.class_names):
+            raise TaskError("image_classification", [
+                f"task.options.num_classes is {options.num_classes}, but {train.uri} has {len(self.class_names)} "
+                f"classes (labels 0..{len(self.class_names) - 1}); labels past {options.num_classes - 1} would be out "
+                f"of range\n      fix: remove num_classes to read it from the dataset, or set it to at least "
+                f"{len(self.class_names)}"])
+        self.num_classes = options.num_classes or len(self.class_names)
+
+    def decoder(self, train: bool) -> ImageDecoder:
+        transform = Transform(self.options.image_size, train=train, augment=self.options.augment)
+        return ImageDecoder(self.options.image_column, self.options.label_column, transform)
+
+    def build_model(self) -> nn.Module:
+        return build_model(self.options.model, self.num_classes)
+
+    def _memory_format(self, device: torch.device) -> torch.memory_format:
+        channels_last = device.type == "cuda" and self.options.channels_last
+        return torch.channels_last if channels_last else torch.contiguous_format
+
+    def prepare_model(self, model: nn.Module, device: torch.device) -> nn.Module:
+        return model.to(device, memory_format=self._memory_format(device))
+
+    def to_device(self, batch: Batch, device: torch.device) -> Batch:
+        images = normalize(batch["image"].to(device, non_blocking=True))
+        return {"image": images.contiguous(memory_format=self._memory_format(device)),
+                "label": batch["label"].to(device, non_blocking=True)}
+
+    def forward(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, labels = model(batch["image"]), batch["label"]
+        loss = nn.functional.cross_entropy(logits, labels)
+        count = torch.tensor(float(labels.numel()), device=labels.device)
+        correct = (logits.detach().argmax(dim=1) == labels).sum().float()
+        return loss, torch.stack([loss.detach().float() * count, correct, count])
+
+    def report(self, sums: dict[str, float], prefix: str, seconds: float | None = None) -> dict[str, float]:
+        samples = max(sums["samples"], 1.0)
+        return {f"{prefix}/loss": sums["loss_sum"] / samples, f"{prefix}/accuracy": sums["correct"] / samples}
+
+
+def class_names(info: DatasetInfo, label_column: str) -> list[str]:
+    """Class names from the schema metadata that ingest writes; else "0".."max label"."""
+    names = info.metadata.get(CLASS_NAMES_KEY.decode())
+    if names is not None:
+        return [str(name) for name in json.loads(names)]
+    labels = info.dataset.to_table(columns=[label_column]).column(label_column)
+    top = labels.to_numpy().max() if len(labels) else -1
+    return [str(label) for label in range(int(top) + 1)]

@@ -1,0 +1,78 @@
+"""A task defined outside lance_hpc, as a user would write one: named in specs by its import path
+(``tests.custom_task:PixelMLP`` or ``tests/custom_task.py:PixelMLP``), never shipped.
+
+It reads the digits' image bytes and labels, but produces its own fields: a float32 vector of
+grey levels per image (decoded by PIL in the worker) and an int64 target; an MLP classifies them.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pyarrow as pa
+import torch
+from pydantic import Field
+from torch import nn
+
+from lance_hpc.tasks import Batch, DatasetInfo, Decoder, FieldSpec, Task, TaskError, TaskOptions, column_problems
+
+
+class PixelOptions(TaskOptions):
+    side: int = Field(8, ge=2, description="Images are scaled to side x side grey levels.")
+    hidden: int = Field(64, ge=1, description="Width of the MLP's hidden layer.")
+    classes: int = Field(10, ge=2, description="Output classes.")
+
+
+class PixelDecoder(Decoder):
+    columns = ("image", "label")
+
+    def __init__(self, side: int) -> None:
+        self.side = side
+
+    def fields(self) -> dict[str, FieldSpec]:
+        return {"pixels": FieldSpec((self.side * self.side,), torch.float32), "target": FieldSpec((), torch.int64)}
+
+    def decode(self, table: pa.Table, out: Batch, rng: np.random.Generator) -> dict[int, str]:
+        from PIL import Image
+
+        out["target"].copy_(torch.from_numpy(table.column("label").to_numpy().astype(np.int64)))
+        bad = {}
+        for index, data in enumerate(table.column("image").to_pylist()):
+            try:
+                with Image.open(io.BytesIO(data)) as image:
+                    grey = np.asarray(image.convert("L").resize((self.side, self.side)), dtype=np.float32)
+            except Exception as error:  # PIL raises many types for bad bytes
+                bad[index] = str(error)
+                continue
+            out["pixels"][index].copy_(torch.from_numpy(grey.reshape(-1) / 255.0))
+        return bad
+
+
+class PixelMLP(Task[PixelOptions]):
+    Options = PixelOptions
+    metrics = ("loss_sum", "correct", "samples")
+    tags = {"train/loss": "mean loss", "train/accuracy": "top-1", "val/loss": "mean loss", "val/accuracy": "top-1"}
+    headline_metric = "accuracy"
+
+    def __init__(self, options: PixelOptions, train: DatasetInfo, val: DatasetInfo | None = None) -> None:
+        super().__init__(options, train, val)
+        problems = column_problems(train, "image", "image", "binary images", pa.types.is_binary)
+        if problems:
+            raise TaskError("PixelMLP", problems)
+
+    def decoder(self, train: bool) -> PixelDecoder:
+        return PixelDecoder(self.options.side)
+
+    def build_model(self) -> nn.Module:
+        side, hidden = self.options.side, self.options.hidden
+        return nn.Sequential(nn.Linear(side * side, hidden), nn.ReLU(), nn.Linear(hidden, self.options.classes))
+
+    def forward(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, target = model(batch["pixels"]), batch["target"]
+        loss = nn.functional.cross_entropy(logits, target)
+        count = torch.tensor(float(len(target)))
+        return loss, torch.stack([loss.detach() * count, (logits.argmax(1) == target).sum().float(), count])
+
+    def report(self, sums: dict[str, float], prefix: str, seconds: float | None = None) -> dict[str, float]:
+        return {f"{prefix}/loss": sums["loss_sum"] / sums["samples"], f"{prefix}/accuracy": sums["correct"] / sums["samples"]}

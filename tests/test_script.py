@@ -1,0 +1,68 @@
+"""Script mode: the example's own loop runs in two local ranks under lance_hpc's runtime; SIGUSR2
+mid-epoch saves and stops every rank at one step, and a rerun resumes to the weights of an
+uninterrupted run, bit for bit; the context's checks on what it is given."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from lance_hpc.checkpoint import load_latest
+from lance_hpc.errors import UserError
+from lance_hpc.run import EXIT_STOPPED
+from lance_hpc.script import Context
+from lance_hpc.spec import load_spec
+from tests.test_trainer import launch, read_until
+from tests.trainer_jobs import REPO_ROOT, digits, final_state, same_weights, write_spec
+
+__all__ = ["digits"]  # the session fixture, imported for pytest
+
+EXAMPLE = f"{REPO_ROOT}/examples/script_mode/train.py:main"
+
+
+def script_spec(directory: Path, dataset) -> Path:
+    return write_spec(directory, dataset, entry=EXAMPLE, train={"epochs": 3, "lr": 0.01},
+                      logging={"log_every_steps": 1, "progress": False})
+
+
+def test_the_example_job_validates_and_names_its_entry() -> None:
+    spec = load_spec(REPO_ROOT / "examples/script_mode/job.yaml", base_dir=REPO_ROOT).spec
+    assert spec.entry == EXAMPLE and spec.task.name == "image_classification"
+
+
+def test_register_refuses_what_it_cannot_checkpoint() -> None:
+    context = Context.__new__(Context)
+    context.registered, context.resumed = {}, None
+    with pytest.raises(UserError, match=r"ctx.register\(step=...\): a int has no state_dict"):
+        context.register(step=3)
+
+
+@pytest.mark.slow
+def test_script_mode_preempted_mid_epoch_resumes_to_the_same_weights(tmp_path: Path, digits) -> None:
+    reference = launch(script_spec(tmp_path / "reference", digits))
+    output = reference.communicate(timeout=600)[0]
+    assert reference.returncode == 0 and "final validation accuracy" in output, output
+    expected = final_state(tmp_path / "reference")
+    steps_per_epoch = expected["step"] // 3
+
+    spec_file = script_spec(tmp_path / "interrupted", digits)
+    interrupted = launch(spec_file)
+    read_until(interrupted, f"step {steps_per_epoch + 5}/")  # early in epoch 2 of 3
+    interrupted.send_signal(signal.SIGUSR2)
+    output = interrupted.communicate(timeout=120)[0]
+    assert interrupted.returncode == EXIT_STOPPED, output
+    assert "by SIGUSR2; checkpoint" in output and "run the same command again to resume" in output
+    stopped = load_latest(tmp_path / "interrupted" / "checkpoints")
+    assert stopped.state["mid_epoch"] and steps_per_epoch < stopped.step < 2 * steps_per_epoch
+    assert all(rank["loaders"]["loader"]["batches_consumed"] == stopped.step - steps_per_epoch for rank in stopped.state["ranks"])
+
+    resumed = launch(spec_file)
+    output = resumed.communicate(timeout=600)[0]
+    assert resumed.returncode == 0, output
+    assert f"resuming from {stopped.path} at step {stopped.step}" in output
+    final = final_state(tmp_path / "interrupted")
+    assert final["step"] == expected["step"]
+    assert same_weights(final["objects"]["model"], expected["objects"]["model"]) == []
+    assert same_weights(final["objects"]["optimizer"]["state"][0], expected["objects"]["optimizer"]["state"][0]) == []

@@ -1,0 +1,134 @@
+"""Pluggable tasks: a task defined in a test module trains through its import path on two local
+ranks (its decoder running in DataLoader workers); every built-in task with every training
+strategy gives every rank the same steps and reads every planned row exactly once, by row id;
+a task checks its options against the data before any step runs."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lance_hpc.data import build_train_loader, dataset_info, ensure_dataset
+from lance_hpc.data.sampling import STYLES
+from lance_hpc.errors import UserError
+from lance_hpc.spec import DataSpec, IngestSpec, load_spec
+from lance_hpc.tasks import ROW_ID, TaskError, build_task, load_task
+from tests.test_trainer import launch
+from lance_hpc.tasks.language import LanguageModel
+from tests.trainer_jobs import Digits, digits, final_state, hparams_logged, scalars, write_spec
+
+__all__ = ["digits"]  # the session fixture, imported for pytest
+
+TRAIN_SAMPLERS = [(style, sampler) for style, samplers in STYLES.items() for sampler in samplers if sampler != "full_scan"]
+
+
+@pytest.fixture(scope="session")
+def stdlib_tokens(tmp_path_factory: pytest.TempPathFactory) -> Digits:
+    """A slice of the standard library's sources as 33-token sequences (train and validation)."""
+    root = tmp_path_factory.mktemp("stdlib")
+    dataset = Digits(str(root / "train.lance"), str(root / "val.lance"))
+    ingest = IngestSpec(source="python-stdlib:max_mb=0.2", val_fraction=0.1, rows_per_fragment=500, seed=0,
+                        sequence_length=32)
+    ensure_dataset(DataSpec(uri=dataset.train, val_uri=dataset.val, ingest=ingest))
+    return dataset
+
+
+def builtin_task(name: str, dataset: Digits):
+    options = {"image_classification": {"model": "small_cnn", "image_size": 16, "augment": "crop_flip"},
+               "language_model": {"layers": 1, "width": 32, "heads": 2}}[name]
+    data = DataSpec(uri=dataset.train, val_uri=dataset.val)
+    return build_task(name, options, dataset_info(data, dataset.train), dataset_info(data, dataset.val))
+
+
+@pytest.mark.parametrize("task_name", ["image_classification", "language_model"])
+@pytest.mark.parametrize("style,sampler", TRAIN_SAMPLERS)
+@pytest.mark.parametrize("uneven", ["drop", "pad"])
+def test_every_builtin_task_with_every_strategy_reads_rows_exactly_once(task_name, style, sampler, uneven, digits,
+                                                                         stdlib_tokens) -> None:
+    dataset = digits if task_name == "image_classification" else stdlib_tokens
+    task = builtin_task(task_name, dataset)
+    world_size = 3
+    data = DataSpec(uri=dataset.train, style=style, sampler=sampler, uneven=uneven, batch_size=40, num_workers=0, seed=1)
+    loaders = [build_train_loader(data, task.decoder(train=True), rank, world_size) for rank in range(world_size)]
+    rows = loaders[0].plan.rows
+    for epoch in (0, 1):
+        seen, steps = [], []
+        for loader in loaders:
+            loader.set_epoch(epoch)
+            batches = list(loader)
+            steps.append(len(batches))
+            for batch in batches:
+                assert set(batch) == {*task.decoder(train=True).fields(), ROW_ID}
+                seen += batch[ROW_ID].tolist()
+        assert steps == [loaders[0].steps_per_epoch] * world_size  # equal steps on every rank
+        counts = np.bincount(seen, minlength=rows)
+        if uneven == "drop":
+            assert counts.max() == 1 and len(seen) == rows - rows % world_size
+        else:  # pad repeats rows from the start of the order, never skips one
+            assert counts.min() == 1 and len(seen) == math.ceil(rows / (world_size * 40)) * world_size * 40
+
+
+def test_language_model_batches_carry_the_ingested_sequences(stdlib_tokens) -> None:
+    """Through a DataLoader worker and shared memory: each row's tokens as Lance stores them."""
+    import lance
+
+    task = builtin_task("language_model", stdlib_tokens)
+    loader = build_train_loader(DataSpec(uri=stdlib_tokens.train, batch_size=16, num_workers=1), task.decoder(train=True), 0, 1)
+    batch = next(iter(loader))
+    stored = lance.dataset(stdlib_tokens.train).take(batch[ROW_ID].numpy(), columns=["tokens"]).column("tokens")
+    assert batch["tokens"].shape == (16, 33) and batch["tokens"].tolist() == stored.to_pylist()
+    assert task.vocab_size == 257 and task.sequence_length == 32
+
+
+def test_a_task_checks_its_columns_and_classes_against_the_data(digits, stdlib_tokens) -> None:
+    data = DataSpec(uri=digits.train, val_uri=digits.val)
+    info = dataset_info(data, digits.train)
+    with pytest.raises(TaskError) as caught:
+        build_task("image_classification", {"label_column": "class", "image_column": "label"}, info, None)
+    message = str(caught.value)
+    assert "task.options.label_column: column 'class' is not in" in message and "its columns: image (binary), label (int64)" in message
+    assert "task.options.image_column: column 'label' of" in message and "is int64, expected binary" in message
+    with pytest.raises(TaskError, match=r"(?s)num_classes is 5, but .* has 10 classes .*at least 10"):
+        build_task("image_classification", {"num_classes": 5}, info, None)
+    with pytest.raises(TaskError, match="column 'tokens' is not in"):
+        build_task("language_model", {}, info, None)
+    with pytest.raises(UserError, match=r"width \(30\) is not a multiple of task.options.heads \(4\)"):
+        builtin_task("language_model", stdlib_tokens).__class__(
+            builtin_task("language_model", stdlib_tokens).Options(width=30, heads=4), dataset_info(data, stdlib_tokens.train))
+
+
+@pytest.mark.slow
+def test_a_task_from_a_test_module_trains_on_two_local_ranks(tmp_path: Path, digits) -> None:
+    """Named by import path; its decoder runs in a DataLoader worker of each rank."""
+    spec_file = write_spec(tmp_path, digits, task={"name": "tests.custom_task:PixelMLP", "options": {"hidden": 32}},
+                           data={"num_workers": 1}, train={"epochs": 3, "lr": 0.01})
+    spec = load_spec(spec_file).spec
+    assert type(load_task(spec)).__name__ == "PixelMLP"
+    process = launch(spec_file)
+    output = process.communicate(timeout=600)[0]
+    assert process.returncode == 0, output
+    accuracy = float(re.search(r"final validation accuracy: ([0-9.]+)", output).group(1))
+    assert accuracy >= 0.8, output
+    state = final_state(tmp_path)
+    assert set(state["model"]) == {"0.weight", "0.bias", "2.weight", "2.bias"} and state["model"]["0.weight"].shape == (32, 64)
+
+
+@pytest.mark.slow
+def test_language_model_trains_on_two_local_ranks_and_logs_its_tags(tmp_path: Path, stdlib_tokens) -> None:
+    spec_file = write_spec(tmp_path, stdlib_tokens, task={"name": "language_model", "options": {"layers": 1, "width": 64, "heads": 2}},
+                           data={"num_workers": 1, "batch_size": 16},
+                           train={"epochs": 1, "max_steps": 60, "lr": 0.003, "warmup_epochs": 0.05})
+    process = launch(spec_file)
+    output = process.communicate(timeout=600)[0]
+    assert process.returncode == 0, output
+    bits = float(re.search(r"final validation bits per byte: ([0-9.]+) \(loss [0-9.]+, perplexity [0-9.]+\)", output).group(1))
+    assert bits < 5.0, output  # a uniform guess over 257 tokens costs 8 bits
+    logged = scalars(tmp_path / "runs")
+    assert set(LanguageModel.tags) <= set(logged) and "train/accuracy" not in logged
+    assert logged["train/bits_per_byte"][-1][1] < logged["train/bits_per_byte"][0][1]
+    assert all(value > 0 for _, value in logged["train/tokens_per_s"])
+    assert hparams_logged(tmp_path / "runs")["task.name"] == "language_model"
