@@ -1,7 +1,7 @@
 """``lance-hpc``: one command with a subcommand for each step, each handled by its module's main().
 
-Modules are imported only when their subcommand runs, so a missing optional part (or a heavy
-import such as torch) never stands in the way of ``lance-hpc validate``.
+Modules are imported only when their subcommand runs, so a part one subcommand cannot load never
+stands in the way of another (``validate`` imports only the spec and the task it names).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ COMMANDS = {
     "submit": ("lance_hpc.cli", "submit", "submit to SLURM through submitit; --dry-run, --render-only, --local"),
     "run": ("lance_hpc.cli", "run", "run one rank of a job (what srun starts); with --local: N ranks here"),
     "plan": ("lance_hpc.data.plan", "main", "show how the data splits over ranks, steps and workers"),
-    "ingest": ("lance_hpc.data.ingest", "main", "write an image source into a Lance dataset"),
+    "ingest": ("lance_hpc.data.ingest", "main", "write an image or text source into a Lance dataset"),
     "bench": ("lance_hpc.bench.cli", "main", "benchmark data-loading strategies"),
 }
 

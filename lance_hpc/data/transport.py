@@ -6,8 +6,9 @@ Writing a batch into fresh shared memory costs a page fault per 4 KiB page (abou
 batch pays. Here each worker keeps a pool of buffers instead (``memfd``: never a file in
 /dev/shm, so a killed process leaves nothing behind). A batch travels as its buffer's file
 descriptor and layout (each field's offset, shape, dtype and memory order); the main process maps
-the buffer and builds the batch's tensors over the mapping. When the last tensor over a batch is freed, the main process clears the
-buffer's in-use byte and the worker may write a later batch there. A buffer whose batch is still
+the buffer and builds the batch's tensors over the mapping. When the last tensor over a batch is
+freed, the main process clears the buffer's in-use byte and the worker may write a later batch
+there. A buffer whose batch is still
 referenced is never written: the worker allocates another one rather than wait.
 """
 

@@ -16,8 +16,8 @@ import torch
 from pydantic import Field, field_validator
 from torch import nn
 
-from lance_hpc.data.ingest import CLASS_NAMES_KEY
 from lance_hpc.data.decode import AUGMENTS, Transform, binary_values, decode_pixels, normalize
+from lance_hpc.data.ingest import CLASS_NAMES_KEY
 from lance_hpc.models import build_model, model_problem
 from lance_hpc.tasks.base import Batch, DatasetInfo, Decoder, FieldSpec, Task, TaskError, TaskOptions, column_problems
 
