@@ -256,8 +256,8 @@ def ensure_dataset(data: Any) -> None:
     )
     if is_text_source(spec.source):
         ingest_text(
-            spec.source, data.uri, data.val_uri, sequence_length=getattr(spec, "sequence_length", 256),
-            tokenizer=getattr(spec, "tokenizer", "bytes"), **common,
+            spec.source, data.uri, data.val_uri, sequence_length=spec.sequence_length,
+            tokenizer=spec.tokenizer, **common,
         )
     else:
         ingest(spec.source, data.uri, data.val_uri, **common)

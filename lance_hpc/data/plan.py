@@ -26,7 +26,7 @@ def _table_before_ingest(data: DataSpec) -> FragmentTable:
     assert spec is not None
     if is_text_source(spec.source):
         rows = sequences_before_ingest(
-            spec.source, getattr(spec, "sequence_length", 256), getattr(spec, "tokenizer", "bytes"), spec.val_fraction,
+            spec.source, spec.sequence_length, spec.tokenizer, spec.val_fraction,
             spec.seed, has_val=bool(data.val_uri),
         )
     else:

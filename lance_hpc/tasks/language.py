@@ -16,7 +16,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from lance_hpc.data.text import BYTES_PER_TOKEN_KEY, TOKENS_COLUMN, VOCAB_SIZE_KEY
+from lance_hpc.data.text import KIND_KEY, TOKEN_SEQUENCES_KIND, TOKENS_COLUMN, TokenInfo
 from lance_hpc.errors import UserError
 from lance_hpc.imports import is_import_path, load_callable
 from lance_hpc.tasks.base import Batch, DatasetInfo, Decoder, FieldSpec, Task, TaskError, TaskOptions, column_problems
@@ -77,7 +77,8 @@ class LanguageModel(Task[LanguageModelOptions]):
             problems.append(f"task.options.tokens_column: {val.uri} has sequences of "
                             f"{val.schema.field(options.tokens_column).type.list_size} tokens, {train.uri} of {self.row_tokens}\n"
                             "      fix: ingest both splits with the same sequence_length")
-        vocab = options.vocab_size or _int_metadata(train, VOCAB_SIZE_KEY)
+        tokens = {"train": _token_info(train), "val": _token_info(val)}
+        vocab = options.vocab_size or (tokens["train"].vocab_size if tokens["train"] else None)
         if vocab is None:
             problems.append(f"task.options.vocab_size: {train.uri} does not record its vocabulary size\n"
                             "      fix: set task.options.vocab_size")
@@ -88,8 +89,7 @@ class LanguageModel(Task[LanguageModelOptions]):
         if options.model == "gpt" and options.width % options.heads:
             raise UserError(f"task.options.width ({options.width}) is not a multiple of task.options.heads ({options.heads})\n"
                             "  fix: e.g. width: 256 with heads: 4")
-        self.bytes_per_token = {"train": _float_metadata(train, BYTES_PER_TOKEN_KEY),
-                                "val": _float_metadata(val, BYTES_PER_TOKEN_KEY) if val else None}
+        self.bytes_per_token = {split: found.bytes_per_token if found else None for split, found in tokens.items()}
 
     def decoder(self, train: bool) -> TokenDecoder:
         return TokenDecoder(self.options.tokens_column, self.row_tokens)
@@ -125,11 +125,9 @@ class LanguageModel(Task[LanguageModelOptions]):
         return values
 
 
-def _int_metadata(info: DatasetInfo, key: bytes) -> int | None:
-    value = info.metadata.get(key.decode())
-    return int(value) if value is not None else None
-
-
-def _float_metadata(info: DatasetInfo, key: bytes) -> float | None:
-    value = info.metadata.get(key.decode())
-    return float(value) if value is not None else None
+def _token_info(info: DatasetInfo | None) -> TokenInfo | None:
+    """What text ingest recorded about the tokens of ``info``; None for token datasets made elsewhere."""
+    metadata = info.schema.metadata if info is not None else None
+    if not metadata or metadata.get(KIND_KEY) != TOKEN_SEQUENCES_KIND:
+        return None
+    return TokenInfo.from_metadata(metadata, info.uri)
