@@ -131,7 +131,8 @@ def setup_lines(spec: JobSpec) -> list[str]:
 def srun_args(spec: JobSpec) -> list[str]:
     """srun options: one task per GPU, and a crashed rank stops the job instead of hanging the rest."""
     # SLURM 22.05 stopped passing the batch job's --cpus-per-task on to srun; say it again.
-    return ["--unbuffered", "--kill-on-bad-exit=1", f"--cpus-per-task={spec.slurm.cpus_per_task}"]
+    # --label prefixes each line with its rank ("3: ..."), which `lance-hpc logs --rank` filters on.
+    return ["--unbuffered", "--label", "--kill-on-bad-exit=1", f"--cpus-per-task={spec.slurm.cpus_per_task}"]
 
 
 def launch_command(spec_file: str) -> list[str]:

@@ -134,6 +134,9 @@ def submit(spec: JobSpec, wait: bool = False, check: bool = True) -> int:
             job = executor.submit(SubmititJob(str(spec_file)))
     except (submitit_utils.FailedJobError, submitit_utils.FailedSubmissionError, OSError) as error:
         raise UserError(_explain_sbatch_failure(str(error))) from None
+    from lance_hpc.manage.records import record_submission  # imported here: lance_hpc.manage imports this module
+
+    record_submission(spec, job.job_id, via="submitit")  # lets status/logs/cancel find the job from its spec
     print(f"submitted job {job.job_id} ({spec.name}, {spec.slurm.world_size} tasks on {spec.slurm.nodes} node(s))")
     print(f"  spec     {spec_file}")
     print(f"  script   {script_path}  (the same job for your own sbatch)")

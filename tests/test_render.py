@@ -119,7 +119,7 @@ def test_script_requests_what_the_spec_says() -> None:
     assert directive_lines == sorted(directive_lines)
     last = script.strip().splitlines()[-1]
     assert shlex.split(last) == [
-        "srun", "--unbuffered", "--kill-on-bad-exit=1", "--cpus-per-task=12",
+        "srun", "--unbuffered", "--label", "--kill-on-bad-exit=1", "--cpus-per-task=12",
         "python3", "-m", "lance_hpc.run", "/project/x.spec.yaml",
     ]  # fmt: skip
     body = script[script.index("set -eo pipefail"):]

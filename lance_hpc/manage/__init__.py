@@ -1,0 +1,40 @@
+"""Day-two commands for submitted jobs: ``lance-hpc status | logs | cancel``, by job spec or job id.
+
+``queue`` asks SLURM (scontrol, squeue, sacct where there is accounting), ``records`` maps a spec
+to its jobs and back, ``progress`` reads what a job leaves behind (checkpoint, TensorBoard, log),
+and ``status``, ``logs`` and ``cancel`` are the subcommands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+from lance_hpc.errors import UserError
+
+EXIT_USER_ERROR = 2
+TARGET_HELP = "a job spec (the YAML you submitted) or a SLURM job id"
+
+
+def target_parser(prog: str, description: str, epilog: str) -> argparse.ArgumentParser:
+    """The arguments every day-two command shares: the spec or job id, --set, --job."""
+    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("target", metavar="SPEC_OR_JOB_ID", help=TARGET_HELP)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="the overrides the job was submitted with, if they changed its name or log_dir")
+    parser.add_argument("--job", metavar="ID", help="with a spec: which of its jobs [the latest]")
+    return parser
+
+
+def run_reporting_errors(command: Callable[[], int], prog: str) -> int:
+    """Run ``command``; a UserError becomes one message and exit 2, Ctrl-C a quiet exit 130."""
+    try:
+        return command()
+    except UserError as error:
+        print(f"{prog}: {error}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130

@@ -1,0 +1,123 @@
+"""``lance-hpc cancel``: stop a job after it saved a checkpoint (or at once with ``--now``).
+
+lance_hpc's ranks take SIGTERM as "save and stop": each notes it, at the next step they agree,
+rank 0 writes a checkpoint and every rank exits 3. Plain ``scancel`` sends SIGTERM too, but kills
+the job ``KillWait`` seconds later (30 s by default), which a large model's checkpoint may not
+survive; so cancel signals the job's steps only and waits for them to end on their own. submitit
+jobs keep submitit's protocol (SIGTERM is ignored there): USR2 saves and requeues, and the
+requeued job is then cancelled before it starts again.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from submitit.core.utils import JobPaths
+
+from lance_hpc.errors import UserError
+from lance_hpc.manage import logs, progress, queue, records, run_reporting_errors, target_parser
+from lance_hpc.manage.records import JobRef
+
+PROG = "lance-hpc cancel"
+EXIT_TIMED_OUT = 1
+POLL_S, PROGRESS_EVERY_S = 1.0, 10.0
+
+
+def is_submitit_job(job: queue.SlurmJob) -> bool:
+    """submitit's batch script is ``<folder>/<id>_submission.sh``."""
+    return Path(job.command).name == JobPaths("", job.job_id).submission_file.name
+
+
+def stop_signal(job: queue.SlurmJob) -> str:
+    return "USR2" if is_submitit_job(job) else "TERM"
+
+
+def cancel(ref: JobRef, now: bool, timeout_s: float) -> int:
+    queue.require("scancel")
+    job = queue.show_job(ref.job_id)
+    if job is None:
+        raise UserError(f"SLURM does not know job {ref.job_id}, so there is nothing to cancel\n"
+                        f"  fix: see how it ended with: lance-hpc status {ref.spec_source or ref.job_id}")
+    if job.ended:
+        print(f"job {ref.job_id} already ended: {job.state}; nothing to cancel")
+        return 0
+    if now or not job.started:
+        queue.scancel(ref.job_id)
+        why = "" if job.started else f" (it was {job.state}, so there was nothing to save)"
+        print(f"cancelled job {ref.job_id}{why}")
+        return 0
+    signal_name = stop_signal(job)
+    print(f"asking job {ref.job_id} to save a checkpoint and stop (SIG{signal_name} to its tasks; "
+          "the ranks stop together at the next step)", flush=True)
+    queue.scancel(ref.job_id, signal_name)
+    job = wait_until_stopped(ref, signal_name, timeout_s)
+    if job is not None and not job.ended:
+        print(f"{PROG}: job {ref.job_id} is still {job.state} after {timeout_s:.0f} s; it may still be writing "
+              f"its checkpoint\n  fix: wait and check with `lance-hpc status {ref.spec_source or ref.job_id}`, "
+              f"or stop it at once with `lance-hpc cancel {ref.job_id} --now`", file=sys.stderr)
+        return EXIT_TIMED_OUT
+    report_stopped(ref, job)
+    return 0
+
+
+def wait_until_stopped(ref: JobRef, signal_name: str, timeout_s: float) -> queue.SlurmJob | None:
+    """Poll until the job ended (or SLURM forgot it); a submitit job that requeued itself after
+    saving is cancelled before it can start again. Returns the last view of the job."""
+    started = time.monotonic()
+    shown_at = started
+    while True:
+        job = queue.show_job(ref.job_id)
+        if job is None or job.ended:
+            return job
+        if signal_name == "USR2" and not job.started:
+            queue.scancel(ref.job_id)
+        elapsed = time.monotonic() - started
+        if elapsed >= timeout_s:
+            return job
+        if time.monotonic() - shown_at >= PROGRESS_EVERY_S:
+            print(f"  waiting for job {ref.job_id} to save and stop: {job.state}, {elapsed:.0f} s "
+                  f"(giving up after {timeout_s:.0f} s)", flush=True)
+            shown_at = time.monotonic()
+        time.sleep(POLL_S)
+
+
+def report_stopped(ref: JobRef, job: queue.SlurmJob | None) -> None:
+    state = f"{job.state}, {job.describe_exit()}" if job else "gone from SLURM"
+    if job is not None and ref.spec is not None:
+        records.record_state(ref.spec, job)
+    print(f"job {ref.job_id} stopped ({state})")
+    if ref.spec is None:
+        print("  (its spec was not found beside its log: see its last lines with "
+              f"`lance-hpc logs {ref.job_id}`)")
+        return
+    texts = [path.read_text(errors="replace") if path.exists() else "" for path in logs.job_logs(ref, job).files]
+    outcome = progress.outcome_from_log(texts[0], "".join(texts[1:]))
+    saved = progress.latest_checkpoint(ref.spec)
+    print(f"  its log: {outcome or 'no stop message (it may have stopped before its first step)'}")
+    if saved:
+        print(f"  checkpoint step {saved.step}: {saved.location}")
+        print(f"  continue with: lance-hpc submit {ref.spec_source}")
+    else:
+        print(f"  no checkpoint in {ref.spec.checkpoint.dir}: a new submission starts from step 0")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = target_parser(PROG, "Stop a job after it saves a checkpoint; --now stops it at once.", (
+        "Without --now the job's ranks get SIGTERM (submitit jobs: USR2), agree at the next step, save a\n"
+        "checkpoint and exit; this command waits for that, printing progress, up to --timeout seconds.\n"
+        "Submitting the same spec again continues from that checkpoint.\n\n"
+        "examples:\n"
+        "  lance-hpc cancel jobs/map_gpu.yaml          # the latest job of this spec\n"
+        "  lance-hpc cancel 1234 --timeout 900\n"
+        "  lance-hpc cancel 1234 --now                 # plain scancel: no checkpoint"))
+    parser.add_argument("--now", action="store_true", help="cancel at once with plain scancel, saving nothing")
+    parser.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                        help="how long to wait for the checkpoint and the stop [300]")
+    args = parser.parse_args(argv)
+    if args.timeout <= 0:
+        parser.error("--timeout must be positive")
+    return run_reporting_errors(lambda: cancel(records.resolve(args.target, args.set, args.job)[0],
+                                               args.now, args.timeout), PROG)

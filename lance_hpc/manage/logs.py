@@ -1,0 +1,177 @@
+"""``lance-hpc logs``: a job's output across requeues, optionally one rank's, optionally followed.
+
+A job's log files are appended to by every run of the same job id (``--open-mode=append``), so
+the files are the whole story. sbatch jobs write one stdout and one stderr file with every line
+labelled by its rank (``srun --label``: ``3: text``); submitit jobs write a pair per task.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence, TextIO
+
+from submitit.core.utils import JobPaths
+
+from lance_hpc import render
+from lance_hpc.errors import UserError
+from lance_hpc.manage import queue, records, run_reporting_errors, target_parser
+from lance_hpc.manage.records import JobRef
+
+PROG = "lance-hpc logs"
+RANK_LABEL = re.compile(rb"^\s*(\d+): ?")
+POLL_S, STATE_EVERY_S = 0.5, 2.0
+
+
+@dataclass(frozen=True)
+class JobLogs:
+    """The files that hold a job's output; ``labelled``: ranks share them, each line labelled."""
+
+    files: list[Path]
+    labelled: bool
+
+
+def submitit_folder(log_dir: str) -> Path:
+    return Path(log_dir) / "submitit"  # where lance_hpc.submit points submitit's executor
+
+
+def job_logs(ref: JobRef, job: queue.SlurmJob | None, rank: int | None = None) -> JobLogs:
+    """Where ``ref``'s output is (or will be), for every rank or just ``rank``."""
+    if ref.spec is not None:
+        out, err = (Path(path.replace("%j", ref.job_id)) for path in render.log_paths(ref.spec))
+        submitit_task = JobPaths(submitit_folder(ref.spec.slurm.log_dir), ref.job_id, 0)
+        if out.exists() or not (submitit_task.stdout.exists() or (job and job.stdout == str(submitit_task.stdout))):
+            return JobLogs([out, err], labelled=True)
+        tasks = [rank] if rank is not None else range(ref.spec.slurm.world_size)
+        paths = [JobPaths(submitit_folder(ref.spec.slurm.log_dir), ref.job_id, task) for task in tasks]
+        return JobLogs([path for task in paths for path in (task.stdout, task.stderr)], labelled=False)
+    if job is None or not job.stdout:
+        raise UserError(f"cannot tell where job {ref.job_id} writes its log\n"
+                        "  fix: name the job's spec: lance-hpc logs jobs/<spec>.yaml")
+    return JobLogs([Path(job.stdout), *([Path(job.stderr)] if job.stderr and job.stderr != job.stdout else [])],
+                   labelled=True)
+
+
+def rank_filter(rank: int | None) -> Callable[[bytes], bytes | None]:
+    """Keep every line, or only ``rank``'s labelled lines without their label."""
+    def keep(line: bytes) -> bytes | None:
+        if rank is None:
+            return line
+        match = RANK_LABEL.match(line)
+        return line[match.end():] if match and int(match.group(1)) == rank else None
+    return keep
+
+
+class Printer:
+    """Prints lines from several files, with a ``==> file <==`` header whenever the file changes."""
+
+    def __init__(self, keep: Callable[[bytes], bytes | None], headers: bool, out: TextIO = sys.stdout) -> None:
+        self.keep, self.headers, self.out = keep, headers, out
+        self.current: Path | None = None
+
+    def lines(self, path: Path, lines: Sequence[bytes]) -> None:
+        kept = [line for line in map(self.keep, lines) if line is not None]
+        if not kept:
+            return
+        if self.headers and path != self.current:
+            self.out.write(f"{'' if self.current is None else chr(10)}==> {path} <==\n")
+        self.current = path
+        self.out.write(b"\n".join(kept).decode(errors="replace") + "\n")
+        self.out.flush()
+
+
+class Tail:
+    """New complete lines of one file since the last read (a cut-off last line waits for its end)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.partial = path, 0, b""
+
+    def read(self, final: bool = False) -> list[bytes]:
+        try:
+            with open(self.path, "rb") as file:
+                file.seek(self.offset)
+                data = file.read()
+        except FileNotFoundError:
+            data = b""
+        self.offset += len(data)
+        *complete, self.partial = (self.partial + data).split(b"\n")
+        if final and self.partial:
+            complete.append(self.partial)
+            self.partial = b""
+        return complete
+
+
+def show(logs: JobLogs, rank: int | None, follow_job: str | None) -> None:
+    """Print the logs; with ``follow_job``, keep printing new lines until that job has ended."""
+    printer = Printer(rank_filter(rank), headers=len(logs.files) > 1)
+    tails = [Tail(path) for path in logs.files]
+    ended, checked_at = follow_job is None, time.monotonic()
+    while True:
+        for tail in tails:
+            printer.lines(tail.path, tail.read(final=ended))
+        if ended:
+            return
+        time.sleep(POLL_S)
+        if time.monotonic() - checked_at >= STATE_EVERY_S:
+            job = queue.show_job(follow_job)
+            ended, checked_at = job is None or job.ended, time.monotonic()  # then read what is left once more
+
+
+def check_labels(logs: JobLogs, rank: int | None) -> None:
+    """--rank needs labelled lines: refuse clearly on logs written before the script labelled them."""
+    if rank is None or not logs.labelled or not logs.files[0].exists():
+        return
+    lines = logs.files[0].read_bytes().splitlines()
+    if any(line.strip() for line in lines) and not any(RANK_LABEL.match(line) for line in lines):
+        raise UserError(f"the lines in {logs.files[0]} carry no rank labels (the job's script was rendered "
+                        "before lance_hpc ran srun with --label)\n"
+                        "  fix: leave out --rank to see every line; jobs rendered from now on label them")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = target_parser(PROG, "Print a job's output: every run of the same job id, in one file pair.", (
+        "examples:\n"
+        "  lance-hpc logs jobs/map_gpu.yaml            # the latest job of this spec\n"
+        "  lance-hpc logs jobs/map_gpu.yaml -f         # and follow it until it ends\n"
+        "  lance-hpc logs 1234 --rank 3                # one rank's lines of job 1234\n"
+        "  lance-hpc logs jobs/map_gpu.yaml --stderr   # only stderr (tracebacks, srun's messages)"))
+    parser.add_argument("-f", "--follow", action="store_true", help="keep printing new output until the job ends")
+    parser.add_argument("--rank", type=int, metavar="N", help="only rank N's lines (its task's files for submitit)")
+    streams = parser.add_mutually_exclusive_group()
+    streams.add_argument("--stdout", action="store_true", help="only the job's stdout")
+    streams.add_argument("--stderr", action="store_true", help="only the job's stderr")
+    args = parser.parse_args(argv)
+    if args.rank is not None and args.rank < 0:
+        parser.error("--rank must be 0 or more")
+
+    def command() -> int:
+        ref = records.resolve(args.target, args.set, args.job)[0]
+        job = queue.show_job(ref.job_id) if queue.have_slurm() else None
+        if ref.spec is not None and args.rank is not None and args.rank >= ref.spec.slurm.world_size:
+            raise UserError(f"--rank {args.rank}: job {ref.job_id} has ranks 0 to {ref.spec.slurm.world_size - 1}")
+        logs = job_logs(ref, job, args.rank)
+        if args.stdout or args.stderr:
+            logs = JobLogs([path for path in logs.files if path.suffix == (".out" if args.stdout else ".err")],
+                           logs.labelled)
+        if not any(path.exists() for path in logs.files):
+            if job is not None and not job.started:
+                print(f"job {ref.job_id} has not started ({job.state}{', ' + job.reason if job.reason else ''}); "
+                      f"its output will go to {logs.files[0]}", file=sys.stderr)
+                if not args.follow:
+                    return 0
+            elif job is None or job.ended:
+                raise UserError(f"job {ref.job_id} left no log: {', '.join(map(str, logs.files))} do not exist\n"
+                                "  fix: check slurm.log_dir, or pass the --set overrides the job was submitted with")
+        check_labels(logs, args.rank)
+        if args.follow and queue.have_slurm():
+            show(logs, args.rank, follow_job=ref.job_id)
+        else:
+            if args.follow:
+                print(f"{PROG}: scontrol not found, so the log cannot be followed; printing it once", file=sys.stderr)
+            show(logs, args.rank, follow_job=None)
+        return 0
+
+    return run_reporting_errors(command, PROG)

@@ -1,0 +1,195 @@
+"""What SLURM knows about a job, read with the commands every login node has.
+
+``scontrol show job`` answers for queued, running and recently ended jobs (until SLURM's
+``MinJobAge``, 300 s by default) and needs no accounting database; ``sacct`` answers for older
+jobs where slurmdbd runs, and is skipped quietly where it does not. ``squeue --name`` finds jobs
+submitted by hand from a rendered script.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+from lance_hpc.errors import UserError
+from lance_hpc.submit import FINAL_STATES
+
+# A "Key=" of scontrol's one-line output: values may hold spaces, so keys mark where fields start.
+SCONTROL_KEY = re.compile(r"(?:^|\s)([A-Za-z][A-Za-z0-9_/:]*)=")
+SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Start", "End", "Elapsed", "NodeList")
+COMMAND_TIMEOUT_S = 30
+# Exit codes of ``python -m lance_hpc.run`` (lance_hpc.run), as SLURM reports them for the job.
+RUN_EXIT_MEANINGS = {
+    "1": "training failed",
+    "2": "a problem in the spec or data, see the log",
+    "3": "stopped by a signal, checkpoint saved",
+}
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    """One job as SLURM shows it; ``source`` says which command answered."""
+
+    job_id: str
+    name: str
+    state: str
+    source: str
+    reason: str = ""
+    restarts: int | None = None
+    exit_code: str = ""
+    run_time: str = ""
+    time_limit: str = ""
+    start_time: str = ""
+    end_time: str = ""
+    nodes: str = ""
+    stdout: str = ""
+    stderr: str = ""
+    command: str = ""
+
+    @property
+    def ended(self) -> bool:
+        return self.state in FINAL_STATES
+
+    @property
+    def started(self) -> bool:
+        return self.state not in ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING")
+
+    def describe_exit(self) -> str:
+        """``exit 3 (stopped by a signal, checkpoint saved)``; empty while the job runs."""
+        if not self.ended or not self.exit_code:
+            return ""
+        code, _, signal_number = self.exit_code.partition(":")
+        if signal_number not in ("", "0"):
+            return f"exit {code}, killed by signal {signal_number}"
+        meaning = RUN_EXIT_MEANINGS.get(code)
+        return f"exit {code}" + (f" ({meaning})" if meaning else "")
+
+
+def parse_scontrol(text: str) -> list[dict[str, str]]:
+    """``scontrol show job -o`` output: one dict of fields per line (per job, or array task)."""
+    jobs = []
+    for line in text.splitlines():
+        keys = list(SCONTROL_KEY.finditer(line))
+        fields = {}
+        for index, match in enumerate(keys):
+            end = keys[index + 1].start() if index + 1 < len(keys) else len(line)
+            fields[match.group(1)] = line[match.end():end].strip()
+        if "JobId" in fields:
+            jobs.append(fields)
+    return jobs
+
+
+def job_from_scontrol(fields: dict[str, str]) -> SlurmJob:
+    restarts = fields.get("Restarts", "")
+    return SlurmJob(
+        job_id=f"{fields['ArrayJobId']}_{fields['ArrayTaskId']}" if "ArrayTaskId" in fields else fields["JobId"],
+        name=fields.get("JobName", ""),
+        state=fields.get("JobState", "UNKNOWN"),
+        source="scontrol",
+        reason="" if fields.get("Reason") in (None, "None") else fields["Reason"],
+        restarts=int(restarts) if restarts.isdigit() else None,
+        exit_code=fields.get("ExitCode", ""),
+        run_time=fields.get("RunTime", ""),
+        time_limit=fields.get("TimeLimit", ""),
+        start_time=_known(fields.get("StartTime", "")),
+        end_time=_known(fields.get("EndTime", "")),
+        nodes=_known(fields.get("NodeList", "")),
+        stdout=fields.get("StdOut", ""),
+        stderr=fields.get("StdErr", ""),
+        command=fields.get("Command", ""),
+    )
+
+
+def parse_sacct(text: str, job_id: str) -> SlurmJob | None:
+    """``sacct -D -X -n -P -o <SACCT_FIELDS>`` output: every run of the job, one per requeue;
+    the last is the current one and the count of earlier ones is its restarts."""
+    runs = [line.split("|") for line in text.splitlines() if line.strip()]
+    runs = [run for run in runs if len(run) == len(SACCT_FIELDS) and run[0] == job_id]
+    if not runs:
+        return None
+    fields = dict(zip(SACCT_FIELDS, runs[-1]))
+    return SlurmJob(
+        job_id=job_id,
+        name=fields["JobName"],
+        state=fields["State"].split()[0],  # "CANCELLED by 1000" -> CANCELLED
+        source="sacct",
+        restarts=len(runs) - 1,
+        exit_code=fields["ExitCode"],
+        run_time=fields["Elapsed"],
+        start_time=_known(fields["Start"]),
+        end_time=_known(fields["End"]),
+        nodes=_known(fields["NodeList"]),
+    )
+
+
+def parse_squeue_ids(text: str) -> list[str]:
+    """Job ids from ``squeue -h -o %i`` (array tasks as ``123_4``), oldest first."""
+    return sorted({line.strip() for line in text.splitlines() if line.strip()}, key=job_order)
+
+
+def job_order(job_id: str) -> tuple[int, int]:
+    """Sort key of a job id: ``123`` < ``123_4`` < ``124``."""
+    head, _, task = job_id.partition("_")
+    return (int(head) if head.isdigit() else -1, int(task) if task.isdigit() else -1)
+
+
+def show_job(job_id: str) -> SlurmJob | None:
+    """The job as scontrol shows it, else as sacct does; None when neither knows it."""
+    if shutil.which("scontrol"):
+        shown = _run("scontrol", "show", "job", "-o", job_id)
+        if shown.returncode == 0:
+            matching = [job_from_scontrol(fields) for fields in parse_scontrol(shown.stdout)]
+            matching = [job for job in matching if job.job_id == job_id] or matching
+            if matching:
+                return matching[0]
+    if shutil.which("sacct"):
+        accounted = _run("sacct", "-D", "-X", "-n", "-P", "-o", ",".join(SACCT_FIELDS), "-j", job_id)
+        if accounted.returncode == 0:  # fails where slurmdbd does not run: nothing to add then
+            return parse_sacct(accounted.stdout, job_id)
+    return None
+
+
+def jobs_named(name: str) -> list[str]:
+    """Ids of this user's queued and running jobs called ``name`` (the spec's name is the job name)."""
+    if not shutil.which("squeue"):
+        return []
+    listed = _run("squeue", "--me", "-h", "-o", "%i", "--name", name)
+    return parse_squeue_ids(listed.stdout) if listed.returncode == 0 else []
+
+
+def have_slurm() -> bool:
+    return shutil.which("scontrol") is not None or shutil.which("sacct") is not None
+
+
+def scancel(job_id: str, signal_name: str | None = None) -> None:
+    """Plain scancel, or with ``signal_name`` that signal to the job's steps (not the batch shell)."""
+    require("scancel")
+    command = ["scancel", *([f"--signal={signal_name}"] if signal_name else []), job_id]
+    result = _run(*command)
+    if result.returncode != 0:
+        message = (result.stderr or result.stdout).strip()
+        raise UserError(f"{' '.join(command)} failed: {message}\n  fix: check the job id with squeue --me")
+
+
+def require(command: str) -> None:
+    if shutil.which(command) is None:
+        raise UserError(
+            f"{command} not found on PATH, so this machine cannot reach SLURM\n"
+            "  fix: run this on your cluster's login node (where sbatch, squeue and scontrol work)"
+        )
+
+
+def _known(value: str) -> str:
+    return "" if value in ("", "None", "Unknown", "(null)", "N/A") else value
+
+
+def _run(*command: str) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise UserError(
+            f"{' '.join(command)} did not answer within {COMMAND_TIMEOUT_S} s\n"
+            "  fix: check that the SLURM controller is up (scontrol ping), then try again"
+        ) from None

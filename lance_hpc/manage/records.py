@@ -1,0 +1,139 @@
+"""Which SLURM jobs belong to a job spec, and the job spec of a SLURM job.
+
+``lance-hpc submit`` appends one JSON line per job to ``<slurm.log_dir>/jobs.jsonl``;
+``status`` and ``cancel`` append the final state they saw, so it is still known once SLURM has
+forgotten the job (without accounting that is minutes after it ends). Jobs submitted by hand
+from a rendered script are found by their log files (``<name>-<id>.out``) and, while queued, by
+their job name.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Sequence
+
+from lance_hpc.errors import UserError
+from lance_hpc.manage import queue
+from lance_hpc.spec import JobSpec, load_spec
+
+RECORDS_FILE = "jobs.jsonl"
+JOB_ID = re.compile(r"^\d+(_\d+)?$")
+
+
+@dataclass(frozen=True)
+class JobRef:
+    """A job to report on: its id, its spec when known, and where the spec came from."""
+
+    job_id: str
+    spec: JobSpec | None
+    spec_source: str = ""
+
+
+def records_path(spec: JobSpec) -> Path:
+    return Path(spec.slurm.log_dir) / RECORDS_FILE
+
+
+def record_submission(spec: JobSpec, job_id: str, via: str) -> None:
+    """Note that ``job_id`` runs ``spec`` (called by submit once SLURM has given the id)."""
+    _append(records_path(spec), {"job_id": str(job_id), "name": spec.name, "via": via, "submitted": _now()})
+
+
+def record_state(spec: JobSpec, job: queue.SlurmJob) -> None:
+    """Keep an ended job's final state for when SLURM no longer shows it (once per job)."""
+    if job.ended and read_records(spec).get(job.job_id, {}).get("state") != job.state:
+        _append(records_path(spec), {"job_id": job.job_id, "state": job.state, "exit_code": job.exit_code,
+                                     "end_time": job.end_time, "seen": _now()})
+
+
+def read_records(spec: JobSpec) -> dict[str, dict[str, Any]]:
+    """job id -> everything recorded about it (later lines update earlier ones)."""
+    path = records_path(spec)
+    records: dict[str, dict[str, Any]] = {}
+    if not path.exists():
+        return records
+    for line in path.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a full disk: the others still count
+        if isinstance(entry, dict) and "job_id" in entry:
+            records.setdefault(str(entry["job_id"]), {}).update(entry)
+    return records
+
+
+def job_ids_of(spec: JobSpec) -> list[str]:
+    """Every job of ``spec`` lance_hpc can find, oldest first: recorded, logged, or queued by name."""
+    found = set(read_records(spec))
+    log_dir = Path(spec.slurm.log_dir)
+    pattern = re.compile(rf"^{re.escape(spec.name)}-(\d+(?:_\d+)?)\.(?:out|err)$")
+    if log_dir.is_dir():
+        found.update(match.group(1) for path in log_dir.iterdir() if (match := pattern.match(path.name)))
+    found.update(queue.jobs_named(spec.name))
+    return sorted(found, key=queue.job_order)
+
+
+def resolve(target: str, overrides: Sequence[str] = (), job_id: str | None = None, every: bool = False) -> list[JobRef]:
+    """The jobs ``target`` (a job spec path or a job id) names: the latest of a spec's jobs, the
+    one ``job_id`` picks, or with ``every`` all of them, oldest first."""
+    if JOB_ID.match(target) and not Path(target).exists():
+        if overrides:
+            raise UserError("--set goes with a job spec, not a job id")
+        return [JobRef(target, *spec_of_job(target))]
+    spec = load_spec(target, overrides).spec
+    ids = job_ids_of(spec)
+    if job_id is not None:
+        if job_id not in ids:
+            known = ", ".join(ids) or "none"
+            raise UserError(f"job {job_id} is not one of {target}'s jobs (found: {known})\n"
+                            f"  fix: pick one of those, or give the job id alone: lance-hpc ... {job_id}")
+        ids = [job_id]
+    if not ids:
+        raise UserError(
+            f"{target} ({spec.name}) has no job that lance_hpc can find: none in {records_path(spec)}, "
+            f"no {spec.name}-<id>.out log in {spec.slurm.log_dir}, none named {spec.name} in squeue\n"
+            f"  fix: submit it with `lance-hpc submit {target}`, or give the job id instead of the spec"
+        )
+    return [JobRef(one, spec, target) for one in (ids if every else ids[-1:])]
+
+
+def spec_of_job(job_id: str) -> tuple[JobSpec | None, str]:
+    """The resolved spec a live job runs, found beside its log file (where submit writes it)."""
+    if not queue.have_slurm():
+        queue.require("scontrol")
+    job = queue.show_job(job_id)
+    if job is None:
+        raise UserError(
+            f"SLURM does not know job {job_id}: a wrong id, or it ended long enough ago that SLURM forgot it "
+            "(without accounting, finished jobs leave scontrol after MinJobAge, 300 s by default)\n"
+            "  fix: check the id with `squeue --me`, or name the job's spec: lance-hpc status jobs/<spec>.yaml"
+        )
+    for candidate in _spec_candidates(job):
+        if candidate.is_file():
+            try:
+                return load_spec(candidate).spec, str(candidate)
+            except UserError:
+                continue  # a spec since rewritten by a newer lance_hpc: report what SLURM knows
+    return None, ""
+
+
+def _spec_candidates(job: queue.SlurmJob) -> list[Path]:
+    """``<log_dir>/<name>.spec.yaml``; the log is ``<log_dir>/<name>-<id>.out`` (sbatch) or
+    ``<log_dir>/submitit/<id>_<task>_log.out`` (submitit)."""
+    if not job.stdout or not job.name:
+        return []
+    log_folder = Path(job.stdout).parent
+    return [log_folder / f"{job.name}.spec.yaml", log_folder.parent / f"{job.name}.spec.yaml"]
+
+
+def _append(path: Path, entry: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as file:  # one short write in append mode: concurrent writers do not interleave
+        file.write(json.dumps(entry) + "\n")
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")

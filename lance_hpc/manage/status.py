@@ -1,0 +1,122 @@
+"""``lance-hpc status``: where a job is, how far it got, its last loss and how long it has left.
+
+SLURM says the state and restarts while it knows the job; the checkpoint, the TensorBoard events
+and the log say the rest, also for a job SLURM has forgotten.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from lance_hpc.manage import logs, progress, queue, records, run_reporting_errors, target_parser
+from lance_hpc.manage.records import JobRef
+from lance_hpc.spec import JobSpec
+
+PROG = "lance-hpc status"
+
+
+def headline(ref: JobRef, job: queue.SlurmJob | None, recorded: dict) -> str:
+    """``job 1234 (digits4): RUNNING for 0:03:12 on node[1-2], restarts 1``."""
+    name = job.name if job else (ref.spec.name if ref.spec else "?")
+    if job is None:
+        if "state" in recorded:
+            detail = f"gone from SLURM; it ended {recorded['state']}" + (
+                f" with exit code {recorded['exit_code']}" if recorded.get("exit_code") else "")
+        else:
+            detail = "gone from SLURM (it forgot the job: no accounting, or long ended), final state not recorded"
+        return f"job {ref.job_id} ({name}): {detail}"
+    parts = [job.state + (f" ({job.reason})" if job.reason and not job.ended else "")]
+    if job.state == "RUNNING" and job.run_time:
+        parts.append(f"for {job.run_time} of {job.time_limit or '?'} on {job.nodes}")
+    exit_text = job.describe_exit()
+    if exit_text:
+        parts.append(exit_text)
+    if job.restarts is not None:
+        parts.append(f"restarts {job.restarts}")
+    return f"job {ref.job_id} ({name}): {', '.join(parts)}  [{job.source}]"
+
+
+def report(ref: JobRef, job: queue.SlurmJob | None) -> list[str]:
+    """The lines ``status`` prints for one job."""
+    spec = ref.spec
+    recorded = records.read_records(spec).get(ref.job_id, {}) if spec else {}
+    lines = [headline(ref, job, recorded)]
+    if spec is None:
+        lines.append("  (its spec was not found beside its log, so no checkpoint or metrics: "
+                     "name the spec to see them)")
+        return lines
+    if job is not None:
+        records.record_state(spec, job)
+    lines.append(f"  spec        {ref.spec_source}")
+    job_logs = logs.job_logs(ref, job)
+    ended = job is None or job.ended
+    if ended:
+        texts = [_read(path) for path in job_logs.files]
+        outcome = progress.outcome_from_log(texts[0], "".join(texts[1:]))
+        lines.append(f"  ended       {outcome or 'the log does not say how'}")
+    saved = progress.latest_checkpoint(spec)
+    if saved:
+        epoch = f", epoch {saved.epoch}" if saved.epoch is not None else ""
+        lines.append(f"  checkpoint  step {saved.step}{epoch}: {saved.location}")
+    else:
+        lines.append(f"  checkpoint  none yet in {spec.checkpoint.dir}")
+    logged = progress.last_logged(spec.logging.tensorboard_dir)
+    if logged.loss is not None or logged.samples_per_s is not None:
+        values = [f"loss {logged.loss:.4g}" if logged.loss is not None else "",
+                  f"{logged.samples_per_s:,.1f} samples/s" if logged.samples_per_s is not None else ""]
+        lines.append(f"  last log    step {logged.step}: {', '.join(value for value in values if value)}")
+    else:
+        lines.append(f"  last log    nothing logged yet in {spec.logging.tensorboard_dir}")
+    if not ended:
+        step = max(logged.step or 0, saved.step if saved else 0)
+        lines.append(f"  time left   {time_left_text(spec, step, logged.seconds_per_step)}")
+    lines.append(f"  log         {job_logs.files[0]}")
+    if ended and saved:
+        lines.append(f"  resume      lance-hpc submit {ref.spec_source}  (continues from step {saved.step})")
+    return lines
+
+
+def time_left_text(spec: JobSpec, step: int, seconds_per_step: float | None) -> str:
+    try:
+        total = progress.total_steps(spec)
+    except Exception as error:  # a dataset the login node cannot open: report the rest anyway
+        return f"unknown (cannot plan the data to count the steps: {error})"
+    left = progress.seconds_left(step, total, seconds_per_step)
+    if left is None:
+        return f"unknown until the first steps are logged (step {step} of {total})"
+    return (f"about {progress.format_duration(left)}: step {step} of {total}, {total - step} steps x "
+            f"{seconds_per_step:.3g} s (recent mean; evaluation and checkpoints not counted)")
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = target_parser(PROG, "Show a job's SLURM state, restarts, checkpoint, last loss and throughput, "
+                           "and the time it has left.", (
+        "The state comes from scontrol/squeue (and sacct where SLURM keeps accounting); once SLURM has\n"
+        "forgotten a job, from what lance_hpc recorded in <slurm.log_dir>/jobs.jsonl and the job's log.\n\n"
+        "examples:\n"
+        "  lance-hpc status jobs/map_gpu.yaml          # the latest job of this spec\n"
+        "  lance-hpc status jobs/map_gpu.yaml --all    # every job of this spec\n"
+        "  lance-hpc status 1234"))
+    parser.add_argument("--all", action="store_true", help="with a spec: every job it has had, oldest first")
+    args = parser.parse_args(argv)
+
+    def command() -> int:
+        refs = records.resolve(args.target, args.set, args.job, every=args.all)
+        if not queue.have_slurm():
+            print(f"{PROG}: scontrol not found on PATH, so SLURM's view is missing below; "
+                  "run this on the login node for it", file=sys.stderr)
+        for index, ref in enumerate(refs):
+            job = queue.show_job(ref.job_id) if queue.have_slurm() else None
+            print(("\n" if index else "") + "\n".join(report(ref, job)), flush=True)
+        return 0
+
+    return run_reporting_errors(command, PROG)
