@@ -235,14 +235,25 @@ class Preemption:
         return self.agreed_signal is not None
 
 
-def requeue_sbatch(env: DistEnv, max_requeues: int) -> tuple[bool, str]:
-    """Rank 0 of an sbatch job puts it back in the queue; returns (requeued, message)."""
+def requeue_sbatch(env: DistEnv, max_requeues: int, request_file: str | None = None) -> tuple[bool, str]:
+    """Rank 0 of an sbatch job puts it (or its run of a job array) back in the queue; returns
+    (requeued, message). In a container, where scontrol is rarely installed, it creates
+    ``request_file`` instead, and the batch script requeues the job once srun has ended."""
+    job = env.job_ref
     if env.restart_count >= max_requeues:
         return False, (
-            f"not requeued: job {env.job_id} has been requeued {env.restart_count} times already "
+            f"not requeued: job {job} has been requeued {env.restart_count} times already "
             f"(slurm.max_requeues: {max_requeues}); submit it again to continue from the checkpoint"
         )
-    result = subprocess.run(["scontrol", "requeue", str(env.job_id)], capture_output=True, text=True, timeout=60)
+    which = f"requeue {env.restart_count + 1} of at most {max_requeues}"
+    if request_file:
+        try:
+            Path(request_file).write_text(f"{job}\n")
+        except OSError as error:
+            return False, (f"cannot ask the batch script to requeue job {job}: {request_file}: {error.strerror}; "
+                           "mount slurm.log_dir in the container at the same path")
+        return True, f"asked the batch script to requeue job {job} ({which})"
+    result = subprocess.run(["scontrol", "requeue", str(job)], capture_output=True, text=True, timeout=60)
     if result.returncode != 0:
-        return False, f"scontrol requeue {env.job_id} failed: {result.stderr.strip() or result.stdout.strip()}"
-    return True, f"requeued job {env.job_id} (requeue {env.restart_count + 1} of at most {max_requeues})"
+        return False, f"scontrol requeue {job} failed: {result.stderr.strip() or result.stdout.strip()}"
+    return True, f"requeued job {job} ({which})"

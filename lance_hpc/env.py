@@ -49,6 +49,8 @@ SLURM_VARS = {
     "tasks_per_node": "SLURM_TASKS_PER_NODE",
     "gpus_on_node": "SLURM_GPUS_ON_NODE",
     "restart_count": "SLURM_RESTART_COUNT",
+    "array_job_id": "SLURM_ARRAY_JOB_ID",
+    "array_task_id": "SLURM_ARRAY_TASK_ID",
 }
 # Ports derived from a job id fall in this range (submitit's TorchDistributedEnvironment uses the same).
 PORT_RANGE = (20000, 60000)
@@ -73,10 +75,20 @@ class DistEnv:
     master_port: int
     job_id: str | None = None
     restart_count: int = 0
+    array_job_id: str | None = None
+    array_task_id: str | None = None
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def job_ref(self) -> str | None:
+        """The job as scontrol names it: ARRAYID_TASKID for a run of a job array (its bare id
+        may be the array's own, which would requeue every run), else the job id."""
+        if self.array_job_id and self.array_task_id:
+            return f"{self.array_job_id}_{self.array_task_id}"
+        return self.job_id
 
 
 def detect(environ: Mapping[str, str] = os.environ) -> DistEnv:
@@ -178,6 +190,8 @@ def _from_slurm_task(environ: Mapping[str, str]) -> DistEnv:
         master_port=_maybe_int(environ, "MASTER_PORT") or port_for_job(job_id),
         job_id=job_id,
         restart_count=_int(environ, SLURM_VARS["restart_count"], 0),
+        array_job_id=environ.get(SLURM_VARS["array_job_id"]),
+        array_task_id=environ.get(SLURM_VARS["array_task_id"]),
     )
 
 

@@ -8,6 +8,12 @@ Templates get every ``{{ value }}`` shell-quoted on output unless it is :class:`
 text this module built from quoted parts, or the user's own setup lines, which are shell by
 design. A value like ``$(touch /tmp/pwned)`` in a partition or path therefore stays a string, and
 values that would end a line early (newlines and other control characters) are refused.
+
+A sweep (``spec.sweep``) renders as one job array: ``--array=0-N%slurm.array_parallelism``, a log
+file per run (``%A_%a``), and a launch that reads the spec file of ``$SLURM_ARRAY_TASK_ID``. A job
+in a container (``slurm.container``) gets the runtime's srun options or command prefix, and a
+requeue handler: rank 0 cannot run ``scontrol`` inside the container, so it writes a request file
+and the script, outside the container, requeues the job once srun has ended.
 """
 
 from __future__ import annotations
@@ -21,8 +27,9 @@ from typing import Any, Iterator
 
 import jinja2
 
+from lance_hpc.container import container_launch
 from lance_hpc.errors import UserError
-from lance_hpc.spec import JobSpec, Problem, SpecError
+from lance_hpc.spec import JobSpec, Problem, SpecError, run_count
 
 DEFAULT_TEMPLATE = "sbatch.sh.j2"
 PYTHON = "python3"
@@ -31,6 +38,12 @@ ENTRY_MODULE = "lance_hpc.run"
 STRICT_MODE = "set -eo pipefail"
 # SLURM sends this to every task signal_delay_s before the time limit; submitit uses the same one.
 PREEMPT_SIGNAL = "USR2"
+# In a sweep's spec file path, where the array task id goes.
+ARRAY_INDEX = "{index}"
+# Set by the script for a job in a container: the file whose existence asks the script to requeue.
+REQUEUE_REQUEST_VARIABLE = "LANCE_HPC_REQUEUE_REQUEST"
+# The shell function that acts on that request; a site template must include requeue_handler.
+REQUEUE_FUNCTION = "requeue_if_asked"
 # Flags lance_hpc sets from spec fields; extra_flags must not set them a second time.
 FLAG_FIELDS = {
     "job-name": "name",
@@ -50,6 +63,7 @@ FLAG_FIELDS = {
     "output": "slurm.log_dir",
     "error": "slurm.log_dir",
     "open-mode": "slurm.log_dir",
+    "array": "sweep",
 }
 RENDERING = "rendering the sbatch script"  # where SpecErrors raised here say they come from
 FLAG_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
@@ -63,9 +77,18 @@ class ShellText(str):
 
 
 def log_paths(spec: JobSpec) -> tuple[str, str]:
-    """The job's stdout and stderr files (``%j`` is the job id; requeues append to them)."""
-    base = f"{spec.slurm.log_dir}/{spec.name}-%j"
+    """The job's stdout and stderr files (``%j`` is the job id, ``%A_%a`` a sweep's array job id
+    and task id; requeues append to them)."""
+    base = f"{spec.slurm.log_dir}/{spec.name}-{'%A_%a' if spec.sweep else '%j'}"
     return f"{base}.out", f"{base}.err"
+
+
+def array_range(spec: JobSpec) -> str | None:
+    """``--array`` of a sweep: one task per run, at most slurm.array_parallelism at once."""
+    if not spec.sweep:
+        return None
+    runs = run_count(spec)
+    return f"0-{runs - 1}%{min(runs, spec.slurm.array_parallelism)}"
 
 
 def resource_flags(spec: JobSpec) -> dict[str, str | int | bool]:
@@ -94,6 +117,8 @@ def resource_flags(spec: JobSpec) -> dict[str, str | int | bool]:
         "open-mode": "append",
         **{flag: value for flag, value in optional.items() if value is not None},
     }
+    if spec.sweep:
+        flags["array"] = str(array_range(spec))
     if slurm.exclusive:
         flags["exclusive"] = True
     problems = []
@@ -123,47 +148,98 @@ def export_lines(spec: JobSpec) -> list[str]:
     return [f"export {key}={shlex.quote(value)}" for key, value in environment(spec).items()]
 
 
+def requeue_handler(spec: JobSpec) -> list[str]:
+    """For a job in a container: shell that requeues the job after srun when rank 0 asked for it.
+
+    Rank 0 checked slurm.max_requeues before asking. An array task is requeued as
+    ARRAYID_TASKID: the bare array job id would requeue every run of the sweep.
+    """
+    if spec.slurm.container is None:
+        return []
+    request = f"{shlex.quote(spec.slurm.log_dir)}/requeue-\"$SLURM_JOB_ID\""
+    return [
+        f"export {REQUEUE_REQUEST_VARIABLE}={request}",
+        f'rm -f "${REQUEUE_REQUEST_VARIABLE}"',
+        f"{REQUEUE_FUNCTION}() {{",
+        f'    [ -e "${REQUEUE_REQUEST_VARIABLE}" ] || return 0',
+        f'    rm -f "${REQUEUE_REQUEST_VARIABLE}"',
+        "    local job=${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}",
+        "    job=${job:-$SLURM_JOB_ID}",
+        f'    echo "requeueing job $job (requeue $((${{SLURM_RESTART_COUNT:-0}} + 1)) of at most {spec.slurm.max_requeues})"',
+        '    scontrol requeue "$job" || echo "scontrol requeue $job failed; submit the job again to resume from its checkpoint" >&2',
+        "}",
+        f"trap {REQUEUE_FUNCTION} EXIT",
+    ]
+
+
 def setup_lines(spec: JobSpec) -> list[str]:
-    """The user's setup lines (shell, run as written), then the exports: what runs before srun."""
-    return [*_user_setup(spec), *export_lines(spec)]
+    """What runs before srun: the user's setup lines (shell, run as written), the exports, and a
+    container's requeue handler."""
+    return [*_user_setup(spec), *export_lines(spec), *requeue_handler(spec)]
 
 
 def srun_args(spec: JobSpec) -> list[str]:
     """srun options: one task per GPU, and a crashed rank stops the job instead of hanging the rest."""
     # SLURM 22.05 stopped passing the batch job's --cpus-per-task on to srun; say it again.
     # --label prefixes each line with its rank ("3: ..."), which `lance-hpc logs --rank` filters on.
-    return ["--unbuffered", "--label", "--kill-on-bad-exit=1", f"--cpus-per-task={spec.slurm.cpus_per_task}"]
+    own = ["--unbuffered", "--label", "--kill-on-bad-exit=1", f"--cpus-per-task={spec.slurm.cpus_per_task}"]
+    return [*own, *container_launch(spec.slurm).srun_args]
 
 
-def launch_command(spec_file: str) -> list[str]:
-    """What srun starts in every task."""
-    return [PYTHON, "-m", ENTRY_MODULE, str(spec_file)]
+def python_command(spec: JobSpec) -> list[str]:
+    """How a task starts Python: ``python3``, after the container runtime's prefix if there is one."""
+    return [*container_launch(spec.slurm).command_prefix, PYTHON]
+
+
+def launch_command(spec: JobSpec, spec_file: str) -> ShellText:
+    """What srun starts in every task: ``python3 -m lance_hpc.run SPEC_FILE`` (in the container)."""
+    return ShellText(f"{shlex.join([*python_command(spec), '-m', ENTRY_MODULE])} {_spec_file_word(spec, spec_file)}")
+
+
+def job_reference(spec: JobSpec) -> ShellText:
+    """The job as the script names it at run time: the job id, or a sweep run's ARRAYID_TASKID."""
+    return ShellText("${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}" if spec.sweep else "$SLURM_JOB_ID")
 
 
 def render_sbatch(spec: JobSpec, spec_file: str) -> str:
-    """The sbatch script for ``spec``, whose tasks run ``python3 -m lance_hpc.run spec_file``."""
+    """The sbatch script for ``spec``, whose tasks run ``python3 -m lance_hpc.run spec_file``.
+
+    For a sweep, ``spec_file`` holds ``{index}`` where each run's array task id goes.
+    """
     if CONTROL.search(str(spec_file)):
         raise UserError(f"spec file path {spec_file!r} has a control character; use a plain path")
     stdout, stderr = log_paths(spec)
     log_flags = {"output": stdout, "error": stderr}
     _refuse_unreadable(log_flags, [])
+    _refuse_unreadable_container(spec)
     flags = {**resource_flags(spec), **log_flags}
+    srun = ShellText(shlex.join(["srun", *srun_args(spec)]))
+    command = launch_command(spec, spec_file)
     variables = {
         "spec": spec,
         "spec_file": str(spec_file),
         "sbatch_lines": [ShellText(sbatch_line(name, value)) for name, value in sorted(flags.items())],
         "setup": [ShellText(line) for line in _user_setup(spec)],
         "exports": [ShellText(line) for line in export_lines(spec)],
-        "srun": ShellText(shlex.join(["srun", *srun_args(spec)])),
-        "command": ShellText(shlex.join(launch_command(spec_file))),
-        "launch": ShellText(shlex.join(["srun", *srun_args(spec), *launch_command(spec_file)])),
+        "requeue_handler": [ShellText(line) for line in requeue_handler(spec)],
+        "job_ref": job_reference(spec),
+        "array": array_range(spec) or "",
+        "srun": srun,
+        "command": command,
+        "launch": ShellText(f"{srun} {command}"),
         "log_out": stdout,
         "log_err": stderr,
     }
     try:
-        return _template(spec).render(variables)
+        script = _template(spec).render(variables)
     except jinja2.TemplateError as error:
         raise UserError(f"sbatch template {_template_name(spec)}: {error}") from None
+    if spec.slurm.container is not None and f"trap {REQUEUE_FUNCTION} EXIT" not in script:
+        raise UserError(
+            f"sbatch template {_template_name(spec)} leaves out the requeue handler a container job needs\n"
+            "  fix: add {% for line in requeue_handler %}{{ line }}{% endfor %} before the srun line"
+        )
+    return script
 
 
 def sbatch_line(name: str, value: str | int | bool) -> str:
@@ -189,6 +265,27 @@ def _refuse_unreadable(flags: dict[str, str | int | bool], problems: list[Proble
         if isinstance(value, str) and UNSAFE_IN_FLAG.search(value):
             path = FLAG_FIELDS.get(flag, f"slurm.extra_flags.{flag}")
             problems.append(Problem(path, f"{value!r} has a control character or backslash", "remove it"))
+    if problems:
+        raise SpecError(RENDERING, problems)
+
+
+def _spec_file_word(spec: JobSpec, spec_file: str) -> str:
+    """The spec file as one shell word; a sweep's ``{index}`` becomes the array task id."""
+    if not spec.sweep:
+        return shlex.quote(str(spec_file))
+    before, found, after = str(spec_file).partition(ARRAY_INDEX)
+    if not found:
+        raise UserError(f"a sweep's spec file path must hold {ARRAY_INDEX} for the array task id; got {spec_file!r}")
+    return "".join([shlex.quote(before) if before else "", '"$SLURM_ARRAY_TASK_ID"', shlex.quote(after) if after else ""])
+
+
+def _refuse_unreadable_container(spec: JobSpec) -> None:
+    container = spec.slurm.container
+    if container is None:
+        return
+    values = {"image": container.image, "workdir": container.workdir or "", **{f"mounts[{i}]": m for i, m in enumerate(container.mounts)}}
+    problems = [Problem(f"slurm.container.{key}", f"{value!r} has a control character", "remove it")
+                for key, value in values.items() if CONTROL.search(value)]
     if problems:
         raise SpecError(RENDERING, problems)
 

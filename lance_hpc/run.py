@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import signal
 import sys
 import traceback
@@ -20,7 +21,7 @@ from typing import Any
 import submitit
 import torch.distributed as dist
 
-from lance_hpc import checkpoint, data, script, trainer
+from lance_hpc import checkpoint, data, render, script, trainer
 from lance_hpc.env import DistEnv, detect, explain_failure, process_group
 from lance_hpc.errors import UserError
 from lance_hpc.imports import load_callable
@@ -44,17 +45,22 @@ def after_preemption(
 
 
 def requeue_with_scontrol(env: DistEnv, spec: JobSpec, preemption: checkpoint.Preemption) -> tuple[bool, str]:
-    """sbatch jobs: ``scontrol requeue`` up to slurm.max_requeues; other launchers just stop."""
+    """sbatch jobs: ``scontrol requeue`` up to slurm.max_requeues (in a container: a request the
+    batch script carries out, see render.requeue_handler); other launchers just stop."""
     if env.launcher != "slurm":
         return False, "run the same command again to resume from the checkpoint"
-    return checkpoint.requeue_sbatch(env, spec.slurm.max_requeues)
+    request_file = os.environ.get(render.REQUEUE_REQUEST_VARIABLE) if spec.slurm.container else None
+    return checkpoint.requeue_sbatch(env, spec.slurm.max_requeues, request_file)
 
 
 def requeue_with_submitit(env: DistEnv, spec: JobSpec, preemption: checkpoint.Preemption) -> tuple[bool, str]:
     """submitit jobs: run submitit's own USR2 handler now, at the step boundary. It calls
-    SubmititJob.checkpoint, requeues within the executor's max_num_timeout, then exits."""
+    SubmititJob.checkpoint, requeues within the executor's max_num_timeout, then exits.
+
+    In a container submitit's handler would need scontrol there; the batch script requeues instead,
+    and the spec path submitit pickled is all a resumed task needs."""
     handler = preemption.previous.get(signal.SIGUSR2)
-    if not callable(handler):
+    if not callable(handler) or spec.slurm.container:
         return requeue_with_scontrol(env, spec, preemption)
     try:
         handler(signal.SIGUSR2, None)

@@ -3,6 +3,8 @@
 
 Every path writes the resolved spec as ``<log_dir>/<name>.spec.yaml`` and the script as
 ``<log_dir>/<name>.sbatch``; the job's tasks read that spec, so they run exactly what was shown.
+A sweep also writes one spec per run, ``<log_dir>/<name>.sweep/<index>.spec.yaml``, and submits
+one job array whose task ``<index>`` reads that file; ``--local`` runs them one after another.
 """
 
 from __future__ import annotations
@@ -10,19 +12,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import shlex
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import submitit
 from submitit.core import utils as submitit_utils
 
 from lance_hpc import render
 from lance_hpc.errors import UserError
-from lance_hpc.spec import JobSpec, LoadedSpec, load_spec
+from lance_hpc.spec import JobSpec, LoadedSpec, SweepRun, expand, load_spec
 
 EXIT_USER_ERROR, EXIT_JOB_FAILED = 2, 1
 # scontrol states of a job that will not run again.
@@ -35,13 +38,29 @@ def job_files(spec: JobSpec) -> tuple[Path, Path]:
     return log_dir / f"{spec.name}.spec.yaml", log_dir / f"{spec.name}.sbatch"
 
 
+def run_spec_files(spec: JobSpec) -> str:
+    """Where a sweep's runs' specs go: a path with ``{index}`` for the run's array index."""
+    return f"{spec.slurm.log_dir}/{spec.name}.sweep/{render.ARRAY_INDEX}.spec.yaml"
+
+
+def run_spec_file(spec: JobSpec, run: SweepRun) -> Path:
+    return Path(run_spec_files(spec).replace(render.ARRAY_INDEX, str(run.index)))
+
+
 def write_job_files(spec: JobSpec, script_path: Path | None = None) -> tuple[Path, Path]:
-    """Write the resolved spec and the sbatch script; returns their paths."""
+    """Write the resolved spec (and a sweep's run specs) and the sbatch script; returns the paths
+    of the spec and the script."""
     spec_file, default_script = job_files(spec)
     script_path = script_path or default_script
-    script = render.render_sbatch(spec, str(spec_file))  # before writing anything: it may refuse
+    runs = expand(spec) if spec.sweep else []
+    # before writing anything: rendering may refuse
+    script = render.render_sbatch(spec, run_spec_files(spec) if runs else str(spec_file))
     spec_file.parent.mkdir(parents=True, exist_ok=True)  # SLURM cannot open logs in a missing directory
     spec_file.write_text(spec.to_yaml())
+    for run in runs:
+        run_file = run_spec_file(spec, run)
+        run_file.parent.mkdir(parents=True, exist_ok=True)
+        run_file.write_text(run.spec.to_yaml())
     script_path.parent.mkdir(parents=True, exist_ok=True)
     script_path.write_text(script)
     return spec_file, script_path
@@ -56,13 +75,28 @@ def dry_run(loaded: LoadedSpec) -> None:
     print("# placeholders and relative paths resolved:")
     for item in loaded.resolutions or ():
         print(f"#   {item.path}: {item.before} -> {item.after}")
+    if spec.sweep:
+        print(describe_sweep(spec))
     print(f"\n# ---- resolved spec (would be written to {spec_file}) ----")
     print(spec.to_yaml(), end="")
     print(f"\n# ---- sbatch script (would be written to {script_path}) ----")
-    print(render.render_sbatch(spec, str(spec_file)), end="")
+    print(render.render_sbatch(spec, run_spec_files(spec) if spec.sweep else str(spec_file)), end="")
     print("\n# ---- data plan ----")
     print(_data_plan(spec, loaded.source))
     print("\n# dry run: nothing written, nothing submitted")
+
+
+def describe_sweep(spec: JobSpec) -> str:
+    """The runs of a sweep: index, name and the values that set it apart, and where its files go."""
+    runs = expand(spec)
+    lines = [f"# sweep: {len(runs)} runs as one job array (--array={render.array_range(spec)}: "
+             f"at most {spec.slurm.array_parallelism} at once); each run differs only in:"]
+    width = max(len(run.spec.name) for run in runs)
+    lines += [f"#   [{run.index}] {run.spec.name:<{width}}  {run.describe()}" for run in runs]
+    lines += [f"# run specs: {run_spec_files(spec)}",
+              f"# checkpoints: {spec.checkpoint.dir}/<run name>; TensorBoard: {spec.logging.tensorboard_dir}/<run name>",
+              f"# compare them: tensorboard --logdir {spec.logging.tensorboard_dir}  (HParams tab)"]
+    return "\n".join(lines)
 
 
 def _data_plan(spec: JobSpec, source: str) -> str:
@@ -78,13 +112,15 @@ def _data_plan(spec: JobSpec, source: str) -> str:
 
 def make_executor(spec: JobSpec, folder: Path) -> submitit.SlurmExecutor:
     """A submitit SlurmExecutor asking for the same resources, setup and srun options as the script."""
-    executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=spec.slurm.max_requeues, python=render.PYTHON)
-    named, additional = {}, {}
+    python = shlex.join(render.python_command(spec))  # in the container, if the spec has one
+    executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=spec.slurm.max_requeues, python=python)
+    named: dict[str, Any] = {"array_parallelism": spec.slurm.array_parallelism}
+    additional: dict[str, Any] = {}
     valid = submitit.SlurmExecutor._valid_parameters()
     for flag, value in render.resource_flags(spec).items():
         key = flag.replace("-", "_")
-        if key in ("signal", "open_mode"):
-            continue  # submitit writes these itself (the same USR2 signal, append mode)
+        if key in ("signal", "open_mode", "array"):
+            continue  # submitit writes these itself (the same USR2 signal, append mode, array range)
         (named if key in valid else additional)[key] = value
     executor.update_parameters(
         **named,
@@ -129,6 +165,8 @@ def submit(spec: JobSpec, wait: bool = False, check: bool = True) -> int:
     spec_file, script_path = write_job_files(spec)
 
     executor = make_executor(spec, Path(spec.slurm.log_dir) / "submitit")
+    if spec.sweep:
+        return submit_sweep(spec, executor, script_path, wait)
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # submitit prints sbatch's stderr; we explain it below
             job = executor.submit(SubmititJob(str(spec_file)))
@@ -147,6 +185,60 @@ def submit(spec: JobSpec, wait: bool = False, check: bool = True) -> int:
     if not wait:
         return 0
     return wait_for(job)
+
+
+def submit_sweep(spec: JobSpec, executor: submitit.SlurmExecutor, script_path: Path, wait: bool) -> int:
+    """Submit a sweep's runs as one job array through submitit; print each run's job id."""
+    from lance_hpc.run import SubmititJob
+
+    runs = expand(spec)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), executor.batch():  # one array: submitit's map_count
+            jobs = [executor.submit(SubmititJob(str(run_spec_file(spec, run)))) for run in runs]
+    except (submitit_utils.FailedJobError, submitit_utils.FailedSubmissionError, OSError) as error:
+        raise UserError(_explain_sbatch_failure(str(error))) from None
+    array_id = jobs[0].job_id.split("_")[0]
+    from lance_hpc.manage.records import record_submission  # imported here: lance_hpc.manage imports this module
+
+    record_submission(spec, array_id, via="submitit")
+    print(f"submitted job array {array_id} ({spec.name}: {len(runs)} runs, at most {spec.slurm.array_parallelism} "
+          f"at once, {spec.slurm.world_size} tasks each)")
+    for run, job in zip(runs, jobs):
+        print(f"  {job.job_id:<12} {run.spec.name}  ({run.describe()})")
+    print(f"  specs    {run_spec_files(spec)}")
+    print(f"  script   {script_path}  (the same array for your own sbatch)")
+    print(f"  logs     {Path(jobs[0].paths.stdout).parent}/{array_id}_<index>_0_log.out")
+    print(f"  status   squeue -j {array_id}")
+    print(f"  compare  tensorboard --logdir {spec.logging.tensorboard_dir}  (HParams tab)")
+    if not wait:
+        return 0
+    return max(wait_for(job) for job in jobs)
+
+
+def run_sweep_locally(spec: JobSpec, nproc: int | None) -> int:
+    """Run a sweep's runs here one after another. A failed run does not stop the others (each is
+    its own experiment); an interrupted one (Ctrl-C) stops the sweep. Returns the first non-zero
+    exit code, or 0."""
+    from lance_hpc.launch import run_local
+    from lance_hpc.run import EXIT_INTERRUPTED, EXIT_STOPPED
+
+    runs = expand(spec)
+    write_job_files(spec)
+    results: list[tuple[SweepRun, int]] = []
+    for run in runs:
+        print(f"==== sweep run {run.index + 1}/{len(runs)}: {run.spec.name} ({run.describe()})", flush=True)
+        code = run_local(run_spec_file(spec, run), nproc or run.spec.slurm.world_size)
+        results.append((run, code))
+        if code in (EXIT_STOPPED, EXIT_INTERRUPTED):
+            break
+    print(f"==== sweep {spec.name}: {sum(code == 0 for _, code in results)} of {len(runs)} runs finished")
+    for run, code in results:
+        stopped = "stopped; run the same command again to continue"
+        outcome = {0: "finished", EXIT_STOPPED: stopped, EXIT_INTERRUPTED: stopped}.get(code, f"failed (exit {code})")
+        print(f"  [{run.index}] {run.spec.name}: {outcome}")
+    for run in runs[len(results):]:
+        print(f"  [{run.index}] {run.spec.name}: not started")
+    return next((code for _, code in results if code != 0), 0)
 
 
 def wait_for(job: submitit.Job) -> int:
@@ -235,18 +327,24 @@ def build_parser(prog: str = "python -m lance_hpc.submit") -> argparse.ArgumentP
         "  %(prog)s jobs/quickstart.yaml --local            # train here, 2 processes\n"
         "  %(prog)s jobs/map_gpu.yaml --dry-run             # show spec, script and data plan\n"
         "  %(prog)s jobs/map_gpu.yaml --set slurm.nodes=4   # submit with an override\n"
+        "  %(prog)s jobs/map_gpu.yaml --sweep train.lr=0.1,0.05 --sweep data.batch_size=64,128\n"
+        "                                                   # 4 runs as one job array\n"
         "  %(prog)s jobs/map_gpu.yaml --render-only -o job.sbatch && sbatch job.sbatch",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("spec", help="job spec YAML file")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a spec field, e.g. --set train.lr=0.05 (repeatable)")
+    parser.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
+                        help="sweep a spec field over values, e.g. --sweep train.lr=0.1,0.05 (repeatable: every "
+                        "combination is one run of one job array; adds to the spec's sweep section)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--render-only", action="store_true",
                       help="write the sbatch script and the resolved spec; submit nothing")
     mode.add_argument("--dry-run", action="store_true",
                       help="print the resolved spec, the script and the data plan; write and submit nothing")
-    mode.add_argument("--local", action="store_true", help="run the job on this machine without SLURM")
+    mode.add_argument("--local", action="store_true", help="run the job on this machine without SLURM "
+                      "(a sweep's runs one after another; a failed run does not stop the rest)")
     parser.add_argument("-o", "--output", type=Path, metavar="FILE",
                         help="with --render-only: script path [<log_dir>/<name>.sbatch]")
     parser.add_argument("--nproc", type=int, metavar="N", help="with --local: processes [the spec's world size]")
@@ -265,14 +363,17 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m lance_hpc.sub
     if args.nproc is not None and not args.local:
         parser.error("--nproc goes with --local")
     try:
-        loaded = load_spec(args.spec, args.set)
+        loaded = load_spec(args.spec, args.set, sweeps=args.sweep)
         if args.dry_run:
             dry_run(loaded)
             return 0
         if args.render_only:
             spec_file, script_path = write_job_files(loaded.spec, args.output)
-            print(f"wrote {script_path}\n  (its tasks read {spec_file})\nsubmit it with: sbatch {script_path}")
+            reads = run_spec_files(loaded.spec) if loaded.spec.sweep else spec_file
+            print(f"wrote {script_path}\n  (its tasks read {reads})\nsubmit it with: sbatch {script_path}")
             return 0
+        if args.local and loaded.spec.sweep:
+            return run_sweep_locally(loaded.spec, args.nproc)
         if args.local:
             from lance_hpc.launch import run_local
 

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from lance_hpc import render
 from lance_hpc.errors import UserError
 from lance_hpc.spec import JobSpec, load_spec, validate_spec
+from lance_hpc.submit import run_spec_files
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden"
@@ -58,7 +59,8 @@ def spec_from(raw: dict[str, Any]) -> JobSpec:
 
 
 def spec_file_of(spec: JobSpec) -> str:
-    return f"{spec.slurm.log_dir}/{spec.name}.spec.yaml"
+    """The spec file the job's tasks read (a sweep's, with {index} for the array task id)."""
+    return run_spec_files(spec) if spec.sweep else f"{spec.slurm.log_dir}/{spec.name}.spec.yaml"
 
 
 def check_golden(name: str, text: str) -> None:
@@ -99,7 +101,9 @@ def test_every_option_matches_golden() -> None:
 
 
 def test_shipped_jobs_exist() -> None:
-    assert {path.name for path in JOBS} >= {"quickstart.yaml", "lm_quickstart.yaml", "map_gpu.yaml", "iterable_gpu.yaml", "s3.yaml"}
+    assert {path.name for path in JOBS} >= {
+        "quickstart.yaml", "lm_quickstart.yaml", "map_gpu.yaml", "iterable_gpu.yaml", "s3.yaml", "sweep_example.yaml"
+    }
     assert {path.parent.name for path in EXAMPLES} >= {"script_mode"}
 
 

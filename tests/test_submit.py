@@ -214,27 +214,43 @@ def srun_call(script: str) -> tuple[list[str], list[str]]:
     return options, command
 
 
-@pytest.mark.parametrize("raw", [FULL_SPEC, *JOBS], ids=lambda raw: getattr(raw, "name", "full-options"))
+CONTAINER = {"image": "/images/train.sif", "mounts": ["/scratch:/scratch", "/data:/data:ro"], "workdir": "/scratch"}
+PARITY_CASES = {
+    "full-options": FULL_SPEC,
+    "apptainer": {**FULL_SPEC, "slurm": {**FULL_SPEC["slurm"], "container": CONTAINER}},
+    "pyxis": {**FULL_SPEC, "slurm": {**FULL_SPEC["slurm"], "container": {**CONTAINER, "runtime": "pyxis"}}},
+    "sweep": {**FULL_SPEC, "sweep": {"train.lr": [0.1, 0.05], "data.batch_size": [64, 128, 256]},
+              "slurm": {**FULL_SPEC["slurm"], "array_parallelism": 2}},
+}
+
+
+@pytest.mark.parametrize("raw", [*PARITY_CASES.values(), *JOBS], ids=[*PARITY_CASES, *(job.name for job in JOBS)])
 def test_submitit_asks_for_the_same_job_as_the_script(raw: Any, shims: Path, tmp_path: Path) -> None:
     spec_path = raw if isinstance(raw, Path) else write_spec(tmp_path, raw)
     log_dir = tmp_path / "logs"
     assert submit.main([str(spec_path), "--set", f"slurm.log_dir={log_dir}", "--no-preflight"]) == 0
     spec = load_spec(spec_path, [f"slurm.log_dir={log_dir}"]).spec
-    ours = render.render_sbatch(spec, str(log_dir / f"{spec.name}.spec.yaml"))
+    ours = (log_dir / f"{spec.name}.sbatch").read_text()  # written beside the submission
     theirs = (shims / "submitted.sbatch").read_text()
 
     log_flags = {"output", "error"}
     our_flags = {k: v for k, v in render.sbatch_directives(ours) if k not in log_flags}
     their_flags = {k: v for k, v in render.sbatch_directives(theirs) if k not in log_flags}
     assert our_flags == their_flags
+    assert ("array" in our_flags) == bool(spec.sweep)
 
-    setup = section(ours, "#!", 'echo "job ')  # strict mode, setup lines, exports
+    setup = section(ours, "#!", 'echo "job ')  # strict mode, setup lines, exports, a container's requeue handler
     assert setup[0] == render.STRICT_MODE and setup == section(theirs, "# setup", "# command")
     our_options, our_command = srun_call(ours)
     their_options, their_command = srun_call(theirs)
     assert our_options == their_options
-    assert our_command == ["python3", "-m", "lance_hpc.run", str(log_dir / f"{spec.name}.spec.yaml")]
-    assert their_command[:4] == ["python3", "-u", "-m", "submitit.core._submit"]  # which runs SubmititJob(spec file)
+    prefix = render.python_command(spec)[:-1]  # the container runtime's, if any
+    spec_file = str(log_dir / f"{spec.name}.spec.yaml")
+    if spec.sweep:
+        spec_file = submit.run_spec_files(spec).replace("{index}", "$SLURM_ARRAY_TASK_ID")
+    assert our_command == [*prefix, "python3", "-m", "lance_hpc.run", spec_file]
+    # which runs SubmititJob(spec file), in the same container
+    assert their_command[: len(prefix) + 4] == [*prefix, "python3", "-u", "-m", "submitit.core._submit"]
 
 
 # ---- the lance-hpc command ---------------------------------------------------------------------

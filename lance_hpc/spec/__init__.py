@@ -17,6 +17,7 @@ from lance_hpc.spec.load import (
 from lance_hpc.spec.problems import Problem, SpecError
 from lance_hpc.spec.schema import (
     CheckpointSpec,
+    ContainerSpec,
     DataSpec,
     IngestSpec,
     JobSpec,
@@ -26,9 +27,11 @@ from lance_hpc.spec.schema import (
     TrainSpec,
     parse_time_limit,
 )
+from lance_hpc.spec.sweep import SweepRun, expand, run_count
 
 __all__ = [
     "CheckpointSpec",
+    "ContainerSpec",
     "DataSpec",
     "IngestSpec",
     "JobSpec",
@@ -38,11 +41,14 @@ __all__ = [
     "Resolution",
     "SlurmSpec",
     "SpecError",
+    "SweepRun",
     "TaskSpec",
     "TrainSpec",
     "apply_overrides",
+    "expand",
     "load_spec",
     "load_spec_text",
     "parse_time_limit",
+    "run_count",
     "validate_spec",
 ]

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from lance_hpc.spec.problems import Problem, SpecError, from_pydantic, unique
 from lance_hpc.spec.rules import cross_field_problems, entry_problems, moved_key_problems, task_problems
 from lance_hpc.spec.schema import CheckpointSpec, JobSpec, LoggingSpec, SlurmSpec
+from lance_hpc.spec.sweep import expand, merge_sweep_options, sweep_problems
 
 # Fields whose string values may hold placeholders and name local paths (made absolute on load);
 # section None is the top level.
@@ -108,8 +109,12 @@ def load_spec(
     path: str | Path,
     overrides: Sequence[str] = (),
     base_dir: str | Path | None = None,
+    sweeps: Sequence[str] = (),
 ) -> LoadedSpec:
-    """Read, override, resolve and validate a job spec; raises SpecError listing every problem."""
+    """Read, override, resolve and validate a job spec; raises SpecError listing every problem.
+
+    ``sweeps`` are ``--sweep KEY=V1,V2`` options, added to the spec's sweep section.
+    """
     source = str(path)
     try:
         text = Path(path).read_text()
@@ -117,7 +122,7 @@ def load_spec(
         raise SpecError(source, [Problem("", f"spec file {source} does not exist", "check the path")]) from None
     except OSError as error:
         raise SpecError(source, [Problem("", f"cannot read {source}: {error.strerror}")]) from None
-    return load_spec_text(text, source, overrides, base_dir)
+    return load_spec_text(text, source, overrides, base_dir, sweeps)
 
 
 def load_spec_text(
@@ -125,6 +130,7 @@ def load_spec_text(
     source: str = "<spec>",
     overrides: Sequence[str] = (),
     base_dir: str | Path | None = None,
+    sweeps: Sequence[str] = (),
 ) -> LoadedSpec:
     """Like load_spec, from YAML text."""
     try:
@@ -140,7 +146,7 @@ def load_spec_text(
         raw = {}
     if not isinstance(raw, dict):
         raise SpecError(source, [Problem("", "the spec must be a mapping of sections", "start with 'name: ...'")])
-    return validate_spec(raw, source, overrides, base_dir)
+    return validate_spec(raw, source, overrides, base_dir, sweeps)
 
 
 def validate_spec(
@@ -148,10 +154,19 @@ def validate_spec(
     source: str = "<spec>",
     overrides: Sequence[str] = (),
     base_dir: str | Path | None = None,
+    sweeps: Sequence[str] = (),
 ) -> LoadedSpec:
-    """Validate a spec mapping (a deep copy is modified); raises SpecError listing every problem."""
-    raw = yaml.safe_load(yaml.safe_dump(dict(raw)))  # deep copy through plain YAML types
+    """Validate a spec mapping (a deep copy is modified); raises SpecError listing every problem.
+
+    A sweep's runs are validated too, once the spec they start from is valid.
+    """
+    raw = yaml.safe_load(yaml.safe_dump(dict(raw), sort_keys=False))  # deep copy through plain YAML types, in order
     problems = apply_overrides(raw, overrides)
+    problems += merge_sweep_options(raw, sweeps)
+    malformed_sweep = sweep_problems(raw)
+    if malformed_sweep:
+        problems += malformed_sweep
+        raw["sweep"] = {}  # reported above; the schema would only repeat it
     problems += moved_key_problems(raw)
     resolutions, resolve_problems = _resolve_paths(raw, Path(base_dir) if base_dir else Path.cwd())
     problems += resolve_problems
@@ -162,6 +177,11 @@ def validate_spec(
         spec = None
         problems += [from_pydantic(item, JobSpec) for item in error.errors()]
     problems += cross_field_problems(raw)
+    if not problems and spec is not None and spec.sweep:
+        try:
+            expand(spec, source)
+        except SpecError as error:
+            problems += error.problems
     if problems:
         raise SpecError(source, unique(problems))
     assert spec is not None

@@ -81,10 +81,13 @@ def from_pydantic(item: Mapping[str, Any], root: type[BaseModel], prefix: Sequen
     if kind in BOUNDS:
         bound, limit = BOUNDS[kind], next(iter(context.values()), "")
         return Problem(path, f"must be {bound} {limit}, got {value!r}", f"set a value {bound} {limit}")
+    if kind == "string_too_short":
+        return Problem(path, "must not be empty", f"write a value for '{location[-1]}'")
     if kind == "string_pattern_mismatch":
         return Problem(path, f"{value!r} has characters that are not allowed", "use letters, digits, '.', '_', '-'")
     if kind == "value_error":
-        return Problem(path, str(context.get("error", item["msg"])))
+        message, _, fix = str(context.get("error", item["msg"])).partition("\n  fix: ")
+        return Problem(path, message, fix)
     if kind.endswith("_type") or kind.endswith("_parsing"):
         expected = kind.split("_")[0]
         return Problem(path, f"expected {expected}, got {type(value).__name__} {value!r}", f"write a value of type {expected}")

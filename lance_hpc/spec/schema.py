@@ -79,6 +79,38 @@ class _Section(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
 
 
+def _container_runtimes() -> list[str]:
+    from lance_hpc.container import RUNTIMES
+
+    return list(RUNTIMES)
+
+
+# A container mount as runtimes take it: /host/path:/container/path, optionally :ro or :rw.
+MOUNT_PATTERN = re.compile(r"^/[^:,]*(?::/[^:,]*(?::(?:ro|rw))?)?$")
+
+
+class ContainerSpec(_Section):
+    image: str = Field(..., min_length=1, description="Image: an Apptainer .sif path or docker:// URI, or an enroot image for pyxis.")
+    runtime: str = Field("apptainer", description="apptainer (srun apptainer exec IMAGE ...) or pyxis (srun --container-image).")
+    mounts: list[str] = Field(
+        default_factory=list, description="Host paths visible in the container: /host:/container[:ro]; data, checkpoints and logs."
+    )
+    workdir: str | None = Field(None, description="Working directory inside the container; null: the runtime's default.")
+
+    check_runtime = field_validator("runtime")(_choice(_container_runtimes))
+
+    @field_validator("mounts")
+    @classmethod
+    def check_mounts(cls, mounts: list[str]) -> list[str]:
+        for mount in mounts:
+            if not MOUNT_PATTERN.match(mount):
+                raise ValueError(
+                    f"mount {mount!r} is not /host/path or /host/path:/container/path[:ro]\n"
+                    "  fix: write absolute paths without commas, e.g. /scratch/data:/data:ro"
+                )
+        return mounts
+
+
 class SlurmSpec(_Section):
     partition: str | None = Field(None, description="SLURM partition (-p); null uses the cluster default.")
     nodes: int = Field(1, ge=1, description="Number of nodes (-N).")
@@ -106,6 +138,10 @@ class SlurmSpec(_Section):
         120, ge=10, description="Seconds before the time limit SLURM sends USR2 to save and requeue."
     )
     log_dir: str = Field("logs/{name}", description="Where job stdout/stderr and rendered files go.")
+    array_parallelism: int = Field(
+        4, ge=1, description="Sweeps: how many runs of the job array may run at once (--array=0-N%this)."
+    )
+    container: ContainerSpec | None = Field(None, description="Run every task in a container; null: on the host.")
 
     @property
     def ntasks_per_node(self) -> int:
@@ -229,6 +265,10 @@ class JobSpec(_Section):
     train: TrainSpec = Field(default_factory=TrainSpec, description="Optimisation.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoints.")
     logging: LoggingSpec = Field(default_factory=LoggingSpec, description="TensorBoard and progress.")
+    sweep: dict[str, list[Any]] = Field(
+        default_factory=dict,
+        description="A sweep as one job array: spec path -> values, e.g. {train.lr: [0.1, 0.05]}; one run per combination.",
+    )
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
