@@ -7,8 +7,12 @@ that key signs valid requests: an unknown key gets ``InvalidAccessKeyId`` and a 
 ``SignatureDoesNotMatch``, as on AWS.
 
 moto 5.2 checks signatures against the URL-decoded query string (``prefix=a/`` where the client
-signed ``prefix=a%2F``), so every signed ListObjects call would fail. The server therefore runs from
-this module (``python -m tests.fixtures_s3 PORT``), which re-encodes the query before moto checks.
+signed ``prefix=a%2F``), so every signed ListObjects call would fail; and it names the root element
+of its CompleteMultipartUpload answer ``CompleteMultipartUploadResponse`` where S3 says
+``CompleteMultipartUploadResult``, which the AWS C++ SDK (pyarrow's S3 client) reads as an error,
+so every multipart upload would fail. The server therefore runs from this module
+(``python -m tests.fixtures_s3 PORT``), which re-encodes the query before moto checks and renames
+that element.
 """
 
 from __future__ import annotations
@@ -140,7 +144,9 @@ def s3_server() -> Iterator[S3Server]:
 
 
 def serve(port: int) -> None:
-    """Run moto's server on loopback with the signature check fixed for encoded query strings."""
+    """Run moto's server on loopback with the signature check fixed for encoded query strings and
+    S3's name for the result of a completed multipart upload."""
+    from moto.core.serialize import S3Serializer
     from moto.iam.access_control import IAMRequestBase
     from moto.server import main
 
@@ -154,6 +160,16 @@ def serve(port: int) -> None:
         return create_request(self)
 
     IAMRequestBase._create_aws_request = create_encoded_request
+
+    serialize = S3Serializer._serialized_result_to_response
+
+    def serialize_with_s3_names(self: S3Serializer, resp, result, shape, serialized_result):  # type: ignore[no-untyped-def]
+        resp = serialize(self, resp, result, shape, serialized_result)
+        if self.operation_model.name == "CompleteMultipartUpload":
+            resp["body"] = resp["body"].replace("CompleteMultipartUploadResponse", "CompleteMultipartUploadResult")
+        return resp
+
+    S3Serializer._serialized_result_to_response = serialize_with_s3_names
     main(["-H", "127.0.0.1", "-p", str(port)])
 
 

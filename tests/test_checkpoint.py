@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lance_hpc import checkpoint
+from lance_hpc import checkpoint, checkpoint_store
 from lance_hpc.env import DistEnv, detect, process_group
 
 
@@ -52,7 +52,7 @@ def test_failure_between_write_and_rename_keeps_the_previous_checkpoint(tmp_path
     def fail(*args: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpoint.os, "replace", fail)
+    monkeypatch.setattr(checkpoint_store.os, "replace", fail)
     with pytest.raises(OSError, match="No space left"):
         checkpoint.write_atomically(state(2), checkpoint.checkpoint_path(tmp_path, 2))
     found = checkpoint.load_latest(tmp_path)
@@ -66,7 +66,7 @@ def test_process_killed_mid_write_leaves_a_loadable_previous_checkpoint(tmp_path
     child = textwrap.dedent(
         f"""
         import os, sys, time, torch
-        from lance_hpc import checkpoint
+        from lance_hpc import checkpoint, checkpoint_store
         directory = {str(tmp_path)!r}
         checkpoint.write_atomically({{"step": 1, "weight": torch.ones(1000)}}, checkpoint.checkpoint_path(directory, 1))
         real_fsync = os.fsync
@@ -74,7 +74,7 @@ def test_process_killed_mid_write_leaves_a_loadable_previous_checkpoint(tmp_path
             real_fsync(fd)
             print("written", flush=True)
             time.sleep(600)
-        checkpoint.os.fsync = fsync_then_hang
+        checkpoint_store.os.fsync = fsync_then_hang
         checkpoint.write_atomically({{"step": 2, "weight": torch.zeros(10_000_000)}}, checkpoint.checkpoint_path(directory, 2))
         """
     )

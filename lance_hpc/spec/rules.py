@@ -144,6 +144,14 @@ def cross_field_problems(raw: Mapping[str, Any]) -> list[Problem]:
     template = slurm.get("template")
     if isinstance(template, str) and not Path(template).is_file():
         problems.append(Problem("slurm.template", f"template file {template} does not exist", "fix the path or remove the key"))
+    checkpoint = raw.get("checkpoint") if isinstance(raw.get("checkpoint"), dict) else {}
+    if isinstance(checkpoint.get("dir"), str):
+        from lance_hpc.checkpoint_store import unsupported
+
+        problem = unsupported(checkpoint["dir"])
+        if problem:
+            message, _, fix = problem.partition("\n  fix: ")
+            problems.append(Problem("checkpoint.dir", message, fix))
     options = data.get("storage_options")
     if isinstance(options, dict):
         for key in options:

@@ -1,0 +1,223 @@
+"""Where checkpoints are kept: a local directory, or a prefix on S3-compatible object storage.
+
+A store lists, writes, reads and deletes checkpoint files by name, and a reader never sees half a
+checkpoint:
+
+- a local directory writes a temporary file, fsyncs it, renames it into place and fsyncs the
+  directory, so a crash at any moment leaves either the new file or none;
+- an object store serializes the checkpoint in memory, then uploads it to its final key in one
+  write call: a single PUT, or a multipart upload that the store only makes visible once it
+  completes. An upload cut short (the writer killed, the network gone) never completes, so
+  nothing is listed under the final name; its parts wait for the bucket's lifecycle rule.
+
+Object storage takes its endpoint, region and credentials from the same AWS_* environment
+variables as s3:// datasets (:func:`lance_hpc.data.storage.storage_options`).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Callable, Mapping, Protocol
+from urllib.parse import urlparse
+
+import torch
+from pyarrow import fs
+
+from lance_hpc.data.storage import CREDENTIAL_FIX, redact, storage_options
+from lance_hpc.errors import UserError
+
+TEMP_SUFFIX = ".tmp"
+# object_store (and so Lance) assumes this region when none is configured; so do checkpoints.
+DEFAULT_REGION = "us-east-1"
+CREDENTIAL_ERRORS = ("INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH", "EXPIRED_TOKEN", "INVALID_TOKEN",
+                     "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken")
+ENDPOINT_FIX = "check AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3) and the network from this machine"
+
+Location = Path | str  # a local checkpoint is a Path, one on object storage an s3:// URI
+
+
+class Store(Protocol):
+    """Checkpoint files by name in one directory or prefix."""
+
+    def location(self, name: str) -> Location: ...
+
+    def names(self) -> list[str]: ...
+
+    def write(self, name: str, state: dict[str, Any]) -> None: ...
+
+    def read(self, name: str) -> dict[str, Any]: ...
+
+    def delete(self, name: str) -> None: ...
+
+
+class LocalDirectory:
+    """Checkpoint files in a directory of a local or shared file system."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+
+    def location(self, name: str) -> Path:
+        return self.directory / name
+
+    def names(self) -> list[str]:
+        if not self.directory.is_dir():
+            return []
+        return [path.name for path in self.directory.iterdir()]
+
+    def write(self, name: str, state: dict[str, Any]) -> None:
+        """torch.save to a temporary file, fsync, rename over ``name``, fsync the directory."""
+        path = self.location(name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temp = path.with_name(f".{path.name}.{os.getpid()}{TEMP_SUFFIX}")
+        try:
+            with open(temp, "wb") as file:
+                torch.save(state, file)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(temp, path)
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+        directory = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)  # makes the rename itself durable
+        finally:
+            os.close(directory)
+
+    def read(self, name: str) -> dict[str, Any]:
+        return torch.load(self.location(name), map_location="cpu", weights_only=True)
+
+    def delete(self, name: str) -> None:
+        self.location(name).unlink(missing_ok=True)
+
+
+class ObjectStore:
+    """Checkpoint objects under an ``s3://bucket/prefix`` URI."""
+
+    def __init__(self, uri: str, environ: Mapping[str, str] | None = None) -> None:
+        parsed = urlparse(uri)
+        self.uri = uri.rstrip("/")
+        self.bucket = parsed.netloc
+        self.prefix = f"{parsed.netloc}{parsed.path}".rstrip("/")  # pyarrow's path: bucket/key prefix
+        self.options = storage_options(uri, None, environ)
+
+    @cached_property
+    def filesystem(self) -> fs.S3FileSystem:
+        return fs.S3FileSystem(**filesystem_arguments(self.options))
+
+    def location(self, name: str) -> str:
+        return f"{self.uri}/{name}"
+
+    def names(self) -> list[str]:
+        try:
+            found = self.filesystem.get_file_info(fs.FileSelector(self.prefix, allow_not_found=True))
+            # a missing bucket lists as empty: say so now, not at the first save hours later
+            if not found and self.filesystem.get_file_info(self.bucket).type == fs.FileType.NotFound:
+                raise OSError(f"NO_SUCH_BUCKET: bucket {self.bucket} not found")
+        except OSError as error:
+            raise self.error(error, "list checkpoints in", self.uri) from None
+        return [info.base_name for info in found if info.type == fs.FileType.File]
+
+    def write(self, name: str, state: dict[str, Any]) -> None:
+        """Serialize in memory, then upload in one write call: a signal or an error in
+        torch.save cannot end the upload with half a checkpoint under ``name``."""
+        payload = io.BytesIO()
+        torch.save(state, payload)
+        try:
+            with self.filesystem.open_output_stream(f"{self.prefix}/{name}") as stream:
+                stream.write(payload.getbuffer())
+        except OSError as error:
+            raise self.error(error, "write checkpoint", self.location(name), "; earlier checkpoints are untouched") from None
+
+    def read(self, name: str) -> dict[str, Any]:
+        try:
+            with self.filesystem.open_input_file(f"{self.prefix}/{name}") as file:
+                payload = file.read()
+        except OSError as error:
+            raise self.error(error, "read checkpoint", self.location(name)) from None
+        return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+
+    def delete(self, name: str) -> None:
+        try:
+            self.filesystem.delete_file(f"{self.prefix}/{name}")
+        except FileNotFoundError:
+            pass
+        except OSError as error:
+            raise self.error(error, "delete checkpoint", self.location(name)) from None
+
+    def error(self, error: OSError, operation: str, location: str, note: str = "") -> UserError:
+        """A UserError naming the operation, the URI and the fix; credentials never appear in it."""
+        text = redact(str(error), self.options)
+        endpoint = self.options.get("endpoint", "the default AWS endpoint")
+        if any(code in text for code in CREDENTIAL_ERRORS):
+            code = next(code for code in CREDENTIAL_ERRORS if code in text)
+            reason, fix = f"the object store at {endpoint} rejected the credentials ({code})", CREDENTIAL_FIX
+        elif "ACCESS_DENIED" in text or "AccessDenied" in text:
+            reason = f"access denied at {endpoint}"
+            fix = (f"give these credentials s3:ListBucket, s3:GetObject, s3:PutObject and s3:DeleteObject "
+                   f"on bucket '{self.bucket}', or choose another checkpoint.dir")
+        elif "NO_SUCH_BUCKET" in text or "NoSuchBucket" in text:
+            reason = f"bucket '{self.bucket}' does not exist at {endpoint}"
+            fix = "create the bucket or fix checkpoint.dir; the endpoint comes from AWS_ENDPOINT_URL"
+        elif "NETWORK_CONNECTION" in text or "Could not connect" in text or "Couldn't resolve" in text:
+            reason, fix = f"cannot reach the object store at {endpoint}", ENDPOINT_FIX
+        else:
+            reason = text.splitlines()[0] if text else type(error).__name__
+            fix = f"check checkpoint.dir and the object store at {endpoint}"
+        return UserError(f"cannot {operation} {location}: {reason}{note}\n  fix: {fix}")
+
+
+def filesystem_arguments(options: Mapping[str, str]) -> dict[str, Any]:
+    """pyarrow S3FileSystem arguments from Lance-style storage options (see storage_options)."""
+    arguments: dict[str, Any] = {
+        "region": options.get("region", DEFAULT_REGION),
+        # small checkpoints go up in one PUT, and a missing bucket fails the write, not the open
+        "allow_delayed_open": True,
+    }
+    if options.get("access_key_id") and options.get("secret_access_key"):
+        arguments.update(access_key=options["access_key_id"], secret_key=options["secret_access_key"],
+                         session_token=options.get("session_token"))
+    endpoint = options.get("endpoint")
+    if endpoint:
+        parsed = urlparse(endpoint if "://" in endpoint else f"https://{endpoint}")
+        arguments.update(scheme=parsed.scheme, endpoint_override=parsed.netloc)
+    return arguments
+
+
+# URI scheme -> store; a directory without a scheme is a LocalDirectory.
+STORES: dict[str, Callable[[str], Store]] = {"s3": ObjectStore}
+
+
+def unsupported(directory: str | Path) -> str | None:
+    """Why ``directory`` cannot hold checkpoints (with the fix after a newline), or None."""
+    text = str(directory)
+    scheme, separator, rest = text.partition("://")
+    if not separator:
+        return None
+    valid = ", ".join(f"{name}://bucket/prefix" for name in STORES)
+    if scheme not in STORES:
+        return f"{scheme}:// is not a checkpoint store\n  fix: use a local directory or {valid}"
+    if not rest.split("/", 1)[0]:
+        return f"{text} names no bucket\n  fix: write it as {scheme}://bucket/prefix"
+    return None
+
+
+def open_store(directory: str | Path) -> Store:
+    """The store for a checkpoint.dir: a local directory, or an object store for a URI."""
+    problem = unsupported(directory)
+    if problem:
+        raise UserError(f"checkpoint.dir {directory}: {problem}")
+    scheme, separator, _ = str(directory).partition("://")
+    return STORES[scheme](str(directory)) if separator else LocalDirectory(directory)
+
+
+def locate(location: Location) -> tuple[Store, str]:
+    """The store that holds ``location`` (a checkpoint's path or URI) and the name in it."""
+    if "://" in str(location):
+        directory, _, name = str(location).rpartition("/")
+        return open_store(directory), name
+    path = Path(location)
+    return LocalDirectory(path.parent), path.name
