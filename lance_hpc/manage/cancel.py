@@ -27,8 +27,8 @@ POLL_S, PROGRESS_EVERY_S = 1.0, 10.0
 
 
 def is_submitit_job(job: queue.SlurmJob) -> bool:
-    """submitit's batch script is ``<folder>/<id>_submission.sh``."""
-    return Path(job.command).name == JobPaths("", job.job_id).submission_file.name
+    """submitit names its jobs' logs ``<folder>/<id>_<task>_log.out``."""
+    return Path(job.stdout).name == JobPaths("", job.job_id, 0).stdout.name
 
 
 def stop_signal(job: queue.SlurmJob) -> str:
@@ -36,7 +36,6 @@ def stop_signal(job: queue.SlurmJob) -> str:
 
 
 def cancel(ref: JobRef, now: bool, timeout_s: float) -> int:
-    queue.require("scancel")
     job = queue.show_job(ref.job_id)
     if job is None:
         raise UserError(f"SLURM does not know job {ref.job_id}, so there is nothing to cancel\n"
@@ -119,5 +118,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.timeout <= 0:
         parser.error("--timeout must be positive")
-    return run_reporting_errors(lambda: cancel(records.resolve(args.target, args.set, args.job)[0],
-                                               args.now, args.timeout), PROG)
+
+    def command() -> int:
+        queue.require("scancel")
+        return cancel(records.resolve(args.target, args.set, args.job)[0], args.now, args.timeout)
+
+    return run_reporting_errors(command, PROG)

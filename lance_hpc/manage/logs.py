@@ -34,6 +34,12 @@ class JobLogs:
     labelled: bool
 
 
+def expand_job_id(pattern: str, job_id: str) -> Path:
+    """A log path with SLURM's ``%j`` (job id) or ``%A``/``%a`` (array job id and task) filled in."""
+    array_id, _, task = job_id.partition("_")
+    return Path(pattern.replace("%A", array_id).replace("%a", task).replace("%j", job_id))
+
+
 def submitit_folder(log_dir: str) -> Path:
     return Path(log_dir) / "submitit"  # where lance_hpc.submit points submitit's executor
 
@@ -41,7 +47,7 @@ def submitit_folder(log_dir: str) -> Path:
 def job_logs(ref: JobRef, job: queue.SlurmJob | None, rank: int | None = None) -> JobLogs:
     """Where ``ref``'s output is (or will be), for every rank or just ``rank``."""
     if ref.spec is not None:
-        out, err = (Path(path.replace("%j", ref.job_id)) for path in render.log_paths(ref.spec))
+        out, err = (expand_job_id(path, ref.job_id) for path in render.log_paths(ref.spec))
         submitit_task = JobPaths(submitit_folder(ref.spec.slurm.log_dir), ref.job_id, 0)
         if out.exists() or not (submitit_task.stdout.exists() or (job and job.stdout == str(submitit_task.stdout))):
             return JobLogs([out, err], labelled=True)
@@ -106,7 +112,7 @@ class Tail:
 
 def show(logs: JobLogs, rank: int | None, follow_job: str | None) -> None:
     """Print the logs; with ``follow_job``, keep printing new lines until that job has ended."""
-    printer = Printer(rank_filter(rank), headers=len(logs.files) > 1)
+    printer = Printer(rank_filter(rank if logs.labelled else None), headers=len(logs.files) > 1)
     tails = [Tail(path) for path in logs.files]
     ended, checked_at = follow_job is None, time.monotonic()
     while True:

@@ -27,9 +27,10 @@ def headline(ref: JobRef, job: queue.SlurmJob | None, recorded: dict) -> str:
         else:
             detail = "gone from SLURM (it forgot the job: no accounting, or long ended), final state not recorded"
         return f"job {ref.job_id} ({name}): {detail}"
-    parts = [job.state + (f" ({job.reason})" if job.reason and not job.ended else "")]
+    state = job.state + (f" ({job.reason})" if job.reason and not job.ended else "")
     if job.state == "RUNNING" and job.run_time:
-        parts.append(f"for {job.run_time} of {job.time_limit or '?'} on {job.nodes}")
+        state += f" for {job.run_time} of {job.time_limit or '?'} on {job.nodes}"
+    parts = [state]
     exit_text = job.describe_exit()
     if exit_text:
         parts.append(exit_text)

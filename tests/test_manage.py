@@ -1,0 +1,303 @@
+"""``lance-hpc status | logs | cancel``: parsing what SLURM prints, the time-left estimate and the
+log readers as units; then the real thing on the SLURM test cluster, which has no accounting
+(``sacct`` fails there): a small training job is watched, its logs read and followed, and it is
+cancelled so that it saves a checkpoint, through sbatch and through submitit."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lance_hpc import checkpoint
+from lance_hpc.data import build_train_loader
+from lance_hpc.manage import logs, progress, queue, records
+from lance_hpc.slurm_cluster import SlurmCluster
+from lance_hpc.spec import JobSpec, load_spec
+from lance_hpc.submit import write_job_files
+from lance_hpc.tasks import load_task
+from tests.trainer_jobs import REPO_ROOT, Digits, digits, write_spec
+
+__all__ = ["digits"]  # the session fixture, imported for pytest
+
+RUNNING_LINE = (
+    "JobId=42 JobName=digits UserId=me(1000) GroupId=me(1000) Priority=1 JobState=RUNNING Reason=None "
+    "Requeue=1 Restarts=2 BatchFlag=1 ExitCode=0:0 RunTime=00:03:12 TimeLimit=00:15:00 "
+    "SubmitTime=2026-11-23T18:17:13 StartTime=2026-11-23T18:17:13 EndTime=2026-11-23T18:32:13 "
+    "NodeList=node[1-2] NumTasks=4 Command=/home/me/my runs/digits.sbatch WorkDir=/home/me/my runs "
+    "StdErr=/home/me/my runs/logs/digits-42.err StdIn=/dev/null StdOut=/home/me/my runs/logs/digits-42.out Power="
+)
+ARRAY_LINE = ("JobId=57 ArrayJobId=55 ArrayTaskId=2 JobName=sweep JobState=PENDING Reason=Resources Restarts=0 "
+              "ExitCode=0:0 StartTime=Unknown NodeList=(null) StdOut=/l/sweep-55_2.out")
+
+
+# ---- units: what SLURM prints ------------------------------------------------------------------
+
+def test_scontrol_fields_keep_values_with_spaces() -> None:
+    (fields,) = queue.parse_scontrol(RUNNING_LINE + "\n")
+    assert fields["Command"] == "/home/me/my runs/digits.sbatch"
+    assert fields["StdOut"] == "/home/me/my runs/logs/digits-42.out" and fields["Power"] == ""
+    job = queue.job_from_scontrol(fields)
+    assert (job.job_id, job.name, job.state, job.restarts, job.nodes) == ("42", "digits", "RUNNING", 2, "node[1-2]")
+    assert job.reason == "" and job.started and not job.ended and job.describe_exit() == ""
+
+
+def test_array_tasks_are_named_by_array_job_and_task() -> None:
+    jobs = [queue.job_from_scontrol(fields) for fields in queue.parse_scontrol(f"{RUNNING_LINE}\n{ARRAY_LINE}\n")]
+    assert [job.job_id for job in jobs] == ["42", "55_2"]
+    pending = jobs[1]
+    assert pending.reason == "Resources" and not pending.started and pending.start_time == "" and pending.nodes == ""
+
+
+@pytest.mark.parametrize(("state", "exit_code", "described"), [
+    ("FAILED", "3:0", "exit 3 (stopped by a signal, checkpoint saved)"),
+    ("FAILED", "2:0", "exit 2 (a problem in the spec or data, see the log)"),
+    ("CANCELLED", "0:15", "exit 0, killed by signal 15"),
+    ("COMPLETED", "0:0", "exit 0"),
+    ("RUNNING", "0:0", ""),
+])  # fmt: skip
+def test_exit_codes_say_what_lance_hpc_meant(state: str, exit_code: str, described: str) -> None:
+    job = queue.SlurmJob("1", "x", state, "scontrol", exit_code=exit_code)
+    assert job.describe_exit() == described
+
+
+def test_sacct_runs_of_a_requeued_job_count_its_restarts() -> None:
+    text = ("77|digits|PREEMPTED|0:0|2026-01-01T10:00:00|2026-01-01T11:00:00|01:00:00|node1\n"
+            "77|digits|REQUEUED|0:0|2026-01-01T11:01:00|2026-01-01T11:30:00|00:29:00|node2\n"
+            "77|digits|CANCELLED by 1000|0:15|2026-01-01T11:32:00|2026-01-01T11:40:00|00:08:00|node2\n")
+    job = queue.parse_sacct(text, "77")
+    assert job is not None and (job.state, job.restarts, job.exit_code, job.source) == ("CANCELLED", 2, "0:15", "sacct")
+    assert queue.parse_sacct(text, "78") is None and queue.parse_sacct("", "77") is None
+
+
+def test_squeue_ids_sort_as_numbers_with_array_tasks_after_their_job() -> None:
+    assert queue.parse_squeue_ids("100\n99\n100_10\n100_2\n\n99\n") == ["99", "100", "100_2", "100_10"]
+
+
+# ---- units: time left, outcomes, logs ----------------------------------------------------------
+
+@pytest.mark.parametrize(("step", "total", "per_step", "left"), [
+    (0, 100, 0.5, 50.0),
+    (60, 100, 2.0, 80.0),
+    (100, 100, 2.0, 0.0),
+    (120, 100, None, 0.0),  # past the end (max_steps lowered on resume): nothing left
+    (10, 100, None, None),  # nothing logged yet: unknown, not zero
+])  # fmt: skip
+def test_time_left_is_steps_left_times_recent_seconds_per_step(step: int, total: int, per_step: float | None,
+                                                               left: float | None) -> None:
+    assert progress.seconds_left(step, total, per_step) == left
+
+
+def test_recent_seconds_per_step_averages_the_last_log_points() -> None:
+    step_times = [(step, 9.0) for step in range(1, 20)] + [(20, 1.0), (21, 2.0), (22, 3.0), (23, 4.0), (24, 5.0)]
+    assert progress.recent_seconds_per_step(step_times) == 3.0  # the slow start is no longer recent
+    assert progress.recent_seconds_per_step([(1, 2.0), (2, float("nan"))]) == 2.0
+    assert progress.recent_seconds_per_step([]) is None
+
+
+@pytest.mark.parametrize(("seconds", "text"), [
+    (0.4, "0 s"), (59, "59 s"), (61, "1 min 1 s"), (3600 * 3 + 7 * 60, "3 h 07 min"), (86400 * 2 + 3600 * 4, "2 d 04 h"),
+])  # fmt: skip
+def test_durations_read_like_a_person_would_say_them(seconds: float, text: str) -> None:
+    assert progress.format_duration(seconds) == text
+
+
+def test_outcome_is_read_from_the_last_run_of_the_job() -> None:
+    requeued = ("job 7 (restart 0) on node1: 2 tasks\n0: step 30/90: train/loss 1.2\n"
+                "0: stopped at step 31 by SIGUSR2; checkpoint /c/step-00000031.pt; requeued job 7 (requeue 1 of at most 2)\n"
+                "job 7 (restart 1) on node2: 2 tasks\n0: resuming from /c/step-00000031.pt at step 31 (epoch 0)\n")
+    assert progress.outcome_from_log(requeued) is None  # the restarted run has not ended yet
+    finished = requeued + "0: final validation accuracy: 0.95 after 90 steps\n"
+    assert progress.outcome_from_log(finished) == "finished after 90 steps, validation accuracy: 0.95"
+    stopped = requeued + "0: stopped at step 40 by SIGTERM; checkpoint /c/step-00000040.pt; not requeued: ...\n"
+    assert progress.outcome_from_log(stopped) == "stopped at step 40 by SIGTERM, checkpoint /c/step-00000040.pt"
+    failed = "1: lance_hpc.run: rank 1 failed: out of memory\n"
+    assert progress.outcome_from_log(requeued, failed) == "failed: rank 1 failed: out of memory"
+
+
+def test_rank_filter_keeps_one_ranks_labelled_lines_without_the_label() -> None:
+    keep = logs.rank_filter(1)
+    assert keep(b"1: hello") == b"hello" and keep(b" 1: padded when there are 10+ tasks") == b"padded when there are 10+ tasks"
+    assert keep(b"11: another rank") is None and keep(b"job 3 (restart 0)") is None
+    assert logs.rank_filter(None)(b"anything") == b"anything"
+
+
+def test_tail_returns_complete_lines_and_keeps_a_cut_off_one(tmp_path: Path) -> None:
+    path = tmp_path / "x.out"
+    tail = logs.Tail(path)
+    assert tail.read() == []  # not written yet
+    path.write_bytes(b"one\ntw")
+    assert tail.read() == [b"one"]
+    with open(path, "ab") as file:
+        file.write(b"o\nthree")
+    assert tail.read() == [b"two"] and tail.read(final=True) == [b"three"]
+
+
+def test_log_paths_fill_in_job_and_array_ids() -> None:
+    assert logs.expand_job_id("/l/x-%j.out", "42") == Path("/l/x-42.out")
+    assert logs.expand_job_id("/l/x-%A_%a.out", "55_2") == Path("/l/x-55_2.out")
+
+
+# ---- the real cluster --------------------------------------------------------------------------
+
+def environ(cluster: SlurmCluster) -> dict[str, str]:
+    return {**os.environ, **cluster.env, "PYTHONPATH": str(REPO_ROOT)}
+
+
+def lance_hpc(cluster: SlurmCluster, *args: str, check_rc: int | None = 0) -> subprocess.CompletedProcess[str]:
+    """Run the real command line, as a user on the login node would."""
+    result = subprocess.run([sys.executable, "-m", "lance_hpc", *args], env=environ(cluster), cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=300)
+    if check_rc is not None:
+        assert result.returncode == check_rc, f"rc {result.returncode}\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+def long_job(directory: Path, dataset: Digits, cluster: SlurmCluster, name: str) -> tuple[Path, JobSpec]:
+    """2 ranks on one node for 100 epochs (it only ends when cancelled); every step logged."""
+    slurm = {"partition": cluster.partition, "nodes": 1, "tasks_per_node": 2, "cpus_per_task": 1,
+             "time": "00:15:00", "max_requeues": 2, "log_dir": str(directory / "logs")}
+    path = write_spec(directory, dataset, name=name, slurm=slurm, train={"epochs": 100},
+                      logging={"log_every_steps": 1, "progress": False}, checkpoint={"every_steps": 1000})
+    return path, load_spec(path).spec
+
+
+def wait_for(condition, what: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"{what} did not happen within {timeout_s} s")
+
+
+def logged_step(spec: JobSpec) -> int:
+    return progress.last_logged(spec.logging.tensorboard_dir).step or 0
+
+
+def steps_per_epoch(spec: JobSpec) -> int:
+    """What the trainer's loader takes per epoch on each of the job's ranks."""
+    task = load_task(spec)
+    return build_train_loader(spec.data, task.decoder(train=True), 0, spec.slurm.world_size).steps_per_epoch
+
+
+def scancel_quietly(cluster: SlurmCluster, job_id: str) -> None:
+    subprocess.run(["scancel", job_id], env=environ(cluster), capture_output=True)
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_status_logs_and_cancel_an_sbatch_job(slurm_cluster: SlurmCluster, digits: Digits, tmp_path: Path) -> None:
+    spec_path, spec = long_job(tmp_path, digits, slurm_cluster, "watched")
+    _, script = write_job_files(spec)  # --render-only, then the user's own sbatch: no record, found by name/log
+    submitted = subprocess.run(["sbatch", "--parsable", str(script)], env=environ(slurm_cluster), cwd=REPO_ROOT,
+                               capture_output=True, text=True, check=True)
+    job_id = submitted.stdout.strip().split(";")[0]
+    try:
+        wait_for(lambda: logged_step(spec) >= 3, "the third logged step")
+        status = lance_hpc(slurm_cluster, "status", str(spec_path)).stdout
+        assert re.search(rf"job {job_id} \(watched\): RUNNING for \S+ of 00:15:00 on node\d, restarts 0", status), status
+        step = int(re.search(r"last log +step (\d+): loss [0-9.]+, [0-9,.]+ samples/s", status).group(1))
+        assert step >= 3
+        total = 100 * steps_per_epoch(spec)
+        assert re.search(rf"time left +about .+: step {step} of {total}, {total - step} steps x", status), status
+        by_id = lance_hpc(slurm_cluster, "status", job_id).stdout
+        assert f"job {job_id} (watched): RUNNING" in by_id and "last log    step" in by_id, by_id
+
+        out = lance_hpc(slurm_cluster, "logs", str(spec_path), "--stdout").stdout
+        assert f"job {job_id} (restart 0)" in out and "0: step 1/" in out
+        rank0 = lance_hpc(slurm_cluster, "logs", str(spec_path), "--rank", "0", "--stdout").stdout.splitlines()
+        assert rank0 and not any(re.match(r"\s*\d+: ", line) for line in rank0)
+        assert any(line.startswith("step 1/") for line in rank0), rank0
+        assert "step 1/" not in lance_hpc(slurm_cluster, "logs", job_id, "--rank", "1").stdout  # rank 0 logs steps
+
+
+        follower = subprocess.Popen([sys.executable, "-m", "lance_hpc", "logs", str(spec_path), "-f", "--rank", "0",
+                                     "--stdout"],
+                                    env=environ(slurm_cluster), cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+        cancelled = lance_hpc(slurm_cluster, "cancel", str(spec_path), "--timeout", "200").stdout
+        followed, _ = follower.communicate(timeout=120)  # -f ends by itself once the job has ended
+    finally:
+        scancel_quietly(slurm_cluster, job_id)
+    assert follower.returncode == 0
+    stopped_at = int(re.search(r"stopped at step (\d+) by SIGTERM", cancelled).group(1))
+    saved = checkpoint.load_latest(spec.checkpoint.dir)
+    assert saved is not None and saved.step == stopped_at >= step
+    assert "SIGTERM to its tasks" in cancelled and f"checkpoint step {stopped_at}: {saved.path}" in cancelled
+    assert f"continue with: lance-hpc submit {spec_path}" in cancelled
+    assert "\nstep 1/" in f"\n{followed}" and f"stopped at step {stopped_at} by SIGTERM" in followed
+
+    after = lance_hpc(slurm_cluster, "status", str(spec_path)).stdout
+    assert f"job {job_id} (watched): FAILED, exit 3 (stopped by a signal, checkpoint saved)" in after, after
+    assert f"ended       stopped at step {stopped_at} by SIGTERM" in after
+    assert f"checkpoint  step {stopped_at}, epoch {stopped_at // steps_per_epoch(spec)}:" in after
+    assert "time left" not in after
+    recorded = records.read_records(spec)[job_id]
+    assert recorded["state"] == "FAILED" and recorded["exit_code"] == "3:0"
+    assert lance_hpc(slurm_cluster, "cancel", job_id).stdout.startswith(f"job {job_id} already ended: FAILED")
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_cancel_a_submitit_job_saves_through_submitits_protocol(
+    slurm_cluster: SlurmCluster, digits: Digits, tmp_path: Path
+) -> None:
+    spec_path, spec = long_job(tmp_path, digits, slurm_cluster, "viasubmitit")
+    submitted = lance_hpc(slurm_cluster, "submit", str(spec_path)).stdout
+    job_id = re.search(r"submitted job (\d+)", submitted).group(1)
+    try:
+        assert list(records.read_records(spec)) == [job_id]
+        wait_for(lambda: logged_step(spec) >= 2, "the second logged step")
+        assert "RUNNING" in lance_hpc(slurm_cluster, "status", str(spec_path)).stdout
+        rank1 = lance_hpc(slurm_cluster, "logs", str(spec_path), "--rank", "1").stdout
+        assert f"{job_id}_1_log." in rank1 and f"{job_id}_0_log." not in rank1  # task 1's own files
+        cancelled = lance_hpc(slurm_cluster, "cancel", str(spec_path), "--timeout", "200").stdout
+    finally:
+        scancel_quietly(slurm_cluster, job_id)
+    assert "SIGUSR2 to its tasks" in cancelled
+    stopped_at = int(re.search(r"stopped at step (\d+) by SIGUSR2", cancelled).group(1))
+    saved = checkpoint.load_latest(spec.checkpoint.dir)
+    assert saved is not None and saved.step == stopped_at and f"checkpoint step {stopped_at}" in cancelled
+    after = lance_hpc(slurm_cluster, "status", str(spec_path)).stdout
+    assert f"job {job_id} (viasubmitit): CANCELLED" in after and f"checkpoint  step {stopped_at}" in after, after
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_a_job_slurm_forgot_is_reported_from_records_and_log(
+    slurm_cluster: SlurmCluster, digits: Digits, tmp_path: Path
+) -> None:
+    spec_path, spec = long_job(tmp_path, digits, slurm_cluster, "forgotten")
+    log_dir = Path(spec.slurm.log_dir)
+    log_dir.mkdir(parents=True)
+    (log_dir / "forgotten-987654.out").write_text(
+        "job 987654 (restart 0) on node1: 2 tasks\n0: step 7/4500: train/loss 2.1\n"
+        f"0: stopped at step 7 by SIGTERM; checkpoint {spec.checkpoint.dir}/step-00000007.pt; not requeued: ...\n")
+    (log_dir / "jobs.jsonl").write_text(json.dumps({"job_id": "987654", "state": "FAILED", "exit_code": "3:0"}) + "\n")
+    status = lance_hpc(slurm_cluster, "status", str(spec_path)).stdout
+    assert "job 987654 (forgotten): gone from SLURM; it ended FAILED with exit code 3:0" in status, status
+    assert "ended       stopped at step 7 by SIGTERM" in status and "checkpoint  none yet" in status
+    assert "0: step 7/4500" in lance_hpc(slurm_cluster, "logs", str(spec_path)).stdout
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_unknown_jobs_unsubmitted_specs_and_missing_slurm_are_clear_errors(
+    slurm_cluster: SlurmCluster, digits: Digits, tmp_path: Path
+) -> None:
+    unknown = lance_hpc(slurm_cluster, "status", "987655", check_rc=2).stderr
+    assert "SLURM does not know job 987655" in unknown and "fix:" in unknown and "Traceback" not in unknown
+    spec_path, _ = long_job(tmp_path, digits, slurm_cluster, "neversubmitted")
+    for command in ("status", "logs", "cancel"):
+        never = lance_hpc(slurm_cluster, command, str(spec_path), check_rc=2).stderr
+        assert "has no job that lance_hpc can find" in never and f"lance-hpc submit {spec_path}" in never
+    no_slurm = {**environ(slurm_cluster), "PATH": str(Path(sys.executable).parent / "no-slurm-here")}
+    result = subprocess.run([sys.executable, "-m", "lance_hpc", "cancel", "12"], env=no_slurm, cwd=REPO_ROOT,
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "scancel not found on PATH" in result.stderr, result.stderr
