@@ -1,13 +1,12 @@
 """Checkpoints: atomic save by rank 0, resume from the latest, and preemption (save, then requeue).
 
-A checkpoint is one file ``step-XXXXXXXX.pt`` in the checkpoint directory. It is written to a
-temporary name, fsynced, renamed into place and the directory fsynced, so a crash at any moment
-leaves either the new file or none: the previous checkpoint stays loadable.
+A checkpoint is one file ``step-XXXXXXXX.pt`` in checkpoint.dir, a local directory or an
+``s3://bucket/prefix`` (see :mod:`lance_hpc.checkpoint_store`). Either way a crash at any moment
+leaves either the new checkpoint or none: the previous checkpoint stays loadable.
 """
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import signal
@@ -22,61 +21,56 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lance_hpc.checkpoint_store import TEMP_SUFFIX, Location, locate, open_store
 from lance_hpc.env import DistEnv
 from lance_hpc.errors import UserError
 from lance_hpc.spec import DataSpec, JobSpec
 
 NAME_PATTERN = re.compile(r"^step-(\d+)\.pt$")
-TEMP_SUFFIX = ".tmp"
 # USR2: SLURM's --signal before the time limit, or submitit's preemption signal: save and requeue.
 REQUEUE_SIGNAL = signal.SIGUSR2
 # SIGTERM: scancel, or a preemption that SLURM requeues by itself: save and stop.
 STOP_SIGNAL = signal.SIGTERM
-PREEMPTION_SIGNALS = (STOP_SIGNAL, REQUEUE_SIGNAL)  # in rising precedence
+# SIGINT: Ctrl-C on a local run: save and stop, like SIGTERM.
+INTERRUPT_SIGNAL = signal.SIGINT
+PREEMPTION_SIGNALS = (INTERRUPT_SIGNAL, STOP_SIGNAL, REQUEUE_SIGNAL)  # in rising precedence
 
 
-def checkpoint_path(directory: str | Path, step: int) -> Path:
-    return Path(directory) / f"step-{step:08d}.pt"
+def checkpoint_path(directory: str | Path, step: int) -> Location:
+    """Where the checkpoint of ``step`` goes: a Path, or an s3:// URI for a directory on object storage."""
+    return open_store(directory).location(f"step-{step:08d}.pt")
 
 
-def list_checkpoints(directory: str | Path) -> list[Path]:
-    """Complete checkpoints in ``directory``, oldest first (temporary files are never listed)."""
-    folder = Path(directory)
-    if not folder.is_dir():
-        return []
-    found = [(int(match.group(1)), path) for path in folder.iterdir() if (match := NAME_PATTERN.match(path.name))]
-    return [path for _, path in sorted(found)]
+def _checkpoint_names(names: list[str]) -> list[str]:
+    """The checkpoint names among ``names``, oldest first."""
+    found = [(int(match.group(1)), name) for name in names if (match := NAME_PATTERN.match(name))]
+    return [name for _, name in sorted(found)]
 
 
-def write_atomically(state: dict[str, Any], path: Path) -> None:
-    """torch.save to a temporary file, fsync, rename over ``path``, fsync the directory."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.{os.getpid()}{TEMP_SUFFIX}")
-    try:
-        with open(temp, "wb") as file:
-            torch.save(state, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)  # makes the rename itself durable
-    finally:
-        os.close(directory)
+def list_checkpoints(directory: str | Path) -> list[Location]:
+    """Complete checkpoints in ``directory``, oldest first (temporary files and unfinished uploads
+    are never listed)."""
+    store = open_store(directory)
+    return [store.location(name) for name in _checkpoint_names(store.names())]
+
+
+def write_atomically(state: dict[str, Any], path: Location) -> None:
+    """Write ``state`` to ``path`` so that a reader finds all of it or nothing: locally a temporary
+    file, fsync, rename over ``path``, fsync the directory; on object storage one upload."""
+    store, name = locate(path)
+    store.write(name, state)
 
 
 def prune(directory: str | Path, keep: int) -> None:
     """Delete all but the newest ``keep`` checkpoints, and temporary files left by a crash."""
-    for path in list_checkpoints(directory)[:-keep]:
-        path.unlink(missing_ok=True)
-    for path in Path(directory).glob(f".step-*{TEMP_SUFFIX}"):
-        path.unlink(missing_ok=True)
+    store = open_store(directory)
+    names = store.names()
+    leftovers = [name for name in names if name.startswith(".step-") and name.endswith(TEMP_SUFFIX)]
+    for name in _checkpoint_names(names)[:-keep] + leftovers:
+        store.delete(name)
 
 
-def save(directory: str | Path, step: int, state: dict[str, Any], rank_state: dict[str, Any], keep: int) -> Path:
+def save(directory: str | Path, step: int, state: dict[str, Any], rank_state: dict[str, Any], keep: int) -> Location:
     """Collective: every rank calls it with the same step; rank 0 writes, then all ranks go on.
 
     ``state`` is rank 0's (the model and optimizer are the same on every rank). ``rank_state``
@@ -87,16 +81,19 @@ def save(directory: str | Path, step: int, state: dict[str, Any], rank_state: di
     ranks: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, {**rank_state, "rng": capture_rng()})
     path = checkpoint_path(directory, step)
-    outcome = [""]
+    outcome: list[Any] = [None]  # (message, whether it is a UserError) when rank 0 failed
     if dist.get_rank() == 0:
         try:
             write_atomically({**state, "ranks": ranks}, path)
             prune(directory, keep)
+        except UserError as error:  # the object store's message already names the URI and the fix
+            outcome[0] = (str(error), True)
         except Exception as error:  # reported on every rank below
-            outcome[0] = f"cannot write checkpoint {path}: {type(error).__name__}: {error}"
+            outcome[0] = (f"cannot write checkpoint {path}: {type(error).__name__}: {error}", False)
     dist.broadcast_object_list(outcome, src=0)
-    if outcome[0]:
-        raise RuntimeError(outcome[0])
+    if outcome[0] is not None:
+        message, user_error = outcome[0]
+        raise UserError(message) if user_error else RuntimeError(message)
     return path
 
 
@@ -112,6 +109,11 @@ class Checkpoint:
         return int(self.state["step"])
 
     @property
+    def epoch(self) -> int:
+        """The epoch being read when it was written (the next one, at an epoch end)."""
+        return int(self.state["epoch"])
+
+    @property
     def world_size(self) -> int:
         """How many ranks wrote it."""
         return len(self.state["ranks"])
@@ -123,9 +125,13 @@ class Checkpoint:
 
 def load_latest(directory: str | Path) -> Checkpoint | None:
     """The newest checkpoint that loads; None when there is none."""
-    for path in reversed(list_checkpoints(directory)):
+    store = open_store(directory)
+    for name in reversed(_checkpoint_names(store.names())):
+        path = store.location(name)
         try:
-            return Checkpoint(path, torch.load(path, map_location="cpu", weights_only=True))
+            return Checkpoint(path, store.read(name))
+        except UserError:  # the object store cannot be read at all: no older checkpoint would load either
+            raise
         except Exception as error:  # an unreadable file (e.g. a damaged disk): fall back to the previous one
             print(f"lance_hpc: skipping unreadable checkpoint {path}: {error}", file=sys.stderr)
     return None
@@ -144,16 +150,6 @@ def find_resume_point(spec: JobSpec) -> Checkpoint | None:
     return None
 
 
-def check_resumable(resumed: Checkpoint, env: DistEnv) -> None:
-    """A mid-epoch data position is only valid for the world size that wrote it."""
-    if resumed.state["mid_epoch"] and resumed.world_size != env.world_size:
-        raise UserError(
-            f"checkpoint {resumed.path} was written mid-epoch by {resumed.world_size} ranks, and its data position "
-            f"is only valid for that many; this job has {env.world_size}\n"
-            f"  fix: resume with {resumed.world_size} ranks, or delete it to fall back to an epoch-end checkpoint"
-        )
-
-
 def pinned_data(data_spec: DataSpec, resumed: Checkpoint | None) -> DataSpec:
     """A resumed job reads the dataset version its checkpoint was trained on."""
     if resumed is None:
@@ -167,13 +163,55 @@ def pinned_data(data_spec: DataSpec, resumed: Checkpoint | None) -> DataSpec:
     return data_spec.model_copy(update={"version": version})
 
 
-def restore_rank(resumed: Checkpoint, rank: int, loader: Any | None) -> None:
-    """This rank's RNG states, and its data position when the checkpoint was written mid-epoch
-    (set_epoch of the same epoch then keeps that position)."""
-    mine = resumed.rank_state(rank)
-    restore_rng(mine["rng"])
-    if loader is not None and mine.get("loader") is not None:
-        loader.load_state_dict(mine["loader"])
+def restore_rank(resumed: Checkpoint, env: DistEnv, seed: int, loader: Any | None) -> None:
+    """This rank's RNG states and data position.
+
+    At the world size that wrote the checkpoint, each rank gets back its own. At another, the
+    saved RNG states belong to ranks that no longer exist (or are missing for new ones): every
+    rank reseeds from (seed, step, rank) instead, and the loader continues from the position all
+    ranks shared (they save at the same step), splitting the rest of the epoch over the new ranks.
+    """
+    same_world = resumed.world_size == env.world_size
+    if same_world:
+        restore_rng(resumed.rank_state(env.rank)["rng"])
+    else:
+        reseed(seed, resumed.step, env.rank)
+    if loader is None:
+        return
+    position = saved_position(resumed, env).get("loader")
+    if position is not None:
+        loader.load_state_dict(position)
+
+
+def saved_position(resumed: Checkpoint, env: DistEnv) -> dict[str, Any]:
+    """The per-rank state this rank continues from: its own at the same world size, else rank 0's
+    (every rank saved the same data position; only RNG states differ, and those are not reused)."""
+    return resumed.rank_state(env.rank if resumed.world_size == env.world_size else 0)
+
+
+def reseed(seed: int, step: int, rank: int) -> None:
+    """Seed every generator of this process from (seed, step, rank): deterministic, distinct per rank."""
+    value = int(np.random.SeedSequence([seed % 2**32, step, rank]).generate_state(1)[0])
+    random.seed(value)
+    np.random.seed(value)
+    torch.manual_seed(value)
+
+
+def resume_message(resumed: Checkpoint, progress: float, world_size: int, batch_size: int, grad_accum: int,
+                   peak_lr: float | None = None) -> str:
+    """What a resumed job continues from; at a new world size, what changed and what did not."""
+    where = f"epoch {resumed.epoch + 1}" + (f" ({progress - int(progress):.0%} read)" if resumed.state["mid_epoch"] else "")
+    text = f"resuming from {resumed.path} at step {resumed.step}, {where}"
+    if resumed.world_size != world_size:
+        before = resumed.state.get("spec", {}).get("data", {}).get("batch_size", batch_size)
+        text += (
+            f"\n  written by {resumed.world_size} ranks, continued by {world_size}: the per-rank batch stays "
+            f"{batch_size} (was {before}), so the global batch is now {batch_size * world_size * grad_accum}"
+            + (f" and the peak learning rate {peak_lr:.4g}" if peak_lr is not None else "")
+            + "; epochs, warmup and decay are counted in samples"
+            + ("; the rest of the interrupted epoch is split over the new ranks, no row read twice" if resumed.state["mid_epoch"] else "")
+        )
+    return text
 
 
 def capture_rng() -> dict[str, Any]:

@@ -3,61 +3,86 @@
 :func:`run_local` prepares the dataset once and checks the task against it, then starts ``python -m lance_hpc.run SPEC`` N times
 with the variables torchrun would set (gloo on CPU), forwards SLURM's stop signals to them, and
 when one rank dies stops the others and says which rank died and how.
+
+Ctrl-C behaves like SIGTERM under SLURM: the ranks agree at the next step, save and exit 3, and
+rerunning the same command continues. A second Ctrl-C stops every rank at once. The ranks run in
+a process group of their own, so a terminal's Ctrl-C reaches them once, through this process, and
+they are killed when it dies.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 
 import lance_hpc
 from lance_hpc import data
-from lance_hpc.checkpoint import PREEMPTION_SIGNALS
+from lance_hpc.checkpoint import INTERRUPT_SIGNAL, PREEMPTION_SIGNALS
 from lance_hpc.errors import UserError
-from lance_hpc.run import EXIT_STOPPED
+from lance_hpc.run import EXIT_INTERRUPTED, EXIT_STOPPED
 from lance_hpc.spec import load_spec
 from lance_hpc.tasks import load_task
 
 # After one rank fails, the others get this long to notice (a broken connection) and exit.
 GRACE_S = 15.0
+PR_SET_PDEATHSIG = 1
 
 
 def run_local(spec_file: str | Path, nproc: int) -> int:
     """Train with ``nproc`` local ranks; returns 0, or the exit code of the first rank that failed."""
     spec_file = Path(spec_file).resolve()
     spec = load_spec(spec_file).spec
-    data.ensure_dataset(spec.data)
-    load_task(spec)  # a column the task needs but the data lacks: one error here, not one per rank
+    try:
+        data.ensure_dataset(spec.data)
+        load_task(spec)  # a column the task needs but the data lacks: one error here, not one per rank
+    except KeyboardInterrupt:
+        print("\nlance_hpc: interrupted before training started; nothing to save", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     port = free_port()
     package_root = str(Path(lance_hpc.__file__).resolve().parents[1])
-    ranks = []
-    for rank in range(nproc):
-        environ = {
-            **os.environ,
-            "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
-            "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            # the ranks import the same lance_hpc as this process, installed or not
-            "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
-        }
-        ranks.append(subprocess.Popen([sys.executable, "-m", "lance_hpc.run", str(spec_file)], env=environ))
+    ranks: list[subprocess.Popen] = []
+    interrupts = []
 
     def forward(signum: int, frame: FrameType | None) -> None:
+        if signum == INTERRUPT_SIGNAL:
+            interrupts.append(signum)
+            if len(interrupts) > 1:
+                print("\nlance_hpc: stopping at once; what was trained since the last checkpoint is lost",
+                      file=sys.stderr, flush=True)
+                for process in ranks:
+                    if process.poll() is None:
+                        process.kill()
+                return
+            print("\nlance_hpc: interrupted; the ranks save a checkpoint at the next step and stop "
+                  "(Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
         for process in ranks:
             if process.poll() is None:
                 process.send_signal(signum)
 
     previous = {signum: signal.signal(signum, forward) for signum in PREEMPTION_SIGNALS}
     try:
-        return wait_for_ranks(ranks)
+        for rank in range(nproc):
+            environ = {
+                **os.environ,
+                "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
+                "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                # the ranks import the same lance_hpc as this process, installed or not
+                "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
+            }
+            ranks.append(subprocess.Popen([sys.executable, "-m", "lance_hpc.run", str(spec_file)], env=environ,
+                                          start_new_session=True, preexec_fn=die_with_parent))
+        code = wait_for_ranks(ranks, stopped_at_once=lambda: len(interrupts) > 1)
+        return EXIT_INTERRUPTED if len(interrupts) > 1 else code
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -67,11 +92,21 @@ def run_local(spec_file: str | Path, nproc: int) -> int:
                 process.wait()
 
 
-def wait_for_ranks(ranks: Sequence[subprocess.Popen]) -> int:
+def die_with_parent() -> None:
+    """In a rank, before it starts: SIGKILL when the launcher dies, so no rank outlives it (its
+    own process group no longer hears the terminal)."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def wait_for_ranks(ranks: Sequence[subprocess.Popen], stopped_at_once: Callable[[], bool] = lambda: False) -> int:
     """Wait for every rank; after the first failure give the others GRACE_S, then kill them."""
     failed: tuple[int, int] | None = None
     deadline = float("inf")
     while any(process.poll() is None for process in ranks):
+        if stopped_at_once():
+            for process in ranks:
+                process.wait()
+            return EXIT_INTERRUPTED
         if failed is None:
             failed = first_failure(ranks)
             if failed is not None:
@@ -86,7 +121,8 @@ def wait_for_ranks(ranks: Sequence[subprocess.Popen]) -> int:
         time.sleep(0.1)
     failed = failed or first_failure(ranks)
     if failed is None:
-        return EXIT_STOPPED if any(process.returncode == EXIT_STOPPED for process in ranks) else 0
+        codes = {process.returncode for process in ranks}
+        return EXIT_STOPPED if EXIT_STOPPED in codes else EXIT_INTERRUPTED if EXIT_INTERRUPTED in codes else 0
     rank, code = failed
     print(f"lance_hpc.launch: the job failed: rank {rank} (pid {ranks[rank].pid}) {describe_exit(code)}",
           file=sys.stderr, flush=True)
@@ -97,7 +133,7 @@ def first_failure(ranks: Sequence[subprocess.Popen]) -> tuple[int, int] | None:
     """(rank, exit code) of a failed rank, if any. When several failed since the last look, a rank
     killed by a signal is the likelier cause: the others exit with an error once it is gone."""
     failed = [(rank, process.returncode) for rank, process in enumerate(ranks)
-              if process.returncode not in (None, 0, EXIT_STOPPED)]
+              if process.returncode not in (None, 0, EXIT_STOPPED, EXIT_INTERRUPTED)]
     return min(failed, key=lambda item: (item[1] > 0, item[0]), default=None)
 
 

@@ -4,7 +4,8 @@ srun starts one per GPU (or :mod:`lance_hpc.launch` one per local process); each
 resolved spec, joins the process group, checks the task against the data, trains (the built-in
 loop, or the spec's ``entry`` in script mode), and on preemption saves and requeues the job.
 Exit codes: 0 finished or requeued, 1 training failed, 2 a problem the user can fix,
-3 stopped by a signal without requeue (the checkpoint holds the state; run again to resume).
+3 stopped by a signal without requeue (the checkpoint holds the state; run again to resume),
+130 interrupted (Ctrl-C) before training began.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from lance_hpc.spec import JobSpec, load_spec
 from lance_hpc.tasks import load_task
 
 EXIT_FAILED, EXIT_USER_ERROR, EXIT_STOPPED = 1, 2, 3
+EXIT_INTERRUPTED = 130  # Ctrl-C before training began, as a shell reports it
 
 # How a preempted job gets back into the queue: (env, spec, preemption) -> (requeued, message).
 Requeue = Callable[[DistEnv, JobSpec, checkpoint.Preemption], tuple[bool, str]]
@@ -38,6 +40,8 @@ def after_preemption(
     env: DistEnv, spec: JobSpec, preemption: checkpoint.Preemption, requeue: Requeue
 ) -> tuple[bool, str]:
     """Rank 0's decision once the ranks stopped on a signal: only USR2 asks for a requeue."""
+    if preemption.agreed_signal == checkpoint.INTERRUPT_SIGNAL:
+        return False, "run the same command again to continue"
     if preemption.agreed_signal != checkpoint.REQUEUE_SIGNAL:
         return False, ("not requeued: a cancelled job ends here and SLURM requeues a preempted one itself; "
                        "run or submit it again to resume from the checkpoint")
@@ -97,7 +101,10 @@ def run_job(
                     outcome[0] = after_preemption(env, spec, preemption, requeue)
                 dist.broadcast_object_list(outcome, src=0)
                 requeued, message = outcome[0]
-                if env.is_main:
+                if env.is_main and preemption.agreed_signal == checkpoint.INTERRUPT_SIGNAL:
+                    print(f"interrupted at step {summary.step}, checkpoint saved ({summary.checkpoint}); {message}",
+                          flush=True)
+                elif env.is_main:
                     name = signal.Signals(preemption.agreed_signal).name
                     print(f"stopped at step {summary.step} by {name}; checkpoint {summary.checkpoint}; {message}",
                           flush=True)
@@ -158,6 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         traceback.print_exception(error.__cause__, file=sys.stderr)
         print(f"lance_hpc.run: {error}", file=sys.stderr, flush=True)
         return EXIT_FAILED
+    except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save yet
+        return EXIT_INTERRUPTED
     return EXIT_STOPPED if summary.status == "stopped" else 0
 
 

@@ -74,7 +74,9 @@ class Context:
     preemption: Preemption = field(repr=False)
     resumed: Checkpoint | None = field(default=None, repr=False)
     step: int = 0  # optimizer steps taken, counting those before a resume
-    steps_per_epoch: int = 0  # of the loader that steps() iterates
+    epoch: int = 0  # the epoch being read
+    steps_per_epoch: int = 0  # of the loader that steps() iterates, at this world size
+    stepping: TrainLoader | None = field(default=None, repr=False)  # the loader steps() iterates
     registered: dict[str, Stateful] = field(default_factory=dict, repr=False)
     rng_restored: bool = field(default=False, repr=False)
 
@@ -93,6 +95,15 @@ class Context:
     @property
     def is_main(self) -> bool:
         return self.env.is_main
+
+    @property
+    def progress(self) -> float:
+        """Epochs read so far, counted in samples (the same at any world size): drive a learning-rate
+        schedule with it, rather than with steps, and a resumed job on another world size keeps its curve."""
+        loader = self.stepping
+        if loader is None or loader.epoch != self.epoch:
+            return float(self.epoch)
+        return self.epoch + loader.epoch_fraction()
 
     def train_loader(self, decoder: Decoder | None = None) -> TrainLoader:
         """This rank's training batches with the spec's strategy; ``decoder`` defaults to the task's."""
@@ -128,7 +139,7 @@ class Context:
             if self.resumed is None:
                 continue
             if isinstance(item, TrainLoader):
-                saved = self.resumed.rank_state(self.rank).get("loaders", {}).get(name)
+                saved = checkpoint.saved_position(self.resumed, self.env).get("loaders", {}).get(name)
                 if saved is not None:
                     item.load_state_dict(saved)
             elif name in self.resumed.state["objects"]:
@@ -141,36 +152,47 @@ class Context:
         """(step, batch) until ``epochs`` (default train.epochs) or ``max_steps``, from where a
         resumed job stopped. After each step it saves every checkpoint.every_steps and at each
         epoch end, and stops all ranks together on preemption (saves, raises :class:`Preempted`)."""
-        self.steps_per_epoch = loader.steps_per_epoch
+        self.steps_per_epoch, self.stepping = loader.steps_per_epoch, loader
         if self.resumed is not None and not self.rng_restored:  # now: building the model drew from the generators
-            checkpoint.restore_rank(self.resumed, self.rank, None)
+            checkpoint.restore_rank(self.resumed, self.env, self.spec.train.seed, None)
             self.rng_restored = True
-        total = min(max_steps or self.spec.train.max_steps or sys.maxsize, (epochs or self.spec.train.epochs) * self.steps_per_epoch)
-        while self.step < total:
-            loader.set_epoch(self.step // self.steps_per_epoch)
+        epochs = epochs or self.spec.train.epochs
+        limit = max_steps or self.spec.train.max_steps
+
+        def finished() -> bool:
+            return self.epoch >= epochs or (limit is not None and self.step >= limit)
+
+        while not finished():
+            loader.set_epoch(self.epoch)
+            left = loader.steps_remaining
+            if left == 0:  # nothing left of a resumed epoch
+                self.epoch += 1
+                continue
             for batch in loader:
                 yield self.step, batch
-                self.step += 1
-                end_of_epoch = self.step % self.steps_per_epoch == 0
+                self.step, left = self.step + 1, left - 1
+                if left == 0:
+                    self.epoch += 1
                 saved = None
-                if end_of_epoch or self.step >= total or self.step % self.spec.checkpoint.every_steps == 0:
-                    saved = self.save(total)
-                if self.step >= total:
+                if left == 0 or finished() or self.step % self.spec.checkpoint.every_steps == 0:
+                    saved = self.save()
+                if finished():
                     return
                 if self.preemption.agreed(self.device):
-                    raise Preempted(self.step, saved or self.save(total))
-                if end_of_epoch:
+                    raise Preempted(self.step, saved or self.save())
+                if left == 0:
                     break
 
-    def save(self, total_steps: int | None = None) -> str:
+    def save(self) -> str:
         """Collective: checkpoint every registered object now (steps() calls it for you)."""
-        spe = max(self.steps_per_epoch, 1)
-        mid_epoch = self.step % spe != 0 and self.step < (total_steps or sys.maxsize)
         loaders = {name: item for name, item in self.registered.items() if isinstance(item, TrainLoader)}
+        mid_epoch = any(item.epoch == self.epoch and item.consumed > 0 for item in loaders.values())
         state = {
             "step": self.step,
-            "epoch": self.step // spe,
+            "epoch": self.epoch,
+            "progress": self.progress,
             "mid_epoch": mid_epoch,
+            "world_size": self.world_size,
             "objects": {name: _unwrapped(item).state_dict() for name, item in self.registered.items() if name not in loaders},
             "dataset_version": next(iter(loaders.values())).dataset_version if loaders else None,
             "spec": self.spec.to_dict(),
@@ -204,18 +226,18 @@ def run_script(entry: Callable[[Context], Any], spec: JobSpec, env: DistEnv, dev
     """Run the user's function in this rank; a preemption inside :meth:`Context.steps` ends it."""
     configure_process(spec.train.seed, spec.train.deterministic, env, device)
     resumed = checkpoint.find_resume_point(spec)
-    if resumed:
-        checkpoint.check_resumable(resumed, env)
-        if env.is_main:
-            print(f"resuming from {resumed.path} at step {resumed.step}", flush=True)
+    if resumed and env.is_main:
+        print(checkpoint.resume_message(resumed, float(resumed.state.get("progress", resumed.epoch)), env.world_size,
+                                        spec.data.batch_size, spec.train.grad_accum), flush=True)
     logger = build_logger(spec.logging.tensorboard_dir, env.is_main, purge_step=resumed.step if resumed else None)
     logger.log_hparams({**flatten(spec.to_dict()), "world_size": env.world_size}, (f"val/{task.headline_metric}", "val/loss"))
-    context = Context(spec, env, device, task, logger, preemption, resumed, step=resumed.step if resumed else 0)
+    context = Context(spec, env, device, task, logger, preemption, resumed, step=resumed.step if resumed else 0,
+                      epoch=resumed.epoch if resumed else 0)
     try:
         result = entry(context)
     except Preempted as stop:
-        return Summary("preempted", stop.step, context.step // max(context.steps_per_epoch, 1), stop.saved)
+        return Summary("preempted", stop.step, context.epoch, stop.saved)
     finally:
         logger.close()
     metrics = {key: float(value) for key, value in result.items()} if isinstance(result, dict) else {}
-    return Summary("completed", context.step, context.step // max(context.steps_per_epoch, 1), None, metrics)
+    return Summary("completed", context.step, context.epoch, None, metrics)

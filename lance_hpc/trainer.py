@@ -5,6 +5,10 @@ The loop knows nothing of images or tokens: the task moves a batch to the device
 loss and the metric sums, and turns reduced sums into reported values. Every collective (metric
 reduction, preemption agreement, checkpoint, evaluation) happens at the same step on every rank,
 and every rank takes the same number of steps.
+
+Progress is counted in samples, not in optimizer steps: the learning-rate schedule follows the
+epochs read (:attr:`TrainingRun.progress`), so a job resumed on another world size continues the
+same curve, with the per-rank batch kept and the peak learning rate rescaled by the linear rule.
 """
 
 from __future__ import annotations
@@ -31,8 +35,31 @@ from lance_hpc.tasks import ROW_ID, Batch, Task
 
 
 @dataclass
+class Schedule:
+    """Linear warmup, then cosine decay to zero, as a function of the epochs read; ``steps_per_epoch``
+    (at this world size) only sets the granularity, so the curve is the same at any world size."""
+
+    optimizer: torch.optim.Optimizer
+    peak_lr: float
+    warmup_epochs: float
+    total_epochs: float
+    steps_per_epoch: int
+    lr: float = 0.0  # what the last apply() set
+
+    def apply(self, progress: float) -> float:
+        """Set the learning rate for the step taken at ``progress`` (epochs read so far)."""
+        per_epoch = self.steps_per_epoch
+        self.lr = self.peak_lr * lr_factor(progress * per_epoch, self.warmup_epochs * per_epoch,
+                                           self.total_epochs * per_epoch)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr
+        return self.lr
+
+
+@dataclass
 class TrainingRun:
-    """What the loop works with; ``step`` counts optimizer steps since the start of training."""
+    """What the loop works with; ``step`` counts optimizer steps since the start of training (at
+    whatever world sizes they were taken), ``epoch`` is the epoch being read."""
 
     spec: JobSpec
     env: DistEnv
@@ -41,19 +68,25 @@ class TrainingRun:
     loader: TrainLoader
     model: DistributedDataParallel
     optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
+    schedule: Schedule
     logger: MetricLogger
-    steps_per_epoch: int
-    total_steps: int
     step: int = 0
+    epoch: int = 0
     window: TrainWindow = field(init=False)
 
     def __post_init__(self) -> None:
         self.window = TrainWindow(self.device, self.task.metrics)
 
     @property
-    def epoch(self) -> int:
-        return self.step // self.steps_per_epoch
+    def progress(self) -> float:
+        """Epochs read so far, in samples: the finished epochs plus the share of this one."""
+        return self.epoch + (self.loader.epoch_fraction() if self.loader.epoch == self.epoch else 0.0)
+
+    @property
+    def finished(self) -> bool:
+        """train.epochs read, or train.max_steps optimizer steps taken."""
+        max_steps = self.spec.train.max_steps
+        return self.epoch >= self.spec.train.epochs or (max_steps is not None and self.step >= max_steps)
 
     def autocast(self) -> torch.autocast:
         return precision_context(self.spec.train, self.device)
@@ -76,14 +109,14 @@ def train(spec: JobSpec, env: DistEnv, device: torch.device, preemption: checkpo
     run = build_run(spec, env, device, task, checkpoint.find_resume_point(spec))
     saved, metrics = None, None
     try:
-        while run.step < run.total_steps:
+        while not run.finished:
             ended_by = train_epoch(run, preemption)
             if ended_by == "preempted":
                 return Summary("preempted", run.step, run.epoch, str(save(run)))
-            due = run.step >= run.total_steps or run.epoch % spec.train.eval_every_epochs == 0
+            due = run.finished or run.epoch % spec.train.eval_every_epochs == 0
             metrics = evaluate(run) if due else None
             saved = save(run)
-            if run.step < run.total_steps and preemption.agreed(device):
+            if not run.finished and preemption.agreed(device):
                 return Summary("preempted", run.step, run.epoch, str(saved))
         metrics = metrics or evaluate(run)
     finally:
@@ -93,8 +126,6 @@ def train(spec: JobSpec, env: DistEnv, device: torch.device, preemption: checkpo
 
 
 def build_run(spec: JobSpec, env: DistEnv, device: torch.device, task: Task, resumed: Checkpoint | None) -> TrainingRun:
-    if resumed:
-        checkpoint.check_resumable(resumed, env)
     loader = data.build_train_loader(checkpoint.pinned_data(spec.data, resumed), task.decoder(train=True),
                                      env.rank, env.world_size, pin_memory=device.type == "cuda")
     model = task.build_model()
@@ -102,21 +133,24 @@ def build_run(spec: JobSpec, env: DistEnv, device: torch.device, task: Task, res
         model.load_state_dict(resumed.state["model"])
     ddp = wrap_model(task.prepare_model(model, device), device, spec.train.deterministic)
     optimizer = build_optimizer(model, spec.train, peak_lr(spec, env.world_size))
-    steps_per_epoch = math.ceil(loader.steps_per_epoch / spec.train.grad_accum)
-    total_steps = min(spec.train.max_steps or sys.maxsize, spec.train.epochs * steps_per_epoch)
-    warmup_steps = round(spec.train.warmup_epochs * steps_per_epoch)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, warmup_steps, total_steps))
-    step = resumed.step if resumed else 0
-    logger = build_logger(spec.logging.tensorboard_dir, env.is_main, purge_step=step if resumed else None)
-    hparams = {**flatten(spec.to_dict()), "world_size": env.world_size, "peak_lr": peak_lr(spec, env.world_size)}
-    logger.log_hparams(hparams, (f"val/{task.headline_metric}", "val/loss"))
-    run = TrainingRun(spec, env, device, task, loader, ddp, optimizer, scheduler, logger, steps_per_epoch, total_steps, step)
+    step, epoch = (resumed.step, resumed.epoch) if resumed else (0, 0)
     if resumed:
         optimizer.load_state_dict(resumed.state["optimizer"])
-        scheduler.load_state_dict(resumed.state["scheduler"])
-        checkpoint.restore_rank(resumed, env.rank, loader)
-        if env.is_main:
-            print(f"resuming from {resumed.path} at step {step} (epoch {run.epoch})", flush=True)
+        checkpoint.restore_rank(resumed, env, spec.train.seed, loader)
+    steps_per_epoch = math.ceil(loader.steps_per_epoch / spec.train.grad_accum)
+    schedule = Schedule(optimizer, peak_lr(spec, env.world_size), spec.train.warmup_epochs,
+                        float(spec.train.epochs), steps_per_epoch)
+    logger = build_logger(spec.logging.tensorboard_dir, env.is_main, purge_step=step if resumed else None)
+    hparams = {**flatten(spec.to_dict()), "world_size": env.world_size, "peak_lr": schedule.peak_lr}
+    logger.log_hparams(hparams, (f"val/{task.headline_metric}", "val/loss"))
+    run = TrainingRun(spec, env, device, task, loader, ddp, optimizer, schedule, logger, step, epoch)
+    if spec.train.max_steps is not None:  # the schedule ends where max_steps will stop this world size
+        steps_left = max(spec.train.max_steps - step, 0)
+        schedule.total_epochs = min(schedule.total_epochs, run.progress + steps_left / steps_per_epoch)
+    schedule.apply(run.progress)
+    if resumed and env.is_main:
+        print(checkpoint.resume_message(resumed, run.progress, env.world_size, spec.data.batch_size,
+                                        spec.train.grad_accum, schedule.peak_lr), flush=True)
     return run
 
 
@@ -163,42 +197,47 @@ def build_optimizer(model: nn.Module, train_spec: TrainSpec, lr: float) -> torch
 
 
 def train_epoch(run: TrainingRun, preemption: checkpoint.Preemption) -> str:
-    """Steps until the end of the epoch, max_steps, or an agreed preemption; returns which."""
-    epoch, first = run.epoch, run.step % run.steps_per_epoch
-    run.loader.set_epoch(epoch)
-    last = min(run.steps_per_epoch, first + run.total_steps - run.step)
+    """Steps until the end of the epoch, max_steps, or an agreed preemption; returns which.
+    A resumed epoch starts where the checkpoint left it, at whatever world size wrote it."""
+    run.loader.set_epoch(run.epoch)
     accum = run.spec.train.grad_accum
+    remaining = run.loader.steps_remaining  # batches; an optimizer step takes up to grad_accum of them
     batches = iter(run.loader)
     epoch_watch = Stopwatch()
-    with progress_bar(run, epoch, first) as progress:
-        for index in range(first, last):
-            train_step(run, batches, micro_batches=min(accum, run.loader.steps_per_epoch - index * accum))
+    total, done = math.ceil(run.loader.epoch_steps / accum), math.ceil((run.loader.epoch_steps - remaining) / accum)
+    with progress_bar(run, total, done) as progress:
+        while remaining > 0:
+            micro_batches = min(accum, remaining)
+            train_step(run, batches, micro_batches)
+            remaining -= micro_batches
             progress.update()
-            end_of_epoch = index + 1 == run.steps_per_epoch
-            if run.step % run.spec.logging.log_every_steps == 0 or index + 1 == last:
-                log_window(run, progress, epoch_watch.lap() if end_of_epoch else None)
-            if end_of_epoch:
+            if remaining == 0:
+                run.epoch += 1
+            if run.step % run.spec.logging.log_every_steps == 0 or remaining == 0 or run.finished:
+                log_window(run, progress, epoch_watch.lap() if remaining == 0 else None)
+            if remaining == 0:
                 return "epoch_end"
-            if run.step >= run.total_steps:
+            if run.finished:
                 return "max_steps"
             if preemption.agreed(run.device):
                 return "preempted"
             if run.step % run.spec.checkpoint.every_steps == 0:
                 save(run)
+    run.epoch += 1  # nothing left of a resumed epoch
     return "epoch_end"
 
 
-def progress_bar(run: TrainingRun, epoch: int, first: int) -> tqdm:
+def progress_bar(run: TrainingRun, total: int, done: int) -> tqdm:
     # In a SLURM log (no terminal) a bar redrawn ten times a second buries everything else.
     redraw_s = 0.1 if sys.stdout.isatty() else 30.0
-    return tqdm(total=run.steps_per_epoch, initial=first, desc=f"epoch {epoch + 1}", leave=False, mininterval=redraw_s,
+    return tqdm(total=total, initial=done, desc=f"epoch {run.epoch + 1}", leave=False, mininterval=redraw_s,
                 disable=not (run.env.is_main and run.spec.logging.progress), file=sys.stdout)
 
 
 def log_window(run: TrainingRun, progress: tqdm, epoch_time_s: float | None) -> None:
     """Reduce the window over all ranks (collective); rank 0 logs it and shows it."""
     sums, seconds, perf = run.window.reduce()
-    scalars = {**run.task.report(sums, "train", seconds), **perf, "train/lr": run.scheduler.get_last_lr()[0]}
+    scalars = {**run.task.report(sums, "train", seconds), **perf, "train/lr": run.schedule.lr}
     if epoch_time_s is not None:
         scalars["perf/epoch_time_s"] = epoch_time_s
     run.logger.log(scalars, run.step)
@@ -206,12 +245,13 @@ def log_window(run: TrainingRun, progress: tqdm, epoch_time_s: float | None) -> 
     progress.set_postfix({tag.split("/", 1)[1]: f"{scalars[tag]:.3f}" for tag in shown})
     if run.env.is_main and not run.spec.logging.progress:
         values = ", ".join(f"{tag} {value:.4g}" for tag, value in scalars.items())
-        print(f"step {run.step}/{run.total_steps}: {values}", flush=True)
+        print(f"step {run.step}/{total_steps(run)}: {values}", flush=True)
 
 
 def train_step(run: TrainingRun, batches: Iterator[Batch], micro_batches: int) -> None:
     """One optimizer step over ``micro_batches`` batches; gradients sync only on the last one."""
     watch, data_wait = Stopwatch(), 0.0
+    run.schedule.apply(run.progress)
     for index in range(micro_batches):
         wait = Stopwatch()
         batch = next(batches)
@@ -224,7 +264,6 @@ def train_step(run: TrainingRun, batches: Iterator[Batch], micro_batches: int) -
         (loss / micro_batches).backward()
         run.window.add_batch(sums, samples)
     run.optimizer.step()
-    run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.step += 1
     run.window.add_step(watch.lap(), data_wait)
@@ -259,16 +298,24 @@ def evaluate(run: TrainingRun) -> dict[str, float] | None:
     return metrics
 
 
+def total_steps(run: TrainingRun) -> int:
+    """The step training ends at, if this world size reads the rest (exact unless resized again)."""
+    left = (run.spec.train.epochs - run.progress) * run.schedule.steps_per_epoch
+    estimate = run.step + math.ceil(round(left, 6))
+    return min(estimate, run.spec.train.max_steps or estimate)
+
+
 def save(run: TrainingRun) -> str:
     """Collective checkpoint of everything a resumed job needs to continue bit for bit."""
-    mid_epoch = run.step % run.steps_per_epoch != 0 and run.step < run.total_steps
+    mid_epoch = run.loader.epoch == run.epoch and run.loader.consumed > 0
     state = {
         "step": run.step,
         "epoch": run.epoch,
+        "progress": run.progress,
         "mid_epoch": mid_epoch,
+        "world_size": run.env.world_size,
         "model": run.model.module.state_dict(),
         "optimizer": run.optimizer.state_dict(),
-        "scheduler": run.scheduler.state_dict(),
         "dataset_version": run.loader.dataset_version,
         "spec": run.spec.to_dict(),
     }

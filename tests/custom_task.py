@@ -76,3 +76,22 @@ class PixelMLP(Task[PixelOptions]):
 
     def report(self, sums: dict[str, float], prefix: str, seconds: float | None = None) -> dict[str, float]:
         return {f"{prefix}/loss": sums["loss_sum"] / sums["samples"], f"{prefix}/accuracy": sums["correct"] / sums["samples"]}
+
+
+class RowLogOptions(PixelOptions):
+    row_log: str = Field(description="Directory where each rank appends the row ids of its training batches.")
+
+
+class RowLoggingMLP(PixelMLP):
+    """PixelMLP that also appends, for every training batch, one line of row ids to
+    ``row_log/rank-R.txt``: what each rank trained on, in order, for exactly-once checks."""
+
+    Options = RowLogOptions
+
+    def forward(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        if model.training:
+            import torch.distributed as dist
+
+            with open(f"{self.options.row_log}/rank-{dist.get_rank()}.txt", "a") as log:
+                log.write(" ".join(str(row) for row in batch["row_id"].tolist()) + "\n")
+        return super().forward(model, batch)

@@ -2,7 +2,8 @@
 
 What they prove: equal step counts on every rank (the DDP hang of the reference example cannot
 happen), exactly-once coverage matching the reported drop/pad counts, determinism per seed+epoch
-and a new order per epoch, and that a resumed epoch continues exactly (worker split included).
+and a new order per epoch, and that a resumed epoch continues exactly (worker split included),
+also when it is resumed on other world sizes and batch sizes, any number of times.
 """
 
 import collections
@@ -14,8 +15,13 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from lance_hpc.data.sampling import (
+    EpochOrigin,
     FragmentTable,
+    ResumedEpoch,
+    Segment,
     epoch_batches,
+    remainder_share_rows,
+    rows_read,
     eval_batches,
     plan_from_table,
     rank_share,
@@ -138,6 +144,57 @@ def test_resume_from_any_step_continues_exactly(layout, sampler, world_size, bat
     for round_index in range(max(map(len, per_worker), default=0)):
         merged += [worker[round_index] for worker in per_worker if round_index < len(worker)]
     assert [b.tolist() for b in batches[:start]] + [b.tolist() for b in merged] == [b.tolist() for b in batches]
+
+
+@property_settings
+@given(
+    layout=fragment_layouts,
+    sampler=st.sampled_from(TRAIN_SAMPLERS),
+    uneven=st.sampled_from(["drop", "pad"]),
+    shuffle=st.booleans(),
+    first=st.tuples(st.integers(1, 8), st.integers(1, 16)),
+    resumes=st.lists(st.tuples(st.integers(1, 8), st.integers(1, 16)), min_size=1, max_size=3),
+    data=st.data(),
+)
+def test_an_epoch_resumed_on_other_world_sizes_reads_every_planned_row_once(
+    layout, sampler, uneven, shuffle, first, resumes, data
+):
+    """Saved on 1..8 ranks at any step, resumed on 1..8 ranks (with any batch size), perhaps cut
+    and resumed again: every rank takes the same steps, no batch exceeds its batch size, and the
+    rows read over all segments are exactly the rows the epoch was planned with."""
+    table = FragmentTable.from_rows(layout)
+    world_size, batch_size = first
+    assume(rank_share(table.total_rows, world_size, batch_size, uneven).steps > 0)
+    origin = EpochOrigin(sampler, uneven, shuffle, seed=11, epoch=4)
+    planned = collections.Counter(
+        row for rank in range(world_size)
+        for batch in epoch_batches(table, sampler, rank, world_size, batch_size, uneven=uneven, shuffle=shuffle, seed=11, epoch=4)
+        for row in batch.tolist()
+    )
+    read: collections.Counter = collections.Counter()
+    repeated: collections.Counter = collections.Counter()
+    segments: list[Segment] = []
+    layouts = [first, *resumes]
+    for index, (world_size, batch_size) in enumerate(layouts):
+        epoch = ResumedEpoch(origin, (*segments, Segment(world_size, batch_size, 0)))
+        per_rank = [epoch.batches(table, rank) for rank in range(world_size)]
+        steps = len(per_rank[0])
+        assert all(len(batches) == steps for batches in per_rank)  # equal steps on every rank
+        # one row more only for a batch of 1 whose rows do not split evenly (a row is never left out)
+        assert all(0 < len(batch) <= max(batch_size, 2 if batch_size == 1 else 0) for batches in per_rank for batch in batches)
+        last = index == len(layouts) - 1
+        consumed = steps if last else data.draw(st.integers(0, steps))
+        total, before = epoch.epoch_rows(table), epoch.rows_before(table)
+        shares = (np.full(world_size, total // world_size) if index == 0
+                  else remainder_share_rows(total - before, world_size))
+        for rank, batches in enumerate(per_rank):
+            # a rank with no share of its own (fewer rows left than ranks) repeats rows
+            counter = read if shares[rank] else repeated
+            for batch in batches[:consumed]:
+                counter.update(batch.tolist())
+        assert before + rows_read(shares, steps, batch_size, index > 0, consumed) == sum(read.values())
+        segments.append(Segment(world_size, batch_size, consumed))
+    assert read == planned and sum(repeated.values()) < 8 * len(resumes)
 
 
 @property_settings

@@ -20,7 +20,6 @@ from lance_hpc import data, trainer
 from lance_hpc.checkpoint import (
     Checkpoint,
     Preemption,
-    check_resumable,
     checkpoint_path,
     find_resume_point,
     load_latest,
@@ -89,10 +88,10 @@ def test_one_rank_with_grad_accumulation_and_max_steps(tmp_path: Path, digits) -
         summary = trainer.train(spec, detect({}), device, preemption, load_task(spec))
     assert summary.status == "completed" and summary.step == 5 and "val/accuracy" in summary.metrics
     state = final_state(tmp_path)
-    assert state["step"] == 5 and state["scheduler"]["_last_lr"] == [0.0]  # cosine reached zero at max_steps
+    loader = data.build_train_loader(spec.data, load_task(spec).decoder(train=True), 0, 1)
+    assert state["step"] == 5 and state["progress"] == pytest.approx(5 * 3 * 16 / loader.plan.rows_per_rank)
     logged = scalars(tmp_path / "runs")
     assert [step for step, _ in logged["train/loss"]] == [5]
-    loader = data.build_train_loader(spec.data, load_task(spec).decoder(train=True), 0, 1)
     assert math.ceil(loader.steps_per_epoch / 3) > 5  # so max_steps, not the epoch, ended the run
 
 
@@ -111,13 +110,6 @@ def test_only_usr2_requeues_sigterm_stops(tmp_path: Path, digits) -> None:
     assert not requeued and not asked and "a cancelled job ends here" in message
     preemption.agreed_signal = signal.SIGUSR2
     assert after_preemption(env, spec, preemption, requeue) == (True, "requeued") and len(asked) == 1
-
-
-def test_resume_refuses_another_world_size_mid_epoch() -> None:
-    env = DistEnv("torchrun", 0, 0, 4, 4, 0, 1, "127.0.0.1", 1)
-    with pytest.raises(UserError, match="(?s)written mid-epoch by 2 ranks.*resume with 2 ranks"):
-        check_resumable(Checkpoint(Path("step-00000007.pt"), {"mid_epoch": True, "ranks": [{}, {}]}), env)
-    check_resumable(Checkpoint(Path("step-00000010.pt"), {"mid_epoch": False, "ranks": [{}, {}]}), env)
 
 
 def test_resume_reads_the_checkpointed_dataset_version(tmp_path: Path, digits) -> None:
@@ -169,7 +161,7 @@ def test_two_ranks_train_to_the_bar_and_log_tensorboard(reference_run: FinishedR
     assert logged["val/accuracy"][-1][1] == pytest.approx(accuracy, abs=1e-4)
     assert logged["train/loss"][-1][0] == total_steps and logged["train/loss"][-1][1] < logged["train/loss"][0][1]
     assert max(value for _, value in logged["train/lr"]) == pytest.approx(spec.train.lr, rel=0.02)
-    assert logged["train/lr"][-1][1] == 0.0
+    assert 0 < logged["train/lr"][-1][1] < spec.train.lr * 1e-3  # the last step's rate: cosine all but at zero
     assert all(0 <= value <= 1 for tag in ("train/accuracy", "perf/data_wait_share") for _, value in logged[tag])
     for (_, global_rate), (_, per_rank) in zip(logged["perf/samples_per_s"], logged["perf/samples_per_s_per_rank"]):
         assert global_rate > 0 and per_rank == pytest.approx(global_rate / 2)

@@ -15,32 +15,46 @@ import multiprocessing
 import os
 import signal
 import threading
+from dataclasses import replace
 from multiprocessing import forkserver
 from multiprocessing.context import BaseContext
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
 from lance_hpc.data.iterable import LanceIterableDataset
 from lance_hpc.data.mapstyle import LanceMapDataset, PlanBatchSampler
 from lance_hpc.data.reader import BatchReader, fragment_table, keep_batch
-from lance_hpc.data.sampling import DataPlan, epoch_planner, eval_batches, plan_from_table
+from lance_hpc.data.sampling import (
+    DataPlan,
+    EpochOrigin,
+    EpochPlanner,
+    ResumedEpoch,
+    Segment,
+    epoch_planner,
+    eval_batches,
+    plan_from_table,
+    remainder_share_rows,
+    rows_read,
+)
 from lance_hpc.data.storage import open_dataset, storage_options
 from lance_hpc.errors import UserError
 from lance_hpc.spec import DataSpec
 from lance_hpc.tasks.base import Batch, DatasetInfo, Decoder
 
 log = logging.getLogger("lance_hpc.data")
-STATE_VERSION = 1
+STATE_VERSION = 2
 # What the worker server imports before any worker forks from it. Not Lance: a process that has
 # used Lance must not fork, so each worker imports it after the fork.
 WORKER_PRELOAD = ("torch", "numpy", "simplejpeg", "PIL.Image", "pydantic")
 # SLURM sends its preemption warning (USR2) and SIGTERM (scancel, time limit) to every process of a
 # job step. The rank process turns them into a checkpoint at the next step boundary; the worker
 # server and the workers must not die of them first, which would fail the epoch instead (and lose
-# the batches they already prepared). SIGKILL, which follows SIGTERM, still ends them.
-RANK_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+# the batches they already prepared). SIGKILL, which follows SIGTERM, still ends them. The same
+# holds for SIGINT (Ctrl-C), which a terminal sends to every process of its foreground group.
+RANK_SIGNALS = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
 
 
 def worker_context() -> BaseContext:
@@ -121,6 +135,9 @@ class TrainLoader:
 
     Every rank yields exactly :attr:`steps_per_epoch` batches per epoch (computed from fragment
     metadata, the same on every rank); a short read is an error, never a silent early stop.
+    Restored from a position saved at another world size or batch size, it reads the rest of the
+    interrupted epoch exactly once (:class:`~lance_hpc.data.sampling.ResumedEpoch`), then plans
+    the following epochs for its own layout.
     """
 
     def __init__(self, data: DataSpec, decoder: Decoder, rank: int, world_size: int, *, pin_memory: bool = False):
@@ -133,7 +150,7 @@ class TrainLoader:
         self.world_size = world_size
         dataset, options = _open(data, data.uri)
         self.dataset_version: int = int(dataset.version)
-        table = fragment_table(dataset)
+        table = self.table = fragment_table(dataset)
         self.plan: DataPlan = plan_from_table(
             table, world_size, data.batch_size, style=data.style, sampler=data.sampler,
             uneven=data.uneven, uri=data.uri, version=self.dataset_version,
@@ -146,7 +163,7 @@ class TrainLoader:
         if data.sampler == "full_scan":
             log.warning("full_scan: every rank reads every row, so DDP ranks train on the same data")
         reader = BatchReader(data.uri, self.dataset_version, options, decoder, data.on_corrupt, data.seed, rank)
-        planner = epoch_planner(
+        planner = self._planner = epoch_planner(
             table, data.sampler, rank, world_size, data.batch_size, uneven=data.uneven, shuffle=data.shuffle, seed=data.seed
         )
         # What the next pass starts from: the batch sampler (map style) or the dataset (iterable).
@@ -162,18 +179,66 @@ class TrainLoader:
         self.consumed = 0  # batches of self.epoch handed to the trainer
         self._resume_at = 0
         self.skipped_rows = 0  # corrupt rows replaced so far (on_corrupt: skip)
+        self.resumed: ResumedEpoch | None = None  # an epoch begun at another layout, continued here
+        self._resumed_steps = 0
+        self._shape: tuple[int, tuple[int, int, np.ndarray, int, bool]] | None = None
 
     @property
     def steps_per_epoch(self) -> int:
+        """Batches of a whole epoch at this loader's layout."""
         return self.plan.steps_per_rank
 
     def __len__(self) -> int:
         return self.steps_per_epoch
 
     @property
+    def epoch_steps(self) -> int:
+        """Batches of the selected epoch: a whole epoch, or what remains of one resumed at a new layout."""
+        if self.resumed is not None and self.epoch == self.resumed.origin.epoch:
+            return self._resumed_steps
+        return self.steps_per_epoch
+
+    @property
     def steps_remaining(self) -> int:
         """Batches the next pass yields: the whole epoch, or the rest of a restored one."""
-        return self.steps_per_epoch - self._resume_at
+        return self.epoch_steps - self._resume_at
+
+    def _origin(self, epoch: int) -> EpochOrigin:
+        return EpochOrigin(self.data.sampler, self.data.uneven, self.data.shuffle, self.data.seed, epoch)
+
+    def _segments(self) -> tuple[EpochOrigin, tuple[Segment, ...]]:
+        """The selected epoch as a chain of segments, the last one ending at the current position."""
+        here = Segment(self.world_size, self.data.batch_size, self.consumed)
+        if self.resumed is not None and self.epoch == self.resumed.origin.epoch:
+            return self.resumed.origin, (*self.resumed.segments[:-1], here)
+        return self._origin(self.epoch), (here,)
+
+    def epoch_fraction(self) -> float:
+        """How much of the selected epoch all ranks have read, in rows (0 at its start, 1 at its end):
+        progress in samples, whatever world sizes the epoch was read at."""
+        total, before, shares, steps, remainder = self._epoch_shape()
+        if total == 0:
+            return 1.0
+        return min(1.0, (before + rows_read(shares, steps, self.data.batch_size, remainder, self.consumed)) / total)
+
+    def _epoch_shape(self) -> tuple[int, int, np.ndarray, int, bool]:
+        """The selected epoch's rows, those read by earlier segments, this segment's rows per rank,
+        its steps, and whether it is a remainder (cut into even pieces); cached per epoch."""
+        if self._shape is not None and self._shape[0] == self.epoch:
+            return self._shape[1]
+        if self.resumed is not None and self.epoch == self.resumed.origin.epoch:
+            total = self.resumed.epoch_rows(self.table)
+            if len(self.resumed.segments) == 1:
+                shape = (total, 0, np.full(self.world_size, total // self.world_size), self._resumed_steps, False)
+            else:
+                before = self.resumed.rows_before(self.table)
+                shares = remainder_share_rows(total - before, self.world_size)
+                shape = (total, before, shares, self._resumed_steps, True)
+        else:
+            per_rank = self.plan.rows_per_rank
+            shape = (per_rank * self.world_size, 0, np.full(self.world_size, per_rank), self.steps_per_epoch, False)
+        self._shape = (self.epoch, shape)
+        return shape
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order the next pass reads (a restored epoch keeps its offset)."""
@@ -185,10 +250,12 @@ class TrainLoader:
         start = self._resume_at
         self._resume_at = 0
         self.consumed = start
-        steps = self.steps_per_epoch
+        steps = self.epoch_steps
         if start >= steps:
             return
         self._epoch_source.set_epoch(self.epoch, start)
+        if isinstance(self._epoch_source, PlanBatchSampler):
+            self._epoch_source.steps = steps
         batches = iter(self._loader)
         for _ in range(start, steps):
             try:
@@ -204,43 +271,57 @@ class TrainLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """Where this rank is: the epoch and the batches already handed to the trainer."""
+        origin, segments = self._segments()
         return {
             "version": STATE_VERSION,
             "epoch": self.epoch,
             "batches_consumed": self.consumed,
-            "steps_per_epoch": self.steps_per_epoch,
+            "steps_per_epoch": self.epoch_steps,
             "world_size": self.world_size,
-            "sampler": self.data.sampler,
-            "seed": self.data.seed,
+            "batch_size": self.data.batch_size,
+            "origin": {"sampler": origin.sampler, "uneven": origin.uneven, "shuffle": origin.shuffle, "seed": origin.seed},
+            "segments": [[segment.world_size, segment.batch_size, segment.consumed] for segment in segments],
             "dataset_version": self.dataset_version,
             "skipped_rows": self.skipped_rows,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state``: the next pass starts at the first batch not yet consumed."""
-        mismatched = [
-            f"{key} was {state.get(key)!r}, now {value!r}"
-            for key, value in (
-                ("world_size", self.world_size),
-                ("steps_per_epoch", self.steps_per_epoch),
-                ("sampler", self.data.sampler),
-                ("seed", self.data.seed),
-            )
-            if key in state and state[key] != value
-        ]
-        if mismatched:
-            raise UserError(
-                "cannot resume the data order mid-epoch: " + "; ".join(mismatched)
-                + ". Resume with the same data settings and world size, or start the epoch over"
-            )
+        """Continue from ``state``: the next pass starts at the first batch not yet consumed.
+
+        ``state`` may come from any world size, batch size or sampler settings: at the same layout
+        every rank continues its own batches; at another, the rest of the interrupted epoch is split
+        anew over this job's ranks, keeping the order it was planned in."""
         if state.get("dataset_version") not in (None, self.dataset_version):
             log.warning(
                 "resuming on dataset version %s, the checkpoint read version %s: set data.version to pin it",
                 self.dataset_version, state.get("dataset_version"),
             )
-        self.epoch = int(state["epoch"])
-        self._resume_at = self.consumed = int(state["batches_consumed"])
+        epoch, consumed = int(state["epoch"]), int(state["batches_consumed"])
+        origin = self._origin(epoch)
+        if state.get("origin"):
+            origin = EpochOrigin(**state["origin"], epoch=epoch)
+        saved = state.get("segments") or [[state["world_size"], self.data.batch_size, consumed]]  # version 1
+        segments = [Segment(*(int(value) for value in segment)) for segment in saved]
+        if (segments[-1].world_size, segments[-1].batch_size) != (self.world_size, self.data.batch_size):
+            segments.append(Segment(self.world_size, self.data.batch_size, 0))
+        self.epoch, self._shape = epoch, None
+        self._resume_at = self.consumed = segments[-1].consumed
         self.skipped_rows = int(state.get("skipped_rows", 0))
+        if len(segments) == 1 and origin == self._origin(epoch):
+            self.resumed = None  # the epoch's own plan, continued where this rank stopped
+            self._set_planner(self._planner)
+            return
+        self.resumed = ResumedEpoch(origin, tuple(segments))
+        batches = self.resumed.batches(self.table, self.rank)
+        if self._resume_at > len(batches):
+            raise UserError(f"cannot resume epoch {epoch}: the checkpoint says {self._resume_at} batches were read "
+                            f"of a segment of {len(batches)}; it does not belong to this dataset")
+        self._resumed_steps = len(batches)
+        self._set_planner(replace(self._planner, fixed=(epoch, tuple(batches))))
+
+    def _set_planner(self, planner: EpochPlanner) -> None:
+        """The planner the next pass reads with (persistent workers get it when they start, on the first pass)."""
+        self._epoch_source.planner = planner
 
 
 class EvalLoader:
