@@ -166,7 +166,11 @@ def requeue_handler(spec: JobSpec) -> list[str]:
         "    local job=${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}",
         "    job=${job:-$SLURM_JOB_ID}",
         f'    echo "requeueing job $job (requeue $((${{SLURM_RESTART_COUNT:-0}} + 1)) of at most {spec.slurm.max_requeues})"',
-        '    scontrol requeue "$job" || echo "scontrol requeue $job failed; submit the job again to resume from its checkpoint" >&2',
+        '    if scontrol requeue "$job"; then',
+        "        sleep 300  # SLURM ends this script as it requeues the job; exiting first would race the requeue",
+        "    else",
+        '        echo "scontrol requeue $job failed; submit the job again to resume from its checkpoint" >&2',
+        "    fi",
         "}",
         f"trap {REQUEUE_FUNCTION} EXIT",
     ]

@@ -108,6 +108,7 @@ def run_script_with_shims(spec: JobSpec, tmp_path: Path, srun_body: str, **varia
     shims.mkdir(exist_ok=True)
     (shims / "srun").write_text(f"#!/bin/bash\n{srun_body}\n")
     (shims / "scontrol").write_text(f'#!/bin/bash\necho "$*" >> {shlex.quote(str(tmp_path / "scontrol.calls"))}\n')
+    (shims / "sleep").write_text("#!/bin/bash\necho \"sleep $*\"\n")  # the script waits for SLURM to end it
     for shim in shims.iterdir():
         shim.chmod(0o755)
     script = tmp_path / "job.sbatch"
@@ -127,6 +128,7 @@ def test_the_script_requeues_a_run_of_an_array_when_rank_0_asks(tmp_path: Path) 
     assert result.returncode == 0, result.stderr
     assert calls == ["requeue 70_1"]  # the run itself, not the array 70
     assert "requeueing job 70_1 (requeue 2 of at most 2)" in result.stdout
+    assert "sleep 300" in result.stdout  # until SLURM ends the script, as it does when it requeues a job
     assert not (tmp_path / "requeue-73").exists()  # the request is used up
 
 
