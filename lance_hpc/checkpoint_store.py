@@ -97,12 +97,12 @@ class LocalDirectory:
 class ObjectStore:
     """Checkpoint objects under an ``s3://bucket/prefix`` URI."""
 
-    def __init__(self, uri: str, environ: Mapping[str, str] | None = None) -> None:
+    def __init__(self, uri: str) -> None:
         parsed = urlparse(uri)
         self.uri = uri.rstrip("/")
         self.bucket = parsed.netloc
         self.prefix = f"{parsed.netloc}{parsed.path}".rstrip("/")  # pyarrow's path: bucket/key prefix
-        self.options = storage_options(uri, None, environ)
+        self.options = storage_options(uri)  # endpoint, region and credentials from AWS_* variables
 
     @cached_property
     def filesystem(self) -> fs.S3FileSystem:
@@ -115,10 +115,11 @@ class ObjectStore:
         try:
             found = self.filesystem.get_file_info(fs.FileSelector(self.prefix, allow_not_found=True))
             # a missing bucket lists as empty: say so now, not at the first save hours later
-            if not found and self.filesystem.get_file_info(self.bucket).type == fs.FileType.NotFound:
-                raise OSError(f"NO_SUCH_BUCKET: bucket {self.bucket} not found")
+            bucket_missing = not found and self.filesystem.get_file_info(self.bucket).type == fs.FileType.NotFound
         except OSError as error:
-            raise self.error(error, "list checkpoints in", self.uri) from None
+            raise self.error(str(error), "list checkpoints in", self.uri) from None
+        if bucket_missing:
+            raise self.error("NoSuchBucket", "list checkpoints in", self.uri)
         return [info.base_name for info in found if info.type == fs.FileType.File]
 
     def write(self, name: str, state: dict[str, Any]) -> None:
@@ -130,14 +131,15 @@ class ObjectStore:
             with self.filesystem.open_output_stream(f"{self.prefix}/{name}") as stream:
                 stream.write(payload.getbuffer())
         except OSError as error:
-            raise self.error(error, "write checkpoint", self.location(name), "; earlier checkpoints are untouched") from None
+            untouched = "; earlier checkpoints are untouched"
+            raise self.error(str(error), "write checkpoint", self.location(name), untouched) from None
 
     def read(self, name: str) -> dict[str, Any]:
         try:
             with self.filesystem.open_input_file(f"{self.prefix}/{name}") as file:
                 payload = file.read()
         except OSError as error:
-            raise self.error(error, "read checkpoint", self.location(name)) from None
+            raise self.error(str(error), "read checkpoint", self.location(name)) from None
         return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
 
     def delete(self, name: str) -> None:
@@ -146,14 +148,14 @@ class ObjectStore:
         except FileNotFoundError:
             pass
         except OSError as error:
-            raise self.error(error, "delete checkpoint", self.location(name)) from None
+            raise self.error(str(error), "delete checkpoint", self.location(name)) from None
 
-    def error(self, error: OSError, operation: str, location: str, note: str = "") -> UserError:
+    def error(self, cause: str, operation: str, location: str, note: str = "") -> UserError:
         """A UserError naming the operation, the URI and the fix; credentials never appear in it."""
-        text = redact(str(error), self.options)
+        text = redact(cause, self.options)
         endpoint = self.options.get("endpoint", "the default AWS endpoint")
-        if any(code in text for code in CREDENTIAL_ERRORS):
-            code = next(code for code in CREDENTIAL_ERRORS if code in text)
+        code = next((code for code in CREDENTIAL_ERRORS if code in text), None)
+        if code:
             reason, fix = f"the object store at {endpoint} rejected the credentials ({code})", CREDENTIAL_FIX
         elif "ACCESS_DENIED" in text or "AccessDenied" in text:
             reason = f"access denied at {endpoint}"
@@ -165,7 +167,7 @@ class ObjectStore:
         elif "NETWORK_CONNECTION" in text or "Could not connect" in text or "Couldn't resolve" in text:
             reason, fix = f"cannot reach the object store at {endpoint}", ENDPOINT_FIX
         else:
-            reason = text.splitlines()[0] if text else type(error).__name__
+            reason = text.splitlines()[0] if text else "the object store failed"
             fix = f"check checkpoint.dir and the object store at {endpoint}"
         return UserError(f"cannot {operation} {location}: {reason}{note}\n  fix: {fix}")
 

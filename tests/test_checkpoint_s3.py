@@ -81,9 +81,9 @@ def test_save_list_load_and_prune_on_s3(run_uri: str, s3_env: S3Server, single_r
     checkpoint.write_atomically({"step": 5, "weight": big}, checkpoint.checkpoint_path(run_uri, 5))
     assert torch.equal(checkpoint.load_latest(run_uri).state["weight"], big)
 
-    client = s3_client(s3_env)
-    client.put_object(Bucket=s3_env.bucket, Key=key_prefix(s3_env, run_uri) + "step-00000006.pt", Body=b"not a checkpoint")
-    client.put_object(Bucket=s3_env.bucket, Key=key_prefix(s3_env, run_uri) + "notes.txt", Body=b"not listed")
+    client, prefix = s3_client(s3_env), key_prefix(s3_env, run_uri)
+    client.put_object(Bucket=s3_env.bucket, Key=f"{prefix}step-00000006.pt", Body=b"not a checkpoint")
+    client.put_object(Bucket=s3_env.bucket, Key=f"{prefix}notes.txt", Body=b"not listed")
     assert checkpoint.load_latest(run_uri).step == 5
     assert f"skipping unreadable checkpoint {run_uri}step-00000006.pt" in capsys.readouterr().err
     checkpoint.prune(run_uri, keep=1)
@@ -97,7 +97,8 @@ def test_save_list_load_and_prune_on_s3(run_uri: str, s3_env: S3Server, single_r
 
 
 @pytest.mark.parametrize("directory, problem", [
-    ("gs://bucket/run", "checkpoint.dir: gs:// is not a checkpoint store\n      fix: use a local directory or s3://bucket/prefix"),
+    ("gs://bucket/run",
+     "checkpoint.dir: gs:// is not a checkpoint store\n      fix: use a local directory or s3://bucket/prefix"),
     ("s3:///run", "checkpoint.dir: s3:///run names no bucket\n      fix: write it as s3://bucket/prefix"),
 ])
 def test_the_spec_accepts_s3_checkpoint_dirs_and_refuses_other_schemes(directory: str, problem: str) -> None:
@@ -181,7 +182,8 @@ def test_failed_writes_name_the_uri_the_operation_and_the_fix(run_uri: str, s3_e
         "  fix: export valid AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN for temporary "
         "credentials) for this endpoint in the environment that runs lance-hpc and the job"
     )
-    with pytest.raises(UserError, match=f"cannot list checkpoints in {run_uri[:-1]}: .* rejected the credentials") as listing:
+    listing_refused = f"cannot list checkpoints in {run_uri[:-1]}: .* rejected the credentials"
+    with pytest.raises(UserError, match=listing_refused) as listing:
         checkpoint.load_latest(run_uri)
     errors.append(str(listing.value))
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGWRONGWRONG0")
@@ -196,7 +198,7 @@ def test_failed_writes_name_the_uri_the_operation_and_the_fix(run_uri: str, s3_e
     with pytest.raises(UserError, match=f"cannot write checkpoint {missing}/step-00000001.pt: bucket 'no-such-bucket' "
                                         f"does not exist at {s3_env.endpoint}.*\n  fix: create the bucket"):
         checkpoint.save(missing, 1, state(1), {}, keep=3)
-    with pytest.raises(UserError, match=f"cannot list checkpoints in {missing}: bucket 'no-such-bucket' does not exist"):
+    with pytest.raises(UserError, match=f"cannot list checkpoints in {missing}: bucket 'no-such-bucket' does not"):
         checkpoint.load_latest(missing)
 
     down = f"http://127.0.0.1:{free_port()}"
