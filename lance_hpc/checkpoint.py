@@ -101,7 +101,7 @@ def save(directory: str | Path, step: int, state: dict[str, Any], rank_state: di
 class Checkpoint:
     """A loaded checkpoint: what rank 0 saved, plus every rank's own part in ``state["ranks"]``."""
 
-    path: Path
+    path: Location  # a Path, or an s3:// URI
     state: dict[str, Any]
 
     @property

@@ -1,16 +1,19 @@
 """The trainer on the real two-node SLURM test cluster: 4 ranks (2 nodes x 2 tasks) over gloo.
 
 A job trains to the accuracy bar; a job sent USR2 mid-epoch checkpoints, requeues itself, resumes
-and ends with the reference job's weights (through sbatch and through submitit); a job whose
-rank is SIGKILLed ends with a clear error well before any 10-minute watchdog.
+and ends with the reference job's weights (through sbatch and through submitit); a job stopped on
+4 ranks finishes on 2, reading every row once; a job whose rank is SIGKILLed ends with a clear
+error well before any 10-minute watchdog.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +28,7 @@ from lance_hpc.slurm_cluster import SlurmCluster
 from lance_hpc.spec import JobSpec, load_spec
 from lance_hpc.tasks import load_task
 from lance_hpc.submit import FINAL_STATES, make_executor, write_job_files
+from tests.test_elastic import logged_rows, planned_rows
 from tests.trainer_jobs import (
     FINAL_ACCURACY,
     REPO_ROOT,
@@ -262,3 +266,47 @@ def task_pid(job_id: str, rank: int) -> int:
             return int(entry.name)
     raise AssertionError(f"task {rank} of job {job_id} not found")
 
+
+
+def test_four_ranks_preempted_mid_epoch_continue_on_two_with_every_row_once(
+    slurm_cluster: SlurmCluster, digits: Digits, tmp_path: Path
+) -> None:
+    """4 ranks on 2 nodes get USR2 mid-epoch (with no requeues left, so they save and stop); the
+    job is resubmitted with --set slurm.nodes=1 and finishes on 2 ranks: the rows of the stopped
+    epoch the first job trained on are not read again, the rest exactly once, with equal steps."""
+    task = {"name": f"{REPO_ROOT}/tests/custom_task.py:RowLoggingMLP",
+            "options": {"hidden": 16, "row_log": str(tmp_path / "rows4")}}
+    (tmp_path / "rows4").mkdir()
+    spec = job_spec(tmp_path, digits, slurm_cluster, task=task, train={"epochs": 2, "lr": 0.01},
+                    slurm={"max_requeues": 0})
+    job_id = sbatch(slurm_cluster, spec)
+    wait_for_output(lambda: output_of(spec, job_id), f"step {steps_per_epoch(spec) + 3}/")
+    subprocess.run(["scancel", "--signal=USR2", job_id], env=environ(slurm_cluster), check=True)
+    wait_for_job(slurm_cluster, job_id, 300)
+    assert "not requeued" in output_of(spec, job_id), output_of(spec, job_id)
+    stopped = final_state(tmp_path)
+    assert stopped["mid_epoch"] and stopped["world_size"] == TASKS
+
+    (tmp_path / "rows2").mkdir()
+    spec_file = Path(spec.slurm.log_dir) / f"{spec.name}.spec.yaml"
+    rendered = subprocess.run(
+        [sys.executable, "-m", "lance_hpc.submit", str(spec_file), "--render-only", "--set", "slurm.nodes=1",
+         "--set", f"task.options.row_log={tmp_path / 'rows2'}"],
+        env=environ(slurm_cluster), cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    script = Path(spec.slurm.log_dir) / f"{spec.name}.sbatch"
+    assert str(script) in rendered.stdout + rendered.stderr
+    resized = load_spec(spec_file).spec
+    assert resized.slurm.world_size == 2
+    submitted = subprocess.run(["sbatch", "--parsable", str(script)], env=environ(slurm_cluster), cwd=REPO_ROOT,
+                               capture_output=True, text=True, check=True)
+    second = submitted.stdout.strip().split(";")[0]
+    assert wait_for_job(slurm_cluster, second, 600) == "COMPLETED", output_of(resized, second)
+    assert "written by 4 ranks, continued by 2" in output_of(resized, second)
+
+    before, after = logged_rows(tmp_path / "rows4", TASKS), logged_rows(tmp_path / "rows2", 2)
+    first_epoch = steps_per_epoch(spec)
+    assert len({len(batches) for batches in after}) == 1
+    rest = collections.Counter(row for batches in before for batch in batches[first_epoch:] for row in batch)
+    rest.update(row for batches in after for batch in batches for row in batch)
+    assert rest == planned_rows(spec, TASKS, epoch=1)
+    assert final_state(tmp_path)["epoch"] == 2
