@@ -120,6 +120,28 @@ def test_an_epoch_end_checkpoint_resumes_on_three_ranks_with_more_epochs(tmp_pat
     assert final["epoch"] == 2 and final["step"] == saved["step"] + len(after[0])
 
 
+def test_script_mode_stopped_on_two_ranks_finishes_on_three(tmp_path: Path, digits) -> None:
+    """examples/script_mode (its own loop over ctx.steps) stopped mid-epoch on 2 ranks, rerun on 3."""
+    spec_file = write_spec(tmp_path, digits, entry=f"{REPO_ROOT}/examples/script_mode/train.py:main",
+                           train={"epochs": 3}, logging={"log_every_steps": 1, "progress": False})
+    spec = load_spec(spec_file).spec
+    steps_per_epoch = sum(1 for _ in epoch_batches(fragment_table(open_dataset(spec.data.uri, None, {})),
+                                                   "distributed", 0, 2, spec.data.batch_size))
+    first = submit_local(spec_file, 2)
+    read_until(first, f"step {steps_per_epoch + 4}/")
+    first.send_signal(signal.SIGUSR2)
+    output = first.communicate(timeout=120)[0]
+    assert first.returncode == EXIT_STOPPED, output
+    stopped = final_state(tmp_path)
+    assert stopped["mid_epoch"] and stopped["epoch"] == 1 and 0 < stopped["progress"] - 1 < 1
+    second = submit_local(spec_file, 3)
+    output = second.communicate(timeout=300)[0]
+    assert second.returncode == 0 and "written by 2 ranks, continued by 3" in output, output
+    assert "final validation accuracy" in output
+    final = final_state(tmp_path)
+    assert final["epoch"] == 3 and final["progress"] == 3.0 and final["world_size"] == 3
+
+
 def test_ctrl_c_saves_stops_with_one_line_and_the_rerun_continues(tmp_path: Path, digits) -> None:
     spec_file = write_spec(tmp_path, digits, data={"num_workers": 1}, train={"epochs": 50},
                            logging={"log_every_steps": 1, "progress": False})
