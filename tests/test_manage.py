@@ -119,6 +119,10 @@ def test_outcome_is_read_from_the_last_run_of_the_job() -> None:
     assert progress.outcome_from_log(stopped) == "stopped at step 40 by SIGTERM, checkpoint /c/step-00000040.pt"
     failed = "1: lance_hpc.run: rank 1 failed: out of memory\n"
     assert progress.outcome_from_log(requeued, failed) == "failed: rank 1 failed: out of memory"
+    traceback = ("0: Traceback (most recent call last):\n0:   File \"x.py\", line 1, in f\n"
+                 "0: lance_hpc.run.TrainingFailed: rank 0/2: lost contact with another rank\n"
+                 "srun: error: node1: task 0: Exited with exit code 1\n")
+    assert progress.outcome_from_log("", traceback) == "failed: TrainingFailed: rank 0/2: lost contact with another rank"
 
 
 def test_rank_filter_keeps_one_ranks_labelled_lines_without_the_label() -> None:

@@ -8,6 +8,7 @@ and ``status``, ``logs`` and ``cancel`` are the subcommands.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable
 
@@ -29,7 +30,8 @@ def target_parser(prog: str, description: str, epilog: str) -> argparse.Argument
 
 
 def run_reporting_errors(command: Callable[[], int], prog: str) -> int:
-    """Run ``command``; a UserError becomes one message and exit 2, Ctrl-C a quiet exit 130."""
+    """Run ``command``; a UserError becomes one message and exit 2, Ctrl-C a quiet exit 130, and a
+    closed pipe on stdout a quiet end."""
     try:
         return command()
     except UserError as error:
@@ -38,3 +40,6 @@ def run_reporting_errors(command: Callable[[], int], prog: str) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (``lance-hpc logs ... | head``): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0

@@ -23,6 +23,9 @@ OUTCOMES = (
     (re.compile(r"final validation (.+) after (\d+) steps"), lambda m: f"finished after {m[2]} steps, validation {m[1]}"),
     (re.compile(r"training finished after (\d+) steps"), lambda m: f"finished after {m[1]} steps"),
     (re.compile(r"lance_hpc\.run: (.+)"), lambda m: f"failed: {m[1]}"),
+    # the summary line of a Python traceback (submitit jobs print the rank's exception this way)
+    (re.compile(r"^(?:\s*\d+: )?((?:\w+\.)*\w*(?:Error|Exception|Failed)): (.+)$", re.MULTILINE),
+     lambda m: f"failed: {m[1].rsplit('.', 1)[-1]}: {m[2]}"),
 )
 
 
