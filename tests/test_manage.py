@@ -20,6 +20,7 @@ from lance_hpc.data import build_train_loader
 from lance_hpc.manage import logs, progress, queue, records
 from lance_hpc.slurm_cluster import SlurmCluster
 from lance_hpc.spec import JobSpec, load_spec
+from lance_hpc.spec.sweep import expand
 from lance_hpc.submit import write_job_files
 from lance_hpc.tasks import load_task
 from tests.trainer_jobs import REPO_ROOT, Digits, digits, write_spec
@@ -288,6 +289,31 @@ def test_a_job_slurm_forgot_is_reported_from_records_and_log(
     assert "job 987654 (forgotten): gone from SLURM; it ended FAILED with exit code 3:0" in status, status
     assert "ended       stopped at step 7 by SIGTERM" in status and "checkpoint  none yet" in status
     assert "0: step 7/4500" in lance_hpc(slurm_cluster, "logs", str(spec_path)).stdout
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_a_sweep_is_reported_run_by_run_with_each_runs_own_checkpoints(
+    slurm_cluster: SlurmCluster, digits: Digits, tmp_path: Path
+) -> None:
+    slurm = {"partition": slurm_cluster.partition, "log_dir": str(tmp_path / "logs")}
+    spec_path = write_spec(tmp_path, digits, name="swept", slurm=slurm, sweep={"train.lr": [0.01, 0.003]})
+    spec = load_spec(spec_path).spec
+    runs = expand(spec)
+    records.record_submission(spec, "987600", via="submitit")  # an array SLURM has since forgotten
+    records.record_submission(spec, "987610", via="submitit")  # and the later resubmission
+    (Path(spec.slurm.log_dir) / "swept-987610_1.out").write_text("job 987610 (restart 0)\n0: training finished after 5 steps\n")
+    status = lance_hpc(slurm_cluster, "status", str(spec_path)).stdout
+    headlines = [line for line in status.splitlines() if line.startswith("job ")]
+    assert headlines == [f"job 987610_{run.index} ({run.spec.name}): gone from SLURM (it forgot the job: no accounting, "
+                         "or long ended), final state not recorded" for run in runs], status
+    assert f"checkpoint  none yet in {runs[1].spec.checkpoint.dir}" in status and "ended       finished after 5 steps" in status
+    assert f"spec        {spec_path} (run 1: train.lr=0.003)" in status
+    everything = lance_hpc(slurm_cluster, "status", str(spec_path), "--all").stdout
+    assert [line.split(" (")[0] for line in everything.splitlines() if line.startswith("job ")] == [
+        "job 987600_0", "job 987600_1", "job 987610_0", "job 987610_1"]
+    one = lance_hpc(slurm_cluster, "logs", str(spec_path), "--job", "987610_1", "--stdout").stdout
+    assert one == "job 987610 (restart 0)\n0: training finished after 5 steps\n"
 
 
 @pytest.mark.slow

@@ -121,6 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def command() -> int:
         queue.require("scancel")
-        return cancel(records.resolve(args.target, args.set, args.job)[0], args.now, args.timeout)
+        refs = records.resolve(args.target, args.set, args.job)  # a sweep: each run of its latest array
+        return max(cancel(ref, args.now, args.timeout) for ref in refs)
 
     return run_reporting_errors(command, PROG)

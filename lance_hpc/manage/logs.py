@@ -46,13 +46,14 @@ def submitit_folder(log_dir: str) -> Path:
 
 def job_logs(ref: JobRef, job: queue.SlurmJob | None, rank: int | None = None) -> JobLogs:
     """Where ``ref``'s output is (or will be), for every rank or just ``rank``."""
-    if ref.spec is not None:
-        out, err = (expand_job_id(path, ref.job_id) for path in render.log_paths(ref.spec))
-        submitit_task = JobPaths(submitit_folder(ref.spec.slurm.log_dir), ref.job_id, 0)
+    owner = ref.log_owner
+    if ref.spec is not None and owner is not None:
+        out, err = (expand_job_id(path, ref.job_id) for path in render.log_paths(owner))
+        submitit_task = JobPaths(submitit_folder(owner.slurm.log_dir), ref.job_id, 0)
         if out.exists() or not (submitit_task.stdout.exists() or (job and job.stdout == str(submitit_task.stdout))):
             return JobLogs([out, err], labelled=True)
         tasks = [rank] if rank is not None else range(ref.spec.slurm.world_size)
-        paths = [JobPaths(submitit_folder(ref.spec.slurm.log_dir), ref.job_id, task) for task in tasks]
+        paths = [JobPaths(submitit_folder(owner.slurm.log_dir), ref.job_id, task) for task in tasks]
         return JobLogs([path for task in paths for path in (task.stdout, task.stderr)], labelled=False)
     if job is None or not job.stdout:
         raise UserError(f"cannot tell where job {ref.job_id} writes its log\n"

@@ -26,11 +26,18 @@ JOB_ID = re.compile(r"^\d+(_\d+)?$")
 
 @dataclass(frozen=True)
 class JobRef:
-    """A job to report on: its id, its spec when known, and where the spec came from."""
+    """A job to report on: its id, its spec when known, and where the spec came from. A sweep's
+    run has its own spec; ``log_spec`` is the sweep's, which names the array's log files."""
 
     job_id: str
     spec: JobSpec | None
     spec_source: str = ""
+    log_spec: JobSpec | None = None
+    run_label: str = ""  # a sweep's run: " (run 2: train.lr=0.05)"
+
+    @property
+    def log_owner(self) -> JobSpec | None:
+        return self.log_spec or self.spec
 
 
 def records_path(spec: JobSpec) -> Path:
@@ -77,13 +84,16 @@ def job_ids_of(spec: JobSpec) -> list[str]:
 
 
 def resolve(target: str, overrides: Sequence[str] = (), job_id: str | None = None, every: bool = False) -> list[JobRef]:
-    """The jobs ``target`` (a job spec path or a job id) names: the latest of a spec's jobs, the
-    one ``job_id`` picks, or with ``every`` all of them, oldest first."""
+    """The jobs ``target`` (a job spec path or a job id) names: the latest of a spec's jobs (of a
+    sweep: every run of its latest array), the one ``job_id`` picks, or with ``every`` all of them,
+    oldest first."""
     if JOB_ID.match(target) and not Path(target).exists():
         if overrides:
             raise UserError("--set goes with a job spec, not a job id")
         return [JobRef(target, *spec_of_job(target))]
     spec = load_spec(target, overrides).spec
+    if spec.sweep:
+        return sweep_runs(spec, target, job_id, every)
     ids = job_ids_of(spec)
     if job_id is not None:
         if job_id not in ids:
@@ -92,12 +102,34 @@ def resolve(target: str, overrides: Sequence[str] = (), job_id: str | None = Non
                             f"  fix: pick one of those, or give the job id alone: lance-hpc ... {job_id}")
         ids = [job_id]
     if not ids:
-        raise UserError(
-            f"{target} ({spec.name}) has no job that lance_hpc can find: none in {records_path(spec)}, "
-            f"no {spec.name}-<id>.out log in {spec.slurm.log_dir}, none named {spec.name} in squeue\n"
-            f"  fix: submit it with `lance-hpc submit {target}`, or give the job id instead of the spec"
-        )
+        raise never_submitted(spec, target)
     return [JobRef(one, spec, target) for one in (ids if every else ids[-1:])]
+
+
+def sweep_runs(spec: JobSpec, target: str, job_id: str | None, every: bool) -> list[JobRef]:
+    """A sweep's array tasks, one per run (``<array id>_<run index>``), each with its run's spec."""
+    from lance_hpc.spec.sweep import expand
+
+    runs = expand(spec, target)
+    arrays = sorted({found.partition("_")[0] for found in job_ids_of(spec)}, key=queue.job_order)
+    if not arrays:
+        raise never_submitted(spec, target)
+    refs = [JobRef(f"{array}_{run.index}", run.spec, target, spec, f" (run {run.index}: {run.describe()})")
+            for array in (arrays if every or job_id else arrays[-1:]) for run in runs]
+    if job_id is not None:
+        refs = [ref for ref in refs if job_id in (ref.job_id, ref.job_id.partition("_")[0])]
+        if not refs:
+            raise UserError(f"job {job_id} is not one of {target}'s runs (arrays found: {', '.join(arrays)})\n"
+                            "  fix: give an array id, or <array id>_<run index> for one run")
+    return refs
+
+
+def never_submitted(spec: JobSpec, target: str) -> UserError:
+    return UserError(
+        f"{target} ({spec.name}) has no job that lance_hpc can find: none in {records_path(spec)}, "
+        f"no {spec.name}-<id>.out log in {spec.slurm.log_dir}, none named {spec.name} in squeue\n"
+        f"  fix: submit it with `lance-hpc submit {target}`, or give the job id instead of the spec"
+    )
 
 
 def spec_of_job(job_id: str) -> tuple[JobSpec | None, str]:

@@ -19,7 +19,7 @@ PROG = "lance-hpc status"
 
 def headline(ref: JobRef, job: queue.SlurmJob | None, recorded: dict) -> str:
     """``job 1234 (digits4): RUNNING for 0:03:12 on node[1-2], restarts 1``."""
-    name = job.name if job else (ref.spec.name if ref.spec else "?")
+    name = ref.spec.name if ref.spec else (job.name if job else "?")
     if job is None:
         if "state" in recorded:
             detail = f"gone from SLURM; it ended {recorded['state']}" + (
@@ -50,7 +50,7 @@ def report(ref: JobRef, job: queue.SlurmJob | None) -> list[str]:
         return lines
     if job is not None:
         records.record_state(spec, job)
-    lines.append(f"  spec        {ref.spec_source}")
+    lines.append(f"  spec        {ref.spec_source}{ref.run_label}")
     job_logs = logs.job_logs(ref, job)
     ended = job is None or job.ended
     if ended:
