@@ -137,8 +137,8 @@ def test_corrupt_rows_are_skipped_without_changing_step_counts(tmp_path):
     loaders = [train_loader(spec(uri, sampler="distributed"), rank, 2) for rank in range(2)]
     steps = [len(epoch_labels(loader, 0)) for loader in loaders]
     assert steps == [loaders[0].steps_per_epoch] * 2
-    assert sum(loader.skipped_rows for loader in loaders) == 3
-    assert loaders[0].state_dict()["skipped_rows"] == loaders[0].skipped_rows
+    assert sum(loader.stats.skipped for loader in loaders) == 3
+    assert loaders[0].state_dict()["skipped_rows"] == loaders[0].stats.skipped
 
 
 def test_corrupt_rows_fail_names_the_row(tmp_path):

@@ -11,7 +11,7 @@ import torch
 from multiprocessing.reduction import ForkingPickler
 
 from lance_hpc.bench.resources import descendants
-from lance_hpc.data.reader import ROW_ID_FIELD
+from lance_hpc.data.reader import ROW_ID_FIELD, ReadStats
 from lance_hpc.data.transport import BufferPool
 from lance_hpc.spec import DataSpec
 from lance_hpc.tasks.base import ROW_ID
@@ -35,9 +35,9 @@ def test_a_buffer_is_reused_only_after_every_tensor_over_it_is_freed():
     first.fields["image"].copy_(torch.arange(96, dtype=torch.uint8).view(2, 4, 4, 3).permute(0, 3, 1, 2))
     first.fields["label"].copy_(torch.tensor([7, 9]))
     first.fields[ROW_ID].copy_(torch.tensor([70, 90]))
-    first.skipped = 1
-    fields, skipped = send(first)
-    assert set(fields) == {"image", "label", ROW_ID} and skipped == 1
+    first.stats = ReadStats(skipped=1, retries=2)
+    fields, stats = send(first)
+    assert set(fields) == {"image", "label", ROW_ID} and stats == ReadStats(skipped=1, retries=2)
     assert torch.equal(fields["image"], first.fields["image"]) and fields["label"].tolist() == [7, 9]
     assert fields[ROW_ID].tolist() == [70, 90] and fields[ROW_ID].dtype == torch.int64
     assert fields["image"].is_contiguous(memory_format=torch.channels_last)

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 
 from lance_hpc.data.iterable import LanceIterableDataset
 from lance_hpc.data.mapstyle import LanceMapDataset, PlanBatchSampler
-from lance_hpc.data.reader import BatchReader, fragment_table, keep_batch
+from lance_hpc.data.reader import BatchReader, ReadStats, fragment_table, keep_batch
 from lance_hpc.data.sampling import (
     DataPlan,
     EpochOrigin,
@@ -178,7 +178,7 @@ class TrainLoader:
         self.epoch = 0
         self.consumed = 0  # batches of self.epoch handed to the trainer
         self._resume_at = 0
-        self.skipped_rows = 0  # corrupt rows replaced so far (on_corrupt: skip)
+        self.stats = ReadStats()  # corrupt rows replaced, store requests retried: so far
         self.resumed: ResumedEpoch | None = None  # an epoch begun at another layout, continued here
         self._resumed_steps = 0
         self._shape: tuple[int, tuple[int, int, np.ndarray, int, bool]] | None = None
@@ -259,14 +259,14 @@ class TrainLoader:
         batches = iter(self._loader)
         for _ in range(start, steps):
             try:
-                fields, skipped = next(batches)
+                fields, stats = next(batches)
             except StopIteration:
                 raise RuntimeError(
                     f"rank {self.rank}: the data loader ended after {self.consumed} of {steps} batches of epoch "
                     f"{self.epoch}; stopping instead of leaving the other ranks waiting"
                 ) from None
             self.consumed += 1
-            self.skipped_rows += skipped
+            self.stats.add(stats)
             yield fields
 
     def state_dict(self) -> dict[str, Any]:
@@ -282,7 +282,7 @@ class TrainLoader:
             "origin": {"sampler": origin.sampler, "uneven": origin.uneven, "shuffle": origin.shuffle, "seed": origin.seed},
             "segments": [[segment.world_size, segment.batch_size, segment.consumed] for segment in segments],
             "dataset_version": self.dataset_version,
-            "skipped_rows": self.skipped_rows,
+            "skipped_rows": self.stats.skipped,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -306,7 +306,7 @@ class TrainLoader:
             segments.append(Segment(self.world_size, self.data.batch_size, 0))
         self.epoch, self._shape = epoch, None
         self._resume_at = self.consumed = segments[-1].consumed
-        self.skipped_rows = int(state.get("skipped_rows", 0))
+        self.stats = ReadStats(skipped=int(state.get("skipped_rows", 0)))
         if len(segments) == 1 and origin == self._origin(epoch):
             self.resumed = None  # the epoch's own plan, continued where this rank stopped
             self._set_planner(self._planner)
@@ -340,14 +340,14 @@ class EvalLoader:
         self._loader = _data_loader(
             LanceMapDataset(reader, rows), data, pin_memory, True, batch_sampler=_FixedBatches(self.batches)
         )
-        self.skipped_rows = 0
+        self.stats = ReadStats()
 
     def __len__(self) -> int:
         return len(self.batches)
 
     def __iter__(self) -> Iterator[Batch]:
-        for fields, skipped in self._loader:
-            self.skipped_rows += skipped
+        for fields, stats in self._loader:
+            self.stats.add(stats)
             yield fields
 
 

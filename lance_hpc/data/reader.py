@@ -33,6 +33,19 @@ class CorruptRowError(UserError):
 
 
 @dataclass
+class ReadStats:
+    """What reading batches took besides the rows, summed over batches: corrupt rows replaced
+    (``on_corrupt: skip``) and requests to the store that were retried."""
+
+    skipped: int = 0
+    retries: int = 0
+
+    def add(self, other: ReadStats) -> None:
+        self.skipped += other.skipped
+        self.retries += other.retries
+
+
+@dataclass
 class BatchReader:
     """Reads and decodes batches of row ids; holds an open dataset only after first use."""
 
@@ -60,15 +73,20 @@ class BatchReader:
     def fields(self) -> dict[str, FieldSpec]:
         return {**self.decoder.fields(), ROW_ID: ROW_ID_FIELD}
 
-    def read(self, row_ids: np.ndarray, epoch: int, batch_index: int, *, shared: bool = True) -> tuple[Batch, int] | SharedBatch:
-        """(fields, corrupt rows replaced) of the rows ``row_ids``, in row-id order.
+    def take(self, row_ids: np.ndarray, stats: ReadStats) -> Any:
+        """The task's columns of ``row_ids`` (sorted, unique) as an Arrow table: one ``take``."""
+        return self.dataset.take(row_ids, columns=list(self.decoder.columns))
+
+    def read(self, row_ids: np.ndarray, epoch: int, batch_index: int, *, shared: bool = True) -> tuple[Batch, ReadStats] | SharedBatch:
+        """(fields, read stats) of the rows ``row_ids``, in row-id order.
 
         In a DataLoader worker (and with ``shared``) the batch is written into one of the worker's
         shared buffers and reaches the main process as that same pair (see
         :mod:`lance_hpc.data.transport`)."""
         ids = np.asarray(row_ids, dtype=np.int64)
         unique, inverse = np.unique(ids, return_inverse=True)  # sorted: Lance reads in file order
-        table = self.dataset.take(unique, columns=list(self.decoder.columns))
+        stats = ReadStats()
+        table = self.take(unique, stats)
         if len(unique) != len(ids):  # padding can repeat a row within a batch
             table = table.take(inverse)
             unique = unique[inverse]
@@ -83,14 +101,14 @@ class BatchReader:
         try:
             out[ROW_ID].copy_(torch.from_numpy(unique))
             bad = self.decoder.decode(table, out, rng)
-            skipped = apply_corrupt_policy(out, bad, self.on_corrupt, self.uri)
+            stats.skipped = apply_corrupt_policy(out, bad, self.on_corrupt, self.uri)
         except BaseException:
             if shared_batch is not None:
                 shared_batch.release()
             raise
         if shared_batch is None:
-            return out, skipped
-        shared_batch.skipped = skipped
+            return out, stats
+        shared_batch.stats = stats
         return shared_batch
 
 

@@ -68,24 +68,25 @@ class Buffer:
 
 class SharedBatch:
     """A batch written into a worker's buffer. Sent to the main process, it arrives as the pair
-    ``(fields, skipped)``: a dict of tensors over the same memory, and the rows skipped."""
+    ``(fields, stats)``: a dict of tensors over the same memory, and what reading it took
+    (a small picklable record, :class:`lance_hpc.data.reader.ReadStats`)."""
 
     def __init__(self, buffer: Buffer, placed: Layout, rows: int) -> None:
         self.buffer = buffer
         self.placed = placed
         self.rows = rows
         self.fields = _views(buffer.data, placed, rows)
-        self.skipped = 0
+        self.stats: Any = None
 
     def release(self) -> None:
         """Give the buffer back without sending it (the batch failed)."""
         self.buffer.mapping[0] = FREE
 
     def __reduce__(self) -> tuple[Any, tuple]:
-        return _receive, (DupFd(self.buffer.fd), self.buffer.nbytes, self.placed, self.rows, self.skipped)
+        return _receive, (DupFd(self.buffer.fd), self.buffer.nbytes, self.placed, self.rows, self.stats)
 
 
-def _receive(fd: Any, nbytes: int, placed: Layout, rows: int, skipped: int) -> tuple[dict[str, torch.Tensor], int]:
+def _receive(fd: Any, nbytes: int, placed: Layout, rows: int, stats: Any) -> tuple[dict[str, torch.Tensor], Any]:
     """Main process: map the buffer; when the last tensor over it is freed, mark it free."""
     try:
         descriptor = fd.detach()  # fetched from the worker that sent the batch
@@ -100,7 +101,7 @@ def _receive(fd: Any, nbytes: int, placed: Layout, rows: int, skipped: int) -> t
         os.close(descriptor)
     owner = np.frombuffer(mapping, dtype=np.uint8)  # kept alive by every tensor built below
     weakref.finalize(owner, _release, mapping)
-    return _views(torch.from_numpy(owner), placed, rows), skipped
+    return _views(torch.from_numpy(owner), placed, rows), stats
 
 
 def _release(mapping: mmap.mmap) -> None:
