@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 from typing import Sequence
-
-from submitit.core.utils import JobPaths
 
 from lance_hpc.errors import UserError
 from lance_hpc.manage import logs, progress, queue, records, run_reporting_errors, target_parser
@@ -26,13 +23,8 @@ EXIT_TIMED_OUT = 1
 POLL_S, PROGRESS_EVERY_S = 1.0, 10.0
 
 
-def is_submitit_job(job: queue.SlurmJob) -> bool:
-    """submitit names its jobs' logs ``<folder>/<id>_<task>_log.out``."""
-    return Path(job.stdout).name == JobPaths("", job.job_id, 0).stdout.name
-
-
 def stop_signal(job: queue.SlurmJob) -> str:
-    return "USR2" if is_submitit_job(job) else "TERM"
+    return "USR2" if job.via_submitit else "TERM"
 
 
 def cancel(ref: JobRef, now: bool, timeout_s: float) -> int:

@@ -49,8 +49,8 @@ def job_logs(ref: JobRef, job: queue.SlurmJob | None, rank: int | None = None) -
     owner = ref.log_owner
     if ref.spec is not None and owner is not None:
         out, err = (expand_job_id(path, ref.job_id) for path in render.log_paths(owner))
-        submitit_task = JobPaths(submitit_folder(owner.slurm.log_dir), ref.job_id, 0)
-        if out.exists() or not (submitit_task.stdout.exists() or (job and job.stdout == str(submitit_task.stdout))):
+        submitit_log = JobPaths(submitit_folder(owner.slurm.log_dir), ref.job_id, 0).stdout
+        if out.exists() or not (submitit_log.exists() or (job is not None and job.via_submitit)):
             return JobLogs([out, err], labelled=True)
         tasks = [rank] if rank is not None else range(ref.spec.slurm.world_size)
         paths = [JobPaths(submitit_folder(owner.slurm.log_dir), ref.job_id, task) for task in tasks]
@@ -155,7 +155,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--rank must be 0 or more")
 
     def command() -> int:
-        ref = records.resolve(args.target, args.set, args.job)[0]
+        refs = records.resolve(args.target, args.set, args.job)
+        ref = refs[0]
+        if len(refs) > 1:
+            print(f"{PROG}: showing {ref.job_id}, the first of {len(refs)} runs; pick another with --job "
+                  f"({', '.join(other.job_id for other in refs[1:])})", file=sys.stderr)
         job = queue.show_job(ref.job_id) if queue.have_slurm() else None
         if ref.spec is not None and args.rank is not None and args.rank >= ref.spec.slurm.world_size:
             raise UserError(f"--rank {args.rank}: job {ref.job_id} has ranks 0 to {ref.spec.slurm.world_size - 1}")

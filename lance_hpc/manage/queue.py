@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import re
 import shutil
+import signal
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 from lance_hpc.errors import UserError
 from lance_hpc.submit import FINAL_STATES
@@ -20,6 +22,7 @@ from lance_hpc.submit import FINAL_STATES
 SCONTROL_KEY = re.compile(r"(?:^|\s)([A-Za-z][A-Za-z0-9_/:]*)=")
 SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Start", "End", "Elapsed", "NodeList")
 COMMAND_TIMEOUT_S = 30
+SHELL_SIGNAL_BASE = 128  # a process killed by signal N exits 128 + N as the shell reports it
 # Exit codes of ``python -m lance_hpc.run`` (lance_hpc.run), as SLURM reports them for the job.
 RUN_EXIT_MEANINGS = {
     "1": "training failed",
@@ -49,6 +52,11 @@ class SlurmJob:
     command: str = ""
 
     @property
+    def via_submitit(self) -> bool:
+        """submitit names a job's logs ``<folder>/<id>_<task>_log.out``; task 0's is the batch log."""
+        return Path(self.stdout).name == f"{self.job_id}_0_log.out"
+
+    @property
     def ended(self) -> bool:
         return self.state in FINAL_STATES
 
@@ -64,6 +72,8 @@ class SlurmJob:
         if signal_number not in ("", "0"):
             return f"exit {code}, killed by signal {signal_number}"
         meaning = RUN_EXIT_MEANINGS.get(code)
+        if meaning is None and code.isdigit() and int(code) > SHELL_SIGNAL_BASE:  # the shell's 128 + signal
+            meaning = f"a task ended by {_signal_name(int(code) - SHELL_SIGNAL_BASE)}"
         return f"exit {code}" + (f" ({meaning})" if meaning else "")
 
 
@@ -179,6 +189,13 @@ def require(command: str) -> None:
             f"{command} not found on PATH, so this machine cannot reach SLURM\n"
             "  fix: run this on your cluster's login node (where sbatch, squeue and scontrol work)"
         )
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _known(value: str) -> str:
