@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -177,6 +178,12 @@ exec "$@"
 """
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 @pytest.mark.slow
 @pytest.mark.slurm
 def test_apptainer_job_is_preempted_requeued_by_its_script_and_resumes(
@@ -197,7 +204,10 @@ def test_apptainer_job_is_preempted_requeued_by_its_script_and_resumes(
                            logging={"log_every_steps": 1, "progress": False}, checkpoint={"every_steps": 200, "keep": 3})
     spec = load_spec(spec_path).spec
     spec_file, script = submit.write_job_files(spec)
-    environ = {**os.environ, **slurm_cluster.env, "PYTHONPATH": str(REPO_ROOT), "PATH": f"{shims}:{os.environ['PATH']}"}
+    # A port of our own: the port derived from the job id would be the same for job 1 of every
+    # test cluster that other sessions run on this machine at the same time.
+    environ = {**os.environ, **slurm_cluster.env, "PYTHONPATH": str(REPO_ROOT), "PATH": f"{shims}:{os.environ['PATH']}",
+               "MASTER_PORT": str(free_port())}
     submitted = subprocess.run(["sbatch", "--parsable", str(script)], env=environ, cwd=REPO_ROOT,
                                capture_output=True, text=True, check=True)
     job_id = submitted.stdout.strip().split(";")[0]
