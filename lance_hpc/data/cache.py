@@ -1,0 +1,434 @@
+"""The node-local cache (``data.cache``): Lance data files fetched once, read from local disk after.
+
+Lance data files and deletion files are immutable and uniquely named, so the cache keeps whole
+files. ``<dir>/<dataset key>/`` is itself a Lance dataset root: ``data/`` and ``_deletions/`` hold
+the files fetched so far, ``_versions/`` the manifest of every version read through the cache. A
+process opens that root at its pinned version; rows of fragments whose files are all there are read
+from it, the other rows from the store, while a background thread fetches the missing fragments.
+
+Every rank and DataLoader worker on the node shares the directory:
+
+- one process fetches a file: it holds an ``fcntl`` lock on the file's lock file under ``.locks/``
+  while it downloads; the others find the lock taken and read from the store meanwhile;
+- a fetch writes ``<name>.<pid>-<thread>.partial``, fsyncs it, checks its size against the
+  manifest and renames it to ``<name>`` (then fsyncs the directory): a process killed mid-download
+  leaves only a ``.partial`` file, which no reader opens and the next fetcher deletes;
+- the cache stays under ``max_gb``: after each fetch, files are deleted oldest use first (a file's
+  modification time is its last use; readers touch it). A deleted file still open by a reader
+  stays readable (Linux); a reader that finds a file gone reads those rows from the store. The
+  manifest of a version some process has open (a shared ``fcntl`` lock) is never deleted;
+- the dataset key is the dataset's URI and endpoint, and the manifest decides which files a
+  version reads. A process checks that the cached manifest lists the same files as the store's
+  manifest of its version (the same version number of a dataset deleted and written again does
+  not), and fetches it again otherwise, so a reader never gets another version's bytes.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import queue
+import re
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
+
+import numpy as np
+import pyarrow as pa
+from pyarrow import fs
+
+from lance_hpc.errors import UserError
+
+log = logging.getLogger("lance_hpc.data")
+
+CHUNK_BYTES = 16 * 2**20  # one ranged GET per chunk; the memory a fetch holds
+TOUCH_INTERVAL_S = 10.0  # a process marks a fragment used at most this often
+RETRY_FETCH_S = 60.0  # after a failed fetch, the fragment is read from the store this long
+PARTIAL = ".partial"
+MANIFEST_DIR = "_versions"
+CACHED_DIRS = ("data", "_deletions", MANIFEST_DIR)
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class CachedFile:
+    """A file of the dataset, by its path under the dataset root; ``size`` from the manifest (None
+    where it does not say)."""
+
+    path: str
+    size: int | None = None
+
+
+def dataset_key(uri: str, options: Mapping[str, str]) -> str:
+    """The cache subdirectory of a dataset: readable name plus a hash of its URI and endpoint."""
+    identity = f"{options.get('endpoint', '')}|{uri.rstrip('/')}"
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", uri.rstrip("/").rsplit("/", 1)[-1])[:60] or "dataset"
+    return f"{name}-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
+
+
+def manifest_names(version: int) -> tuple[str, str]:
+    """A version's manifest as Lance names it: the newer scheme first (u64 max minus the version,
+    20 digits), then the older one."""
+    return f"{MANIFEST_DIR}/{2**64 - 1 - version:020d}.manifest", f"{MANIFEST_DIR}/{version}.manifest"
+
+
+def fragment_files(fragment: Any) -> tuple[CachedFile, ...] | None:
+    """The files a fragment's rows are read from, or None when one lives under another base path
+    (the cache only mirrors the dataset's own root)."""
+    metadata = fragment.metadata
+    files = []
+    for data_file in metadata.files:
+        if getattr(data_file, "base_id", None) is not None:
+            return None
+        files.append(CachedFile(f"data/{data_file.path}", data_file.file_size_bytes or None))
+    deletion = metadata.deletion_file
+    if deletion is not None:
+        if getattr(deletion, "base_id", None) is not None:
+            return None
+        files.append(CachedFile(deletion.path(fragment.fragment_id)))
+    return tuple(files)
+
+
+class Source:
+    """Whole files of a dataset root on local disk or S3-compatible storage, read sequentially."""
+
+    def __init__(self, uri: str, options: Mapping[str, str]):
+        scheme, separator, rest = uri.rstrip("/").partition("://")
+        if not separator:
+            self.filesystem, self.root = fs.LocalFileSystem(), os.path.abspath(uri)
+        elif scheme == "file":
+            self.filesystem, self.root = fs.LocalFileSystem(), rest
+        elif scheme == "s3":
+            from lance_hpc.checkpoint_store import filesystem_arguments
+
+            self.filesystem, self.root = fs.S3FileSystem(**filesystem_arguments(options)), rest
+        else:
+            raise UserError(f"data.cache: {uri}: only local and s3:// datasets can be cached; remove data.cache")
+
+    def exists(self, path: str) -> bool:
+        return self.filesystem.get_file_info(f"{self.root}/{path}").type == fs.FileType.File
+
+    def chunks(self, path: str) -> Iterator[bytes]:
+        with self.filesystem.open_input_stream(f"{self.root}/{path}") as stream:
+            while chunk := stream.read(CHUNK_BYTES):
+                yield chunk
+
+
+class FileLock:
+    """An exclusive or shared ``flock`` on a lock file; per open file, so threads exclude each other too."""
+
+    def __init__(self, path: Path, shared: bool = False, wait: bool = True):
+        self.path, self.shared, self.wait = path, shared, wait
+        self.handle: int | None = None
+
+    def acquire(self) -> bool:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        handle = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        mode = (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX) | (0 if self.wait else fcntl.LOCK_NB)
+        try:
+            fcntl.flock(handle, mode)
+        except BlockingIOError:
+            os.close(handle)
+            return False
+        self.handle = handle
+        return True
+
+    def release(self) -> None:
+        if self.handle is not None:
+            os.close(self.handle)  # closing the last descriptor drops the lock
+            self.handle = None
+
+
+def lock_path(root: Path, path: str, kind: str) -> Path:
+    return root / ".locks" / f"{path.replace('/', '%')}.{kind}"
+
+
+def fetch(source: Source, root: Path, file: CachedFile, wait: bool = False) -> int | None:
+    """Copy ``file`` into ``root`` atomically unless it is there: the bytes downloaded, 0 if it was
+    there, None if another process holds its lock (and ``wait`` is false)."""
+    final = root / file.path
+    if final.exists():
+        return 0
+    lock = FileLock(lock_path(root, file.path, "fill"), wait=wait)
+    if not lock.acquire():
+        return None
+    try:
+        if final.exists():  # another process finished it while we took the lock
+            return 0
+        final.parent.mkdir(parents=True, exist_ok=True)
+        for stale in final.parent.glob(f"{final.name}.*{PARTIAL}"):  # left by a fetcher that died
+            stale.unlink(missing_ok=True)
+        partial = final.with_name(f"{final.name}.{os.getpid()}-{threading.get_ident()}{PARTIAL}")
+        size = 0
+        try:
+            with open(partial, "wb") as out:
+                for chunk in source.chunks(file.path):
+                    out.write(chunk)
+                    size += len(chunk)
+                out.flush()
+                os.fsync(out.fileno())
+            if file.size is not None and size != file.size:
+                raise OSError(f"{file.path}: read {size} bytes, the manifest says {file.size}")
+            os.rename(partial, final)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
+        directory = os.open(final.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+        touch(final)
+        return size
+    finally:
+        lock.release()
+
+
+def touch(path: Path) -> None:
+    """Mark ``path`` used now (its modification time orders eviction; nanoseconds, not the kernel's tick)."""
+    now = time.time_ns()
+    os.utime(path, ns=(now, now))
+
+
+def evict(directory: Path, max_bytes: int) -> int:
+    """Delete least recently used files under ``directory`` (every dataset in it) until they total
+    at most ``max_bytes``; skip manifests of versions in use; delete partial files nobody is
+    writing. Returns the bytes freed; 0 if another process is evicting."""
+    guard = FileLock(directory / ".evict.lock", wait=False)
+    if not guard.acquire():
+        return 0
+    try:
+        files: list[tuple[int, int, Path, Path]] = []  # (last use, size, path, dataset root)
+        for root in (entry for entry in directory.iterdir() if entry.is_dir() and not entry.name.startswith(".")):
+            for sub in CACHED_DIRS:
+                for path in (root / sub).glob("*"):
+                    try:
+                        stat = path.stat()
+                    except FileNotFoundError:
+                        continue
+                    if path.name.endswith(PARTIAL):
+                        _remove_abandoned(root, path)
+                    else:
+                        files.append((stat.st_mtime_ns, stat.st_size, path, root))
+        total = sum(size for _, size, _, _ in files)
+        freed = 0
+        for _, size, path, root in sorted(files, key=lambda entry: entry[0]):
+            if total - freed <= max_bytes:
+                break
+            relative = f"{path.parent.name}/{path.name}"
+            if path.parent.name == MANIFEST_DIR:
+                in_use = FileLock(lock_path(root, relative, "use"), wait=False)
+                if not in_use.acquire():
+                    continue
+                try:
+                    path.unlink(missing_ok=True)
+                finally:
+                    in_use.release()
+            else:
+                path.unlink(missing_ok=True)
+            freed += size
+            log.debug("node cache: evicted %s (%d bytes)", path, size)
+        return freed
+    finally:
+        guard.release()
+
+
+def _remove_abandoned(root: Path, partial: Path) -> None:
+    final_name = partial.name[: -len(PARTIAL)].rsplit(".", 1)[0]  # <name>.<pid>-<thread>.partial
+    lock = FileLock(lock_path(root, f"{partial.parent.name}/{final_name}", "fill"), wait=False)
+    if lock.acquire():
+        try:
+            partial.unlink(missing_ok=True)
+        finally:
+            lock.release()
+
+
+_opening = threading.Lock()
+_open: dict[tuple, "NodeCache"] = {}
+
+
+def open_cache(directory: str, max_gb: float, uri: str, version: int, options: Mapping[str, str],
+               dataset: Callable[[], Any]) -> "NodeCache":
+    """This process's :class:`NodeCache` of ``uri`` at ``version`` (opened on first use; threads
+    share it). ``dataset``: the dataset opened on the store, asked for only on first use."""
+    key = (os.getpid(), directory, max_gb, uri, version, options.get("endpoint"))
+    with _opening:
+        if key not in _open:
+            try:
+                _open[key] = NodeCache(directory, max_gb, uri, version, options, dataset())
+            except OSError as error:
+                if error.filename is None:  # not the cache directory: the store's error as it is
+                    raise
+                raise UserError(
+                    f"data.cache.dir {directory}: {error.strerror or error}: choose a writable directory on a "
+                    "node-local disk, or remove data.cache"
+                ) from None
+        return _open[key]
+
+
+class NodeCache:
+    """One dataset version through the node-local cache, in one process (thread-safe)."""
+
+    def __init__(self, directory: str, max_gb: float, uri: str, version: int, options: Mapping[str, str], dataset: Any):
+        self.directory = Path(os.path.expandvars(os.path.expanduser(directory)))
+        self.max_bytes = int(max_gb * GIB)
+        self.root = self.directory / dataset_key(uri, options)
+        self.version = version
+        self.source = Source(uri, options)
+        fragments = dataset.get_fragments()
+        self.files = [fragment_files(fragment) for fragment in fragments]
+        rows = [int(f.metadata.num_rows if f.metadata.num_rows is not None else f.count_rows()) for f in fragments]
+        self.starts = np.concatenate([[0], np.cumsum(rows, dtype=np.int64)[:-1]]).astype(np.int64)
+        self.signature = [(f.fragment_id, files) for f, files in zip(fragments, self.files)]
+        self.lock = threading.Lock()
+        self.complete: set[int] = set()  # fragments whose files were all here when last looked
+        self.touched: dict[int, float] = {}
+        self.failed: dict[int, float] = {}  # fragment -> when its fetch failed
+        self.queued: set[int] = set()
+        self.fetched: list[str] = []  # files this process downloaded, in order
+        self.fetched_bytes = 0
+        self.todo: queue.Queue[int] = queue.Queue()
+        self.filler: threading.Thread | None = None
+        self.in_use = FileLock(Path(), shared=True)
+        self.local = self._open_local()
+
+    def _open_local(self) -> Any:
+        """The cache root opened at this version: its manifest fetched (or checked against the
+        store's) first, and held in use so that eviction leaves it."""
+        import lance
+
+        name = next((name for name in manifest_names(self.version) if self.source.exists(name)), None)
+        if name is None:
+            raise UserError(f"data.cache: no manifest of version {self.version} under {self.source.root}/{MANIFEST_DIR}")
+        self.in_use = FileLock(lock_path(self.root, name, "use"), shared=True)
+        self.in_use.acquire()
+        for attempt in range(2):
+            fetch(self.source, self.root, CachedFile(name), wait=True)
+            local = lance.dataset(str(self.root), version=self.version)
+            if [(f.fragment_id, fragment_files(f)) for f in local.get_fragments()] == self.signature:
+                return local
+            log.warning("node cache: %s holds another dataset's version %d; fetching its manifest again", self.root, self.version)
+            (self.root / name).unlink(missing_ok=True)
+        raise UserError(f"data.cache: the cached manifest {self.root / name} keeps differing from the store's")
+
+    def close(self) -> None:
+        """Stop fetching (a fetch under way finishes) and let eviction take this version's manifest."""
+        with self.lock:
+            self.queued.clear()
+            while not self.todo.empty():
+                self.todo.get_nowait()
+        self.todo.put(-1)
+        if self.filler is not None:
+            self.filler.join()
+            self.filler = None
+        self.in_use.release()
+
+    def drain(self) -> None:
+        """Wait until every fetch asked for so far has ended."""
+        self.todo.join()
+
+    def take(self, row_ids: np.ndarray, columns: list[str], stats: Any, from_store: Callable[[np.ndarray], Any]) -> Any:
+        """``columns`` of ``row_ids`` (sorted, unique): rows of cached fragments from local disk,
+        the others through ``from_store``; counts rows in ``stats.cache_hits`` / ``cache_misses``."""
+        fragment_of = np.searchsorted(self.starts, row_ids, side="right") - 1
+        cached = self._cached(np.unique(fragment_of))
+        local = np.isin(fragment_of, cached)
+        if local.any():
+            try:
+                local_table = self.local.take(row_ids[local], columns=columns)
+            except OSError:  # evicted between the check and the read
+                with self.lock:
+                    self.complete.difference_update(int(index) for index in cached)
+                local = np.zeros(len(row_ids), dtype=bool)
+        hits = int(local.sum())
+        stats.cache_hits += hits
+        stats.cache_misses += len(row_ids) - hits
+        if hits == 0:
+            return from_store(row_ids)
+        if hits == len(row_ids):
+            return local_table
+        store_table = from_store(row_ids[~local])
+        order = np.argsort(np.concatenate([row_ids[local], row_ids[~local]]), kind="stable")
+        return pa.concat_tables([local_table, store_table]).take(order)
+
+    def _cached(self, fragments: np.ndarray) -> list[int]:
+        """Of ``fragments``, those whose files are all cached, marked used; fetches the others."""
+        now = time.monotonic()
+        cached, missing = [], []
+        for index in (int(value) for value in fragments):
+            files = self.files[index]
+            if files is None:
+                continue
+            with self.lock:
+                known = index in self.complete
+            if not known and not all((self.root / file.path).exists() for file in files):
+                missing.append(index)
+                continue
+            if now - self.touched.get(index, -TOUCH_INTERVAL_S) >= TOUCH_INTERVAL_S:
+                try:
+                    for file in files:
+                        touch(self.root / file.path)
+                except FileNotFoundError:  # evicted
+                    with self.lock:
+                        self.complete.discard(index)
+                    missing.append(index)
+                    continue
+                self.touched[index] = now
+            with self.lock:
+                self.complete.add(index)
+            cached.append(index)
+        self._ask(missing, now)
+        return cached
+
+    def _ask(self, fragments: list[int], now: float) -> None:
+        with self.lock:
+            for index in fragments:
+                if index in self.queued or now - self.failed.get(index, -RETRY_FETCH_S) < RETRY_FETCH_S:
+                    continue
+                if sum(file.size or 0 for file in self.files[index] or ()) > self.max_bytes:
+                    continue  # would evict itself
+                self.queued.add(index)
+                self.todo.put(index)
+            if self.filler is None and self.queued:
+                self.filler = threading.Thread(target=self._fill, name="lance_hpc-cache-fill", daemon=True)
+                self.filler.start()
+
+    def _fill(self) -> None:
+        while True:
+            index = self.todo.get()
+            try:
+                if index < 0:
+                    return
+                with self.lock:
+                    if index not in self.queued:
+                        continue  # dropped by close
+                self._fill_fragment(index)
+            finally:
+                with self.lock:
+                    self.queued.discard(index)
+                self.todo.task_done()
+
+    def _fill_fragment(self, index: int) -> None:
+        downloaded = 0
+        try:
+            for file in self.files[index] or ():
+                size = fetch(self.source, self.root, file)
+                if size is None:
+                    return  # another process is fetching it; rows come from the store meanwhile
+                if size:
+                    downloaded += size
+                    with self.lock:
+                        self.fetched.append(file.path)
+                        self.fetched_bytes += size
+        except OSError as error:
+            with self.lock:
+                self.failed[index] = time.monotonic()
+            log.warning("node cache: cannot fetch fragment %d into %s (reading it from the store for %.0f s): %s",
+                        index, self.root, RETRY_FETCH_S, error)
+            return
+        if downloaded:
+            evict(self.directory, self.max_bytes)
