@@ -3,6 +3,7 @@ epoch continues exactly (also with persistent worker processes), corrupt rows ne
 counts, versions are pinned, evaluation covers every row once; plan and preflight on local data."""
 
 import collections
+import threading
 
 import lance
 import numpy as np
@@ -197,6 +198,30 @@ def test_an_epoch_resumed_on_another_world_size_reads_the_rest_once(layout_datas
     read.update(row for batches in rest for batch in batches for row in batch)
     assert read == planned
     assert len(epoch_labels(after[0], 2)) == after[0].steps_per_epoch  # the next epoch: this layout's own plan
+
+
+@pytest.mark.parametrize("style,sampler", STRATEGIES)
+def test_read_ahead_takes_the_next_batches_on_background_threads_and_changes_nothing(layout_dataset, style, sampler):
+    """With io_depth 2 a loader yields exactly what it yields reading on demand; each batch is taken
+    once, and all but the first were taken ahead, on the read-ahead threads."""
+    plain = epoch_labels(train_loader(spec(layout_dataset, style=style, sampler=sampler, io_depth=0), 0, 2), 1)
+    loader = train_loader(spec(layout_dataset, style=style, sampler=sampler, io_depth=2), 0, 2)
+    reader = loader._loader.dataset.reader
+    takes = []
+    original = type(reader).take
+
+    def recording_take(self, row_ids, stats):
+        takes.append((tuple(row_ids.tolist()), threading.current_thread().name))
+        return original(self, row_ids, stats)
+
+    type(reader).take = recording_take
+    try:
+        assert epoch_labels(loader, 1) == plain
+    finally:
+        type(reader).take = original
+    assert len(takes) == len({rows for rows, _ in takes}) == len(plain)  # every batch taken once
+    ahead = [name for _, name in takes if name.startswith("lance_hpc-read-ahead")]
+    assert len(ahead) == len(plain) - 1
 
 
 def test_clear_errors(tmp_path, layout_dataset):

@@ -37,5 +37,8 @@ class LanceIterableDataset(IterableDataset):
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         epoch, start = (int(value) for value in self.position.tolist())
         batches = self.planner(epoch)
-        for index in worker_steps(len(batches), start, worker, num_workers):
-            yield self.reader.read(batches[index], epoch, index)
+        mine = list(worker_steps(len(batches), start, worker, num_workers))
+        depth = self.reader.io_depth
+        for position, index in enumerate(mine):
+            ahead = [batches[later] for later in mine[position + 1 : position + 1 + depth]]
+            yield self.reader.read(batches[index], epoch, index, ahead=ahead)

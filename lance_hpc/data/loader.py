@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lance_hpc.data.iterable import LanceIterableDataset
-from lance_hpc.data.mapstyle import LanceMapDataset, PlanBatchSampler
+from lance_hpc.data.mapstyle import BatchRequest, LanceMapDataset, PlanBatchSampler, ahead_of
 from lance_hpc.data.reader import BatchReader, ReadStats, fragment_table, keep_batch
 from lance_hpc.data.sampling import (
     DataPlan,
@@ -162,14 +162,15 @@ class TrainLoader:
             )
         if data.sampler == "full_scan":
             log.warning("full_scan: every rank reads every row, so DDP ranks train on the same data")
-        reader = BatchReader(data.uri, self.dataset_version, options, decoder, data.on_corrupt, data.seed, rank)
+        reader = BatchReader(data.uri, self.dataset_version, options, decoder, data.on_corrupt, data.seed, rank,
+                             data.io_depth)
         planner = self._planner = epoch_planner(
             table, data.sampler, rank, world_size, data.batch_size, uneven=data.uneven, shuffle=data.shuffle, seed=data.seed
         )
         # What the next pass starts from: the batch sampler (map style) or the dataset (iterable).
         self._epoch_source: PlanBatchSampler | LanceIterableDataset
         if data.style == "map":
-            self._epoch_source = PlanBatchSampler(planner, self.plan.steps_per_rank)
+            self._epoch_source = PlanBatchSampler(planner, self.plan.steps_per_rank, data.num_workers, data.io_depth)
             dataset_object = LanceMapDataset(reader, self.plan.rows)
             self._loader = _data_loader(dataset_object, data, pin_memory, True, batch_sampler=self._epoch_source)
         else:
@@ -336,9 +337,11 @@ class EvalLoader:
         rows = dataset.count_rows()
         self.batches = eval_batches(rows, rank, world_size, data.batch_size, data.val_sampler)
         self.rows = sum(len(batch) for batch in self.batches)
-        reader = BatchReader(data.val_uri, self.dataset_version, options, decoder, data.on_corrupt, data.seed, rank)
+        reader = BatchReader(data.val_uri, self.dataset_version, options, decoder, data.on_corrupt, data.seed, rank,
+                             data.io_depth)
         self._loader = _data_loader(
-            LanceMapDataset(reader, rows), data, pin_memory, True, batch_sampler=_FixedBatches(self.batches)
+            LanceMapDataset(reader, rows), data, pin_memory, True,
+            batch_sampler=_FixedBatches(self.batches, data.num_workers, data.io_depth),
         )
         self.stats = ReadStats()
 
@@ -352,12 +355,13 @@ class EvalLoader:
 
 
 class _FixedBatches(torch.utils.data.Sampler):
-    def __init__(self, batches: list):
+    def __init__(self, batches: list, num_workers: int, io_depth: int):
         self.batches = batches
+        self.num_workers, self.io_depth = num_workers, io_depth
 
-    def __iter__(self) -> Iterator[tuple[int, int, Any]]:
-        for index, batch in enumerate(self.batches):
-            yield 0, index, batch
+    def __iter__(self) -> Iterator[BatchRequest]:
+        for index in range(len(self.batches)):
+            yield 0, index, self.batches[index], ahead_of(self.batches, index, self.num_workers, self.io_depth)
 
     def __len__(self) -> int:
         return len(self.batches)

@@ -3,6 +3,8 @@
 The batch sampler runs in the main process and hands each worker a whole batch of row ids; the
 dataset's ``__getitems__`` reads it with one ``take`` of sorted ids and decodes it in the worker,
 returning the batch's fields as ready tensors (no per-row Python objects cross a process boundary).
+The DataLoader deals batches to its workers in turn, so the sampler also tells each worker the
+rows of the batches it will get next, for the reader to start reading them (``data.io_depth``).
 """
 
 from __future__ import annotations
@@ -12,11 +14,19 @@ from typing import Callable, Iterator
 import numpy as np
 from torch.utils.data import Dataset, Sampler
 
-from lance_hpc.data.reader import BatchReader
+from lance_hpc.data.reader import BatchReader, ReadStats
 from lance_hpc.data.transport import SharedBatch
 from lance_hpc.tasks.base import Batch
 
-BatchRequest = tuple[int, int, np.ndarray]  # (epoch, batch index in the epoch, row ids)
+# (epoch, batch index in the epoch, row ids, row ids of the batches the same worker reads next)
+BatchRequest = tuple[int, int, np.ndarray, tuple[np.ndarray, ...]]
+
+
+def ahead_of(batches: list[np.ndarray], index: int, num_workers: int, depth: int) -> tuple[np.ndarray, ...]:
+    """The next ``depth`` batches after ``index`` that go to the same worker (every
+    ``num_workers``-th: the DataLoader deals batches to its workers round-robin)."""
+    step = max(num_workers, 1)
+    return tuple(batches[index + step * k] for k in range(1, depth + 1) if index + step * k < len(batches))
 
 
 class LanceMapDataset(Dataset):
@@ -29,9 +39,9 @@ class LanceMapDataset(Dataset):
     def __len__(self) -> int:
         return self.rows
 
-    def __getitems__(self, request: BatchRequest) -> tuple[Batch, int] | SharedBatch:
-        epoch, batch_index, row_ids = request
-        return self.reader.read(row_ids, epoch, batch_index)
+    def __getitems__(self, request: BatchRequest) -> tuple[Batch, ReadStats] | SharedBatch:
+        epoch, batch_index, row_ids, ahead = request
+        return self.reader.read(row_ids, epoch, batch_index, ahead=ahead)
 
     def __getitem__(self, row_id: int) -> Batch:
         fields, _ = self.reader.read(np.array([row_id]), 0, int(row_id), shared=False)
@@ -41,9 +51,10 @@ class LanceMapDataset(Dataset):
 class PlanBatchSampler(Sampler[BatchRequest]):
     """Yields this rank's planned batches of an epoch, from a resume offset."""
 
-    def __init__(self, planner: Callable[[int], list[np.ndarray]], steps: int):
+    def __init__(self, planner: Callable[[int], list[np.ndarray]], steps: int, num_workers: int = 0, io_depth: int = 0):
         self.planner = planner
         self.steps = steps
+        self.num_workers, self.io_depth = num_workers, io_depth
         self.epoch = 0
         self.start = 0
 
@@ -53,7 +64,7 @@ class PlanBatchSampler(Sampler[BatchRequest]):
     def __iter__(self) -> Iterator[BatchRequest]:
         batches = self.planner(self.epoch)
         for index in range(self.start, len(batches)):
-            yield self.epoch, index, batches[index]
+            yield self.epoch, index, batches[index], ahead_of(batches, index, self.num_workers, self.io_depth)
 
     def __len__(self) -> int:
         return self.steps - self.start

@@ -6,13 +6,21 @@ pinned version).
 The reader, not the task, owns what keeps ranks in step and rows accounted for: the corrupt-row
 policy (a bad row is replaced by a good row of the same batch, or fails naming the row), the
 augmentation seed of each batch, and the ``row_id`` field of every batch.
+
+Read-ahead: a worker is told the rows of the next batches it will read (``ahead``) and starts their
+``take`` on background threads (``io_depth`` of them) while it decodes the current batch, so
+waiting on an object store overlaps decoding instead of preceding it. Lance's ``take`` runs in
+Rust without the GIL, so the threads cost no decode time.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -56,11 +64,14 @@ class BatchReader:
     on_corrupt: str = "skip"
     seed: int = 0
     rank: int = 0
+    io_depth: int = 0  # batches read ahead on background threads
     _dataset: Any = field(default=None, repr=False, compare=False)
+    _ahead: Any = field(default=None, repr=False, compare=False)  # ReadAhead, per process
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_dataset"] = None  # Lance is not fork-safe: each process opens its own
+        state["_ahead"] = None  # threads do not cross processes
         return state
 
     @property
@@ -77,16 +88,26 @@ class BatchReader:
         """The task's columns of ``row_ids`` (sorted, unique) as an Arrow table: one ``take``."""
         return self.dataset.take(row_ids, columns=list(self.decoder.columns))
 
-    def read(self, row_ids: np.ndarray, epoch: int, batch_index: int, *, shared: bool = True) -> tuple[Batch, ReadStats] | SharedBatch:
-        """(fields, read stats) of the rows ``row_ids``, in row-id order.
+    def _fetch(self, unique: np.ndarray, ahead: Sequence[np.ndarray]) -> tuple[Any, ReadStats]:
+        """The table of ``unique`` (read ahead earlier, or now), after starting the reads of ``ahead``."""
+        if self.io_depth == 0:
+            stats = ReadStats()
+            return self.take(unique, stats), stats
+        if self._ahead is None:
+            self._ahead = ReadAhead(self, self.io_depth)
+        return self._ahead.get(unique, ahead)
+
+    def read(self, row_ids: np.ndarray, epoch: int, batch_index: int, *, shared: bool = True,
+             ahead: Sequence[np.ndarray] = ()) -> tuple[Batch, ReadStats] | SharedBatch:
+        """(fields, read stats) of the rows ``row_ids``, in row-id order; ``ahead``: the rows of the
+        batches this process reads next, to start reading now (see the module doc).
 
         In a DataLoader worker (and with ``shared``) the batch is written into one of the worker's
         shared buffers and reaches the main process as that same pair (see
         :mod:`lance_hpc.data.transport`)."""
         ids = np.asarray(row_ids, dtype=np.int64)
         unique, inverse = np.unique(ids, return_inverse=True)  # sorted: Lance reads in file order
-        stats = ReadStats()
-        table = self.take(unique, stats)
+        table, stats = self._fetch(unique, ahead)
         if len(unique) != len(ids):  # padding can repeat a row within a batch
             table = table.take(inverse)
             unique = unique[inverse]
@@ -110,6 +131,35 @@ class BatchReader:
             return out, stats
         shared_batch.stats = stats
         return shared_batch
+
+
+class ReadAhead:
+    """Takes started ahead of need on ``depth`` threads, keyed by their row ids; the oldest are
+    dropped when a guess of what comes next was wrong, so memory stays at ``depth`` batches."""
+
+    def __init__(self, reader: BatchReader, depth: int) -> None:
+        self.reader = reader
+        self.depth = depth
+        self.pool = ThreadPoolExecutor(depth, thread_name_prefix="lance_hpc-read-ahead")
+        self.started: OrderedDict[bytes, Future] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def _take(self, unique: np.ndarray) -> tuple[Any, ReadStats]:
+        stats = ReadStats()
+        return self.reader.take(unique, stats), stats
+
+    def get(self, unique: np.ndarray, ahead: Sequence[np.ndarray]) -> tuple[Any, ReadStats]:
+        with self.lock:
+            future = self.started.pop(unique.tobytes(), None)
+            for rows in ahead[: self.depth]:
+                rows = np.unique(np.asarray(rows, dtype=np.int64))
+                key = rows.tobytes()
+                if key not in self.started:
+                    self.started[key] = self.pool.submit(self._take, rows)
+            while len(self.started) > self.depth:
+                _, stale = self.started.popitem(last=False)
+                stale.cancel()
+        return future.result() if future is not None else self._take(unique)
 
 
 def apply_corrupt_policy(batch: Batch, bad: dict[int, str], on_corrupt: str, dataset: str) -> int:
