@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -286,6 +287,12 @@ def wait_for_runs(cluster: SlurmCluster, jobs: list[str], timeout_s: float) -> d
     raise AssertionError(f"runs {jobs} did not end within {timeout_s} s: {states}")
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def wait_for_text(path: Path, marker: str, timeout_s: float = 300) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -298,40 +305,49 @@ def wait_for_text(path: Path, marker: str, timeout_s: float = 300) -> None:
 @pytest.mark.slow
 @pytest.mark.slurm
 def test_four_run_sweep_on_the_cluster_each_run_on_its_own(slurm_cluster: SlurmCluster, digits: Digits, tmp_path: Path) -> None:
-    """lr x epochs: the two 1-epoch runs are short; run 1 (20 epochs) gets USR2 early, requeues
-    itself alone (ARRAYID_1) and resumes; all four end COMPLETED with their own checkpoints and
-    TensorBoard events under the sweep's directories."""
-    slurm = {"partition": slurm_cluster.partition, "nodes": 1, "tasks_per_node": 1, "cpus_per_task": 1,
-             "time": "00:15:00", "max_requeues": 2, "array_parallelism": 2}
+    """lr x epochs: the two 1-epoch runs are short; run 0 (10 epochs) gets USR2 early, requeues
+    itself alone (ARRAYID_0) and resumes; all four end COMPLETED with their own checkpoints and
+    TensorBoard events under the sweep's directories.
+
+    Each run takes both nodes whole (1 rank on each): SLURM 22.05 may start a requeued run on
+    free CPUs while the old srun is still ending, and that srun's last signal then reaches the new
+    step (same step id); with whole nodes the run restarts only once the old one is gone."""
+    slurm = {"partition": slurm_cluster.partition, "nodes": 2, "tasks_per_node": 1, "cpus_per_task": 1,
+             "exclusive": True, "time": "00:15:00", "max_requeues": 2, "array_parallelism": 2}
     spec_path = write_spec(tmp_path, digits, name="sw", slurm=slurm, train={"epochs": 1},
                            logging={"log_every_steps": 1, "progress": False},
                            checkpoint={"every_steps": 50, "keep": 2},
-                           sweep={"train.lr": [0.003, 0.001], "train.epochs": [20, 1]})
+                           sweep={"train.lr": [0.003, 0.001], "train.epochs": [10, 1]})
     spec = load_spec(spec_path).spec
     runs = expand(spec)
     _, script = submit.write_job_files(spec)
-    submitted = subprocess.run(["sbatch", "--parsable", str(script)], env=environ(slurm_cluster), cwd=REPO_ROOT,
-                               capture_output=True, text=True, check=True)
+    # A port of our own (the runs never overlap): one derived from the job id would be the same
+    # for the same job id of other test clusters that other sessions run on this machine.
+    submitted = subprocess.run(["sbatch", "--parsable", str(script)], env={**environ(slurm_cluster), "MASTER_PORT": str(free_port())},
+                               cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     array_id = submitted.stdout.strip().split(";")[0]
     jobs = [f"{array_id}_{run.index}" for run in runs]
     logs = Path(spec.slurm.log_dir)
-    long_run = runs[0]  # lr 0.003, 20 epochs
-    assert long_run.values == {"train.lr": 0.003, "train.epochs": 20}
+    long_run = runs[0]  # lr 0.003, 10 epochs
+    assert long_run.values == {"train.lr": 0.003, "train.epochs": 10}
     wait_for_text(logs / f"sw-{jobs[0]}.out", "step 30/")
-    subprocess.run(["scancel", "--signal=USR2", jobs[0]], env=environ(slurm_cluster), check=True)
+    # scancel may report "Job can not be altered now" for an array task whose signal it did deliver;
+    # the restart count and the output below say whether the run was preempted
+    subprocess.run(["scancel", "--signal=USR2", jobs[0]], env=environ(slurm_cluster))
 
     states = wait_for_runs(slurm_cluster, jobs, 900)
     outputs = {job: (logs / f"sw-{job}.out").read_text() + (logs / f"sw-{job}.err").read_text() for job in jobs}
-    assert set(states.values()) == {"COMPLETED"}, outputs
+    ends = "\n".join(f"== {job} {states[job]}:\n" + "\n".join(outputs[job].splitlines()[-15:]) for job in jobs)
+    assert set(states.values()) == {"COMPLETED"}, ends
     restarts = {job: int(job_fields(slurm_cluster, job).get("Restarts", -1)) for job in jobs}
-    assert restarts == {jobs[0]: 1, jobs[1]: 0, jobs[2]: 0, jobs[3]: 0}, outputs
+    assert restarts == {jobs[0]: 1, jobs[1]: 0, jobs[2]: 0, jobs[3]: 0}, ends
     assert f"requeued job {jobs[0]} (requeue 1 of at most 2)" in outputs[jobs[0]]
     assert re.search(r"stopped at step \d+ by SIGUSR2", outputs[jobs[0]]) and "resuming from" in outputs[jobs[0]]
 
     for run in runs:
         assert Path(run.spec.checkpoint.dir).parent == Path(spec.checkpoint.dir)
         assert Path(run.spec.logging.tensorboard_dir).parent == Path(spec.logging.tensorboard_dir)
-        steps_per_epoch = build_train_loader(run.spec.data, load_task(run.spec).decoder(train=True), 0, 1).steps_per_epoch
+        steps_per_epoch = build_train_loader(run.spec.data, load_task(run.spec).decoder(train=True), 0, 2).steps_per_epoch
         assert checkpoint_step(Path(run.spec.checkpoint.dir)) == run.values["train.epochs"] * steps_per_epoch
         logged = scalars(Path(run.spec.logging.tensorboard_dir))
         assert logged["train/lr"] and "val/accuracy" in logged
