@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -153,7 +154,15 @@ def test_log_paths_fill_in_job_and_array_ids() -> None:
 # ---- the real cluster --------------------------------------------------------------------------
 
 def environ(cluster: SlurmCluster) -> dict[str, str]:
-    return {**os.environ, **cluster.env, "PYTHONPATH": str(REPO_ROOT)}
+    # A port of our own for the jobs submitted with it: the one derived from the job id is the same
+    # for job 1 of every test cluster on this machine.
+    return {**os.environ, **cluster.env, "PYTHONPATH": str(REPO_ROOT), "MASTER_PORT": str(free_port())}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def lance_hpc(cluster: SlurmCluster, *args: str, check_rc: int | None = 0) -> subprocess.CompletedProcess[str]:
