@@ -41,6 +41,9 @@ def run_local(spec_file: str | Path, nproc: int) -> int:
     """Train with ``nproc`` local ranks; returns 0, or the exit code of the first rank that failed."""
     spec_file = Path(spec_file).resolve()
     spec = load_spec(spec_file).spec
+    if spec.sweep:
+        raise UserError(f"{spec_file} is a sweep, not one run: use lance-hpc submit {spec_file} --local, "
+                        "which runs each combination in turn")
     try:
         data.ensure_dataset(spec.data)
         load_task(spec)  # a column the task needs but the data lacks: one error here, not one per rank

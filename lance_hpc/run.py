@@ -82,6 +82,9 @@ def run_job(
     # Loading the spec imports its task and entry, so a task file's directory is on sys.path
     # before the worker server starts and copies it (workers then unpickle the task's decoder).
     spec = load_spec(spec_file).spec
+    if spec.sweep:
+        raise UserError(f"{spec_file} is a sweep, not one run: submit it with "
+                        "lance-hpc submit, which runs each combination with its own spec")
     env = detect()
     entry = load_callable(spec.entry, "entry") if spec.entry else None
     if spec.data.num_workers > 0:

@@ -9,6 +9,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -353,3 +354,16 @@ def test_four_run_sweep_on_the_cluster_each_run_on_its_own(slurm_cluster: SlurmC
         assert logged["train/lr"] and "val/accuracy" in logged
         assert hparams_logged(Path(run.spec.logging.tensorboard_dir))["train.lr"] == pytest.approx(run.values["train.lr"])
         assert f"job {array_id}_{run.index} (restart 0)" in outputs[f"{array_id}_{run.index}"]
+
+
+@pytest.mark.parametrize("module", ["lance_hpc.run", "lance_hpc.launch"])
+def test_a_sweep_spec_run_directly_is_refused_not_trained_as_its_base(tmp_path: Path, digits: Digits, module: str) -> None:
+    spec_file = write_spec(tmp_path, digits)
+    raw = yaml.safe_load(spec_file.read_text())
+    raw["sweep"] = {"train.lr": [0.1, 0.01]}
+    spec_file.write_text(yaml.safe_dump(raw, sort_keys=False))
+    finished = subprocess.run([sys.executable, "-m", module, str(spec_file)], capture_output=True, text=True,
+                              cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=120)
+    assert finished.returncode == 2 and "is a sweep, not one run" in finished.stderr, finished.stderr
+    assert "lance-hpc submit" in finished.stderr and "Traceback" not in finished.stderr
+    assert not (tmp_path / "checkpoints").exists()
