@@ -13,8 +13,8 @@ Every rank and DataLoader worker on the node shares the directory:
 - a fetch writes ``<name>.<pid>-<thread>.partial``, fsyncs it, checks its size against the
   manifest and renames it to ``<name>`` (then fsyncs the directory): a process killed mid-download
   leaves only a ``.partial`` file, which no reader opens and the next fetcher deletes;
-- the cache stays under ``max_gb``: after each fetch, files are deleted oldest use first (a file's
-  modification time is its last use; readers touch it). A deleted file still open by a reader
+- the cache stays under ``max_gb``: after each fetch, data files are deleted oldest use first (a
+  file's modification time is its last use; readers touch it), then deletion files and manifests. A deleted file still open by a reader
   stays readable (Linux); a reader that finds a file gone reads those rows from the store. The
   manifest of a version some process has open (a shared ``fcntl`` lock) is never deleted;
 - the dataset key is the dataset's URI and endpoint, and the manifest decides which files a
@@ -52,6 +52,8 @@ PARTIAL = ".partial"
 MANIFEST_DIR = "_versions"
 CACHED_DIRS = ("data", "_deletions", MANIFEST_DIR)
 GIB = 2**30
+DELETIONS = -2  # the fill job that fetches every deletion file of the version
+STOP = -1  # the fill thread's last job
 
 
 @dataclass(frozen=True)
@@ -196,8 +198,9 @@ def touch(path: Path) -> None:
 
 def evict(directory: Path, max_bytes: int) -> int:
     """Delete least recently used files under ``directory`` (every dataset in it) until they total
-    at most ``max_bytes``; skip manifests of versions in use; delete partial files nobody is
-    writing. Returns the bytes freed; 0 if another process is evicting."""
+    at most ``max_bytes``: data files, then deletion files, then manifests of versions not in use;
+    delete partial files nobody is writing. Returns the bytes freed; 0 if another process is
+    evicting."""
     guard = FileLock(directory / ".evict.lock", wait=False)
     if not guard.acquire():
         return 0
@@ -216,7 +219,10 @@ def evict(directory: Path, max_bytes: int) -> int:
                         files.append((stat.st_mtime_ns, stat.st_size, path, root))
         total = sum(size for _, size, _, _ in files)
         freed = 0
-        for _, size, path, root in sorted(files, key=lambda entry: entry[0]):
+        # data files first, least recently used first; deletion files (small, and all of them
+        # make reads faster) and manifests only when the data files alone do not free enough
+        order = sorted(files, key=lambda entry: (CACHED_DIRS.index(entry[2].parent.name), entry[0]))
+        for _, size, path, root in order:
             if total - freed <= max_bytes:
                 break
             relative = f"{path.parent.name}/{path.name}"
@@ -283,7 +289,14 @@ class NodeCache:
         self.files = [fragment_files(fragment) for fragment in fragments]
         rows = [int(f.metadata.num_rows if f.metadata.num_rows is not None else f.count_rows()) for f in fragments]
         self.starts = np.concatenate([[0], np.cumsum(rows, dtype=np.int64)[:-1]]).astype(np.int64)
-        self.signature = [(f.fragment_id, files) for f, files in zip(fragments, self.files)]
+        self.ids = [fragment.fragment_id for fragment in fragments]
+        self.signature = list(zip(self.ids, self.files))
+        # A take by dataset row offset reads the deletion file of every fragment, a take by
+        # fragment only its own: the first needs them all cached, and is the faster for rows
+        # spread over many fragments (one call instead of one per fragment).
+        self.deletions = [file for files in self.files for file in files or () if file.path.startswith("_deletions/")]
+        self.deletions_cached = False
+        self.deletions_checked = -RETRY_FETCH_S
         self.lock = threading.Lock()
         self.complete: set[int] = set()  # fragments whose files were all here when last looked
         self.touched: dict[int, float] = {}
@@ -321,7 +334,7 @@ class NodeCache:
             self.queued.clear()
             while not self.todo.empty():
                 self.todo.get_nowait()
-        self.todo.put(-1)
+        self.todo.put(STOP)
         if self.filler is not None:
             self.filler.join()
             self.filler = None
@@ -335,14 +348,19 @@ class NodeCache:
         """``columns`` of ``row_ids`` (sorted, unique): rows of cached fragments from local disk,
         the others through ``from_store``; counts rows in ``stats.cache_hits`` / ``cache_misses``."""
         fragment_of = np.searchsorted(self.starts, row_ids, side="right") - 1
+        by_offset = self._all_deletions_cached()
         cached = self._cached(np.unique(fragment_of))
         local = np.isin(fragment_of, cached)
         if local.any():
             try:
-                local_table = self.local.take(row_ids[local], columns=columns)
+                if by_offset:
+                    local_table = self.local.take(row_ids[local], columns=columns)
+                else:
+                    local_table = self._take_by_fragment(row_ids[local], fragment_of[local], columns)
             except OSError:  # evicted between the check and the read
                 with self.lock:
                     self.complete.difference_update(int(index) for index in cached)
+                    self.deletions_cached = False
                 local = np.zeros(len(row_ids), dtype=bool)
         hits = int(local.sum())
         stats.cache_hits += hits
@@ -354,6 +372,30 @@ class NodeCache:
         store_table = from_store(row_ids[~local])
         order = np.argsort(np.concatenate([row_ids[local], row_ids[~local]]), kind="stable")
         return pa.concat_tables([local_table, store_table]).take(order)
+
+    def _take_by_fragment(self, row_ids: np.ndarray, fragment_of: np.ndarray, columns: list[str]) -> Any:
+        bounds = np.flatnonzero(np.diff(fragment_of)) + 1
+        parts = []
+        for rows, index in zip(np.split(row_ids, bounds), fragment_of[np.concatenate([[0], bounds])]):
+            fragment = self.local.get_fragment(self.ids[index])
+            parts.append(fragment.take(rows - self.starts[index], columns=columns))
+        return pa.concat_tables(parts)
+
+    def _all_deletions_cached(self) -> bool:
+        """Whether every deletion file of the version is here (looked for at most once a second;
+        fetched in the background when not)."""
+        if self.deletions_cached:
+            return True
+        now = time.monotonic()
+        with self.lock:
+            if now - self.deletions_checked < 1.0:
+                return False
+            self.deletions_checked = now
+        if all((self.root / file.path).exists() for file in self.deletions):
+            self.deletions_cached = True
+            return True
+        self._ask([DELETIONS], now)
+        return False
 
     def _cached(self, fragments: np.ndarray) -> list[int]:
         """Of ``fragments``, those whose files are all cached, marked used; fetches the others."""
@@ -389,7 +431,7 @@ class NodeCache:
             for index in fragments:
                 if index in self.queued or now - self.failed.get(index, -RETRY_FETCH_S) < RETRY_FETCH_S:
                     continue
-                if sum(file.size or 0 for file in self.files[index] or ()) > self.max_bytes:
+                if index != DELETIONS and sum(file.size or 0 for file in self.files[index] or ()) > self.max_bytes:
                     continue  # would evict itself
                 self.queued.add(index)
                 self.todo.put(index)
@@ -401,7 +443,7 @@ class NodeCache:
         while True:
             index = self.todo.get()
             try:
-                if index < 0:
+                if index == STOP:
                     return
                 with self.lock:
                     if index not in self.queued:
@@ -415,9 +457,9 @@ class NodeCache:
     def _fill_fragment(self, index: int) -> None:
         downloaded = 0
         try:
-            for file in self.files[index] or ():
+            for file in self.deletions if index == DELETIONS else self.files[index] or ():
                 size = fetch(self.source, self.root, file)
-                if size is None:
+                if size is None and index != DELETIONS:
                     return  # another process is fetching it; rows come from the store meanwhile
                 if size:
                     downloaded += size
@@ -427,8 +469,9 @@ class NodeCache:
         except OSError as error:
             with self.lock:
                 self.failed[index] = time.monotonic()
-            log.warning("node cache: cannot fetch fragment %d into %s (reading it from the store for %.0f s): %s",
-                        index, self.root, RETRY_FETCH_S, error)
+            what = "the deletion files" if index == DELETIONS else f"fragment {self.ids[index]}"
+            log.warning("node cache: cannot fetch %s into %s (reading from the store for %.0f s): %s",
+                        what, self.root, RETRY_FETCH_S, error)
             return
         if downloaded:
             evict(self.directory, self.max_bytes)

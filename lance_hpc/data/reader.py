@@ -20,16 +20,20 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
 
+from lance_hpc.data.cache import open_cache
 from lance_hpc.data.sampling import FragmentTable
 from lance_hpc.data.storage import open_dataset
 from lance_hpc.data.transport import SharedBatch, worker_pool
 from lance_hpc.errors import UserError
 from lance_hpc.tasks.base import ROW_ID, Batch, Decoder, FieldSpec
+
+if TYPE_CHECKING:
+    from lance_hpc.spec.schema import CacheSpec
 
 log = logging.getLogger("lance_hpc.data")
 ON_CORRUPT = ("skip", "fail")
@@ -43,14 +47,19 @@ class CorruptRowError(UserError):
 @dataclass
 class ReadStats:
     """What reading batches took besides the rows, summed over batches: corrupt rows replaced
-    (``on_corrupt: skip``) and requests to the store that were retried."""
+    (``on_corrupt: skip``), requests to the store that were retried, and rows read from the
+    node-local cache (hits) or, with a cache, from the store (misses)."""
 
     skipped: int = 0
     retries: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
 
     def add(self, other: ReadStats) -> None:
         self.skipped += other.skipped
         self.retries += other.retries
+        self.cache_hits += other.cache_hits
+        self.cache_misses += other.cache_misses
 
 
 @dataclass
@@ -65,6 +74,7 @@ class BatchReader:
     seed: int = 0
     rank: int = 0
     io_depth: int = 0  # batches read ahead on background threads
+    cache: CacheSpec | None = None  # the node-local cache, opened per process on first take
     _dataset: Any = field(default=None, repr=False, compare=False)
     _ahead: Any = field(default=None, repr=False, compare=False)  # ReadAhead, per process
 
@@ -85,8 +95,13 @@ class BatchReader:
         return {**self.decoder.fields(), ROW_ID: ROW_ID_FIELD}
 
     def take(self, row_ids: np.ndarray, stats: ReadStats) -> Any:
-        """The task's columns of ``row_ids`` (sorted, unique) as an Arrow table: one ``take``."""
-        return self.dataset.take(row_ids, columns=list(self.decoder.columns))
+        """The task's columns of ``row_ids`` (sorted, unique) as an Arrow table: one ``take``, of
+        the node-local cache for rows it holds (see :mod:`lance_hpc.data.cache`), else of the store."""
+        columns = list(self.decoder.columns)
+        if self.cache is not None:
+            cache = open_cache(self.cache.dir, self.cache.max_gb, self.uri, self.version, self.options, lambda: self.dataset)
+            return cache.take(row_ids, columns, stats, lambda rows: self.dataset.take(rows, columns=columns))
+        return self.dataset.take(row_ids, columns=columns)
 
     def _fetch(self, unique: np.ndarray, ahead: Sequence[np.ndarray]) -> tuple[Any, ReadStats]:
         """The table of ``unique`` (read ahead earlier, or now), after starting the reads of ``ahead``."""

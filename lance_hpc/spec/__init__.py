@@ -16,6 +16,7 @@ from lance_hpc.spec.load import (
 )
 from lance_hpc.spec.problems import Problem, SpecError
 from lance_hpc.spec.schema import (
+    CacheSpec,
     CheckpointSpec,
     ContainerSpec,
     DataSpec,
@@ -30,6 +31,7 @@ from lance_hpc.spec.schema import (
 from lance_hpc.spec.sweep import SweepRun, expand, run_count
 
 __all__ = [
+    "CacheSpec",
     "CheckpointSpec",
     "ContainerSpec",
     "DataSpec",

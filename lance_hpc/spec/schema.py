@@ -172,6 +172,24 @@ class IngestSpec(_Section):
     tokenizer: str = Field("bytes", description="Text sources: bytes (UTF-8, nothing to download) or pkg.mod:factory.")
 
 
+class CacheSpec(_Section):
+    dir: str = Field(
+        ..., min_length=1,
+        description="Node-local directory for cached data files, shared by every rank and worker on the node; $VARS expand there.",
+    )
+    max_gb: float = Field(..., gt=0, description="Size limit in GiB; beyond it the least recently used files are deleted.")
+
+    @field_validator("dir")
+    @classmethod
+    def check_dir(cls, directory: str) -> str:
+        if "://" in directory or not directory.startswith(("/", "$", "~")):
+            raise ValueError(
+                f"{directory!r} is not an absolute local path\n"
+                "  fix: name a directory on each node's local disk, e.g. /local/nvme/lance-cache or $TMPDIR/lance-cache"
+            )
+        return directory
+
+
 class DataSpec(_Section):
     uri: str = Field(..., description="Training dataset: local path or s3://bucket/path.lance.")
     val_uri: str | None = Field(None, description="Validation dataset; null skips evaluation.")
@@ -196,6 +214,7 @@ class DataSpec(_Section):
     seed: int = Field(0, description="Seed of the data order and of augmentation.")
     on_corrupt: str = Field("skip", description="A row the task cannot decode: skip (counted in logs) or fail naming it.")
     ingest: IngestSpec | None = Field(None, description="Create the dataset on first use from a source.")
+    cache: CacheSpec | None = Field(None, description="Node-local cache of fetched data files; null reads the store every epoch.")
 
     check_style = field_validator("style")(_choice(_styles))
     check_sampler = field_validator("sampler")(_choice(_samplers))

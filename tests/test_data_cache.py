@@ -1,0 +1,339 @@
+"""The node-local cache on real Lance datasets: rows read through it equal rows read from the store
+(local and over the loopback S3 server), a filler killed mid-download leaves nothing a reader uses,
+files are evicted least recently used beyond the size limit (never the manifest of a version in
+use), a new version (or a dataset written again under the same version number) never gets another
+version's bytes, and processes sharing one cache download each file once."""
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lance
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from lance_hpc.data import cache
+from lance_hpc.data.cache import GIB, PARTIAL, CachedFile, NodeCache, Source, evict, fetch, fragment_files, open_cache
+from lance_hpc.data.reader import ReadStats
+from lance_hpc.data.storage import storage_options
+from lance_hpc.spec import CacheSpec, SpecError, load_spec_text
+from tests.test_data_loader import spec, train_loader, write_dataset
+
+ROOT = Path(__file__).resolve().parent.parent
+COLUMNS = ["x", "payload"]
+
+
+def write(uri, fragments=4, rows=50, payload_bytes=1024, first=0, seed=0, options=None, mode="create"):
+    """Fragments of ``rows`` rows; ``x`` counts from ``first``; ``payload`` is random (incompressible),
+    so a data file is about rows * payload_bytes long. Row 3 of every fragment is deleted, so each
+    fragment has a deletion file too."""
+    rng = np.random.default_rng(seed)
+    count = fragments * rows
+    table = pa.table({"x": np.arange(first, first + count), "payload": [rng.bytes(payload_bytes) for _ in range(count)]})
+    dataset = lance.write_dataset(table, uri, max_rows_per_file=rows, mode=mode, storage_options=options)
+    dataset.delete(" OR ".join(f"x = {first + fragment * rows + 3}" for fragment in range(fragments)))
+    return lance.dataset(uri, storage_options=options)
+
+
+def node_cache(directory, dataset, uri=None, max_gb=1.0, options=None):
+    return NodeCache(str(directory), max_gb, uri or dataset.uri, dataset.version, options or {}, dataset)
+
+
+def take(node, dataset, ids):
+    """Rows through the cache, with the store read for the rest, and the stats of that read."""
+    stats = ReadStats()
+    table = node.take(np.asarray(ids, dtype=np.int64), COLUMNS, stats, lambda rows: dataset.take(rows, columns=COLUMNS))
+    return table, stats
+
+
+def all_files(dataset):
+    return {file.path for fragment in dataset.get_fragments() for file in fragment_files(fragment)}
+
+
+def fragment_rows(dataset, index):
+    """Row offsets of the ``index``-th fragment."""
+    counts = [fragment.count_rows() for fragment in dataset.get_fragments()]
+    start = sum(counts[:index])
+    return np.arange(start, start + counts[index])
+
+
+def test_rows_through_the_cache_equal_the_store_before_during_and_after_filling(tmp_path):
+    dataset = write(str(tmp_path / "d.lance"))
+    node = node_cache(tmp_path / "cache", dataset)
+    rows = dataset.count_rows()
+    batches = [np.sort(np.random.default_rng(seed).choice(rows, 40, replace=False)) for seed in range(6)]
+    first, stats = take(node, dataset, batches[0])
+    assert first.equals(dataset.take(batches[0], columns=COLUMNS))
+    assert (stats.cache_hits, stats.cache_misses) == (0, 40)
+    node.drain()
+    assert sorted(node.fetched) == sorted(all_files(dataset))
+    # half the fragments gone again: rows of both kinds in one batch, merged in row order
+    for fragment in dataset.get_fragments()[::2]:
+        for file in fragment_files(fragment):
+            (node.root / file.path).unlink()
+    node.complete.clear()
+    mixed, stats = take(node, dataset, batches[1])
+    assert mixed.equals(dataset.take(batches[1], columns=COLUMNS))
+    assert stats.cache_hits > 0 and stats.cache_misses > 0
+    node.drain()
+    for ids in batches:
+        table, stats = take(node, dataset, ids)
+        assert table.equals(dataset.take(ids, columns=COLUMNS))
+        assert (stats.cache_hits, stats.cache_misses) == (len(ids), 0)
+    # the cache root is itself the dataset at this version
+    assert lance.dataset(str(node.root), version=dataset.version).to_table().equals(dataset.to_table())
+    node.close()
+
+
+KILLED_FILLER = """
+import sys, time
+from pathlib import Path
+from lance_hpc.data import cache
+def one_chunk_then_hang(self, path):
+    with self.filesystem.open_input_stream(f"{self.root}/{path}") as stream:
+        yield stream.read(4096)
+    Path(sys.argv[3]).write_text("started")
+    time.sleep(600)
+cache.Source.chunks = one_chunk_then_hang
+cache.fetch(cache.Source(sys.argv[1], {}), Path(sys.argv[2]), cache.CachedFile(sys.argv[4]))
+"""
+
+
+def test_a_filler_killed_mid_download_leaves_no_file_a_reader_uses(tmp_path):
+    dataset = write(str(tmp_path / "d.lance"), payload_bytes=4096)
+    node = node_cache(tmp_path / "cache", dataset)
+    victim = fragment_files(dataset.get_fragments()[1])[0]
+    marker = tmp_path / "started"
+    filler = subprocess.Popen([sys.executable, "-c", KILLED_FILLER, dataset.uri, str(node.root), str(marker), victim.path], cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert filler.poll() is None, "the filler ended before downloading"
+            assert time.monotonic() < deadline, "the filler never started downloading"
+            time.sleep(0.05)
+        final = node.root / victim.path
+        assert not final.exists() and len(list(final.parent.glob(f"{final.name}.*{PARTIAL}"))) == 1
+        # the filler holds the file's lock: nobody downloads it a second time meanwhile
+        assert fetch(node.source, node.root, victim) is None
+    finally:
+        filler.send_signal(signal.SIGKILL)
+        filler.wait()
+    assert not final.exists()
+    ids = fragment_rows(dataset, 1)
+    table, stats = take(node, dataset, ids)
+    assert table.equals(dataset.take(ids, columns=COLUMNS)) and stats.cache_misses == len(ids)
+    node.drain()
+    assert victim.path in node.fetched  # the next reader downloaded it again, whole
+    assert final.read_bytes() == (Path(dataset.uri) / victim.path).read_bytes()
+    assert not list(final.parent.glob(f"*{PARTIAL}"))
+    table, stats = take(node, dataset, ids)
+    assert table.equals(dataset.take(ids, columns=COLUMNS)) and stats.cache_hits == len(ids)
+    node.close()
+
+
+def test_a_download_shorter_than_the_manifest_says_is_never_renamed_into_place(tmp_path):
+    dataset = write(str(tmp_path / "d.lance"))
+    data_file = fragment_files(dataset.get_fragments()[0])[0]
+    root = tmp_path / "cache" / "d"
+    with pytest.raises(OSError, match="the manifest says"):
+        fetch(Source(dataset.uri, {}), root, CachedFile(data_file.path, data_file.size + 1))
+    assert not (root / data_file.path).exists() and not list((root / "data").glob("*"))
+
+
+def cached_fragments(node, dataset):
+    return [index for index, fragment in enumerate(dataset.get_fragments())
+            if all((node.root / file.path).exists() for file in fragment_files(fragment))]
+
+
+def test_eviction_keeps_the_cache_under_its_limit_least_recently_used_first(tmp_path, monkeypatch):
+    monkeypatch.setattr(cache, "TOUCH_INTERVAL_S", 0.0)
+    dataset = write(str(tmp_path / "d.lance"))
+    fragment_bytes = sum((Path(dataset.uri) / file.path).stat().st_size for file in fragment_files(dataset.get_fragments()[0]))
+    limit = int(2.5 * fragment_bytes)  # two fragments and the manifest fit, three do not
+    node = node_cache(tmp_path / "cache", dataset, max_gb=limit / GIB)
+
+    def read(index):
+        ids = fragment_rows(dataset, index)
+        table, _ = take(node, dataset, ids)
+        assert table.equals(dataset.take(ids, columns=COLUMNS))
+        node.drain()
+
+    read(0)
+    read(1)
+    assert cached_fragments(node, dataset) == [0, 1]
+    for index, age_s in ((0, 2000), (1, 1000)):  # filled long ago, 0 first
+        for file in fragment_files(dataset.get_fragments()[index]):
+            os.utime(node.root / file.path, (time.time() - age_s, time.time() - age_s))
+    read(0)  # 0 is now used more recently than 1
+    read(2)
+    assert cached_fragments(node, dataset) == [0, 2]
+    read(1)
+    assert cached_fragments(node, dataset) == [1, 2]
+    total = sum(path.stat().st_size for path in node.root.rglob("*") if path.is_file() and ".locks" not in path.parts)
+    assert total <= limit
+
+    # deleted while known to be cached: its rows come from the store
+    monkeypatch.setattr(cache, "TOUCH_INTERVAL_S", 3600.0)
+    evict(node.directory, 0)
+    assert cached_fragments(node, dataset) == []
+    assert len(list((node.root / "_versions").glob("*.manifest"))) == 1  # in use: kept
+    ids = np.concatenate([fragment_rows(dataset, 1), fragment_rows(dataset, 2)])
+    table, stats = take(node, dataset, ids)
+    assert table.equals(dataset.take(ids, columns=COLUMNS)) and stats.cache_misses == len(ids)
+    node.close()
+    evict(node.directory, 0)
+    assert not list((node.root / "_versions").glob("*.manifest"))  # no longer in use
+
+
+def test_a_new_version_never_reads_the_bytes_of_another(tmp_path):
+    uri = str(tmp_path / "d.lance")
+    first = write(uri)
+    node_1 = node_cache(tmp_path / "cache", first)
+    ids = np.arange(first.count_rows())
+    take(node_1, first, ids)
+    node_1.drain()
+
+    lance.dataset(uri).update({"x": "x + 1000"}, where="x % 10 = 1")  # rewrites those rows, deletes the old ones
+    second = lance.dataset(uri)
+    assert second.version > first.version
+    expected = second.take(ids, columns=COLUMNS)
+    assert not expected.equals(first.take(ids, columns=COLUMNS))
+    node_2 = node_cache(tmp_path / "cache", second)
+    for _ in range(2):
+        table, _ = take(node_2, second, ids)
+        assert table.equals(expected)
+        node_2.drain()
+    assert take(node_2, second, ids)[1].cache_misses == 0
+    table, stats = take(node_1, first, ids)  # the older version, still open, still its own rows
+    assert table.equals(first.take(ids, columns=COLUMNS)) and stats.cache_misses == 0
+    node_1.close()
+    node_2.close()
+
+    # deleted and written again: the same version number, other files and rows
+    for path in sorted(Path(uri).rglob("*"), reverse=True):
+        path.unlink() if path.is_file() else path.rmdir()
+    again = write(uri, first=5000, seed=1)
+    assert again.version == first.version
+    node_again = node_cache(tmp_path / "cache", again)
+    for _ in range(2):
+        table, _ = take(node_again, again, ids)
+        assert table.equals(again.take(ids, columns=COLUMNS))
+        node_again.drain()
+    assert take(node_again, again, ids)[1].cache_misses == 0
+    node_again.close()
+
+
+def share_one_cache(uri, directory, barrier, results):
+    """One of two processes: read every row (same order as the other, so they race for the same
+    files) with small chunks (slow downloads), then read again; report what it downloaded."""
+    cache.CHUNK_BYTES = 2048
+    dataset = lance.dataset(uri)
+    node = node_cache(directory, dataset)
+    barrier.wait()
+    rows = dataset.count_rows()
+    for start in range(0, rows, 16):
+        take(node, dataset, np.arange(start, min(start + 16, rows)))
+    node.drain()
+    while set(cached_fragments(node, dataset)) != set(range(len(dataset.get_fragments()))):
+        time.sleep(0.05)  # files the other process was fetching
+    _, again = take(node, dataset, np.arange(rows))
+    results.put((node.fetched, again.cache_hits, again.cache_misses))
+    node.close()
+
+
+def test_two_processes_share_one_cache_and_download_each_file_once(tmp_path):
+    dataset = write(str(tmp_path / "d.lance"), fragments=6)
+    context = multiprocessing.get_context("spawn")
+    barrier, results = context.Barrier(2), context.Queue()
+    processes = [context.Process(target=share_one_cache, args=(dataset.uri, str(tmp_path / "cache"), barrier, results))
+                 for _ in range(2)]
+    for process in processes:
+        process.start()
+    reports = [results.get(timeout=300) for _ in processes]
+    for process in processes:
+        process.join(timeout=60)
+        assert process.exitcode == 0
+    downloaded = [path for fetched, _, _ in reports for path in fetched]
+    assert sorted(downloaded) == sorted(all_files(dataset))  # every file once, over both processes
+    assert [(hits, misses) for _, hits, misses in reports] == [(dataset.count_rows(), 0)] * 2
+
+
+def test_the_train_loader_reads_the_same_batches_through_the_cache_and_counts_hits(tmp_path):
+    uri = write_dataset(str(tmp_path / "photos.lance"), [25] * 4 + [7])
+    directory = str(tmp_path / "cache")
+    plain = train_loader(spec(uri), 0, 1)
+    cached = train_loader(spec(uri, cache=CacheSpec(dir=directory, max_gb=1.0)), 0, 1)
+    plain.set_epoch(0)
+    cached.set_epoch(0)
+    labels = [b["label"].tolist() for b in plain]
+    assert labels == [b["label"].tolist() for b in cached]
+    rows = sum(len(batch) for batch in labels)
+    hits, misses = cached.stats.cache_hits, cached.stats.cache_misses  # fills run behind the first reads
+    assert hits + misses == rows and misses > 0
+    dataset = lance.dataset(uri)
+    open_cache(directory, 1.0, uri, dataset.version, {}, lambda: dataset).drain()  # this process's cache
+    plain.set_epoch(1)
+    cached.set_epoch(1)
+    assert [b["label"].tolist() for b in plain] == [b["label"].tolist() for b in cached]
+    assert (cached.stats.cache_hits - hits, cached.stats.cache_misses - misses) == (rows, 0)
+
+
+@pytest.mark.slow
+def test_loader_workers_fill_and_read_the_cache(tmp_path):
+    uri = write_dataset(str(tmp_path / "photos.lance"), [25] * 4 + [7])
+    dataset = lance.dataset(uri)
+    directory = tmp_path / "cache"
+    loader = train_loader(spec(uri, num_workers=1, cache=CacheSpec(dir=str(directory), max_gb=1.0)), 0, 1)
+    plain = train_loader(spec(uri), 0, 1)
+    loader.set_epoch(0)
+    plain.set_epoch(0)
+    labels = [b["label"].tolist() for b in plain]
+    assert [b["label"].tolist() for b in loader] == labels
+    node = open_cache(str(directory), 1.0, uri, dataset.version, {}, lambda: dataset)  # only to look
+    deadline = time.monotonic() + 120
+    while len(cached_fragments(node, dataset)) < 5:  # the worker's fetches end after its last batch
+        assert time.monotonic() < deadline, "the worker never cached every fragment"
+        time.sleep(0.1)
+    before = loader.stats.cache_hits
+    loader.set_epoch(1)
+    plain.set_epoch(1)
+    assert [b["label"].tolist() for b in loader] == [b["label"].tolist() for b in plain]
+    assert loader.stats.cache_hits - before == sum(len(batch) for batch in labels)
+
+
+@pytest.mark.s3
+def test_rows_through_the_cache_equal_the_store_over_s3(s3_server, monkeypatch, tmp_path):
+    for key, value in s3_server.env.items():
+        monkeypatch.setenv(key, value)
+    uri = s3_server.uri("cached.lance")
+    options = storage_options(uri, s3_server.storage_options)
+    dataset = write(uri, options=options)
+    node = node_cache(tmp_path / "cache", dataset, uri=uri, options=options)
+    ids = np.sort(np.random.default_rng(0).choice(dataset.count_rows(), 60, replace=False))
+    table, stats = take(node, dataset, ids)
+    assert table.equals(dataset.take(ids, columns=COLUMNS)) and stats.cache_misses == 60
+    node.drain()
+    assert sorted(node.fetched) == sorted(all_files(dataset))
+    table, stats = take(node, dataset, ids)
+    assert table.equals(dataset.take(ids, columns=COLUMNS)) and stats.cache_hits == 60
+    for file in node.fetched:
+        assert os.path.getsize(node.root / file) == len(node.source.filesystem.open_input_stream(f"{node.source.root}/{file}").read())
+    node.close()
+
+
+def test_the_cache_section_is_checked_with_yaml_paths():
+    text = "name: x\ndata: {uri: /tmp/x.lance, cache: {dir: %s, max_gb: %s}}\n"
+    with pytest.raises(SpecError) as error:
+        load_spec_text(text % ("relative/cache", "0"), "job.yaml")
+    message = str(error.value)
+    assert "data.cache.dir: 'relative/cache' is not an absolute local path" in message
+    assert "data.cache.max_gb: must be > 0" in message
+    with pytest.raises(SpecError, match="data.cache.dir: 's3://b/c' is not an absolute local path"):
+        load_spec_text(text % ("s3://b/c", "1"), "job.yaml")
+    loaded = load_spec_text(text % ("$TMPDIR/lance-cache", "2.5"), "job.yaml").spec
+    assert loaded.data.cache == CacheSpec(dir="$TMPDIR/lance-cache", max_gb=2.5)
