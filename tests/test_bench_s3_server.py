@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from lance_hpc.bench.s3_server import S3Error, parse_range, start_server
+from lance_hpc.bench.s3_server import CounterWindow, S3Error, parse_range, start_server
 
 ROWS = 3000
 
@@ -176,6 +176,19 @@ def test_latency_holds_every_answer_back_without_holding_other_requests(tmp_path
         assert counts["max_in_flight"] == concurrent
         assert counts["gets"] == concurrent and counts["get_bytes"] == 10 * concurrent
         assert server.cpu_seconds() > 0 and counts["cpu_s"] > 0
+
+
+def test_a_counter_window_counts_only_what_happened_inside_it(served):
+    server, _ = served
+    _request(server, "GET", "/bench/flat/bytes.bin")  # before the window
+    window = CounterWindow(server.endpoint)
+    window.start()
+    for start in (0, 100, 200):
+        _request(server, "GET", "/bench/flat/bytes.bin", {"Range": f"bytes={start}-{start + 49}"})
+    _request(server, "HEAD", "/bench/flat/bytes.bin")
+    counts = window.end()
+    assert (counts["requests"], counts["gets"], counts["get_bytes"], counts["heads"]) == (4, 3, 150, 1)
+    assert 0 <= counts["cpu_s"] < server.counters()["cpu_s"]
 
 
 def test_the_server_exits_when_its_parent_lets_go(tmp_path):

@@ -27,6 +27,7 @@ from typing import Any, Iterator
 
 from lance_hpc.bench.configs import Measurement, Result
 from lance_hpc.bench.resources import ResourceSampler, command_line, descendants
+from lance_hpc.bench.s3_server import CounterWindow
 
 # Bytes from each end of an image that go into its fingerprint (1.5 rows of a 224 px image): enough
 # to tell crops apart, and cheap for the consumer, which reads two pages of each image, not all.
@@ -137,6 +138,7 @@ def measure(config: Measurement) -> Result:
 
     import_modules(config)
     lockstep = _Lockstep(config)
+    store = CounterWindow(config.data["storage_options"]["endpoint"]) if config.store_counters else None
     seen: list[str] = []
     with ResourceSampler() as resources:
         start = time.perf_counter()
@@ -148,6 +150,8 @@ def measure(config: Measurement) -> Result:
         # After the first all-reduce: in DDP, every rank's clock starts when the slowest has its batch.
         first_at = time.perf_counter()
         at_first = resources.mark()
+        if store:
+            store.start()
         if config.fingerprint:
             seen += fingerprints(batch_images(first))
         images = count = 0
@@ -165,6 +169,7 @@ def measure(config: Measurement) -> Result:
                 seen += fingerprints(image_tensor)
         end = time.perf_counter()
         at_end = resources.mark()
+        store_window = store.end() if store else {}
     lockstep.close()
     _stop_workers()
     elapsed = end - first_at
@@ -181,6 +186,7 @@ def measure(config: Measurement) -> Result:
         epoch_done=epoch_done,
         fingerprints=seen,
         worker_rss_timeline=resources.worker_timeline(at_first),
+        store=store_window,
         **resources.summary(at_first, at_end, images),
     )
 

@@ -32,6 +32,7 @@ class Measurement:
     world_size: int = 1  # processes started (a gloo group when > 1)
     data_world_size: int | None = None  # ranks the loader shards for; None: world_size
     cores: int = 1  # the decode limit is one core's rate times this
+    store_counters: bool = False  # read the S3 benchmark server's counters at data.storage_options.endpoint
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -62,6 +63,7 @@ class Result:
     epoch_done: bool = False
     fingerprints: list[str] = field(default_factory=list)
     worker_rss_timeline: list[tuple[float, float]] = field(default_factory=list)  # (s after first batch, MiB)
+    store: dict[str, float] = field(default_factory=dict)  # the S3 server's counters over the window (s3_server)
     error: str = ""
 
     @classmethod

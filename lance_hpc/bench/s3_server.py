@@ -22,8 +22,10 @@ Library use::
 From a shell: ``python -m lance_hpc.bench.s3_server ROOT --port 9000 --latency-ms 25``.
 
 Counters are read and reset over HTTP (``GET /_bench/counters``, ``POST /_bench/reset``), so a
-measurement process that only knows the endpoint can read them too; ``_bench`` is not a valid
-bucket name, so no object can hide them.
+measurement process that only knows the endpoint can read them too (:func:`read_counters`,
+:class:`CounterWindow`); ``_bench`` is not a valid bucket name, so no object can hide them.
+Per request the server spends about 0.15 ms of its own Python and, for a 40 KB range, as much
+again in the kernel's loopback send, which any server on the same machine would pay.
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ class Store:
     def __init__(self, root: Path) -> None:
         self.root = root.resolve()
         self.uploads = Path(tempfile.mkdtemp(prefix="s3-bench-uploads-"))
-        self._descriptors: dict[Path, int] = {}
+        self._descriptors: dict[str, int] = {}  # by key: resolving a path costs a stat per component
 
     def path(self, key: str) -> Path:
         path = (self.root / key).resolve()
@@ -99,21 +101,20 @@ class Store:
         return path
 
     def descriptor(self, key: str) -> tuple[int, os.stat_result]:
-        path = self.path(key)
-        fd = self._descriptors.get(path)
+        fd = self._descriptors.get(key)
         if fd is None:
             try:
-                fd = os.open(path, os.O_RDONLY)
+                fd = os.open(self.path(key), os.O_RDONLY)
             except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
                 raise S3Error(404, "NoSuchKey", f"no object {key!r}") from None
-            self._descriptors[path] = fd
+            self._descriptors[key] = fd
         return fd, os.fstat(fd)
 
-    def forget(self, path: Path) -> None:
-        """Closes the kept descriptor of a file that is being replaced or removed."""
-        fd = self._descriptors.pop(path, None)
-        if fd is not None:
+    def forget(self) -> None:
+        """Closes every kept descriptor: a file changed, under whichever spelling of its key."""
+        for fd in self._descriptors.values():
             os.close(fd)
+        self._descriptors.clear()
 
     def write(self, key: str, body: bytes | Path, if_none_match: bool = False) -> os.stat_result:
         """Replaces ``key`` at once (a reader sees the old or the new object, never a part)."""
@@ -126,14 +127,13 @@ class Store:
             shutil.copyfile(body, staging)
         else:
             staging.write_bytes(body)
-        self.forget(path)
         os.replace(staging, path)
+        self.forget()
         return path.stat()
 
     def delete(self, key: str) -> None:
-        path = self.path(key)
-        self.forget(path)
-        path.unlink(missing_ok=True)  # S3 answers 204 for a missing key too
+        self.path(key).unlink(missing_ok=True)  # S3 answers 204 for a missing key too
+        self.forget()
 
     def keys(self, prefix: str) -> Iterator[tuple[str, os.stat_result]]:
         """Every object whose key starts with ``prefix``, in no particular order."""
@@ -354,13 +354,14 @@ class Server:
             shutil.rmtree(directory, ignore_errors=True)
 
     async def control(self, method: str, command: str, writer: asyncio.StreamWriter) -> None:
-        if command == "reset" and method == "POST":
-            self.reset()
-        elif command != "counters":
+        """``GET counters``; ``POST reset`` answers the counters as they were before it zeroed them."""
+        if command not in ("counters", "reset"):
             send(writer, 404, {}, b"")
-            await writer.drain()
-            return
-        send(writer, 200, {"Content-Type": "application/json"}, json.dumps(self.counters()).encode())
+        else:
+            counters = self.counters()
+            if command == "reset" and method == "POST":
+                self.reset()
+            send(writer, 200, {"Content-Type": "application/json"}, json.dumps(counters).encode())
         await writer.drain()
 
 
@@ -388,6 +389,39 @@ async def serve(root: Path, host: str, port: int, bucket: str, latency_ms: float
         await loop.run_in_executor(None, sys.stdin.buffer.read)
 
 
+def _control(endpoint: str, method: str, command: str) -> dict[str, float]:
+    request = urllib.request.Request(endpoint.rstrip("/") + CONTROL_PREFIX + command, method=method)
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        return json.loads(answer.read())
+
+
+def read_counters(endpoint: str) -> dict[str, float]:
+    """The counters of the server at ``endpoint`` (see the module docstring)."""
+    return _control(endpoint, "GET", "counters")
+
+
+def reset_counters(endpoint: str) -> dict[str, float]:
+    """Zeroes the counters of the server at ``endpoint``; returns them as they were."""
+    return _control(endpoint, "POST", "reset")
+
+
+class CounterWindow:
+    """What the server at ``endpoint`` did between :meth:`start` and :meth:`end`, its CPU included.
+
+    One window at a time per server: starting one resets the counters."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self._cpu_at_start = 0.0
+
+    def start(self) -> None:
+        self._cpu_at_start = reset_counters(self.endpoint)["cpu_s"]
+
+    def end(self) -> dict[str, float]:
+        counters = read_counters(self.endpoint)
+        return {**counters, "cpu_s": counters["cpu_s"] - self._cpu_at_start}
+
+
 class S3BenchServer:
     """A running server process (see :func:`start_server`)."""
 
@@ -402,17 +436,12 @@ class S3BenchServer:
     def uri(self, key: str) -> str:
         return f"s3://{self.bucket}/{key.strip('/')}"
 
-    def _call(self, method: str, command: str) -> dict[str, float]:
-        request = urllib.request.Request(self.endpoint + CONTROL_PREFIX + command, method=method, data=None)
-        with urllib.request.urlopen(request, timeout=30) as answer:
-            return json.loads(answer.read())
-
     def counters(self) -> dict[str, float]:
         """Requests by kind, bytes sent for GETs, peak requests in flight, and the server's CPU seconds."""
-        return self._call("GET", "counters")
+        return read_counters(self.endpoint)
 
     def reset_counters(self) -> None:
-        self._call("POST", "reset")
+        reset_counters(self.endpoint)
 
     def cpu_seconds(self) -> float:
         from lance_hpc.bench.resources import _proc_usage
