@@ -14,9 +14,10 @@ Every rank and DataLoader worker on the node shares the directory:
   manifest and renames it to ``<name>`` (then fsyncs the directory): a process killed mid-download
   leaves only a ``.partial`` file, which no reader opens and the next fetcher deletes;
 - the cache stays under ``max_gb``: after each fetch, data files are deleted oldest use first (a
-  file's modification time is its last use; readers touch it), then deletion files and manifests. A deleted file still open by a reader
-  stays readable (Linux); a reader that finds a file gone reads those rows from the store. The
-  manifest of a version some process has open (a shared ``fcntl`` lock) is never deleted;
+  file's modification time is its last use; readers touch it), then deletion files and manifests.
+  A deleted file still open by a reader stays readable (Linux); a reader that finds a file gone
+  reads those rows from the store. The manifest of a version some process has open (a shared
+  ``fcntl`` lock) is never deleted;
 - the dataset key is the dataset's URI and endpoint, and the manifest decides which files a
   version reads. A process checks that the cached manifest lists the same files as the store's
   manifest of its version (the same version number of a dataset deleted and written again does
