@@ -354,6 +354,11 @@ def litdata_loader(config: Measurement) -> Iterable[Any]:
     uri, options = config.data["uri"], config.data.get("storage_options") or {}
     extra: dict[str, Any] = {}
     if uri.startswith("s3://"):
+        import litdata.streaming.downloader
+
+        # LitData's obstore path sets client options without allow_http, so it refuses the benchmark
+        # server's plain-http endpoint (a real https store is fine); its boto3 path reads it instead.
+        litdata.streaming.downloader._OBSTORE_AVAILABLE = False
         extra["cache_dir"] = _fresh_cache(config)
         extra["storage_options"] = {
             "endpoint_url": options["endpoint"], "aws_access_key_id": options["access_key_id"],
