@@ -9,10 +9,13 @@ import pytest
 import yaml
 
 from lance_hpc.bench import main
-from lance_hpc.bench.configs import Result
+from lance_hpc.bench.cli import SECTIONS, parser
+from lance_hpc.bench.configs import Measurement, Result
 from lance_hpc.bench.datasets import DataSetSpec, prepare
-from lance_hpc.bench.report import format_markdown, table_rows, targets
-from lance_hpc.bench.runner import Summary, exactly_once
+from lance_hpc.bench.report import (
+    format_markdown, object_storage_rows, object_storage_targets, table_rows, targets,
+)
+from lance_hpc.bench.runner import Summary, exactly_once, run_rounds
 
 TINY_LABELS = (
     "decode limit",
@@ -25,9 +28,10 @@ TINY_LABELS = (
 )
 
 
-def _result(label: str, rate: float, fingerprints: list[str] = (), batches: int = 1, rank: int = 0) -> Result:
+def _result(label: str, rate: float, fingerprints: list[str] = (), batches: int = 1, rank: int = 0,
+            cpu_ms: float = 0.0, store: dict | None = None) -> Result:
     return Result(label, "photos", rate, 1.0, int(rate), batches, 1.0, 500.0, 400.0, 1.0, rank=rank,
-                  fingerprints=list(fingerprints))
+                  fingerprints=list(fingerprints), cpu_ms_per_image=cpu_ms, store=store or {})
 
 
 def test_exactly_once_compares_multisets_so_identical_images_still_count():
@@ -65,6 +69,56 @@ def test_table_and_targets_report_ratios_against_the_decode_limit_and_each_peer(
     assert verdicts["time to first batch < 3 s"] and verdicts["worker memory flat over the run"]
 
 
+def test_object_storage_table_bills_gets_and_bytes_per_image_and_judges_the_latency_targets():
+    label = "lance_hpc map/distributed"
+
+    def summary(rates: list[float], cpu_ms: float, gets_per_image: float = 0.0) -> Summary:
+        return Summary(label, "photos", runs=[[_result(label, rate, cpu_ms=cpu_ms, store={
+            "gets": gets_per_image * rate, "get_bytes": 40_000 * rate, "cpu_s": 0.0002 * rate, "max_in_flight": 64,
+        } if gets_per_image else None)] for rate in rates])
+
+    local = {label: summary([1000, 1000], 1.0)}
+    grid = {label: {0.0: summary([900, 800], 1.05, 1.5), 25.0: summary([880, 860], 1.2, 1.25),
+                    50.0: summary([700, 700], 1.0, 1.0)}}
+    header, rows = object_storage_rows(local, grid)
+    column = {name: index for index, name in enumerate(header)}
+    assert [row[column["storage"]] for row in rows] == ["local disk", "S3 0 ms", "S3 25 ms", "S3 50 ms"]
+    at_25 = rows[2]
+    assert at_25[column["images/s (min-max)"]] == "870 (860-880)"
+    assert at_25[column["x local disk"]] == "0.87x" and at_25[column["x 0 ms"]] == "1.02x"
+    assert at_25[column["GET/img"]] == "1.25" and at_25[column["KB/img"]] == "40.0"
+    assert at_25[column["x local CPU"]] == "1.20x" and at_25[column["server CPU ms/img"]] == "0.20"
+    assert at_25[column["in flight (peak)"]] == "64"
+    verdicts = {t.name: t for t in object_storage_targets(local, grid, label)}
+    assert verdicts["default strategy at 25 ms vs local disk"].met  # 0.87x >= 0.85x
+    latency = verdicts["every strategy with latency vs its own 0 ms"]
+    assert not latency.met and "0.82x" in latency.detail and "at 50 ms" in latency.detail  # 700 / 850
+    cpu = verdicts["loader CPU per image over S3 vs local disk"]
+    assert not cpu.met and "1.20x" in cpu.detail
+
+
+def test_sections_are_chosen_by_name_and_configurations_run_as_often_as_asked(tmp_path, monkeypatch):
+    args = parser().parse_args(["--sections", "object_storage,local"])
+    assert args.sections == ["local", "object_storage"]  # report order, not the order given
+    assert parser().parse_args([]).sections == list(SECTIONS)
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--sections", "local,disk"])
+    help_text = parser().format_help()
+    assert all(name in help_text for name in SECTIONS) and "first-byte latency" in help_text
+
+    calls: list[str] = []
+    configs = [Measurement("a", "decode_limit", "photos"), Measurement("b", "decode_limit", "photos"),
+               Measurement("a", "decode_limit", "photos-s3-0ms")]
+    runs = {("photos", "a"): 3, ("photos", "b"): 1, ("photos-s3-0ms", "a"): 2}
+    from lance_hpc.bench import runner
+
+    monkeypatch.setattr(runner, "run_measurement", lambda config, work_dir: calls.append(
+        f"{config.dataset}/{config.label}") or [_result(config.label, 10.0)])
+    summaries = run_rounds(configs, runs, tmp_path, log=lambda line: None)
+    assert [len(summary.runs) for summary in summaries] == [3, 1, 2]
+    assert calls.count("photos/a") == 3 and calls.count("photos/b") == 1 and calls.count("photos-s3-0ms/a") == 2
+
+
 def test_data_sets_are_cached_and_identical_specs_are_not_regenerated(tmp_path):
     spec = DataSetSpec("small", count=24, image_size=32, batch_size=8, size=32, rows_per_fragment=10)
     messages: list[str] = []
@@ -79,7 +133,7 @@ def test_data_sets_are_cached_and_identical_specs_are_not_regenerated(tmp_path):
 
 @pytest.mark.slow
 def test_tiny_benchmark_runs_end_to_end_and_ddp_reads_every_row_once(tmp_path, capsys):
-    code = main(["--tiny", "--out", str(tmp_path)])
+    code = main(["--tiny", "--sections", "local", "--out", str(tmp_path)])
     printed = capsys.readouterr().out
     assert code == 0, printed
     markdown = (tmp_path / "results.md").read_text()
@@ -93,6 +147,30 @@ def test_tiny_benchmark_runs_end_to_end_and_ddp_reads_every_row_once(tmp_path, c
     assert check["rows_read"] == check["rows_expected"] == 384
     assert len(set(check["steps_per_rank"])) == 1
     assert all(summary["images_per_s"] > 0 for summary in results["summaries"])
+
+
+@pytest.mark.slow
+def test_tiny_object_storage_section_reads_through_the_s3_server_and_bills_it(tmp_path, capsys):
+    code = main(["--tiny", "--sections", "object_storage", "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    markdown = (tmp_path / "results.md").read_text()
+    assert "## Object storage: small over the S3 protocol" in markdown
+    for label in TINY_LABELS[-3:]:
+        for storage in ("local disk", "S3 0 ms", "S3 25 ms"):
+            assert f"| {label} | {storage} |" in markdown, (label, storage)
+    assert "default strategy at 25 ms vs local disk" in markdown and "reference map-style" not in markdown
+    assert (tmp_path / "object_storage.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    results = json.loads((tmp_path / "results.json").read_text())
+    by_key = {(s["dataset"], s["label"]): s for s in results["summaries"]}
+    assert len(by_key) == 9
+    for (dataset, label), summary in by_key.items():
+        result = summary["runs"][0][0]
+        assert not result["error"] and result["images"] > 0, (dataset, label)
+        if "-s3-" in dataset:  # read through the server: it answered GETs for the images in the window
+            assert result["store"]["gets"] > 0 and result["store"]["get_bytes"] > 0 and result["store"]["errors"] == 0
+        else:
+            assert result["store"] == {}
 
 
 @pytest.mark.slow

@@ -1,9 +1,9 @@
 """``python -m lance_hpc.bench`` and ``lance-hpc bench``.
 
-Without a job spec: the peer benchmark. It generates (or reuses) the benchmark data sets, measures
-the decode limit, the peers and every lance_hpc strategy each in a fresh process, interleaved,
-``--runs`` times, and writes a table (terminal and markdown), a PNG chart and the raw results to
-the output directory.
+Without a job spec: the loader benchmark. It generates (or reuses) the benchmark data sets, gathers
+the configurations of the chosen sections (``SECTIONS``: local disk, object storage, ...), measures
+each in a fresh process, interleaved, ``--runs`` times, and writes each section's tables (terminal
+and markdown) and charts and the raw results to the output directory.
 
 With a job spec (an ``image_classification`` job): measures that job's own data pipeline (its
 strategy, batch size and workers, its image size and augmentation, one rank's share of the data) on
@@ -17,15 +17,17 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from lance_hpc.bench import report
+from lance_hpc.bench import local, object_storage, report
 from lance_hpc.bench.configs import Measurement
-from lance_hpc.bench.datasets import DataSet, DataSetSpec, prepare
-from lance_hpc.bench.runner import Summary, exactly_once, run_rounds
+from lance_hpc.bench.datasets import DataSetSpec, prepare
+from lance_hpc.bench.runner import run_rounds
+from lance_hpc.bench.sections import Context, Section
 from lance_hpc.errors import UserError
 
 if TYPE_CHECKING:
@@ -33,15 +35,22 @@ if TYPE_CHECKING:
     from lance_hpc.tasks.image import ImageOptions
 
 DEFAULT_OUT = "bench_out"
-# lance_hpc's strategies: (label, style, sampler); the first is the default a job spec gets.
-STRATEGIES = (
-    ("lance_hpc map/distributed", "map", "distributed"),
-    ("lance_hpc iterable/sharded_batch", "iterable", "sharded_batch"),
-    ("lance_hpc iterable/sharded_fragment", "iterable", "sharded_fragment"),
-)
-DEFAULT_STRATEGY = STRATEGIES[0][0]
-DDP_LABEL = "lance_hpc map/distributed, 2-rank DDP"
-DDP_RANKS = 2
+
+# The sections of the benchmark, in the order they are reported; --sections picks some.
+SECTIONS: dict[str, Section] = {
+    "local": Section(
+        "every pipeline reading from local disk: the decode limit, pylance's reference map-style and iterable "
+        "pipelines, torchvision ImageFolder and each lance_hpc strategy, on the photos and on 64x64 images, and a "
+        "2-rank DDP run that checks every row is read exactly once",
+        local.configs, local.section_report,
+    ),
+    "object_storage": Section(
+        "each lance_hpc strategy reading the photos over the S3 protocol from a loopback server with 0, 25 and "
+        "50 ms first-byte latency, against the same strategy on local disk: images/s, GET requests and bytes per "
+        "image (what a store bills), the loader's CPU per image and the server's apart",
+        object_storage.configs, object_storage.section_report, runs=2,
+    ),
+}
 
 
 def data_sets(tiny: bool) -> list[DataSetSpec]:
@@ -57,132 +66,83 @@ def data_sets(tiny: bool) -> list[DataSetSpec]:
     ]
 
 
-def peer_configs(data: DataSet, workers: int, seconds: float, with_ddp: bool) -> list[Measurement]:
-    """Every configuration measured on one data set, in table order."""
-    spec = data.spec
-    common = dict(
-        dataset=spec.name, lance_uri=data.lance_uri, folder=data.folder, image_size=spec.image_size,
-        augment="none", batch_size=spec.batch_size, num_workers=workers, seconds=seconds,
-    )
-    cores = len(os.sched_getaffinity(0))
-    configs = [
-        Measurement(report.DECODE_LIMIT, "decode_limit", cores=cores, **common),
-        Measurement(report.REFERENCE_MAP, "reference_map", **common),
-        Measurement(report.REFERENCE_ITERABLE, "reference_iterable", **{**common, "num_workers": 0}),
-        Measurement(report.IMAGE_FOLDER, "image_folder", **common),
-    ]
-    for label, style, sampler in STRATEGIES:
-        is_default = label == DEFAULT_STRATEGY
-        configs.append(Measurement(
-            label, "lance_hpc", data=_data_fields(data, style, sampler, workers), full_epoch=is_default,
-            fingerprint=is_default and with_ddp, **common,
-        ))
-    if with_ddp:
-        per_rank = max(1, workers // DDP_RANKS)
-        configs.append(Measurement(
-            DDP_LABEL, "lance_hpc", world_size=DDP_RANKS, full_epoch=True, fingerprint=True,
-            data=_data_fields(data, "map", "distributed", per_rank), **{**common, "num_workers": per_rank},
-        ))
-    return configs
+def _gather(context: Context, sections: dict[str, Section], runs: int | None
+            ) -> tuple[list[Measurement], dict[tuple[str, str], int]]:
+    """Every section's configurations, each (data set, label) once (sections that share a baseline
+    measure it once, as often as the section that runs it most), and its number of runs."""
+    found: dict[tuple[str, str], Measurement] = {}
+    runs_of: dict[tuple[str, str], int] = {}
+    for section in sections.values():
+        for config in section.configs(context):
+            key = (config.dataset, config.label)
+            found.setdefault(key, config)
+            runs_of[key] = max(runs_of.get(key, 0), runs or section.runs)
+    return list(found.values()), runs_of
 
 
-def _data_fields(data: DataSet, style: str, sampler: str, workers: int) -> dict:
-    """DataSpec fields for a lance_hpc strategy (the decoder resizes only, like the peers: augment
-    "none" in :func:`peer_configs`)."""
-    return dict(
-        uri=data.lance_uri, style=style, sampler=sampler, batch_size=data.spec.batch_size, num_workers=workers,
-        shuffle=True, seed=0,
-    )
+def _runs_text(runs: dict[tuple[str, str], int]) -> str:
+    counts = sorted(set(runs.values()))
+    return f"{counts[0]}x" if len(counts) == 1 else f"{counts[-1]}x or {counts[0]}x (by section)"
 
 
-def _paired_rates(first: Summary, second: Summary) -> list[tuple[float, float]]:
-    """Both configurations' rates in the rounds where both ran without error."""
-    return [
-        (Summary(first.label, first.dataset, [a]).images_per_s, Summary(second.label, second.dataset, [b]).images_per_s)
-        for a, b in zip(first.runs, second.runs)
-        if not any(result.error for result in a + b)
-    ]
-
-
-def run_peer_benchmark(args: argparse.Namespace) -> int:
+def run_benchmark(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     cores = len(os.sched_getaffinity(0))
     workers = args.workers or cores
-    runs = args.runs or (1 if args.tiny else 3)
     seconds = args.seconds or (0.5 if args.tiny else 2.0)
     machine = report.machine_description()
     print(f"lance_hpc loader benchmark on {machine}")
     sets = [prepare(spec, out / "data") for spec in data_sets(args.tiny)]
     for data in sets:
         print(f"  {data.spec.name}: {data.describe()}")
-    configs = [config for index, data in enumerate(sets) for config in peer_configs(data, workers, seconds, index == 0)]
-    print(f"measuring {len(configs)} configurations x {runs} runs, each in a fresh process "
-          f"({workers} workers, {seconds:g} s window) ...")
-    load_before = os.getloadavg()[0]
-    summaries = run_rounds(configs, runs, out / "work")
-    load_after = os.getloadavg()[0]
+    context = Context(out, out / "data", sets, workers, seconds, args.tiny, machine)
+    sections = {name: SECTIONS[name] for name in args.sections}
+    try:
+        configs, runs = _gather(context, sections, args.runs or (1 if args.tiny else None))
+        print(f"sections {', '.join(sections)}: {len(configs)} configurations, {sum(runs.values())} measurements, "
+              f"each in a fresh process ({workers} workers, {seconds:g} s window) ...")
+        load_before = os.getloadavg()[0]
+        summaries = run_rounds(configs, runs, out / "work")
+        load_after = os.getloadavg()[0]
+    finally:
+        context.stop_servers()
+    by_key = {(summary.dataset, summary.label): summary for summary in summaries}
+    reports = {name: section.report(context, by_key) for name, section in sections.items()}
 
-    main_set = sets[0].spec.name
-    tables = {data.spec.name: [s for s in summaries if s.dataset == data.spec.name] for data in sets}
-    ddp = next((s for s in summaries if s.label == DDP_LABEL), None)
-    single = next(s for s in tables[main_set] if s.label == DEFAULT_STRATEGY)
-    check = None
-    if ddp is not None:
-        pairs = [(ddp_run, single_run) for ddp_run, single_run in zip(ddp.runs, single.runs)
-                 if not any(r.error for r in ddp_run + single_run)]
-        check = exactly_once(*pairs[-1]) if pairs else None
-    verdicts = report.targets(tables[main_set], DEFAULT_STRATEGY, ddp, check, [label for label, _, _ in STRATEGIES])
-
-    titles = {data.spec.name: f"{data.spec.name}: {data.describe()}" for data in sets}
     text, markdown = [], [
         "# lance_hpc loader benchmark", "",
         f"Machine: {machine}.", "",
-        f"Each configuration ran {runs}x in a fresh process, interleaved; images/s is the median steady rate "
-        f"after the first batch ({seconds:g} s window; lance_hpc's default strategy and the DDP run read the whole epoch). "
+        f"Sections: {', '.join(sections)}. Each configuration ran {_runs_text(runs)} in a fresh process, "
+        f"interleaved; images/s is the median steady rate after the first batch ({seconds:g} s window; "
+        "lance_hpc's default strategy on local disk and the DDP run read the whole epoch). "
         f"{workers} DataLoader workers for every pipeline that has workers (the reference iterable pipeline has none). "
-        f"The decode limit is one core's decode + resize rate on the same bytes (lance_hpc's decoder and resize, with no loader around them), times {cores} cores. "
+        f"The decode limit is one core's decode + resize rate on the same bytes (lance_hpc's decoder and resize, with "
+        f"no loader around them), times {cores} cores. "
         f"Load average (1 min) {load_before:.1f} before, {load_after:.1f} after: other work on the machine shows as "
         "noise in images/s; CPU ms/img (main process and workers, per image read) moves less with the load and shows "
         "the work each pipeline does per image, against the decode limit's floor.",
     ]
-    for name, rows in tables.items():
-        header, cells = report.table_rows(rows)
-        text += ["", titles[name], report.format_text(header, cells)]
-        markdown += ["", f"## {titles[name]}", "", report.format_markdown(header, cells)]
-    if ddp is not None:
-        runs_text = ", ".join(f"{rate:,.0f}" for rate in ddp.rates())
-        ddp_line = (f"2-rank DDP (gloo, {max(1, workers // DDP_RANKS)} worker(s) per rank, an all-reduce every step): "
-                    f"{ddp.images_per_s:,.0f} img/s (runs: {runs_text}) vs one process with {workers} workers "
-                    f"{single.images_per_s:,.0f} img/s (runs: {', '.join(f'{rate:,.0f}' for rate in single.rates())}); "
-                    f"DDP / one process in each round: {', '.join(f'{d / o:.2f}x' for d, o in _paired_rates(ddp, single))}")
-        text += ["", ddp_line]
-        markdown += ["", "## DDP", "", ddp_line + "."]
-    text += ["", "Targets (" + main_set + "):", *("  " + verdict.line() for verdict in verdicts)]
-    markdown += ["", f"## Targets ({main_set})", "", *(f"- {verdict.line()}" for verdict in verdicts)]
+    for section_report in reports.values():
+        text += section_report.text
+        markdown += section_report.markdown
     failures = [f"{s.dataset} {s.label}: {error.strip().splitlines()[-1]}" for s in summaries for error in s.errors]
     if failures:
         text += ["", "Failed runs (logs in " + str(out / "work") + "):", *("  " + line for line in failures)]
         markdown += ["", "## Failed runs", "", *(f"- {line}" for line in failures)]
-
-    chart = out / "results.png"
-    chart.unlink(missing_ok=True)
-    try:
-        report.bar_chart(tables, chart, f"lance_hpc loader benchmark - {machine.split(';')[0]}")
-        markdown += ["", f"![loader throughput]({chart.name})", ""]
-    except ImportError:
-        print("no chart: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
-    (out / "results.md").write_text("\n".join(markdown))
+    (out / "results.md").write_text("\n".join(markdown) + "\n")
     (out / "results.json").write_text(json.dumps({
-        "machine": machine, "runs": runs, "workers": workers, "seconds": seconds, "load": [load_before, load_after],
-        "data_sets": [asdict(data) for data in sets],
+        "machine": machine, "sections": list(sections), "runs": sorted(set(runs.values())), "workers": workers,
+        "seconds": seconds,
+        "load": [load_before, load_after], "data_sets": [asdict(data) for data in sets],
         "summaries": [{**asdict(summary), "images_per_s": summary.images_per_s} for summary in summaries],
-        "exactly_once": asdict(check) if check else None,
-        "targets": [asdict(verdict) for verdict in verdicts],
+        "targets": {name: [asdict(verdict) for verdict in found.targets] for name, found in reports.items()},
+        **{key: value for found in reports.values() for key, value in found.json.items()},
     }, default=str))
     print("\n".join(text))
-    written = [out / "results.md", *([chart] if chart.is_file() else []), out / "results.json"]
+    charts = [chart for found in reports.values() for chart in found.charts]
+    written = [out / "results.md", *charts, out / "results.json"]
     print(f"\nwrote {', '.join(map(str, written))} in {time.monotonic() - started:.0f} s")
     return 1 if failures else 0
 
@@ -253,18 +213,35 @@ def run_job_benchmark(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+def _sections(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in SECTIONS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown section {', '.join(unknown) or repr(text)}: give one or more of {', '.join(SECTIONS)}")
+    return [name for name in SECTIONS if name in names]  # report order, each once
+
+
 def parser() -> argparse.ArgumentParser:
+    sections = "\n".join(textwrap.fill(section.help, 100, initial_indent=f"  {name}: ", subsequent_indent="    ")
+                         for name, section in SECTIONS.items())
     result = argparse.ArgumentParser(
         prog="python -m lance_hpc.bench",
         description="Benchmark lance_hpc's loaders against the peers, or measure a job spec's data pipeline.",
+        epilog=f"sections of the loader benchmark (--sections, default all):\n{sections}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    result.add_argument("job", nargs="?", help="job spec YAML: measure its data pipeline instead of the peer benchmark")
+    result.add_argument("job", nargs="?", help="job spec YAML: measure its data pipeline instead of the loader benchmark")
+    result.add_argument("--sections", type=_sections, default=list(SECTIONS), metavar="NAME[,NAME...]",
+                        help=f"loader benchmark: the sections to measure, of {', '.join(SECTIONS)} (default all; "
+                             "see below)")
     result.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT}/)")
-    result.add_argument("--runs", type=int, help="runs per configuration (default 3; --tiny: 1)")
+    result.add_argument("--runs", type=int,
+                        help="runs per configuration (default: local 3, object_storage 2; --tiny: 1)")
     result.add_argument("--seconds", type=float, help="measuring window per run after the first batch")
     result.add_argument("--tiny", action="store_true", help="a few hundred small images, one run each (tests)")
     result.add_argument("--workers", type=_int_list,
-                        help="peer benchmark: workers per pipeline (default: the cores); job: list to sweep, e.g. 2,4,8")
+                        help="loader benchmark: workers per pipeline (default: the cores); job: list to sweep, e.g. 2,4,8")
     result.add_argument("--batch-size", type=_int_list, help="job: batch sizes to sweep, e.g. 64,128")
     result.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="job: override a spec field, e.g. --set data.num_workers=8")
@@ -282,6 +259,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.batch_size or args.overrides:
         parser().error("--batch-size and --set apply to a job spec")
     if args.workers and len(args.workers) > 1:
-        parser().error("the peer benchmark takes one --workers value")
+        parser().error("the loader benchmark takes one --workers value")
     args.workers = args.workers[0] if args.workers else None
-    return run_peer_benchmark(args)
+    return run_benchmark(args)

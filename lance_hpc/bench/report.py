@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from lance_hpc.bench.runner import ExactlyOnce, Summary
 
@@ -153,6 +154,17 @@ def targets(summaries: Sequence[Summary], default: str, ddp: Summary | None, che
     return found
 
 
+def chart(path: Path, draw: Callable[[], None]) -> bool:
+    """Draws the chart at ``path`` (``draw`` writes it), replacing an old one; False without matplotlib."""
+    path.unlink(missing_ok=True)
+    try:
+        draw()
+    except ImportError:
+        print("no chart: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+        return False
+    return True
+
+
 def bar_chart(tables: dict[str, Sequence[Summary]], path: Path, title: str) -> None:
     """Horizontal bars of images/s per configuration, one panel per data set; the decode limit is a line."""
     import matplotlib
@@ -179,6 +191,107 @@ def bar_chart(tables: dict[str, Sequence[Summary]], path: Path, title: str) -> N
             axis.text(rate + above, y, f"  {rate:,.0f}", va="center", fontsize=8)
         axis.set_title(name, fontsize=10)
         axis.set_xlabel("images/s (median; bars span min-max)")
+    figure.suptitle(title, fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+OBJECT_STORAGE_NOTE = (
+    "GET/img and KB/img are the requests and bytes the server answered over the measuring window per image "
+    "read: what an object store bills. Loader CPU is the main process and its workers, as on local disk; the "
+    "server's CPU (its Python and the kernel's loopback sends) is reported apart, but it runs on the same "
+    "cores. In flight: the most requests the server held at once, a measure of the loader's read parallelism."
+)
+
+
+def object_storage_rows(local: dict[str, Summary], grid: dict[str, dict[float, Summary]]
+                        ) -> tuple[list[str], list[list[str]]]:
+    """Per strategy: its local-disk row, then one row per first-byte latency over S3."""
+    header = ["configuration", "storage", "images/s (min-max)", "x local disk", "x 0 ms", "GET/img", "KB/img",
+              "loader CPU ms/img", "x local CPU", "server CPU ms/img", "in flight (peak)"]
+    rows = []
+    for label, by_latency in grid.items():
+        disk = local[label]
+        cpu = f"{disk.cpu_ms_per_image:.2f}" if disk.ok_runs else "-"
+        rows.append([label, "local disk", _rate(disk), "1.00x", "-", "-", "-", cpu, "1.00x", "-", "-"])
+        zero = by_latency.get(0.0)
+        for latency, summary in by_latency.items():
+            ok = bool(summary.ok_runs)
+            rows.append([
+                label, f"S3 {latency:g} ms", _rate(summary),
+                _ratio(summary.images_per_s, disk.images_per_s),
+                _ratio(summary.images_per_s, zero.images_per_s) if zero else "-",
+                f"{summary.store_per_image('gets'):.2f}" if ok else "-",
+                f"{summary.store_per_image('get_bytes') / 1000:,.1f}" if ok else "-",
+                f"{summary.cpu_ms_per_image:.2f}" if ok else "-",
+                _ratio(summary.cpu_ms_per_image, disk.cpu_ms_per_image),
+                f"{1000 * summary.store_per_image('cpu_s'):.2f}" if ok else "-",
+                f"{summary.store_in_flight:.0f}" if ok else "-",
+            ])
+    return header, rows
+
+
+def object_storage_targets(local: dict[str, Summary], grid: dict[str, dict[float, Summary]],
+                           default: str) -> list[Target]:
+    """Issue 10's targets for reading over S3: the default strategy near local disk at 25 ms, every
+    strategy as fast at 25 and 50 ms as at 0 ms, and no more loader CPU per image than locally."""
+    found = []
+    if 25.0 in grid[default]:
+        rate, base = grid[default][25.0].images_per_s, local[default].images_per_s
+        ratio = rate / base if base else 0.0
+        found.append(Target("default strategy at 25 ms vs local disk", ratio >= 0.85,
+                            f"{ratio:.2f}x ({rate:,.0f} vs {base:,.0f} img/s; wanted >= 0.85x)"))
+    latency_ratios, cpu_ratios = [], []
+    for label, by_latency in grid.items():
+        zero = by_latency[0.0].images_per_s if 0.0 in by_latency else 0.0
+        for latency, summary in by_latency.items():
+            if latency > 0:
+                latency_ratios.append((summary.images_per_s / zero if zero else 0.0, f"{label} at {latency:g} ms"))
+            disk_cpu = local[label].cpu_ms_per_image
+            cpu_ratios.append((summary.cpu_ms_per_image / disk_cpu if disk_cpu and summary.ok_runs else float("inf"),
+                               f"{label} at {latency:g} ms"))
+    if latency_ratios:
+        worst, where = min(latency_ratios)
+        found.append(Target("every strategy with latency vs its own 0 ms", worst >= 0.95,
+                            f"lowest {worst:.2f}x ({where}; wanted >= 0.95x): "
+                            + ", ".join(f"{ratio:.2f}x" for ratio, _ in latency_ratios)))
+    if cpu_ratios:
+        worst, where = max(cpu_ratios)
+        found.append(Target("loader CPU per image over S3 vs local disk", worst <= 1.1,
+                            f"highest {worst:.2f}x ({where}; wanted <= 1.1x)"))
+    return found
+
+
+def object_storage_chart(local: dict[str, Summary], grid: dict[str, dict[float, Summary]], path: Path,
+                         title: str) -> None:
+    """One group of bars per strategy: local disk, then S3 at each latency, with min-max spans."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    latencies = sorted({latency for by_latency in grid.values() for latency in by_latency})
+    series = [("local disk", "#1f77b4", lambda label: local[label])] + [
+        (f"S3, {latency:g} ms", color, lambda label, latency=latency: grid[label][latency])
+        for latency, color in zip(latencies, ["#8fbf6f", "#f0a030", "#d62728", "#7f4fbf"])
+    ]
+    labels = list(grid)
+    height = 0.8 / len(series)
+    figure, axis = plt.subplots(figsize=(9, 1.2 + 0.35 * len(labels) * len(series)))
+    for index, (name, color, pick) in enumerate(series):
+        summaries = [pick(label) for label in labels]
+        rates = [summary.images_per_s for summary in summaries]
+        low = [rate - min(summary.rates(), default=rate) for rate, summary in zip(rates, summaries)]
+        high = [max(summary.rates(), default=rate) - rate for rate, summary in zip(rates, summaries)]
+        positions = [row + index * height for row in range(len(labels))]
+        axis.barh(positions, rates, height=height, xerr=[low, high], color=color, capsize=2, label=name)
+        for y, rate, above in zip(positions, rates, high):
+            axis.text(rate + above, y, f"  {rate:,.0f}", va="center", fontsize=7)
+    axis.set_yticks([row + 0.4 - height / 2 for row in range(len(labels))], labels)
+    axis.invert_yaxis()
+    axis.set_xlabel("images/s (median; bars span min-max)")
+    axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=len(series), fontsize=8, frameon=False)
     figure.suptitle(title, fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=110)

@@ -149,6 +149,17 @@ class Summary:
     def worker_growth_mib(self) -> float:
         return self._peak("worker_growth_mib")
 
+    def store_per_image(self, counter: str) -> float:
+        """Median over runs of an S3 server counter over the window (``Result.store``) per image read."""
+        values = [sum(result.store.get(counter, 0.0) for result in run) / max(1, sum(result.images for result in run))
+                  for run in self.ok_runs if run[0].store]
+        return statistics.median(values) if values else 0.0
+
+    @property
+    def store_in_flight(self) -> float:
+        """The most requests the S3 server held at once in any run's window."""
+        return max((result.store.get("max_in_flight", 0.0) for run in self.ok_runs for result in run), default=0.0)
+
 
 @dataclass
 class ExactlyOnce:
@@ -182,20 +193,26 @@ def exactly_once(ddp_run: list[Result], single_run: list[Result]) -> ExactlyOnce
 
 
 def run_rounds(
-    configs: list[Measurement], runs: int, work_dir: Path, log: Callable[[str], None] = print
+    configs: list[Measurement], runs: int | dict[tuple[str, str], int], work_dir: Path,
+    log: Callable[[str], None] = print,
 ) -> list[Summary]:
-    """Every configuration ``runs`` times, interleaved; the order rotates from round to round."""
+    """Every configuration ``runs`` times (or as often as ``runs[(dataset, label)]`` says), interleaved;
+    the order rotates from round to round."""
     summaries = {(config.dataset, config.label): Summary(config.label, config.dataset) for config in configs}
-    for round_index in range(runs):
+    runs_of = runs if isinstance(runs, dict) else dict.fromkeys(summaries, runs)
+    for round_index in range(max(runs_of.values(), default=0)):
         shift = round_index % len(configs)
         for config in configs[shift:] + configs[:shift]:
+            key = (config.dataset, config.label)
+            if runs_of[key] <= round_index:
+                continue
             started = time.monotonic()
             results = run_measurement(config, work_dir / f"run{round_index}")
-            summaries[(config.dataset, config.label)].runs.append(results)
+            summaries[key].runs.append(results)
             status = next((result.error.strip().splitlines()[-1] for result in results if result.error), "")
-            rate = summaries[(config.dataset, config.label)].rates()[-1] if not status else 0.0
+            rate = summaries[key].rates()[-1] if not status else 0.0
             log(
-                f"  run {round_index + 1}/{runs}  {config.dataset:<6} {config.label:<38} "
+                f"  run {round_index + 1}/{runs_of[key]}  {config.dataset:<13} {config.label:<38} "
                 + (f"{rate:8,.0f} img/s" if not status else f"FAILED: {status}")
                 + f"  ({time.monotonic() - started:.0f} s, load {os.getloadavg()[0]:.1f})"
             )

@@ -1,0 +1,72 @@
+"""The object-storage section: every lance_hpc strategy reading the main data set over the S3
+protocol from the benchmark server (s3_server) at first-byte latencies of 0, 25 and 50 ms, next to
+the same strategy on local disk in the same run.
+
+The server serves the very files the local rows read, so the two differ only in the path to the
+bytes. Per configuration the table gives images/s, the ratio to local disk and to its own 0 ms,
+what the store would bill (GET requests and bytes per image, from the server's counters over the
+measuring window), the loader's CPU per image (main process and workers), and the server's CPU per
+image, which shares the machine's cores but is not the loader's work.
+"""
+
+from __future__ import annotations
+
+from lance_hpc.bench import report
+from lance_hpc.bench.configs import Measurement
+from lance_hpc.bench.local import set_configs
+from lance_hpc.bench.sections import (
+    DEFAULT_STRATEGY, STRATEGIES, Context, SectionReport, Summaries, common_fields, strategy_fields,
+)
+
+LATENCIES_MS = (0.0, 25.0, 50.0)
+TINY_LATENCIES_MS = (0.0, 25.0)
+
+
+def latencies(context: Context) -> tuple[float, ...]:
+    return TINY_LATENCIES_MS if context.tiny else LATENCIES_MS
+
+
+def dataset_name(name: str, latency_ms: float) -> str:
+    """The ``Measurement.dataset`` of a configuration over S3: the set's name and the latency."""
+    return f"{name}-s3-{latency_ms:g}ms"
+
+
+def configs(context: Context) -> list[Measurement]:
+    """Each strategy on local disk (shared with the local section when both run), then over S3 at
+    each latency; windowed, since a whole epoch at 50 ms would take most of the benchmark's time."""
+    data = context.sets[0]
+    local_labels = {label for label, _, _ in STRATEGIES}
+    found = [config for config in set_configs(data, context, with_ddp=False) if config.label in local_labels]
+    for latency in latencies(context):
+        server = context.server(latency)
+        uri = context.s3_uri(server, data.lance_uri)
+        common = {**common_fields(data, context), "dataset": dataset_name(data.spec.name, latency)}
+        for label, style, sampler in STRATEGIES:
+            fields = strategy_fields(data, style, sampler, context.workers, uri, server.storage_options())
+            found.append(Measurement(label, "lance_hpc", data=fields, store_counters=True, **common))
+    return found
+
+
+def section_report(context: Context, summaries: Summaries) -> SectionReport:
+    name = context.sets[0].spec.name
+    grid = {
+        label: {latency: summaries[(dataset_name(name, latency), label)] for latency in latencies(context)}
+        for label, _, _ in STRATEGIES
+    }
+    local = {label: summaries[(name, label)] for label in grid}
+    header, rows = report.object_storage_rows(local, grid)
+    verdicts = report.object_storage_targets(local, grid, DEFAULT_STRATEGY)
+    title = (f"object storage: {name} over the S3 protocol from a server on loopback, by first-byte latency "
+             f"({context.workers} workers, batch {context.sets[0].spec.batch_size})")
+    text = ["", title, report.format_text(header, rows),
+            "", "Targets (object storage):", *("  " + verdict.line() for verdict in verdicts)]
+    markdown = ["", f"## {title[0].upper()}{title[1:]}", "", report.format_markdown(header, rows), "",
+                report.OBJECT_STORAGE_NOTE, "", "## Targets (object storage)", "",
+                *(f"- {verdict.line()}" for verdict in verdicts)]
+    chart = context.out / "object_storage.png"
+    charts = []
+    chart_title = f"lance_hpc over S3 by first-byte latency - {context.machine.split(';')[0]}"
+    if report.chart(chart, lambda: report.object_storage_chart(local, grid, chart, chart_title)):
+        markdown += ["", f"![object storage throughput]({chart.name})"]
+        charts.append(chart)
+    return SectionReport(text, markdown, verdicts, charts)
