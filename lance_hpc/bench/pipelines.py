@@ -343,6 +343,15 @@ class RawJpegSerializer:
         pass
 
 
+def litdata_without_obstore(_worker_id: int = 0) -> None:
+    """LitData's obstore path sets client options without allow_http, so it refuses the benchmark
+    server's plain-http endpoint (a real https store is fine): this process reads through LitData's
+    boto3 path instead. Runs in the main process and, as worker_init_fn, in every worker."""
+    import litdata.streaming.downloader
+
+    litdata.streaming.downloader._OBSTORE_AVAILABLE = False
+
+
 def litdata_loader(config: Measurement) -> Iterable[Any]:
     """LitData: optimized chunks read by its StreamingDataset (shuffled; from s3:// through boto3
     with a local chunk cache) under its StreamingDataLoader. Out of the box its jpeg serializer
@@ -353,13 +362,11 @@ def litdata_loader(config: Measurement) -> Iterable[Any]:
 
     uri, options = config.data["uri"], config.data.get("storage_options") or {}
     extra: dict[str, Any] = {}
+    loader_options: dict[str, Any] = {}
     if uri.startswith("s3://"):
-        import litdata.streaming.downloader
-
-        # LitData's obstore path sets client options without allow_http, so it refuses the benchmark
-        # server's plain-http endpoint (a real https store is fine); its boto3 path reads it instead.
-        litdata.streaming.downloader._OBSTORE_AVAILABLE = False
+        litdata_without_obstore()
         extra["cache_dir"] = _fresh_cache(config)
+        loader_options["worker_init_fn"] = litdata_without_obstore
         extra["storage_options"] = {
             "endpoint_url": options["endpoint"], "aws_access_key_id": options["access_key_id"],
             "aws_secret_access_key": options["secret_access_key"], "region_name": options.get("region", "us-east-1"),
@@ -369,7 +376,7 @@ def litdata_loader(config: Measurement) -> Iterable[Any]:
     function = SampleImage(_peer_image_function(config, TensorResize))
     dataset = StreamingDataset(uri, shuffle=True, seed=0, transform=function, **extra)
     return StreamingDataLoader(dataset, batch_size=config.batch_size, num_workers=config.num_workers,
-                               pin_memory=torch.cuda.is_available())
+                               pin_memory=torch.cuda.is_available(), **loader_options)
 
 
 PIPELINES: dict[str, Builder] = {
