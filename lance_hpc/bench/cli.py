@@ -23,7 +23,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from lance_hpc.bench import local, object_storage, report
+from lance_hpc.bench import local, object_storage, peer_loaders, report
 from lance_hpc.bench.configs import Measurement
 from lance_hpc.bench.datasets import DataSetSpec, prepare
 from lance_hpc.bench.runner import run_rounds
@@ -49,6 +49,12 @@ SECTIONS: dict[str, Section] = {
         "50 ms first-byte latency, against the same strategy on local disk: images/s, GET requests and bytes per "
         "image (what a store bills), the loader's CPU per image and the server's apart",
         object_storage.configs, object_storage.section_report, runs=2,
+    ),
+    "peers": Section(
+        "the best peer loaders (LanceDB StreamingDataset and Permutation, MosaicML streaming, LitData) on the "
+        "photos' very JPEG bytes in their own formats, out of the box and fed lance_hpc's decode, against the "
+        "default strategy, on local disk and over the S3 server at 25 ms",
+        peer_loaders.configs, peer_loaders.section_report, runs=2,
     ),
 }
 
