@@ -150,6 +150,34 @@ def test_list_objects_v2_with_prefix_delimiter_and_continuation_as_boto3_reads_i
     assert client.get_object(Bucket=server.bucket, Key="keys/a/b/3", Range="bytes=4-")["Body"].read() == b"3"
 
 
+def test_put_copy_multipart_upload_and_delete_change_the_files_under_the_root(served):
+    import boto3
+
+    server, root = served
+    client = boto3.client("s3", endpoint_url=server.endpoint, region_name="us-east-1",
+                          aws_access_key_id="any", aws_secret_access_key="any")
+    client.put_object(Bucket=server.bucket, Key="uploads/one.bin", Body=b"first")
+    assert (root / "uploads" / "one.bin").read_bytes() == b"first"
+    client.copy_object(Bucket=server.bucket, Key="uploads/two.bin",
+                       CopySource={"Bucket": server.bucket, "Key": "uploads/one.bin"})
+    assert (root / "uploads" / "two.bin").read_bytes() == b"first"
+    parts = [bytes([index]) * (5 * 2**20 if index < 3 else 1000) for index in (1, 2, 3)]
+    upload = client.create_multipart_upload(Bucket=server.bucket, Key="uploads/big.bin")["UploadId"]
+    etags = [client.upload_part(Bucket=server.bucket, Key="uploads/big.bin", UploadId=upload, PartNumber=number,
+                                Body=part)["ETag"] for number, part in enumerate(parts, start=1)]
+    client.complete_multipart_upload(Bucket=server.bucket, Key="uploads/big.bin", UploadId=upload, MultipartUpload={
+        "Parts": [{"PartNumber": number, "ETag": etag} for number, etag in enumerate(etags, start=1)]})
+    assert (root / "uploads" / "big.bin").read_bytes() == b"".join(parts)
+    # The server keeps the files it read open; one replaced since is read anew.
+    assert client.get_object(Bucket=server.bucket, Key="uploads/one.bin")["Body"].read() == b"first"
+    client.put_object(Bucket=server.bucket, Key="uploads/one.bin", Body=b"second")
+    assert client.get_object(Bucket=server.bucket, Key="uploads/one.bin")["Body"].read() == b"second"
+    client.delete_object(Bucket=server.bucket, Key="uploads/two.bin")
+    assert not (root / "uploads" / "two.bin").exists()
+    listing = client.list_objects_v2(Bucket=server.bucket, Prefix="uploads/")
+    assert [item["Key"] for item in listing["Contents"]] == ["uploads/big.bin", "uploads/one.bin"]
+
+
 def test_latency_holds_every_answer_back_without_holding_other_requests(tmp_path):
     (tmp_path / "object").write_bytes(b"x" * 100)
     concurrent = 256
@@ -191,7 +219,10 @@ def test_a_counter_window_counts_only_what_happened_inside_it(served):
     assert 0 <= counts["cpu_s"] < server.counters()["cpu_s"]
 
 
-def test_the_server_exits_when_its_parent_lets_go(tmp_path):
+def test_the_server_exits_cleanly_when_stopped_or_when_its_parent_lets_go(tmp_path):
+    server = start_server(Path(tmp_path))
+    server.stop()
+    assert server.process.returncode == 0  # SIGTERM ends it through its cleanup, not by the default action
     server = start_server(Path(tmp_path))
     server.process.stdin.close()  # what the parent's exit does
     assert server.process.wait(timeout=30) == 0

@@ -42,7 +42,7 @@ SECTIONS: dict[str, Section] = {
         "every pipeline reading from local disk: the decode limit, pylance's reference map-style and iterable "
         "pipelines, torchvision ImageFolder and each lance_hpc strategy, on the photos and on 64x64 images, and a "
         "2-rank DDP run that checks every row is read exactly once",
-        local.configs, local.section_report,
+        local.configs, local.section_report, runs=2,
     ),
     "object_storage": Section(
         "each lance_hpc strategy reading the photos over the S3 protocol from a loopback server with 0, 25 and "
@@ -243,7 +243,7 @@ def parser() -> argparse.ArgumentParser:
                              "see below)")
     result.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT}/)")
     result.add_argument("--runs", type=int,
-                        help="runs per configuration (default: local 3, object_storage 2; --tiny: 1)")
+                        help="runs per configuration (default: each section's, 2 for local and object_storage; --tiny: 1)")
     result.add_argument("--seconds", type=float, help="measuring window per run after the first batch")
     result.add_argument("--tiny", action="store_true", help="a few hundred small images, one run each (tests)")
     result.add_argument("--workers", type=_int_list,

@@ -36,6 +36,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -375,18 +376,31 @@ def send(writer: asyncio.StreamWriter, status: int, fields: dict[str, str], body
 
 
 async def serve(root: Path, host: str, port: int, bucket: str, latency_ms: float, exit_with_parent: bool) -> None:
+    """Serves until SIGTERM, Ctrl-C or, with ``exit_with_parent``, the end of stdin."""
     server = Server(root, bucket, latency_ms)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    if exit_with_parent:
+        # The parent holds our stdin open; when it exits, for whatever reason, so do we.
+        stdin = sys.stdin.fileno()
+
+        def parent_gone() -> None:
+            if not os.read(stdin, 1 << 16):
+                loop.remove_reader(stdin)
+                stop.set()
+
+        loop.add_reader(stdin, parent_gone)
     listener = await asyncio.start_server(server.connection, host, port, backlog=1024, limit=1 << 16)
     bound = listener.sockets[0].getsockname()
     print(f"serving {server.store.root} as s3://{bucket} at http://{bound[0]}:{bound[1]} "
           f"(first-byte latency {latency_ms:g} ms)", flush=True)
-    async with listener:
-        if not exit_with_parent:
-            await listener.serve_forever()
-            return
-        # The parent holds our stdin open; when it exits, for whatever reason, so do we.
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, sys.stdin.buffer.read)
+    try:
+        async with listener:
+            await stop.wait()
+    finally:
+        server.store.forget()
+        shutil.rmtree(server.store.uploads, ignore_errors=True)
 
 
 def _control(endpoint: str, method: str, command: str) -> dict[str, float]:

@@ -93,4 +93,4 @@ class Section:
     help: str  # what the section measures, for --help
     configs: Callable[[Context], list[Measurement]]
     report: Callable[[Context, Summaries], SectionReport]
-    runs: int = 3  # runs per configuration unless --runs (or --tiny: 1) says otherwise
+    runs: int = 2  # runs per configuration unless --runs (or --tiny: 1) says otherwise
