@@ -21,6 +21,7 @@ TAGS: dict[str, str] = {
     "perf/step_time_s": "mean wall time of one optimizer step, data wait included",
     "perf/data_wait_share": "share of the step time spent waiting for the next batch (mean over ranks)",
     "perf/epoch_time_s": "wall time of the epoch that just ended (logged at its last step)",
+    "data/store_retries": "batch reads retried after the object store failed them, all ranks, since the previous log point",
 }
 
 
@@ -100,6 +101,7 @@ class TrainWindow:
     def __init__(self, device: torch.device, metric_names: Sequence[str]):
         self.device = device
         self.metric_names = tuple(metric_names)
+        self.store_retries_seen = 0
         self.reset()
 
     def reset(self) -> None:
@@ -108,6 +110,7 @@ class TrainWindow:
         self.steps = 0
         self.step_time = 0.0
         self.data_wait = 0.0
+        self.store_retries = 0
 
     def add_batch(self, sums: torch.Tensor, samples: int) -> None:
         self.sums += sums.detach().double()
@@ -118,14 +121,20 @@ class TrainWindow:
         self.step_time += step_time
         self.data_wait += data_wait
 
+    def count_store_retries(self, total: int) -> None:
+        """``total``: the reads this rank's loader has retried so far; the window counts the new ones."""
+        self.store_retries += max(total - self.store_retries_seen, 0)
+        self.store_retries_seen = total
+
     def reduce(self) -> tuple[dict[str, float], float, dict[str, float]]:
-        """(the task's summed metrics, wall seconds of the window, perf/* values), over all ranks."""
-        timing = torch.tensor([self.samples, self.step_time, self.data_wait], dtype=torch.float64, device=self.device)
+        """(the task's summed metrics, wall seconds of the window, perf/* and data/* values), over all ranks."""
+        timing = torch.tensor([self.samples, self.step_time, self.data_wait, self.store_retries], dtype=torch.float64,
+                              device=self.device)
         totals = torch.cat([self.sums, timing])
         dist.all_reduce(totals)
         values = totals.tolist()
         sums = dict(zip(self.metric_names, values))
-        samples, step_time, data_wait = values[len(self.metric_names):]
+        samples, step_time, data_wait, store_retries = values[len(self.metric_names):]
         world_size = dist.get_world_size()
         seconds = step_time / world_size  # the ranks step together: mean wall time of the window
         steps = max(self.steps, 1)
@@ -135,6 +144,7 @@ class TrainWindow:
             "perf/samples_per_s_per_rank": samples / world_size / max(seconds, 1e-9),
             "perf/step_time_s": seconds / steps,
             "perf/data_wait_share": data_wait / max(step_time, 1e-9),
+            "data/store_retries": store_retries,
         }
 
 

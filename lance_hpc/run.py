@@ -3,9 +3,9 @@
 srun starts one per GPU (or :mod:`lance_hpc.launch` one per local process); each reads the
 resolved spec, joins the process group, checks the task against the data, trains (the built-in
 loop, or the spec's ``entry`` in script mode), and on preemption saves and requeues the job.
-Exit codes: 0 finished or requeued, 1 training failed, 2 a problem the user can fix,
-3 stopped by a signal without requeue (the checkpoint holds the state; run again to resume),
-130 interrupted (Ctrl-C) before training began.
+Exit codes: 0 finished or requeued, 1 training failed (or the data store stayed down for longer
+than data.io_timeout_s), 2 a problem the user can fix, 3 stopped by a signal without requeue (the
+checkpoint holds the state; run again to resume), 130 interrupted (Ctrl-C) before training began.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import submitit
 import torch.distributed as dist
 
 from lance_hpc import checkpoint, data, render, script, trainer
+from lance_hpc.data.retry import StoreUnavailable
 from lance_hpc.env import DistEnv, detect, explain_failure, process_group
 from lance_hpc.errors import UserError
 from lance_hpc.imports import load_callable
@@ -114,7 +115,7 @@ def run_job(
                 return dataclasses.replace(summary, status="requeued" if requeued else "stopped")
             dist.barrier()  # rank 0 hosts the rendezvous store: nobody leaves while others still use it
             return summary
-    except UserError:
+    except (UserError, StoreUnavailable):
         raise
     except Exception as error:
         raise TrainingFailed(explain_failure(error, env)) from error
@@ -164,6 +165,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as error:
         print(f"lance_hpc.run: {error}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
+    except StoreUnavailable as error:  # the store, not the code, failed: its message says it all
+        print(f"lance_hpc.run: {error}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
     except TrainingFailed as error:
         traceback.print_exception(error.__cause__, file=sys.stderr)
         print(f"lance_hpc.run: {error}", file=sys.stderr, flush=True)

@@ -236,6 +236,7 @@ def progress_bar(run: TrainingRun, total: int, done: int) -> tqdm:
 
 def log_window(run: TrainingRun, progress: tqdm, epoch_time_s: float | None) -> None:
     """Reduce the window over all ranks (collective); rank 0 logs it and shows it."""
+    run.window.count_store_retries(run.loader.stats.retries)
     sums, seconds, perf = run.window.reduce()
     scalars = {**run.task.report(sums, "train", seconds), **perf, "train/lr": run.schedule.lr}
     if epoch_time_s is not None:
@@ -246,6 +247,9 @@ def log_window(run: TrainingRun, progress: tqdm, epoch_time_s: float | None) -> 
     if run.env.is_main and not run.spec.logging.progress:
         values = ", ".join(f"{tag} {value:.4g}" for tag, value in scalars.items())
         print(f"step {run.step}/{total_steps(run)}: {values}", flush=True)
+    if run.env.is_main and scalars["data/store_retries"] > 0:  # one line per log window, however many
+        print(f"step {run.step}: the store failed {scalars['data/store_retries']:.0f} batch read(s) since the previous "
+              "log point, all read again (retried up to data.io_timeout_s)", file=sys.stderr, flush=True)
 
 
 def train_step(run: TrainingRun, batches: Iterator[Batch], micro_batches: int) -> None:

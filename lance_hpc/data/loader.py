@@ -163,7 +163,7 @@ class TrainLoader:
         if data.sampler == "full_scan":
             log.warning("full_scan: every rank reads every row, so DDP ranks train on the same data")
         reader = BatchReader(data.uri, self.dataset_version, options, decoder, data.on_corrupt, data.seed, rank,
-                             data.io_depth, data.cache)
+                             data.io_depth, data.cache, data.io_timeout_s)
         planner = self._planner = epoch_planner(
             table, data.sampler, rank, world_size, data.batch_size, uneven=data.uneven, shuffle=data.shuffle, seed=data.seed
         )
@@ -338,7 +338,7 @@ class EvalLoader:
         self.batches = eval_batches(rows, rank, world_size, data.batch_size, data.val_sampler)
         self.rows = sum(len(batch) for batch in self.batches)
         reader = BatchReader(data.val_uri, self.dataset_version, options, decoder, data.on_corrupt, data.seed, rank,
-                             data.io_depth, data.cache)
+                             data.io_depth, data.cache, data.io_timeout_s)
         self._loader = _data_loader(
             LanceMapDataset(reader, rows), data, pin_memory, True,
             batch_sampler=_FixedBatches(self.batches, data.num_workers, data.io_depth),

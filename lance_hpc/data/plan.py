@@ -10,6 +10,7 @@ import argparse
 import sys
 from typing import Sequence
 
+from lance_hpc.data.integrity import check_data_files
 from lance_hpc.data.reader import fragment_table
 from lance_hpc.data.sampling import DataPlan, FragmentTable, eval_batches, plan_from_table
 from lance_hpc.data.storage import dataset_exists, open_dataset, preflight_uri, storage_options
@@ -67,12 +68,15 @@ def describe_eval(data: DataSpec, world_size: int) -> str:
 
 
 def preflight(data: DataSpec) -> None:
-    """Raise a UserError with a clear message if the job could not open its data: unreachable
-    endpoint or bucket, rejected credentials, missing dataset or version. Never prints secrets."""
+    """Raise a UserError with a clear message if the job could not open or read its data:
+    unreachable endpoint or bucket, rejected credentials, missing dataset or version, a data file
+    missing or cut short. Never prints secrets."""
     may_create = data.ingest is not None
-    preflight_uri(data.uri, storage_options(data.uri, data.storage_options), data.version, may_create)
-    if data.val_uri:
-        preflight_uri(data.val_uri, storage_options(data.val_uri, data.storage_options), None, may_create)
+    for uri, version in ((data.uri, data.version), (data.val_uri, None)):
+        if uri:
+            options = storage_options(uri, data.storage_options)
+            preflight_uri(uri, options, version, may_create)
+            check_data_files(uri, options, version)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -26,6 +26,8 @@ import numpy as np
 import torch
 
 from lance_hpc.data.cache import open_cache
+from lance_hpc.data.integrity import explain_read_error
+from lance_hpc.data.retry import retrying
 from lance_hpc.data.sampling import FragmentTable
 from lance_hpc.data.storage import open_dataset
 from lance_hpc.data.transport import SharedBatch, worker_pool
@@ -75,6 +77,7 @@ class BatchReader:
     rank: int = 0
     io_depth: int = 0  # batches read ahead on background threads
     cache: CacheSpec | None = None  # the node-local cache, opened per process on first take
+    io_timeout_s: float = 300.0  # how long a take keeps retrying a failing store
     _dataset: Any = field(default=None, repr=False, compare=False)
     _ahead: Any = field(default=None, repr=False, compare=False)  # ReadAhead, per process
 
@@ -100,8 +103,21 @@ class BatchReader:
         columns = list(self.decoder.columns)
         if self.cache is not None:
             cache = open_cache(self.cache.dir, self.cache.max_gb, self.uri, self.version, self.options, lambda: self.dataset)
-            return cache.take(row_ids, columns, stats, lambda rows: self.dataset.take(rows, columns=columns))
-        return self.dataset.take(row_ids, columns=columns)
+            return cache.take(row_ids, columns, stats, lambda rows: self.take_from_store(rows, columns, stats))
+        return self.take_from_store(row_ids, columns, stats)
+
+    def take_from_store(self, row_ids: np.ndarray, columns: list[str], stats: ReadStats) -> Any:
+        """One Lance ``take`` of the store, retried through transient faults for up to
+        ``io_timeout_s`` and counted in ``stats.retries`` (see :mod:`lance_hpc.data.retry`)."""
+
+        def count_retry() -> None:
+            stats.retries += 1
+
+        return retrying(
+            lambda: self.dataset.take(row_ids, columns=columns), what=f"take of {len(row_ids)} rows of {self.uri}",
+            uri=self.uri, options=self.options, timeout_s=self.io_timeout_s, on_retry=count_retry, rank=self.rank,
+            explain=lambda error: explain_read_error(error, self.dataset, self.uri, self.options),
+        )
 
     def _fetch(self, unique: np.ndarray, ahead: Sequence[np.ndarray]) -> tuple[Any, ReadStats]:
         """The table of ``unique`` (read ahead earlier, or now), after starting the reads of ``ahead``."""

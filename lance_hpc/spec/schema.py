@@ -214,6 +214,9 @@ class DataSpec(_Section):
     seed: int = Field(0, description="Seed of the data order and of augmentation.")
     on_corrupt: str = Field("skip", description="A row the task cannot decode: skip (counted in logs) or fail naming it.")
     ingest: IngestSpec | None = Field(None, description="Create the dataset on first use from a source.")
+    io_timeout_s: float = Field(
+        300.0, gt=0, description="Seconds a read keeps retrying a failing store before the job stops with an error."
+    )
     cache: CacheSpec | None = Field(None, description="Node-local cache of fetched data files; null reads the store every epoch.")
 
     check_style = field_validator("style")(_choice(_styles))
