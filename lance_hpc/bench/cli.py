@@ -54,7 +54,7 @@ SECTIONS: dict[str, Section] = {
         "the best peer loaders (LanceDB StreamingDataset and Permutation, MosaicML streaming, LitData) on the "
         "photos' very JPEG bytes in their own formats, out of the box and fed lance_hpc's decode, against the "
         "default strategy, on local disk and over the S3 server at 25 ms",
-        peer_loaders.configs, peer_loaders.section_report, runs=2,
+        peer_loaders.configs, peer_loaders.section_report, runs=1,
     ),
 }
 
@@ -243,7 +243,7 @@ def parser() -> argparse.ArgumentParser:
                              "see below)")
     result.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT}/)")
     result.add_argument("--runs", type=int,
-                        help="runs per configuration (default: each section's, 2 for local and object_storage; --tiny: 1)")
+                        help="runs per configuration (default: local and object_storage 2, peers 1; --tiny: 1)")
     result.add_argument("--seconds", type=float, help="measuring window per run after the first batch")
     result.add_argument("--tiny", action="store_true", help="a few hundred small images, one run each (tests)")
     result.add_argument("--workers", type=_int_list,
