@@ -290,11 +290,16 @@ def configure_process(seed: int, deterministic: bool, env: DistEnv, device: torc
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // env.local_world_size))
 
 
+def lost_peer(error: BaseException, env: DistEnv) -> bool:
+    """Whether ``error`` says another rank went away (its traceback shows only where this rank noticed)."""
+    text = str(error).strip().splitlines()[0].lower() if str(error).strip() else ""
+    return env.world_size > 1 and (isinstance(error, dist.DistError) or any(hint in text for hint in LOST_PEER_HINTS))
+
+
 def explain_failure(error: BaseException, env: DistEnv) -> str:
     """A one-paragraph account of a failed rank, naming the likely cause when a peer died."""
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    lost_peer = isinstance(error, dist.DistError) or any(hint in text.lower() for hint in LOST_PEER_HINTS)
-    if lost_peer and env.world_size > 1:
+    if lost_peer(error, env):
         return (
             f"rank {env.rank}/{env.world_size}: lost contact with another rank ({text})\n"
             "  another rank probably died or hung: the first error in the other ranks' output says why; "

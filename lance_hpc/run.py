@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import multiprocessing
 import os
 import signal
 import sys
@@ -24,7 +25,7 @@ import torch.distributed as dist
 
 from lance_hpc import checkpoint, data, render, script, trainer
 from lance_hpc.data.retry import StoreUnavailable
-from lance_hpc.env import DistEnv, detect, explain_failure, process_group
+from lance_hpc.env import DistEnv, detect, explain_failure, lost_peer, process_group
 from lance_hpc.errors import UserError
 from lance_hpc.imports import load_callable
 from lance_hpc.spec import JobSpec, load_spec
@@ -118,7 +119,7 @@ def run_job(
     except (UserError, StoreUnavailable):
         raise
     except Exception as error:
-        raise TrainingFailed(explain_failure(error, env)) from error
+        raise TrainingFailed(explain_failure(error, env), show_traceback=not lost_peer(error, env)) from error
 
 
 def on_main_rank(action: Callable[[], None], what: str) -> None:
@@ -135,7 +136,12 @@ def on_main_rank(action: Callable[[], None], what: str) -> None:
 
 
 class TrainingFailed(RuntimeError):
-    """A rank failed; the message says which and the likely cause."""
+    """A rank failed; the message says which and the likely cause. The traceback of the cause is
+    printed too, unless another rank went away: then it only shows where this one noticed."""
+
+    def __init__(self, message: str, show_traceback: bool = True):
+        super().__init__(message)
+        self.show_traceback = show_traceback
 
 
 class SubmititJob(submitit.helpers.Checkpointable):
@@ -156,6 +162,14 @@ class SubmititJob(submitit.helpers.Checkpointable):
         return dataclasses.asdict(summary)
 
 
+def stop_data_workers() -> None:
+    """Kill this rank's DataLoader workers after a failure. They ignore SIGTERM (the rank's to
+    handle), and a failed loader, held in reference cycles with its traceback, never tells them
+    to stop: at exit, multiprocessing would wait for them forever. They hold nothing to save."""
+    for child in multiprocessing.active_children():
+        child.kill()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lance_hpc.run", description=__doc__.splitlines()[0])
     parser.add_argument("spec_file", help="resolved job spec (YAML)")
@@ -164,13 +178,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary = run_job(args.spec_file, requeue_with_scontrol)
     except UserError as error:
         print(f"lance_hpc.run: {error}", file=sys.stderr, flush=True)
+        stop_data_workers()
         return EXIT_USER_ERROR
     except StoreUnavailable as error:  # the store, not the code, failed: its message says it all
         print(f"lance_hpc.run: {error}", file=sys.stderr, flush=True)
+        stop_data_workers()
         return EXIT_FAILED
     except TrainingFailed as error:
-        traceback.print_exception(error.__cause__, file=sys.stderr)
+        if error.show_traceback:
+            traceback.print_exception(error.__cause__, file=sys.stderr)
         print(f"lance_hpc.run: {error}", file=sys.stderr, flush=True)
+        stop_data_workers()
         return EXIT_FAILED
     except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save yet
         return EXIT_INTERRUPTED

@@ -211,13 +211,14 @@ class _Handler(BaseHTTPRequestHandler):
                 self.server.stopping.wait(rule.stall_s)
         try:
             status, reason, headers, payload = self._forward(body)
-        except OSError as error:  # upstream down: a gateway error, as a load balancer would answer
+        except (OSError, http.client.HTTPException) as error:  # upstream down: a gateway error, as a load balancer would answer
             return self._reply(502, f"upstream {self.server.upstream_address}: {error}".encode(), "text/plain")
         self.send_response(status, reason)
         for name, value in headers:
-            if name.lower() not in HOP_BY_HOP and name.lower() != "content-length":
-                self.send_header(name, value)
-        self.send_header("Content-Length", str(len(payload)))
+            if name.lower() not in HOP_BY_HOP and (name.lower() != "content-length" or self.command == "HEAD"):
+                self.send_header(name, value)  # a HEAD answer keeps the object's length
+        if self.command != "HEAD":
+            self.send_header("Content-Length", str(len(payload)))
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(payload)
@@ -242,10 +243,11 @@ class _Handler(BaseHTTPRequestHandler):
                 response = self.upstream.getresponse()
                 payload = response.read()
                 return response.status, response.reason, response.getheaders(), payload
-            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
-                self.upstream.close()
+            except (OSError, http.client.HTTPException) as error:
+                self.upstream.close()  # never reused half-way through an exchange
                 self.upstream = None
-                if attempt == 1:
+                stale = isinstance(error, (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError))
+                if attempt == 1 or not stale:
                     raise
         raise AssertionError("unreachable")
 

@@ -77,14 +77,16 @@ def damaged_dataset(problems: list[FileProblem], uri: str, version: int | None) 
     return DamagedDataset(f"{first}{more}: the manifest{at} lists it, so {FIX}")
 
 
-def explain_read_error(error: BaseException, dataset: Any, uri: str, options: Mapping[str, str]) -> BaseException:
+def explain_read_error(error: BaseException, dataset: Any | None, uri: str, options: Mapping[str, str]) -> BaseException:
     """What to raise for a read of ``dataset`` that failed with ``error`` (not a transient one):
     a :class:`DamagedDataset` naming the file when the listing finds one missing or of the wrong
     size; for a missing-file or short-file error without such a file (the store may have lost it
     between the read and the listing), a :class:`DamagedDataset` with the error's own text;
-    otherwise ``error`` itself."""
+    otherwise ``error`` itself (also when the dataset never opened)."""
     from lance_hpc.data.retry import is_damage, short_error
 
+    if dataset is None:
+        return error
     try:
         problems = file_problems(dataset, uri, options)
     except OSError as listing_error:

@@ -77,7 +77,7 @@ class BatchReader:
     rank: int = 0
     io_depth: int = 0  # batches read ahead on background threads
     cache: CacheSpec | None = None  # the node-local cache, opened per process on first take
-    io_timeout_s: float = 300.0  # how long a take keeps retrying a failing store
+    io_timeout_s: float = 120.0  # how long a take keeps retrying a failing store
     _dataset: Any = field(default=None, repr=False, compare=False)
     _ahead: Any = field(default=None, repr=False, compare=False)  # ReadAhead, per process
 
@@ -116,7 +116,7 @@ class BatchReader:
         return retrying(
             lambda: self.dataset.take(row_ids, columns=columns), what=f"take of {len(row_ids)} rows of {self.uri}",
             uri=self.uri, options=self.options, timeout_s=self.io_timeout_s, on_retry=count_retry, rank=self.rank,
-            explain=lambda error: explain_read_error(error, self.dataset, self.uri, self.options),
+            explain=lambda error: explain_read_error(error, self._dataset, self.uri, self.options),
         )
 
     def _fetch(self, unique: np.ndarray, ahead: Sequence[np.ndarray]) -> tuple[Any, ReadStats]:

@@ -163,4 +163,30 @@ def cross_field_problems(raw: Mapping[str, Any]) -> list[Problem]:
                         "export AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_SESSION_TOKEN) in the environment",
                     )
                 )
+    problems += io_timeout_problems(data, raw.get("train") if isinstance(raw.get("train"), dict) else {})
     return problems
+
+
+# Seconds between a read giving up and its rank leaving: the last attempt, decoding, the step.
+IO_TIMEOUT_MARGIN_S = 30
+
+
+def io_timeout_problems(data: Mapping[str, Any], train: Mapping[str, Any]) -> list[Problem]:
+    """A data.io_timeout_s the user set must end before the collective timeout: ranks that already
+    have their batch wait in a collective for a rank still retrying its read, and would otherwise
+    fail first, with "lost contact" instead of the store's own message."""
+    from lance_hpc.spec.schema import TrainSpec
+
+    io_timeout = data.get("io_timeout_s")
+    collective = train.get("collective_timeout_s", TrainSpec.model_fields["collective_timeout_s"].default)
+    if not isinstance(io_timeout, (int, float)) or not isinstance(collective, (int, float)):
+        return []
+    if io_timeout + IO_TIMEOUT_MARGIN_S <= collective:
+        return []
+    return [Problem(
+        "data.io_timeout_s",
+        f"{io_timeout:g} s leaves less than {IO_TIMEOUT_MARGIN_S} s before train.collective_timeout_s ({collective:g} s): "
+        "ranks waiting in a collective for a rank still retrying a read would time out first",
+        f"lower data.io_timeout_s to {collective - IO_TIMEOUT_MARGIN_S:g} or raise train.collective_timeout_s to "
+        f"{io_timeout + IO_TIMEOUT_MARGIN_S:g}",
+    )]

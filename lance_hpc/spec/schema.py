@@ -215,7 +215,7 @@ class DataSpec(_Section):
     on_corrupt: str = Field("skip", description="A row the task cannot decode: skip (counted in logs) or fail naming it.")
     ingest: IngestSpec | None = Field(None, description="Create the dataset on first use from a source.")
     io_timeout_s: float = Field(
-        300.0, gt=0, description="Seconds a read keeps retrying a failing store before the job stops with an error."
+        120.0, gt=0, description="Seconds a read keeps retrying a failing store before the job stops (< train.collective_timeout_s - 30)."
     )
     cache: CacheSpec | None = Field(None, description="Node-local cache of fetched data files; null reads the store every epoch.")
 
