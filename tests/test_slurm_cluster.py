@@ -86,7 +86,8 @@ def test_rendered_script_runs_two_nodes_by_two_tasks(slurm_cluster: SlurmCluster
     assert result.returncode == 0, result.stderr
     job_id = result.stdout.strip().split(";")[0]
     output = (tmp_path / "logs" / f"probe-{job_id}.out").read_text()
-    seen = sorted(line.split()[1:] for line in output.splitlines() if line.startswith("PROBE"))
+    # srun --label starts every line with its task's rank: "3: PROBE ..."
+    seen = sorted(line.split(": ", 1)[1].split()[1:] for line in output.splitlines() if ": PROBE " in line)
     assert seen == [
         [f"SLURM_PROCID={rank}", f"SLURM_LOCALID={rank % 2}", "SLURM_NTASKS=4", "SLURM_JOB_NODELIST=node[1-2]",
          f"SLURMD_NODENAME=node{rank // 2 + 1}", "OMP_NUM_THREADS=1", "SETUP_RAN=yes"]
