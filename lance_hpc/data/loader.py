@@ -130,6 +130,11 @@ def dataset_info(data: DataSpec, uri: str) -> DatasetInfo:
     return DatasetInfo(uri, dataset.schema, dataset.count_rows(), dataset)
 
 
+def io_timeout(data: DataSpec) -> float:
+    """data.io_timeout_s, or (for a DataSpec outside a job spec, which sets it) 120 s."""
+    return data.io_timeout_s if data.io_timeout_s is not None else 120.0
+
+
 class TrainLoader:
     """This rank's training batches: dicts of the decoder's fields plus ``row_id``.
 
@@ -163,7 +168,7 @@ class TrainLoader:
         if data.sampler == "full_scan":
             log.warning("full_scan: every rank reads every row, so DDP ranks train on the same data")
         reader = BatchReader(data.uri, self.dataset_version, options, decoder, data.on_corrupt, data.seed, rank,
-                             data.io_depth, data.cache, data.io_timeout_s)
+                             data.io_depth, data.cache, io_timeout(data))
         planner = self._planner = epoch_planner(
             table, data.sampler, rank, world_size, data.batch_size, uneven=data.uneven, shuffle=data.shuffle, seed=data.seed
         )
@@ -338,7 +343,7 @@ class EvalLoader:
         self.batches = eval_batches(rows, rank, world_size, data.batch_size, data.val_sampler)
         self.rows = sum(len(batch) for batch in self.batches)
         reader = BatchReader(data.val_uri, self.dataset_version, options, decoder, data.on_corrupt, data.seed, rank,
-                             data.io_depth, data.cache, data.io_timeout_s)
+                             data.io_depth, data.cache, io_timeout(data))
         self._loader = _data_loader(
             LanceMapDataset(reader, rows), data, pin_memory, True,
             batch_sampler=_FixedBatches(self.batches, data.num_workers, data.io_depth),

@@ -10,7 +10,7 @@ import re
 from typing import Any, Callable
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 # The forms sbatch accepts for --time.
@@ -214,8 +214,10 @@ class DataSpec(_Section):
     seed: int = Field(0, description="Seed of the data order and of augmentation.")
     on_corrupt: str = Field("skip", description="A row the task cannot decode: skip (counted in logs) or fail naming it.")
     ingest: IngestSpec | None = Field(None, description="Create the dataset on first use from a source.")
-    io_timeout_s: float = Field(
-        120.0, gt=0, description="Seconds a read keeps retrying a failing store before the job stops (< train.collective_timeout_s - 30)."
+    io_timeout_s: float | None = Field(
+        None, gt=0, description=(
+            "Seconds a read keeps retrying a failing store before the job stops; at most train.collective_timeout_s - 30 "
+            "[default: that, up to 120]."),
     )
     cache: CacheSpec | None = Field(None, description="Node-local cache of fetched data files; null reads the store every epoch.")
 
@@ -294,6 +296,15 @@ class JobSpec(_Section):
         default_factory=dict,
         description="A sweep as one job array: spec path -> values, e.g. {train.lr: [0.1, 0.05]}; one run per combination.",
     )
+
+    @model_validator(mode="after")
+    def default_io_timeout(self) -> "JobSpec":
+        """data.io_timeout_s follows the collective timeout unless set: a rank retrying a read
+        must give up before the others, waiting for it in a collective, time out."""
+        if self.data.io_timeout_s is None:
+            timeout = float(min(120, max(self.train.collective_timeout_s - 30, 1)))
+            object.__setattr__(self, "data", self.data.model_copy(update={"io_timeout_s": timeout}))
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
