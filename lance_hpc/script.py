@@ -75,7 +75,6 @@ class Context:
     resumed: Checkpoint | None = field(default=None, repr=False)
     step: int = 0  # optimizer steps taken, counting those before a resume
     epoch: int = 0  # the epoch being read
-    steps_per_epoch: int = 0  # of the loader that steps() iterates, at this world size
     stepping: TrainLoader | None = field(default=None, repr=False)  # the loader steps() iterates
     registered: dict[str, Stateful] = field(default_factory=dict, repr=False)
     rng_restored: bool = field(default=False, repr=False)
@@ -95,6 +94,11 @@ class Context:
     @property
     def is_main(self) -> bool:
         return self.env.is_main
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Batches of a whole epoch of the loader that steps() iterates, at this world size (0 before)."""
+        return self.stepping.steps_per_epoch if self.stepping is not None else 0
 
     @property
     def progress(self) -> float:
@@ -152,7 +156,7 @@ class Context:
         """(step, batch) until ``epochs`` (default train.epochs) or ``max_steps``, from where a
         resumed job stopped. After each step it saves every checkpoint.every_steps and at each
         epoch end, and stops all ranks together on preemption (saves, raises :class:`Preempted`)."""
-        self.steps_per_epoch, self.stepping = loader.steps_per_epoch, loader
+        self.stepping = loader
         if self.resumed is not None and not self.rng_restored:  # now: building the model drew from the generators
             checkpoint.restore_rank(self.resumed, self.env, self.spec.train.seed, None)
             self.rng_restored = True
