@@ -28,6 +28,7 @@ from pyarrow import fs
 
 from lance_hpc.data.storage import CREDENTIAL_FIX, redact, storage_options
 from lance_hpc.errors import UserError
+from lance_hpc.files import replaced_atomically
 
 TEMP_SUFFIX = ".tmp"
 # object_store (and so Lance) assumes this region when none is configured; so do checkpoints.
@@ -72,20 +73,8 @@ class LocalDirectory:
         path = self.location(name)
         path.parent.mkdir(parents=True, exist_ok=True)
         temp = path.with_name(f".{path.name}.{os.getpid()}{TEMP_SUFFIX}")
-        try:
-            with open(temp, "wb") as file:
-                torch.save(state, file)
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(temp, path)
-        except BaseException:
-            temp.unlink(missing_ok=True)
-            raise
-        directory = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)  # makes the rename itself durable
-        finally:
-            os.close(directory)
+        with replaced_atomically(path, temp) as file:
+            torch.save(state, file)
 
     def read(self, name: str) -> dict[str, Any]:
         return torch.load(self.location(name), map_location="cpu", weights_only=True)

@@ -43,6 +43,7 @@ import pyarrow as pa
 from pyarrow import fs
 
 from lance_hpc.errors import UserError
+from lance_hpc.files import replaced_atomically
 
 log = logging.getLogger("lance_hpc.data")
 
@@ -167,24 +168,12 @@ def fetch(source: Source, root: Path, file: CachedFile, wait: bool = False) -> i
             stale.unlink(missing_ok=True)
         partial = final.with_name(f"{final.name}.{os.getpid()}-{threading.get_ident()}{PARTIAL}")
         size = 0
-        try:
-            with open(partial, "wb") as out:
-                for chunk in source.chunks(file.path):
-                    out.write(chunk)
-                    size += len(chunk)
-                out.flush()
-                os.fsync(out.fileno())
+        with replaced_atomically(final, partial) as out:
+            for chunk in source.chunks(file.path):
+                out.write(chunk)
+                size += len(chunk)
             if file.size is not None and size != file.size:
                 raise OSError(f"{file.path}: read {size} bytes, the manifest says {file.size}")
-            os.rename(partial, final)
-        except BaseException:
-            partial.unlink(missing_ok=True)
-            raise
-        directory = os.open(final.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
         touch(final)
         return size
     finally:
