@@ -50,6 +50,7 @@ def alive(pid):
 
 @pytest.mark.parametrize("number", [signal.SIGUSR2, signal.SIGTERM])
 def test_slurm_signals_to_every_process_of_the_step_leave_the_workers_serving(tmp_path, number):
+    others = set(descendants(os.getpid()))  # this session's servers (moto's S3 server, say): not the step's
     loader = loader_on(tmp_path)
     batches = iter(loader)
     next(batches)
@@ -60,7 +61,7 @@ def test_slurm_signals_to_every_process_of_the_step_leave_the_workers_serving(tm
         # inside worker_context, with these signals ignored, but this test process may have started
         # it earlier (it would be relaunched, with a warning).
         for pid in [os.getpid(), *descendants(os.getpid())]:
-            if "resource_tracker" not in open(f"/proc/{pid}/cmdline").read():
+            if pid not in others and "resource_tracker" not in open(f"/proc/{pid}/cmdline").read():
                 os.kill(pid, number)
         rest = sum(1 for _ in batches)
     finally:

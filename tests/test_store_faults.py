@@ -61,7 +61,6 @@ def request(proxy: FaultProxy, path: str = "/moto-api/", timeout: float = 30) ->
         connection.close()
 
 
-@pytest.mark.xfail(strict=False, reason="passes alone; in the full suite the session moto server behind the proxy answers 502 after earlier tests (under investigation, issue 10)")
 @pytest.mark.s3
 def test_proxy_passes_requests_through_and_injects_each_fault_on_command(proxy):
     assert request(proxy)[0] == 200  # moto's answer, relayed
@@ -100,7 +99,6 @@ def test_proxy_passes_requests_through_and_injects_each_fault_on_command(proxy):
     assert stats["requests"] >= 118 and [rule["kind"] for rule in stats["rules"]] == ["slowdown"]
 
 
-@pytest.mark.xfail(strict=False, reason="passes alone; in the full suite the session moto server behind the proxy answers 502 after earlier tests (under investigation, issue 10)")
 @pytest.mark.s3
 def test_proxy_is_controlled_from_another_process(proxy):
     command = [sys.executable, "-m", "lance_hpc.bench.fault_proxy"]
@@ -228,7 +226,6 @@ def s3_options(server) -> dict[str, str]:
     return dict(server.storage_options, access_key_id=server.access_key_id, secret_access_key=server.secret_access_key)
 
 
-@pytest.mark.xfail(strict=False, reason="passes alone; in the full suite the session moto server behind the proxy answers 502 after earlier tests (under investigation, issue 10)")
 @pytest.mark.s3
 @pytest.mark.slow
 def test_an_epoch_through_503s_resets_stalls_and_a_burst_reads_every_row_once(s3_env, proxy):
@@ -270,7 +267,6 @@ def s3_digits(s3_env) -> Digits:
     return digits
 
 
-@pytest.mark.xfail(strict=False, reason="passes alone; in the full suite the session moto server behind the proxy answers 502 after earlier tests (under investigation, issue 10)")
 @pytest.mark.s3
 @pytest.mark.slow
 def test_an_outage_longer_than_io_timeout_stops_every_rank_with_one_message(s3_digits, s3_env, proxy, tmp_path):
@@ -364,7 +360,6 @@ def test_a_damaged_local_dataset_names_the_file(tmp_path, how):
     assert_damage_reported(DataSpec(uri=uri, batch_size=8, num_workers=1, shuffle=False), path, how)
 
 
-@pytest.mark.xfail(strict=False, reason="passes alone; in the full suite the session moto server behind the proxy answers 502 after earlier tests (under investigation, issue 10)")
 @pytest.mark.s3
 @pytest.mark.parametrize("how", ["delete", "truncate"])
 def test_a_damaged_dataset_on_s3_names_the_file(s3_env, how):
