@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import multiprocessing
 import os
 import signal
 import sys
@@ -24,6 +23,7 @@ import submitit
 import torch.distributed as dist
 
 from lance_hpc import checkpoint, data, render, script, trainer
+from lance_hpc.data.loader import kill_workers
 from lance_hpc.data.retry import StoreUnavailable
 from lance_hpc.env import DistEnv, detect, explain_failure, lost_peer, process_group
 from lance_hpc.errors import UserError
@@ -162,14 +162,6 @@ class SubmititJob(submitit.helpers.Checkpointable):
         return dataclasses.asdict(summary)
 
 
-def stop_data_workers() -> None:
-    """Kill this rank's DataLoader workers after a failure. They ignore SIGTERM (the rank's to
-    handle), and a failed loader, held in reference cycles with its traceback, never tells them
-    to stop: at exit, multiprocessing would wait for them forever. They hold nothing to save."""
-    for child in multiprocessing.active_children():
-        child.kill()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lance_hpc.run", description=__doc__.splitlines()[0])
     parser.add_argument("spec_file", help="resolved job spec (YAML)")
@@ -178,17 +170,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary = run_job(args.spec_file, requeue_with_scontrol)
     except UserError as error:
         print(f"lance_hpc.run: {error}", file=sys.stderr, flush=True)
-        stop_data_workers()
+        kill_workers()
         return EXIT_USER_ERROR
     except StoreUnavailable as error:  # the store, not the code, failed: its message says it all
         print(f"lance_hpc.run: {error}", file=sys.stderr, flush=True)
-        stop_data_workers()
+        kill_workers()
         return EXIT_FAILED
     except TrainingFailed as error:
         if error.show_traceback:
             traceback.print_exception(error.__cause__, file=sys.stderr)
         print(f"lance_hpc.run: {error}", file=sys.stderr, flush=True)
-        stop_data_workers()
+        kill_workers()
         return EXIT_FAILED
     except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save yet
         return EXIT_INTERRUPTED

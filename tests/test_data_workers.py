@@ -135,3 +135,30 @@ def test_batches_reach_the_model_in_its_memory_format(device, channels_last, exp
     assert moved["image"].is_contiguous(memory_format=expected) and moved["image"].dtype == torch.float32
     assert moved["label"].dtype == torch.int64 and moved["label"].device.type == device
     assert np.allclose(moved["image"].numpy()[0, 0, 0, 0], (0 - 0.485) / 0.229)
+
+
+def test_a_program_that_ends_with_its_loader_mid_epoch_exits_and_takes_the_workers_with_it(tmp_path):
+    # Workers ignore SIGTERM, the signal multiprocessing's exit hook stops children with before it
+    # joins them: without lance_hpc's own hook, this program would never exit.
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {os.getcwd()!r})
+        from tests.test_data_workers import loader_on
+        from pathlib import Path
+        if __name__ == "__main__":
+            batches = iter(loader_on(Path({str(tmp_path)!r}) / sys.argv[1]))
+            next(batches)
+            import os
+            from tests.test_data_transport import workers_of
+            print(*workers_of(os.getpid()), flush=True)
+            if sys.argv[1] == "error":
+                raise RuntimeError("the program fails")  # the loader still alive, held by a global
+
+    """)
+    (tmp_path / "ends.py").write_text(script)
+    for how in ("end", "error"):
+        ended = subprocess.run([sys.executable, str(tmp_path / "ends.py"), how], capture_output=True, text=True,
+                               timeout=300)
+        assert ended.returncode == (0 if how == "end" else 1), ended.stderr
+        workers = [int(pid) for pid in ended.stdout.split()]
+        assert workers and not [pid for pid in workers if alive(pid)]

@@ -9,6 +9,7 @@ dicts of tensors, each with a ``row_id`` field. The train loader yields exactly
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import multiprocessing
@@ -17,7 +18,7 @@ import signal
 import threading
 from dataclasses import replace
 from multiprocessing import forkserver
-from multiprocessing.context import BaseContext
+from multiprocessing.context import BaseContext, ForkServerProcess
 from typing import Any, Iterator
 
 import numpy as np
@@ -69,6 +70,8 @@ def worker_context() -> BaseContext:
     """
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(WORKER_PRELOAD))
+    atexit.unregister(kill_workers)  # registered once, and after multiprocessing's own exit hook,
+    atexit.register(kill_workers)  # so that it runs first
     if threading.current_thread() is not threading.main_thread():
         forkserver.ensure_running()  # signal dispositions can only be set from the main thread
         return context
@@ -79,6 +82,19 @@ def worker_context() -> BaseContext:
         for number, handler in previous.items():
             signal.signal(number, handler)
     return context
+
+
+def kill_workers() -> None:
+    """SIGKILL this process's DataLoader workers that are still alive: its daemonic children from
+    the worker server, which multiprocessing would only SIGTERM at exit. Workers ignore SIGTERM
+    (the rank's to handle), so a loader that never told them to stop (one held by a traceback, or
+    still iterating when the program ends) would make multiprocessing's exit hook, which
+    terminates and then joins every child, wait for them forever. Runs at interpreter exit (see
+    :func:`worker_context`) and after a failed run; the workers hold nothing to save."""
+    for child in multiprocessing.active_children():
+        if isinstance(child, ForkServerProcess) and child.daemon:
+            child.kill()
+            child.join(timeout=10)
 
 
 def init_worker(_worker_id: int) -> None:
