@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lance_hpc import early_signals
 from lance_hpc.checkpoint_store import TEMP_SUFFIX, Location, locate, open_store
 from lance_hpc.env import DistEnv
 from lance_hpc.errors import UserError
@@ -253,7 +254,13 @@ class Preemption:
 
     def __enter__(self) -> Preemption:
         for signum in self.signals:
-            self.previous[signum] = signal.signal(signum, self._on_signal)
+            previous = signal.signal(signum, self._on_signal)
+            if early_signals.is_holding(previous):  # held while the rank started: act on them now
+                previous = signal.SIG_DFL
+                for held in early_signals.received:
+                    if held == signum:
+                        self._on_signal(held, None)
+            self.previous[signum] = previous
         return self
 
     def __exit__(self, *exc_info: object) -> None:

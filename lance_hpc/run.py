@@ -10,6 +10,11 @@ checkpoint holds the state; run again to resume), 130 interrupted (Ctrl-C) befor
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: SLURM's USR2 may come while the imports below take seconds
+    from lance_hpc import early_signals
+
+    early_signals.hold()
+
 import argparse
 import dataclasses
 import os

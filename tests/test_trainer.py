@@ -272,3 +272,46 @@ def test_quickstart_prints_a_validation_accuracy_of_at_least_90_percent(tmp_path
                               env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert finished.returncode == 0, finished.stdout + finished.stderr
     assert float(FINAL_ACCURACY.search(finished.stdout).group(1)) >= 0.90, finished.stdout
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` (its SigCgt mask)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
+
+
+def has_loaded(pid: int, library: str) -> bool:
+    return library in Path(f"/proc/{pid}/maps").read_text()
+
+
+@pytest.mark.slow
+def test_a_preemption_warning_while_a_rank_still_starts_is_held_and_honoured(tmp_path: Path, digits) -> None:
+    """USR2 (SLURM's warning, or a stale one of a requeued job's old step) that reaches a rank
+    while it still imports torch would kill it by default and fail the job: it is held from the
+    rank's first line and acted on at the first step boundary, like one that came later."""
+    spec_file = write_spec(tmp_path, digits, train={"epochs": 50}, logging={"log_every_steps": 1, "progress": False})
+    launcher = launch(spec_file)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert time.monotonic() < deadline, "rank 0 never started"
+            try:
+                rank = rank_pid(launcher, 0)
+                held = catches(rank, signal.SIGUSR2)
+                loaded = has_loaded(rank, "libtorch")
+            except (AssertionError, OSError):
+                time.sleep(0.01)
+                continue
+            assert held or not loaded, "USR2 not held before torch was imported"
+            if held:
+                break
+            time.sleep(0.005)
+        os.kill(rank, signal.SIGUSR2)
+        output = launcher.communicate(timeout=180)[0]
+    finally:
+        launcher.kill()
+    assert launcher.returncode == EXIT_STOPPED, output
+    assert "by SIGUSR2; checkpoint" in output and "Traceback" not in output, output
+    assert load_latest(tmp_path / "checkpoints").state["step"] <= 2
