@@ -246,12 +246,14 @@ def _peer_image_function(config: Measurement, peer_default: Callable[[int], Call
 
 
 def _fresh_cache(config: Measurement) -> str:
-    """The peer's download cache for this measurement, emptied: every measurement reads cold."""
+    """The peer's download cache for this measurement, empty: every measurement reads cold. A new
+    directory each time (the process id under the configured one), so no state a peer keeps by its
+    cache's path (MDS's shared memory) can outlive an earlier measurement's files."""
+    import os
     import shutil
 
-    cache = config.data["cache_dir"]
-    shutil.rmtree(cache, ignore_errors=True)
-    return cache
+    shutil.rmtree(config.data["cache_dir"], ignore_errors=True)
+    return os.path.join(config.data["cache_dir"], str(os.getpid()))
 
 
 def _lancedb_table(config: Measurement) -> Any:

@@ -226,6 +226,8 @@ class Server:
                     return
         except (ConnectionError, asyncio.IncompleteReadError):
             return
+        except asyncio.CancelledError:  # the server stopping with this connection idle: nothing to report
+            return
         finally:
             writer.close()
 
