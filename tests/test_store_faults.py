@@ -25,6 +25,7 @@ from lance_hpc.data import ensure_dataset, preflight
 from lance_hpc.data.integrity import DamagedDataset
 from lance_hpc.data.ingest import schema_for
 from lance_hpc.data.retry import StoreUnavailable, backoff_s, retrying, short_error
+from lance_hpc.data.storage import open_dataset
 from lance_hpc.errors import UserError, worker_message
 from lance_hpc.spec import DataSpec, IngestSpec, SpecError, validate_spec
 from tests.test_data_loader import IMAGES, train_loader
@@ -252,6 +253,21 @@ def test_an_epoch_through_503s_resets_stalls_and_a_burst_reads_every_row_once(s3
     assert sorted(labels) == list(range(200)), "every row exactly once"
     assert injected["stall"] == 2 and injected["reset"] > 0 and injected["slowdown"] > 20
     assert retries >= 1, injected
+
+
+@pytest.mark.s3
+def test_opening_a_dataset_retries_and_a_store_that_hangs_stops_it_at_io_timeout(s3_env, proxy):
+    options = dict(s3_options(s3_env), endpoint=proxy.endpoint)
+    first = write_rows(s3_env.uri("faults_open_1.lance"), fragments=1, rows=5, options=s3_options(s3_env))
+    second = write_rows(s3_env.uri("faults_open_2.lance"), fragments=1, rows=5, options=s3_options(s3_env))
+    proxy.inject("slowdown", seconds=3)  # longer than Lance's own retries
+    assert open_dataset(first, None, options, timeout_s=60).count_rows() == 5
+    assert proxy.stats()["injected"]["slowdown"] > 0
+    proxy.inject("hang")  # a dataset not opened before, so Lance has nothing of it cached
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable, match=rf"failed for \d+ s.*data.io_timeout_s \(2 s\): opening {second}"):
+        open_dataset(second, None, options, timeout_s=2)
+    assert time.monotonic() - started < 60
 
 
 # ---------------------------------------------------------------------------------------------

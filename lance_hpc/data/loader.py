@@ -136,7 +136,7 @@ def _data_loader(dataset: Any, data: DataSpec, pin_memory: bool, persistent: boo
 
 def _open(data: DataSpec, uri: str) -> tuple[Any, dict[str, str]]:
     options = storage_options(uri, data.storage_options)
-    return open_dataset(uri, data.version if uri == data.uri else None, options), options
+    return open_dataset(uri, data.version if uri == data.uri else None, options, timeout_s=io_timeout(data)), options
 
 
 def dataset_info(data: DataSpec, uri: str) -> DatasetInfo:

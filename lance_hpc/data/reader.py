@@ -90,7 +90,7 @@ class BatchReader:
     @property
     def dataset(self) -> Any:
         if self._dataset is None:
-            self._dataset = open_dataset(self.uri, self.version, self.options)
+            self._dataset = open_dataset(self.uri, self.version, self.options, self.io_timeout_s, self.rank)
         return self._dataset
 
     @property

@@ -90,13 +90,25 @@ def _code(text: str) -> str:
     return "rejected"
 
 
-def open_dataset(uri: str, version: int | None = None, options: Mapping[str, str] | None = None) -> Any:
-    """``lance.dataset`` with errors turned into UserErrors that say how to fix them."""
+def open_dataset(uri: str, version: int | None = None, options: Mapping[str, str] | None = None,
+                 timeout_s: float | None = None, rank: int = 0) -> Any:
+    """``lance.dataset`` with errors turned into UserErrors that say how to fix them. With
+    ``timeout_s`` (a rank opening its data: data.io_timeout_s), transient store errors are retried
+    and a store that fails or hangs for that long raises StoreUnavailable, as a failing read does."""
     import lance
 
     options = dict(options or {})
-    try:
+
+    def attempt() -> Any:
         return lance.dataset(uri, version=version, storage_options=options or None)
+
+    try:
+        if timeout_s is None:
+            return attempt()
+        from lance_hpc.data.retry import retrying  # retry imports this module
+
+        return retrying(attempt, what=f"opening {uri}", uri=uri, options=options, timeout_s=timeout_s,
+                        on_retry=lambda: None, rank=rank)
     except (OSError, ValueError, RuntimeError) as error:
         raise dataset_error(error, uri, options, version) from None
 
