@@ -238,13 +238,14 @@ def test_an_epoch_through_503s_resets_stalls_and_a_burst_reads_every_row_once(s3
     proxy.inject("slowdown", fraction=0.05, path="/data/")
     proxy.inject("reset", fraction=0.05, path="/data/")
     proxy.inject("stall", count=2, stall_s=3, path="/data/")
+    # and a burst: every data read fails for longer than Lance retries on its own. From the first
+    # read on, since workers and read-ahead have most of an epoch this small in flight at once.
+    proxy.inject("slowdown", seconds=15, path="/data/")
     labels = []
     try:
-        for index, batch in enumerate(loader):
+        for batch in loader:
             labels.extend(batch["label"].tolist())
             assert batch["row_id"].tolist() == batch["label"].tolist()
-            if index == 2:  # mid-epoch: every data read fails for longer than Lance retries on its own
-                proxy.inject("slowdown", seconds=15, path="/data/")
         retries = loader.stats.retries
     finally:
         loader = None  # its workers ignore SIGTERM: stop them now, not at interpreter exit
