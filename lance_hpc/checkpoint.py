@@ -257,9 +257,8 @@ class Preemption:
             previous = signal.signal(signum, self._on_signal)
             if early_signals.is_holding(previous):  # held while the rank started: act on them now
                 previous = signal.SIG_DFL
-                for held in early_signals.received:
-                    if held == signum:
-                        self._on_signal(held, None)
+                if signum in early_signals.received:
+                    self._on_signal(signum, None)
             self.previous[signum] = previous
         return self
 

@@ -28,7 +28,6 @@ import submitit
 import torch.distributed as dist
 
 from lance_hpc import checkpoint, data, render, script, trainer
-from lance_hpc.data.loader import kill_workers
 from lance_hpc.data.retry import StoreUnavailable
 from lance_hpc.env import DistEnv, detect, explain_failure, lost_peer, process_group
 from lance_hpc.errors import UserError
@@ -175,17 +174,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary = run_job(args.spec_file, requeue_with_scontrol)
     except UserError as error:
         print(f"lance_hpc.run: {error}", file=sys.stderr, flush=True)
-        kill_workers()
         return EXIT_USER_ERROR
     except StoreUnavailable as error:  # the store, not the code, failed: its message says it all
         print(f"lance_hpc.run: {error}", file=sys.stderr, flush=True)
-        kill_workers()
         return EXIT_FAILED
     except TrainingFailed as error:
         if error.show_traceback:
             traceback.print_exception(error.__cause__, file=sys.stderr)
         print(f"lance_hpc.run: {error}", file=sys.stderr, flush=True)
-        kill_workers()
         return EXIT_FAILED
     except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save yet
         return EXIT_INTERRUPTED

@@ -90,7 +90,7 @@ def kill_workers() -> None:
     (the rank's to handle), so a loader that never told them to stop (one held by a traceback, or
     still iterating when the program ends) would make multiprocessing's exit hook, which
     terminates and then joins every child, wait for them forever. Runs at interpreter exit (see
-    :func:`worker_context`) and after a failed run; the workers hold nothing to save."""
+    :func:`worker_context`), after a failed run too; the workers hold nothing to save."""
     for child in multiprocessing.active_children():
         if isinstance(child, ForkServerProcess) and child.daemon:
             child.kill()
