@@ -122,7 +122,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
         f"Machine: {machine}.", "",
         f"Sections: {', '.join(sections)}. Each configuration ran {_runs_text(runs)} in a fresh process, "
         f"interleaved; images/s is the median steady rate after the first batch ({seconds:g} s window; "
-        "lance_hpc's default strategy on local disk and the DDP run read the whole epoch). "
+        "lance_hpc's strategies, on local disk and over S3, and the DDP run read the whole epoch). "
         f"{workers} DataLoader workers for every pipeline that has workers (the reference iterable pipeline has none). "
         f"The decode limit is one core's decode + resize rate on the same bytes (lance_hpc's decoder and resize, with "
         f"no loader around them), times {cores} cores. "
@@ -244,7 +244,8 @@ def parser() -> argparse.ArgumentParser:
     result.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT}/)")
     result.add_argument("--runs", type=int,
                         help="runs per configuration (default: local and object_storage 2, peers 1; --tiny: 1)")
-    result.add_argument("--seconds", type=float, help="measuring window per run after the first batch")
+    result.add_argument("--seconds", type=float, help="measuring window per run after the first batch "
+                        "(in the loader benchmark, lance_hpc's strategies read a whole epoch instead)")
     result.add_argument("--tiny", action="store_true", help="a few hundred small images, one run each (tests)")
     result.add_argument("--workers", type=_int_list,
                         help="loader benchmark: workers per pipeline (default: the cores); job: list to sweep, e.g. 2,4,8")
