@@ -12,8 +12,9 @@ from lance_hpc.bench import main
 from lance_hpc.bench.cli import SECTIONS, parser
 from lance_hpc.bench.configs import Measurement, Result
 from lance_hpc.bench.datasets import DataSetSpec, prepare
+from lance_hpc.bench.object_storage import CACHE_LABEL
 from lance_hpc.bench.report import (
-    format_markdown, object_storage_rows, object_storage_targets, table_rows, targets,
+    cache_row, cache_target, format_markdown, object_storage_rows, object_storage_targets, table_rows, targets,
 )
 from lance_hpc.bench.runner import Summary, exactly_once, run_rounds
 
@@ -97,6 +98,24 @@ def test_object_storage_table_bills_gets_and_bytes_per_image_and_judges_the_late
     assert not cpu.met and "1.20x" in cpu.detail
 
 
+def test_cache_target_wants_local_speed_and_almost_no_gets_from_a_warm_cache():
+    label = "lance_hpc map/distributed"
+
+    def summary(rate: float, gets_per_image: float | None) -> Summary:
+        store = None if gets_per_image is None else {"gets": gets_per_image * rate, "get_bytes": 0.0, "cpu_s": 0.0}
+        return Summary(label, "photos", runs=[[_result(label, rate, cpu_ms=1.0, store=store)]])
+
+    disk, uncached = summary(1000, None), summary(800, 1.05)
+    assert cache_target(summary(960, 0.0), disk, uncached).met
+    slow = cache_target(summary(900, 0.0), disk, uncached)
+    assert not slow.met and "0.90x" in slow.detail
+    chatty = cache_target(summary(1000, 0.02), disk, uncached)  # 1.9% of an uncached epoch's GETs
+    assert not chatty.met and "1.90%" in chatty.detail
+    assert not cache_target(summary(1000, None), disk, uncached).met  # no counters: nothing shows few GETs
+    row = cache_row("with cache", "S3 25 ms, 2nd epoch", summary(960, 0.0), disk)
+    assert row[:5] == ["with cache", "S3 25 ms, 2nd epoch", "960", "0.96x", "-"] and row[5] == "0.00"
+
+
 def test_sections_are_chosen_by_name_and_configurations_run_as_often_as_asked(tmp_path, monkeypatch):
     args = parser().parse_args(["--sections", "object_storage,local"])
     assert args.sections == ["local", "object_storage"]  # report order, not the order given
@@ -163,7 +182,13 @@ def test_tiny_object_storage_section_reads_through_the_s3_server_and_bills_it(tm
     assert (tmp_path / "object_storage.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     results = json.loads((tmp_path / "results.json").read_text())
     by_key = {(s["dataset"], s["label"]): s for s in results["summaries"]}
-    assert len(by_key) == 9
+    assert len(by_key) == 10
+    cached = by_key.pop(("small-s3-25ms", CACHE_LABEL))["runs"][0][0]
+    # The epoch after the one that filled the node-local cache: every row, and not one GET of the store.
+    assert not cached["error"] and cached["images"] == 384 - 32 and cached["epoch_done"]  # all after the first batch
+    assert cached["store"]["gets"] == 0 and cached["store"]["errors"] == 0
+    assert f"| {CACHE_LABEL} | S3 25 ms, 2nd epoch |" in markdown
+    assert "second epoch from the node-local cache vs local disk" in markdown
     for (dataset, label), summary in by_key.items():
         result = summary["runs"][0][0]
         assert not result["error"] and result["images"] > 0, (dataset, label)

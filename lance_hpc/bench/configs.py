@@ -26,6 +26,7 @@ class Measurement:
     num_workers: int = 2
     seconds: float = 4.0  # measuring window after the first batch
     full_epoch: bool = False  # read the whole epoch, however long it takes
+    warmup_epochs: int = 0  # lance_hpc pipelines: whole epochs read before the measured one (to fill data.cache)
     fingerprint: bool = False  # return a fingerprint of every image read (exactly-once check)
     data: dict[str, Any] = field(default_factory=dict)  # DataSpec fields only, for lance_hpc pipelines
     rank: int = 0

@@ -6,7 +6,9 @@ The server serves the very files the local rows read, so the two differ only in 
 bytes. Per configuration the table gives images/s, the ratio to local disk and to its own 0 ms,
 what the store would bill (GET requests and bytes per image, from the server's counters over the
 measuring window), the loader's CPU per image (main process and workers), and the server's CPU per
-image, which shares the machine's cores but is not the loader's work.
+image, which shares the machine's cores but is not the loader's work. A last row reads the default
+strategy at 25 ms with a node-local cache (``data.cache``): one epoch fills it, the next is measured,
+against local disk and against the GET requests of an epoch read from the store.
 """
 
 from __future__ import annotations
@@ -20,6 +22,11 @@ from lance_hpc.bench.sections import (
 
 LATENCIES_MS = (0.0, 25.0, 50.0)
 TINY_LATENCIES_MS = (0.0, 25.0)
+# The default strategy with a node-local cache (data.cache), over S3 at this latency: one epoch
+# fills the cache, the next is measured.
+CACHE_LATENCY_MS = 25.0
+CACHE_LABEL = "lance_hpc map/distributed + data.cache"
+CACHE_STORAGE = f"S3 {CACHE_LATENCY_MS:g} ms, 2nd epoch"
 
 
 def latencies(context: Context) -> tuple[float, ...]:
@@ -45,6 +52,13 @@ def configs(context: Context) -> list[Measurement]:
         for label, style, sampler in STRATEGIES:
             fields = strategy_fields(data, style, sampler, context.workers, uri, server.storage_options())
             found.append(Measurement(label, "lance_hpc", data=fields, store_counters=True, full_epoch=True, **common))
+    server = context.server(CACHE_LATENCY_MS)
+    fields = strategy_fields(data, "map", "distributed", context.workers, context.s3_uri(server, data.lance_uri),
+                             server.storage_options())
+    fields["cache"] = {"dir": str(context.out / "work" / "node_cache"), "max_gb": 100}
+    common = {**common_fields(data, context), "dataset": dataset_name(data.spec.name, CACHE_LATENCY_MS)}
+    found.append(Measurement(CACHE_LABEL, "lance_hpc", data=fields, store_counters=True, full_epoch=True,
+                             warmup_epochs=1, **common))
     return found
 
 
@@ -55,8 +69,12 @@ def section_report(context: Context, summaries: Summaries) -> SectionReport:
         for label, _, _ in STRATEGIES
     }
     local = {label: summaries[(name, label)] for label in grid}
+    cached = summaries.get((dataset_name(name, CACHE_LATENCY_MS), CACHE_LABEL))
     header, rows = report.object_storage_rows(local, grid)
     verdicts = report.object_storage_targets(local, grid, DEFAULT_STRATEGY)
+    if cached is not None:
+        rows.append(report.cache_row(CACHE_LABEL, CACHE_STORAGE, cached, local[DEFAULT_STRATEGY]))
+        verdicts.append(report.cache_target(cached, local[DEFAULT_STRATEGY], grid[DEFAULT_STRATEGY][CACHE_LATENCY_MS]))
     title = (f"object storage: {name} over the S3 protocol from a server on loopback, by first-byte latency "
              f"({context.workers} workers, batch {context.sets[0].spec.batch_size})")
     text = ["", title, report.format_text(header, rows),

@@ -78,7 +78,7 @@ def configs(context: Context) -> list[Measurement]:
                          data=strategy_fields(data, "map", "distributed", context.workers))]
     server = context.server(LATENCY_MS)
     s3 = {**common, "dataset": dataset_name(data.spec.name, LATENCY_MS)}
-    found.append(Measurement(DEFAULT_STRATEGY, "lance_hpc", store_counters=True, **s3, data=strategy_fields(
+    found.append(Measurement(DEFAULT_STRATEGY, "lance_hpc", store_counters=True, full_epoch=True, **s3, data=strategy_fields(
         data, "map", "distributed", context.workers, context.s3_uri(server, data.lance_uri), server.storage_options())))
     for peer, kind in PEERS:
         if kind in missing:

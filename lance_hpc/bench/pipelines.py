@@ -118,8 +118,15 @@ def lance_hpc_loader(config: Measurement) -> Iterable[Any]:
     world_size = config.data_world_size or config.world_size
     decoder = ImageDecoder(config.image_column, config.label_column,
                            Transform(config.image_size, train=True, augment=config.augment))
-    loader = build_train_loader(DataSpec.model_validate(config.data), decoder, config.rank, world_size)
-    loader.set_epoch(0)
+    data = dict(config.data)
+    if data.get("cache"):  # a node-local cache of its own, empty: the warm-up epochs fill it
+        data["cache"] = {**data["cache"], "dir": _fresh_directory(data["cache"]["dir"])}
+    loader = build_train_loader(DataSpec.model_validate(data), decoder, config.rank, world_size)
+    for epoch in range(config.warmup_epochs):
+        loader.set_epoch(epoch)
+        for _ in loader:
+            pass
+    loader.set_epoch(config.warmup_epochs)
     return loader
 
 
@@ -245,15 +252,20 @@ def _peer_image_function(config: Measurement, peer_default: Callable[[int], Call
     return LanceHpcDecode(config.image_size) if decode == "lance_hpc" else peer_default(config.image_size)
 
 
-def _fresh_cache(config: Measurement) -> str:
-    """The peer's download cache for this measurement, empty: every measurement reads cold. A new
-    directory each time (the process id under the configured one), so no state a peer keeps by its
-    cache's path (MDS's shared memory) can outlive an earlier measurement's files."""
+def _fresh_directory(parent: str) -> str:
+    """A cache directory for this measurement, empty: every measurement starts cold. A new one each
+    time (the process id under ``parent``, emptied of earlier measurements' copies), so no state a
+    loader keeps by its cache's path (MDS's shared memory) can outlive an earlier measurement's files."""
     import os
     import shutil
 
-    shutil.rmtree(config.data["cache_dir"], ignore_errors=True)
-    return os.path.join(config.data["cache_dir"], str(os.getpid()))
+    shutil.rmtree(parent, ignore_errors=True)
+    return os.path.join(parent, str(os.getpid()))
+
+
+def _fresh_cache(config: Measurement) -> str:
+    """The peer's download cache for this measurement (see :func:`_fresh_directory`)."""
+    return _fresh_directory(config.data["cache_dir"])
 
 
 def _lancedb_table(config: Measurement) -> Any:
