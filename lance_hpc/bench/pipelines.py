@@ -334,6 +334,13 @@ def mosaic_streaming(config: Measurement) -> Iterable[Any]:
     else:
         locations = {"local": uri}
     dataset = StreamingDataset(**locations, shuffle=True, shuffle_seed=0, batch_size=config.batch_size)
+    if "remote" in locations:
+        # This process fetched index.json through each stream's boto3 client, which keeps the
+        # connection open; forked workers would inherit that one socket and read each other's
+        # answers off it (shards cached with another shard's bytes in them). Dropped here, so each
+        # worker opens its own.
+        for stream in dataset.streams:
+            stream._downloader.clean_up()
     function = SampleImage(_peer_image_function(config, PilDecode))
     return DataLoader(MappedIterable(dataset, function), batch_size=config.batch_size,
                       num_workers=config.num_workers, pin_memory=torch.cuda.is_available(),
