@@ -1,7 +1,8 @@
 """``lance-hpc status | logs | cancel``: parsing what SLURM prints, the time-left estimate and the
 log readers as units; then the real thing on the SLURM test cluster, which has no accounting
 (``sacct`` fails there): a small training job is watched, its logs read and followed, and it is
-cancelled so that it saves a checkpoint, through sbatch and through submitit."""
+cancelled so that it saves a checkpoint, through sbatch and through submitit; ``cancel --now``
+stops one without a save, and a pending job is cancelled at once."""
 
 from __future__ import annotations
 
@@ -343,3 +344,64 @@ def test_unknown_jobs_unsubmitted_specs_and_missing_slurm_are_clear_errors(
     result = subprocess.run([sys.executable, "-m", "lance_hpc", "cancel", "12"], env=no_slurm, cwd=REPO_ROOT,
                             capture_output=True, text=True)
     assert result.returncode == 2 and "scancel not found on PATH" in result.stderr, result.stderr
+
+
+def sbatch(cluster: SlurmCluster, spec: JobSpec) -> str:
+    """Render the job and submit it with the user's own sbatch (no record: found by name and log)."""
+    _, script = write_job_files(spec)
+    submitted = subprocess.run(["sbatch", "--parsable", str(script)], env=environ(cluster), cwd=REPO_ROOT,
+                               capture_output=True, text=True, check=True)
+    return submitted.stdout.strip().split(";")[0]
+
+
+def slurm_job(cluster: SlurmCluster, job_id: str) -> queue.SlurmJob | None:
+    shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=environ(cluster), capture_output=True, text=True)
+    jobs = [queue.job_from_scontrol(fields) for fields in queue.parse_scontrol(shown.stdout)]
+    return jobs[0] if jobs else None
+
+
+def end_state(cluster: SlurmCluster, job_id: str) -> str:
+    """The job's state once it has ended; its ranks are gone by then (COMPLETING is no end)."""
+    wait_for(lambda: getattr(slurm_job(cluster, job_id), "ended", False), f"the end of job {job_id}", timeout_s=120)
+    return slurm_job(cluster, job_id).state
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_cancel_now_ends_a_running_job_without_saving(slurm_cluster: SlurmCluster, digits: Digits, tmp_path: Path) -> None:
+    """Plain scancel would give the ranks SIGTERM and KillWait seconds, in which they save; --now
+    must not. The job saves at every epoch end (an epoch takes seconds here), never mid-epoch."""
+    spec_path, spec = long_job(tmp_path, digits, slurm_cluster, "cutshort")
+    job_id = sbatch(slurm_cluster, spec)
+    out = Path(spec.slurm.log_dir) / f"cutshort-{job_id}.out"
+    try:
+        wait_for(lambda: out.exists() and "0: step 2/" in out.read_text(), "the second step")
+        cancelled = lance_hpc(slurm_cluster, "cancel", str(spec_path), "--now").stdout
+        state = end_state(slurm_cluster, job_id)
+    finally:
+        scancel_quietly(slurm_cluster, job_id)
+    assert cancelled == f"cancelled job {job_id}\n" and state == "CANCELLED"
+    log = lance_hpc(slurm_cluster, "logs", job_id).stdout
+    assert "stopped at step" not in log and re.search(r"srun: error: \S+: tasks? [0-9-]+: Killed", log), log
+    saved = checkpoint.load_latest(spec.checkpoint.dir)
+    assert saved is None or not saved.state["mid_epoch"], f"saved at step {saved.step} on the way out"
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_cancel_a_pending_job_removes_it_at_once(slurm_cluster: SlurmCluster, digits: Digits, tmp_path: Path) -> None:
+    slurm = {"partition": slurm_cluster.partition, "log_dir": str(tmp_path / "logs"), "extra_flags": {"begin": "now+1hour"}}
+    spec_path = write_spec(tmp_path, digits, name="later", slurm=slurm)
+    submitted = lance_hpc(slurm_cluster, "submit", str(spec_path)).stdout
+    job_id = re.search(r"submitted job (\d+)", submitted).group(1)
+    try:
+        status = lance_hpc(slurm_cluster, "status", str(spec_path)).stdout
+        waiting = lance_hpc(slurm_cluster, "logs", str(spec_path)).stderr
+        cancelled = lance_hpc(slurm_cluster, "cancel", str(spec_path)).stdout
+        state = end_state(slurm_cluster, job_id)
+    finally:
+        scancel_quietly(slurm_cluster, job_id)
+    assert f"job {job_id} (later): PENDING (BeginTime)" in status, status
+    assert f"job {job_id} has not started (PENDING, BeginTime)" in waiting, waiting
+    assert cancelled == f"cancelled job {job_id} (it was PENDING, so there was nothing to save)\n"
+    assert state == "CANCELLED"

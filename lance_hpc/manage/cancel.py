@@ -5,7 +5,8 @@ rank 0 writes a checkpoint and every rank exits 3. Plain ``scancel`` sends SIGTE
 the job ``KillWait`` seconds later (30 s by default), which a large model's checkpoint may not
 survive; so cancel signals the job's steps only and waits for them to end on their own. submitit
 jobs keep submitit's protocol (SIGTERM is ignored there): USR2 saves and requeues, and the
-requeued job is then cancelled before it starts again.
+requeued job is then cancelled before it starts again. ``--now`` kills the tasks before it
+cancels the job, as plain ``scancel`` would give them SIGTERM and time to save.
 """
 
 from __future__ import annotations
@@ -35,10 +36,13 @@ def cancel(ref: JobRef, now: bool, timeout_s: float) -> int:
     if job.ended:
         print(f"job {ref.job_id} already ended: {job.state}; nothing to cancel")
         return 0
-    if now or not job.started:
+    if not job.started:
         queue.scancel(ref.job_id)
-        why = "" if job.started else f" (it was {job.state}, so there was nothing to save)"
-        print(f"cancelled job {ref.job_id}{why}")
+        print(f"cancelled job {ref.job_id} (it was {job.state}, so there was nothing to save)")
+        return 0
+    if now:
+        queue.kill_now(ref.job_id)
+        print(f"cancelled job {ref.job_id}")
         return 0
     signal_name = stop_signal(job)
     print(f"asking job {ref.job_id} to save a checkpoint and stop (SIG{signal_name} to its tasks; "
@@ -103,8 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "examples:\n"
         "  lance-hpc cancel jobs/map_gpu.yaml          # the latest job of this spec\n"
         "  lance-hpc cancel 1234 --timeout 900\n"
-        "  lance-hpc cancel 1234 --now                 # plain scancel: no checkpoint"))
-    parser.add_argument("--now", action="store_true", help="cancel at once with plain scancel, saving nothing")
+        "  lance-hpc cancel 1234 --now                 # at once: no checkpoint"))
+    parser.add_argument("--now", action="store_true", help="cancel at once, the tasks killed before they can save")
     parser.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                         help="how long to wait for the checkpoint and the stop [300]")
     args = parser.parse_args(argv)

@@ -183,6 +183,26 @@ def scancel(job_id: str, signal_name: str | None = None) -> None:
         raise UserError(f"{' '.join(command)} failed: {message}\n  fix: check the job id with squeue --me")
 
 
+def kill_now(job_id: str) -> None:
+    """Cancel a running job with its tasks killed at once, so they save nothing.
+
+    A plain scancel gives every task SIGTERM and ``KillWait`` seconds before SIGKILL, and
+    lance_hpc's ranks take SIGTERM as "save and stop": a small model saves well within that. A
+    cancelled job step gets SIGKILL alone, so each step is cancelled first, with the batch script
+    paused meanwhile: it would otherwise end the job as FAILED as soon as its srun returns. The
+    job's own scancel then continues the script into its end, and the job ends CANCELLED."""
+    _run("scancel", "--batch", "--signal=STOP", job_id)  # fails only where the script has ended: no matter
+    for step in job_steps(job_id):
+        _run("scancel", step)  # fails only for a step that ended meanwhile
+    scancel(job_id)
+
+
+def job_steps(job_id: str) -> list[str]:
+    """The job's steps that srun started (``1234.0``, ``55_2.1``), not its batch or extern step."""
+    listed = _run("squeue", "--steps", "--jobs", job_id, "-h", "-o", "%i")
+    return [step for step in listed.stdout.split() if step.rpartition(".")[2].isdigit()]
+
+
 def require(command: str) -> None:
     if shutil.which(command) is None:
         raise UserError(
