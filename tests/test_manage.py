@@ -1,8 +1,9 @@
 """``lance-hpc status | logs | cancel``: parsing what SLURM prints, the time-left estimate and the
 log readers as units; then the real thing on the SLURM test cluster, which has no accounting
 (``sacct`` fails there): a small training job is watched, its logs read and followed, and it is
-cancelled so that it saves a checkpoint, through sbatch and through submitit; ``cancel --now``
-stops one without a save, and a pending job is cancelled at once."""
+cancelled so that it saves a checkpoint, through sbatch and through submitit; ``logs -f`` follows
+a job through its requeue, ``cancel --now`` stops one without a save, and a pending job is
+cancelled at once."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -364,6 +366,58 @@ def end_state(cluster: SlurmCluster, job_id: str) -> str:
     """The job's state once it has ended; its ranks are gone by then (COMPLETING is no end)."""
     wait_for(lambda: getattr(slurm_job(cluster, job_id), "ended", False), f"the end of job {job_id}", timeout_s=120)
     return slurm_job(cluster, job_id).state
+
+
+def follow(cluster: SlurmCluster, *args: str) -> tuple[subprocess.Popen, list[str]]:
+    """``lance-hpc logs ARGS -f`` in the background, its lines gathered as they come (a reader
+    thread, so the pipe never fills while the test waits for something else)."""
+    follower = subprocess.Popen([sys.executable, "-m", "lance_hpc", "logs", *args, "-f"], env=environ(cluster),
+                                cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    lines: list[str] = []
+
+    def gather() -> None:
+        for line in follower.stdout:
+            lines.append(line)
+
+    threading.Thread(target=gather, daemon=True).start()
+    return follower, lines
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_logs_follow_a_job_through_its_requeue_until_it_ends(
+    slurm_cluster: SlurmCluster, digits: Digits, tmp_path: Path
+) -> None:
+    """Each run takes both nodes whole (1 rank on each), so the requeued run starts only once the
+    old one is gone (see test_four_run_sweep_on_the_cluster_each_run_on_its_own)."""
+    slurm = {"partition": slurm_cluster.partition, "nodes": 2, "tasks_per_node": 1, "cpus_per_task": 1,
+             "exclusive": True, "time": "00:15:00", "max_requeues": 2, "log_dir": str(tmp_path / "logs")}
+    spec_path = write_spec(tmp_path, digits, name="followed", slurm=slurm, train={"epochs": 100},
+                           logging={"log_every_steps": 1, "progress": False}, checkpoint={"every_steps": 1000})
+    spec = load_spec(spec_path).spec
+    job_id = sbatch(slurm_cluster, spec)
+    follower, lines = follow(slurm_cluster, str(spec_path), "--stdout")  # most likely before the job starts
+    try:
+        wait_for(lambda: "0: step 2/" in "".join(lines), "the second step, followed")
+        subprocess.run(["scancel", "--signal=USR2", job_id], env=environ(slurm_cluster), check=True)
+        wait_for(lambda: "by SIGUSR2" in "".join(lines), "the stop on USR2, followed")
+        stopped_at = int(re.search(r"stopped at step (\d+) by SIGUSR2", "".join(lines)).group(1))
+        wait_for(lambda: f"0: step {stopped_at + 1}/" in "".join(lines), "the restarted run's first step, followed")
+        scancel_quietly(slurm_cluster, job_id)
+        follower.wait(timeout=60)  # -f notices the end within seconds
+    finally:
+        scancel_quietly(slurm_cluster, job_id)
+        if follower.poll() is None:
+            follower.kill()
+    followed = "".join(lines)
+    out = Path(spec.slurm.log_dir) / f"followed-{job_id}.out"
+    assert follower.returncode == 0 and followed == out.read_text()  # all of both runs, each line once
+    assert f"job {job_id} (restart 0)" in followed and f"requeued job {job_id} (requeue 1 of at most 2)" in followed
+    assert f"job {job_id} (restart 1)" in followed
+    restarted = followed.split(f"job {job_id} (restart 1)")[1]
+    assert f"resuming from {spec.checkpoint.dir}/step-{stopped_at:08d}.pt at step {stopped_at}" in restarted, followed
+    status = lance_hpc(slurm_cluster, "status", str(spec_path)).stdout
+    assert re.search(rf"job {job_id} \(followed\): .*, restarts [1-9]", status), status
 
 
 @pytest.mark.slow
