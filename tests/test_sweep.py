@@ -1,7 +1,7 @@
 """Sweeps: parsing --sweep and the sweep section, the cartesian product, errors with their YAML
 paths, the files a sweep writes, dry run and local runs; on the real SLURM cluster, a 4-run job
 array in which every run trains, checkpoints and logs on its own, and a preempted run requeues
-itself alone and resumes."""
+itself alone and resumes, and a sweep submitted through submitit's default path."""
 
 from __future__ import annotations
 
@@ -356,6 +356,34 @@ def test_four_run_sweep_on_the_cluster_each_run_on_its_own(slurm_cluster: SlurmC
         assert logged["train/lr"] and "val/accuracy" in logged
         assert hparams_logged(Path(run.spec.logging.tensorboard_dir))["train.lr"] == pytest.approx(run.values["train.lr"])
         assert f"job {array_id}_{run.index} (restart 0)" in outputs[f"{array_id}_{run.index}"]
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_a_sweep_submitted_through_submitit_trains_each_run_on_its_own(
+    slurm_cluster: SlurmCluster, digits: Digits, tmp_path: Path
+) -> None:
+    """The default path of ``lance-hpc submit --sweep``: one job array through submitit's
+    executor.batch(), waited for with --wait. Two runs of one rank and 4 steps each, side by side."""
+    slurm = {"partition": slurm_cluster.partition, "nodes": 1, "tasks_per_node": 1, "cpus_per_task": 1,
+             "time": "00:15:00"}
+    spec_path = write_spec(tmp_path, digits, name="viasubmitit", slurm=slurm, train={"epochs": 1, "max_steps": 4})
+    sweep = "train.lr=0.003,0.001"
+    submitted = subprocess.run([sys.executable, "-m", "lance_hpc", "submit", str(spec_path), "--sweep", sweep, "--wait"],
+                               env=environ(slurm_cluster), cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    array_id = re.search(r"submitted job array (\d+) \(viasubmitit: 2 runs", submitted.stdout).group(1)
+    status = subprocess.run([sys.executable, "-m", "lance_hpc", "status", array_id], env=environ(slurm_cluster),
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)  # by id: every run
+    for run in expand(load_spec(spec_path, sweeps=[sweep]).spec):
+        job = f"{array_id}_{run.index}"
+        assert f"  {job:<12} {run.spec.name}  (train.lr={run.values['train.lr']})" in submitted.stdout
+        assert f"job {job} finished: {{'status': 'completed', 'step': 4," in submitted.stdout, submitted.stdout
+        assert f"job {job} ({run.spec.name}): COMPLETED, exit 0, restarts 0" in status.stdout, status.stdout + status.stderr
+        assert f"checkpoint  step 4, epoch 0: {run.spec.checkpoint.dir}/step-00000004.pt" in status.stdout
+        assert checkpoint_step(Path(run.spec.checkpoint.dir)) == 4
+        assert [step for step, _ in scalars(Path(run.spec.logging.tensorboard_dir))["train/loss"]][-1] == 4
+        assert hparams_logged(Path(run.spec.logging.tensorboard_dir))["train.lr"] == pytest.approx(run.values["train.lr"])
 
 
 @pytest.mark.parametrize("module", ["lance_hpc.run", "lance_hpc.launch"])

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 from lance_hpc.errors import UserError
 from lance_hpc.manage import queue
-from lance_hpc.spec import JobSpec, load_spec
+from lance_hpc.spec import JobSpec, SweepRun, expand, load_spec
 
 RECORDS_FILE = "jobs.jsonl"
 JOB_ID = re.compile(r"^\d+(_\d+)?$")
@@ -90,7 +90,7 @@ def resolve(target: str, overrides: Sequence[str] = (), job_id: str | None = Non
     if JOB_ID.match(target) and not Path(target).exists():
         if overrides:
             raise UserError("--set goes with a job spec, not a job id")
-        return [JobRef(target, *spec_of_job(target))]
+        return job_refs(target)
     spec = load_spec(target, overrides).spec
     if spec.sweep:
         return sweep_runs(spec, target, job_id, every)
@@ -108,20 +108,32 @@ def resolve(target: str, overrides: Sequence[str] = (), job_id: str | None = Non
 
 def sweep_runs(spec: JobSpec, target: str, job_id: str | None, every: bool) -> list[JobRef]:
     """A sweep's array tasks, one per run (``<array id>_<run index>``), each with its run's spec."""
-    from lance_hpc.spec.sweep import expand
-
     runs = expand(spec, target)
     arrays = sorted({found.partition("_")[0] for found in job_ids_of(spec)}, key=queue.job_order)
     if not arrays:
         raise never_submitted(spec, target)
-    refs = [JobRef(f"{array}_{run.index}", run.spec, target, spec, f" (run {run.index}: {run.describe()})")
-            for array in (arrays if every or job_id else arrays[-1:]) for run in runs]
+    refs = [run_ref(array, run, spec, target) for array in (arrays if every or job_id else arrays[-1:]) for run in runs]
     if job_id is not None:
         refs = [ref for ref in refs if job_id in (ref.job_id, ref.job_id.partition("_")[0])]
         if not refs:
             raise UserError(f"job {job_id} is not one of {target}'s runs (arrays found: {', '.join(arrays)})\n"
                             "  fix: give an array id, or <array id>_<run index> for one run")
     return refs
+
+
+def run_ref(array_id: str, run: SweepRun, sweep: JobSpec, source: str) -> JobRef:
+    return JobRef(f"{array_id}_{run.index}", run.spec, source, sweep, f" (run {run.index}: {run.describe()})")
+
+
+def job_refs(job_id: str) -> list[JobRef]:
+    """The job a job id names, with its spec when found. A sweep's array task reports with its
+    run's spec (its own checkpoints and events), an array id as every run of the array."""
+    spec, source = spec_of_job(job_id)
+    if spec is None or not spec.sweep:
+        return [JobRef(job_id, spec, source)]
+    array_id, _, index = job_id.partition("_")
+    runs = [run for run in expand(spec, source) if index in ("", str(run.index))]
+    return [run_ref(array_id, run, spec, source) for run in runs] or [JobRef(job_id, spec, source)]
 
 
 def never_submitted(spec: JobSpec, target: str) -> UserError:
