@@ -179,10 +179,12 @@ def peak_lr(spec: JobSpec, world_size: int) -> float:
     return spec.train.lr * global_batch / spec.train.base_batch_size
 
 
-def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
-    """Linear warmup to the peak, then cosine decay to zero at the last step."""
+def lr_factor(step: float, warmup_steps: float, total_steps: float) -> float:
+    """Linear warmup to the peak, then cosine decay to zero at the last step. Steps are fractional
+    when progress is counted in samples (a job resumed on another world size): the warmup then
+    stops at the peak rather than overshoot it by up to one step's worth."""
     if step < warmup_steps:
-        return (step + 1) / warmup_steps
+        return min((step + 1) / warmup_steps, 1.0)
     progress = (step - warmup_steps) / max(total_steps - warmup_steps, 1)
     return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 

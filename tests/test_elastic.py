@@ -2,7 +2,8 @@
 
 A run stopped mid-epoch on 2 ranks finishes on 3: the rows the first run trained on are not read
 again, the rest of the epoch is read exactly once, every rank takes the same steps, and progress
-continues in samples. An epoch-end checkpoint resumes on another world size with more epochs.
+continues in samples, the learning rate's warmup and decay with it. An epoch-end checkpoint
+resumes on another world size with more epochs.
 Ctrl-C saves and stops with one line and exit 3 (the rerun continues); a second Ctrl-C stops at
 once and leaves no process behind.
 """
@@ -25,8 +26,9 @@ from lance_hpc.data.storage import open_dataset
 from lance_hpc.launch import EXIT_INTERRUPTED
 from lance_hpc.run import EXIT_STOPPED
 from lance_hpc.spec import JobSpec, load_spec
+from lance_hpc.trainer import lr_factor
 from tests.test_trainer import rank_pid, read_until
-from tests.trainer_jobs import REPO_ROOT, digits, final_state, write_spec
+from tests.trainer_jobs import REPO_ROOT, digits, final_state, scalars, write_spec
 
 __all__ = ["digits"]  # the session fixture, imported for pytest
 pytestmark = pytest.mark.slow
@@ -100,6 +102,49 @@ def test_stopped_on_two_ranks_mid_epoch_finishes_on_three_reading_every_row_once
     assert epoch_two == planned_rows(spec, 2, epoch=1)  # the rest read once: none twice, none skipped
     final = final_state(tmp_path)
     assert final["epoch"] == 2 and final["progress"] == 2.0 and final["step"] == stopped["step"] + len(after[0])
+
+
+def test_the_learning_rate_follows_the_rows_read_across_a_resume_on_three_ranks(tmp_path: Path, digits) -> None:
+    """Warmup (80% of the one epoch) and cosine decay: the 2-rank run stops in the warmup, the
+    3-rank run finishes it and decays to the end of the epoch. Every logged train/lr is the
+    schedule at the rows all ranks trained on before that step (counted from the rows logged), at
+    the new world size's peak (linear scaling), not at its step count read as 3-rank steps."""
+    train = {"epochs": 1, "warmup_epochs": 0.8, "lr": 0.003, "lr_scaling": "linear", "base_batch_size": 32}
+    sections = dict(train=train, logging={"log_every_steps": 1, "progress": False})
+    first = submit_local(row_logging_spec(tmp_path, digits, tmp_path / "rows2", **sections), 2)
+    read_until(first, "step 5/")
+    first.send_signal(signal.SIGUSR2)
+    output = first.communicate(timeout=120)[0]
+    assert first.returncode == EXIT_STOPPED, output
+    stopped = final_state(tmp_path)
+    assert stopped["mid_epoch"] and stopped["epoch"] == 0
+    spec_file = row_logging_spec(tmp_path, digits, tmp_path / "rows3", **sections)
+    second = submit_local(spec_file, 3)
+    output = second.communicate(timeout=300)[0]
+    assert second.returncode == 0 and "written by 2 ranks, continued by 3" in output, output
+
+    spec = load_spec(spec_file).spec
+    table = fragment_table(open_dataset(spec.data.uri, None, {}))
+    epoch_rows = sum(planned_rows(spec, 2, epoch=0).values())
+    peaks = {world_size: train["lr"] * spec.data.batch_size * world_size / train["base_batch_size"] for world_size in (2, 3)}
+    expected: dict[int, float] = {}  # step -> the learning rate it should have trained at
+    rows_before = 0
+    for world_size, row_log, first_step in ((2, "rows2", 1), (3, "rows3", stopped["step"] + 1)):
+        steps_per_epoch = sum(1 for _ in epoch_batches(table, spec.data.sampler, 0, world_size, spec.data.batch_size))
+        for index, batches in enumerate(zip(*logged_rows(tmp_path / row_log, world_size))):
+            epochs_read = rows_before / epoch_rows
+            expected[first_step + index] = peaks[world_size] * lr_factor(
+                epochs_read * steps_per_epoch, train["warmup_epochs"] * steps_per_epoch, steps_per_epoch)
+            rows_before += sum(len(batch) for batch in batches)
+    assert rows_before == epoch_rows and max(expected) == final_state(tmp_path)["step"]
+    resumed = [expected[step] for step in sorted(expected) if step > stopped["step"]]
+    assert max(resumed) == pytest.approx(peaks[3], rel=0.05) and resumed[-1] < peaks[3] / 4  # the peak, then the decay
+    del expected[stopped["step"]]  # the resumed run hides its predecessor's events from the checkpoint's step on
+    logged = dict(scalars(tmp_path / "runs")["train/lr"])
+    assert logged == pytest.approx(expected, rel=1e-5)
+    assert max(logged.values()) <= peaks[3] * (1 + 1e-6)  # a fractional last warmup step does not overshoot it
+    final = final_state(tmp_path)
+    assert final["epoch"] == 1 and final["progress"] == 1.0 and "final validation accuracy" in output
 
 
 def test_an_epoch_end_checkpoint_resumes_on_three_ranks_with_more_epochs(tmp_path: Path, digits) -> None:
