@@ -169,18 +169,20 @@ def test_tiny_benchmark_runs_end_to_end_and_ddp_reads_every_row_once(tmp_path, c
 
 
 @pytest.mark.slow
-def test_tiny_object_storage_section_reads_through_the_s3_server_and_bills_it(tmp_path, capsys):
-    code = main(["--tiny", "--sections", "object_storage", "--out", str(tmp_path)])
+def test_tiny_object_storage_section_reads_through_the_s3_server_and_bills_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a relative --out, as from a shell: the cache row needs an absolute data.cache.dir
+    code = main(["--tiny", "--sections", "object_storage", "--out", "out"])
+    out = tmp_path / "out"
     printed = capsys.readouterr().out
     assert code == 0, printed
-    markdown = (tmp_path / "results.md").read_text()
+    markdown = (out / "results.md").read_text()
     assert "## Object storage: small over the S3 protocol" in markdown
     for label in TINY_LABELS[-3:]:
         for storage in ("local disk", "S3 0 ms", "S3 25 ms"):
             assert f"| {label} | {storage} |" in markdown, (label, storage)
     assert "default strategy at 25 ms vs local disk" in markdown and "reference map-style" not in markdown
-    assert (tmp_path / "object_storage.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    results = json.loads((tmp_path / "results.json").read_text())
+    assert (out / "object_storage.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    results = json.loads((out / "results.json").read_text())
     by_key = {(s["dataset"], s["label"]): s for s in results["summaries"]}
     assert len(by_key) == 10
     cached = by_key.pop(("small-s3-25ms", CACHE_LABEL))["runs"][0][0]
@@ -192,8 +194,12 @@ def test_tiny_object_storage_section_reads_through_the_s3_server_and_bills_it(tm
     for (dataset, label), summary in by_key.items():
         result = summary["runs"][0][0]
         assert not result["error"] and result["images"] > 0, (dataset, label)
-        if "-s3-" in dataset:  # read through the server: it answered GETs for the images in the window
-            assert result["store"]["gets"] > 0 and result["store"]["get_bytes"] > 0 and result["store"]["errors"] == 0
+        if "-s3-" in dataset:  # read through the server, without an error answer
+            assert result["store"]["errors"] == 0 and "gets" in result["store"], (dataset, label)
+            if label == TINY_LABELS[-3]:  # one GET per row: the window (after the first batch) bills some
+                assert result["store"]["gets"] > 0 and result["store"]["get_bytes"] > 0, (dataset, label)
+            # The sharded strategies read a few large ranges; on 12 batches, read-ahead can have
+            # fetched all of them before the first batch, where the window starts.
         else:
             assert result["store"] == {}
 

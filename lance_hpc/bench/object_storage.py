@@ -55,7 +55,7 @@ def configs(context: Context) -> list[Measurement]:
     server = context.server(CACHE_LATENCY_MS)
     fields = strategy_fields(data, "map", "distributed", context.workers, context.s3_uri(server, data.lance_uri),
                              server.storage_options())
-    fields["cache"] = {"dir": str(context.out / "work" / "node_cache"), "max_gb": 100}
+    fields["cache"] = {"dir": str((context.out / "work" / "node_cache").resolve()), "max_gb": 100}
     common = {**common_fields(data, context), "dataset": dataset_name(data.spec.name, CACHE_LATENCY_MS)}
     found.append(Measurement(CACHE_LABEL, "lance_hpc", data=fields, store_counters=True, full_epoch=True,
                              warmup_epochs=1, **common))
