@@ -207,7 +207,7 @@ class DataSpec(_Section):
     batch_size: int = Field(64, ge=1, description="Samples per rank per step.")
     num_workers: int = Field(4, ge=0, description="DataLoader worker processes per rank.")
     prefetch_factor: int = Field(2, ge=1, description="Batches each worker keeps ready.")
-    io_depth: int = Field(2, ge=0, le=64, description=(
+    io_depth: int = Field(4, ge=0, le=64, description=(
         "Batches each worker reads ahead from the store while it decodes (hides object-storage latency; "
         "each costs one batch of encoded bytes in memory); 0: read on demand."))
     shuffle: bool = Field(True, description="Reshuffle every epoch from seed + epoch.")
