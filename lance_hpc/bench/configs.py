@@ -34,6 +34,8 @@ class Measurement:
     data_world_size: int | None = None  # ranks the loader shards for; None: world_size
     cores: int = 1  # the decode limit is one core's rate times this
     store_counters: bool = False  # read the S3 benchmark server's counters at data.storage_options.endpoint
+    train_model: str = ""  # a torchvision model trained one step per batch (the GPU section); "" trains nothing
+    device: str = "cuda"  # where train_model trains (the tests use "cpu")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -65,6 +67,7 @@ class Result:
     fingerprints: list[str] = field(default_factory=list)
     worker_rss_timeline: list[tuple[float, float]] = field(default_factory=list)  # (s after first batch, MiB)
     store: dict[str, float] = field(default_factory=dict)  # the S3 server's counters over the window (s3_server)
+    data_wait_share: float = 0.0  # with train_model: the window's share spent waiting for the next batch
     error: str = ""
 
     @classmethod

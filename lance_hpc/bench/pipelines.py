@@ -121,7 +121,8 @@ def lance_hpc_loader(config: Measurement) -> Iterable[Any]:
     data = dict(config.data)
     if data.get("cache"):  # a node-local cache of its own, empty: the warm-up epochs fill it
         data["cache"] = {**data["cache"], "dir": _fresh_directory(data["cache"]["dir"])}
-    loader = build_train_loader(DataSpec.model_validate(data), decoder, config.rank, world_size)
+    pinned = bool(config.train_model) and config.device.startswith("cuda")  # as the trainer feeds a GPU
+    loader = build_train_loader(DataSpec.model_validate(data), decoder, config.rank, world_size, pin_memory=pinned)
     for epoch in range(config.warmup_epochs):
         loader.set_epoch(epoch)
         for _ in loader:
@@ -400,7 +401,15 @@ def litdata_loader(config: Measurement) -> Iterable[Any]:
                                pin_memory=torch.cuda.is_available(), **loader_options)
 
 
+def synthetic(config: Measurement) -> Iterable[Any]:
+    """The same batch again and again, already on the training device (the GPU section's baseline)."""
+    from lance_hpc.bench.gpu import synthetic_batches
+
+    return synthetic_batches(config)
+
+
 PIPELINES: dict[str, Builder] = {
+    "synthetic": synthetic,
     "reference_map": reference_map_style,
     "reference_iterable": reference_iterable,
     "image_folder": image_folder,

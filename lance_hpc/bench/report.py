@@ -46,11 +46,11 @@ def machine_description() -> str:
     )
 
 
-def _ratio(value: float, base: float) -> str:
+def ratio_text(value: float, base: float) -> str:
     return f"{value / base:.2f}x" if base > 0 and value > 0 else "-"
 
 
-def _rate(summary: Summary) -> str:
+def rate_text(summary: Summary) -> str:
     if not summary.ok_runs:
         return "failed"
     rates = summary.rates()
@@ -70,9 +70,9 @@ def table_rows(summaries: Sequence[Summary]) -> tuple[list[str], list[list[str]]
         is_limit = summary.label == DECODE_LIMIT
         rows.append([
             summary.label,
-            _rate(summary),
-            _ratio(rate, base[DECODE_LIMIT]),
-            *(_ratio(rate, base[peer]) for peer in PEERS),
+            rate_text(summary),
+            ratio_text(rate, base[DECODE_LIMIT]),
+            *(ratio_text(rate, base[peer]) for peer in PEERS),
             f"{summary.cpu_ms_per_image:.2f}" if summary.ok_runs else "-",
             "-" if is_limit else f"{summary.first_batch_s:.2f}",
             "-" if is_limit else f"{summary.main_rss_mib:,.0f}",
@@ -214,18 +214,18 @@ def object_storage_rows(local: dict[str, Summary], grid: dict[str, dict[float, S
     for label, by_latency in grid.items():
         disk = local[label]
         cpu = f"{disk.cpu_ms_per_image:.2f}" if disk.ok_runs else "-"
-        rows.append([label, "local disk", _rate(disk), "1.00x", "-", "-", "-", cpu, "1.00x", "-", "-"])
+        rows.append([label, "local disk", rate_text(disk), "1.00x", "-", "-", "-", cpu, "1.00x", "-", "-"])
         zero = by_latency.get(0.0)
         for latency, summary in by_latency.items():
             ok = bool(summary.ok_runs)
             rows.append([
-                label, f"S3 {latency:g} ms", _rate(summary),
-                _ratio(summary.images_per_s, disk.images_per_s),
-                _ratio(summary.images_per_s, zero.images_per_s) if zero else "-",
+                label, f"S3 {latency:g} ms", rate_text(summary),
+                ratio_text(summary.images_per_s, disk.images_per_s),
+                ratio_text(summary.images_per_s, zero.images_per_s) if zero else "-",
                 f"{summary.store_per_image('gets'):.2f}" if ok else "-",
                 f"{summary.store_per_image('get_bytes') / 1000:,.1f}" if ok else "-",
                 f"{summary.cpu_ms_per_image:.2f}" if ok else "-",
-                _ratio(summary.cpu_ms_per_image, disk.cpu_ms_per_image),
+                ratio_text(summary.cpu_ms_per_image, disk.cpu_ms_per_image),
                 f"{1000 * summary.store_per_image('cpu_s'):.2f}" if ok else "-",
                 f"{summary.store_in_flight:.0f}" if ok else "-",
             ])
@@ -236,10 +236,10 @@ def cache_row(label: str, storage: str, cached: Summary, disk: Summary) -> list[
     """The default strategy's epoch read after one that filled its node-local cache, in the columns
     of :func:`object_storage_rows` (the 0 ms column does not apply)."""
     ok = bool(cached.ok_runs)
-    return [label, storage, _rate(cached), _ratio(cached.images_per_s, disk.images_per_s), "-",
+    return [label, storage, rate_text(cached), ratio_text(cached.images_per_s, disk.images_per_s), "-",
             f"{cached.store_per_image('gets'):.2f}" if ok else "-",
             f"{cached.store_per_image('get_bytes') / 1000:,.1f}" if ok else "-",
-            f"{cached.cpu_ms_per_image:.2f}" if ok else "-", _ratio(cached.cpu_ms_per_image, disk.cpu_ms_per_image),
+            f"{cached.cpu_ms_per_image:.2f}" if ok else "-", ratio_text(cached.cpu_ms_per_image, disk.cpu_ms_per_image),
             f"{1000 * cached.store_per_image('cpu_s'):.2f}" if ok else "-",
             f"{cached.store_in_flight:.0f}" if ok else "-"]
 

@@ -121,6 +121,11 @@ class Summary:
         return statistics.median(values) if values else 0.0
 
     @property
+    def data_wait_share(self) -> float:
+        """Median over runs of the share of the window spent waiting for the next batch."""
+        return self._median("data_wait_share")
+
+    @property
     def cpu_ms_per_image(self) -> float:
         """Median over runs of the CPU time (main process and workers, all ranks) per image."""
         values = [
