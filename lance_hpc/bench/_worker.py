@@ -34,6 +34,9 @@ from lance_hpc.bench.s3_server import CounterWindow
 FINGERPRINT_BYTES = 1024
 # Images the decode limit cycles through (read once, decoded again and again).
 DECODE_SAMPLE = 256
+# Batches a DataLoader worker holds ready (DataSpec.prefetch_factor's default): with a model
+# trained on every batch, this many per worker are trained on before the clock starts.
+QUEUED_PER_WORKER = 2
 
 
 def fingerprints(images: Any) -> list[str]:
@@ -140,6 +143,13 @@ def measure(config: Measurement) -> Result:
     lockstep = _Lockstep(config)
     store = CounterWindow(config.data["storage_options"]["endpoint"]) if config.store_counters else None
     seen: list[str] = []
+    train_step = None
+    if config.train_model:  # model built and its kernels chosen on a synthetic batch before any loader starts
+        from lance_hpc.bench.gpu import TrainStep, synthetic_batches
+
+        train_step = TrainStep(config)
+        for _ in range(2):
+            train_step(next(synthetic_batches(config)))
     with ResourceSampler() as resources:
         start = time.perf_counter()
         pipeline = build_pipeline(config)
@@ -148,12 +158,15 @@ def measure(config: Measurement) -> Result:
         if not lockstep.all_have_batch(first is not None):
             raise RuntimeError("the pipeline yielded no batch")
         # After the first all-reduce: in DDP, every rank's clock starts when the slowest has its batch.
-        train_step = None
-        if config.train_model:  # the first step builds the model's kernels before the clock starts
-            from lance_hpc.bench.gpu import TrainStep
-
-            train_step = TrainStep(config)
+        if train_step is not None:
+            # The batches the workers queued while the first was on its way are trained on untimed:
+            # the window then shows whether the loader keeps up, not how much it had stored.
             train_step(first)
+            for _ in range(config.num_workers * QUEUED_PER_WORKER):
+                first = next(batches, None)
+                if first is None:
+                    raise RuntimeError("the epoch ended before the loader's queue was drained")
+                train_step(first)
         first_at = time.perf_counter()
         at_first = resources.mark()
         if store:
@@ -199,6 +212,7 @@ def measure(config: Measurement) -> Result:
         worker_rss_timeline=resources.worker_timeline(at_first),
         store=store_window,
         data_wait_share=waited / elapsed if train_step is not None and elapsed > 0 else 0.0,
+        device_name=train_step.device_name if train_step is not None else "",
         **resources.summary(at_first, at_end, images),
     )
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import textwrap
 import time
@@ -123,6 +124,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
         load_after = os.getloadavg()[0]
     finally:
         context.stop_servers()
+        shutil.rmtree(object_storage.cache_parent(context), ignore_errors=True)
     by_key = {(summary.dataset, summary.label): summary for summary in summaries}
     reports = {name: section.report(context, by_key) for name, section in sections.items()}
 

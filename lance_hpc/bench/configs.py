@@ -68,6 +68,7 @@ class Result:
     worker_rss_timeline: list[tuple[float, float]] = field(default_factory=list)  # (s after first batch, MiB)
     store: dict[str, float] = field(default_factory=dict)  # the S3 server's counters over the window (s3_server)
     data_wait_share: float = 0.0  # with train_model: the window's share spent waiting for the next batch
+    device_name: str = ""  # with train_model: the device it trained on (torch's name of the GPU)
     error: str = ""
 
     @classmethod

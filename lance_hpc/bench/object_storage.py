@@ -13,6 +13,8 @@ against local disk and against the GET requests of an epoch read from the store.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from lance_hpc.bench import report
 from lance_hpc.bench.configs import Measurement
 from lance_hpc.bench.local import set_configs
@@ -38,6 +40,12 @@ def dataset_name(name: str, latency_ms: float) -> str:
     return f"{name}-s3-{latency_ms:g}ms"
 
 
+def cache_parent(context: Context) -> Path:
+    """Where the cache row's measurements keep their node-local caches (a copy of the data set
+    each; the benchmark deletes them when it ends). Absolute: the spec refuses a relative one."""
+    return (context.out / "work" / "node_cache").resolve()
+
+
 def configs(context: Context) -> list[Measurement]:
     """Each strategy on local disk (shared with the local section when both run), then over S3 at
     each latency; every one reads a whole epoch (a few seconds), so local and S3 rows cover the same
@@ -55,7 +63,7 @@ def configs(context: Context) -> list[Measurement]:
     server = context.server(CACHE_LATENCY_MS)
     fields = strategy_fields(data, "map", "distributed", context.workers, context.s3_uri(server, data.lance_uri),
                              server.storage_options())
-    fields["cache"] = {"dir": str((context.out / "work" / "node_cache").resolve()), "max_gb": 100}
+    fields["cache"] = {"dir": str(cache_parent(context)), "max_gb": 100}
     common = {**common_fields(data, context), "dataset": dataset_name(data.spec.name, CACHE_LATENCY_MS)}
     found.append(Measurement(CACHE_LABEL, "lance_hpc", data=fields, store_counters=True, full_epoch=True,
                              warmup_epochs=1, **common))

@@ -121,6 +121,13 @@ class Summary:
         return statistics.median(values) if values else 0.0
 
     @property
+    def worker_cpu_ms_per_image(self) -> float:
+        """Median over runs of the DataLoader workers' CPU time per image (the main process left out)."""
+        values = [sum((r.cpu_ms_per_image - r.main_cpu_ms_per_image) * r.images for r in run)
+                  / max(1, sum(r.images for r in run)) for run in self.ok_runs]
+        return statistics.median(values) if values else 0.0
+
+    @property
     def data_wait_share(self) -> float:
         """Median over runs of the share of the window spent waiting for the next batch."""
         return self._median("data_wait_share")
