@@ -24,7 +24,7 @@ from lance_hpc.bench.sections import DEFAULT_STRATEGY, Context, SectionReport, S
 
 MODEL = "resnet50"
 LATENCY_MS = 25.0
-WINDOW_S = 10.0  # per run after the first step: steady GPU clocks, several hundred steps
+WINDOW_S = 10.0  # the synthetic row's window (it has no epoch): steady GPU clocks, hundreds of steps
 SYNTHETIC = "synthetic batches on the GPU"
 LOCAL = f"{DEFAULT_STRATEGY}, local disk"
 OVER_S3 = f"{DEFAULT_STRATEGY}, S3 {LATENCY_MS:g} ms"
