@@ -148,8 +148,9 @@ def measure(config: Measurement) -> Result:
         from lance_hpc.bench.gpu import TrainStep, synthetic_batches
 
         train_step = TrainStep(config)
+        warm_up = next(synthetic_batches(config))
         for _ in range(2):
-            train_step(next(synthetic_batches(config)))
+            train_step(warm_up)
     with ResourceSampler() as resources:
         start = time.perf_counter()
         pipeline = build_pipeline(config)

@@ -264,11 +264,6 @@ def _fresh_directory(parent: str) -> str:
     return os.path.join(parent, str(os.getpid()))
 
 
-def _fresh_cache(config: Measurement) -> str:
-    """The peer's download cache for this measurement (see :func:`_fresh_directory`)."""
-    return _fresh_directory(config.data["cache_dir"])
-
-
 def _lancedb_table(config: Measurement) -> Any:
     import lancedb
 
@@ -331,7 +326,7 @@ def mosaic_streaming(config: Measurement) -> Iterable[Any]:
         os.environ.update({"S3_ENDPOINT_URL": options["endpoint"], "AWS_ACCESS_KEY_ID": options["access_key_id"],
                            "AWS_SECRET_ACCESS_KEY": options["secret_access_key"],
                            "AWS_DEFAULT_REGION": options.get("region", "us-east-1")})
-        locations = {"remote": uri, "local": _fresh_cache(config)}
+        locations = {"remote": uri, "local": _fresh_directory(config.data["cache_dir"])}
     else:
         locations = {"local": uri}
     dataset = StreamingDataset(**locations, shuffle=True, shuffle_seed=0, batch_size=config.batch_size)
@@ -387,7 +382,7 @@ def litdata_loader(config: Measurement) -> Iterable[Any]:
     loader_options: dict[str, Any] = {}
     if uri.startswith("s3://"):
         litdata_without_obstore()
-        extra["cache_dir"] = _fresh_cache(config)
+        extra["cache_dir"] = _fresh_directory(config.data["cache_dir"])
         loader_options["worker_init_fn"] = litdata_without_obstore
         extra["storage_options"] = {
             "endpoint_url": options["endpoint"], "aws_access_key_id": options["access_key_id"],

@@ -217,31 +217,29 @@ def object_storage_rows(local: dict[str, Summary], grid: dict[str, dict[float, S
         rows.append([label, "local disk", rate_text(disk), "1.00x", "-", "-", "-", cpu, "1.00x", "-", "-"])
         zero = by_latency.get(0.0)
         for latency, summary in by_latency.items():
-            ok = bool(summary.ok_runs)
-            rows.append([
-                label, f"S3 {latency:g} ms", rate_text(summary),
-                ratio_text(summary.images_per_s, disk.images_per_s),
-                ratio_text(summary.images_per_s, zero.images_per_s) if zero else "-",
-                f"{summary.store_per_image('gets'):.2f}" if ok else "-",
-                f"{summary.store_per_image('get_bytes') / 1000:,.1f}" if ok else "-",
-                f"{summary.cpu_ms_per_image:.2f}" if ok else "-",
-                ratio_text(summary.cpu_ms_per_image, disk.cpu_ms_per_image),
-                f"{1000 * summary.store_per_image('cpu_s'):.2f}" if ok else "-",
-                f"{summary.store_in_flight:.0f}" if ok else "-",
-            ])
+            rows.append([label, f"S3 {latency:g} ms", rate_text(summary),
+                         ratio_text(summary.images_per_s, disk.images_per_s),
+                         ratio_text(summary.images_per_s, zero.images_per_s) if zero else "-",
+                         *_store_cells(summary, disk)])
     return header, rows
+
+
+def _store_cells(summary: Summary, disk: Summary) -> list[str]:
+    """The columns of an S3 row after its ratios: what the store billed, the loader's CPU against
+    local disk, the server's CPU, the requests in flight."""
+    ok = bool(summary.ok_runs)
+    return [f"{summary.store_per_image('gets'):.2f}" if ok else "-",
+            f"{summary.store_per_image('get_bytes') / 1000:,.1f}" if ok else "-",
+            f"{summary.cpu_ms_per_image:.2f}" if ok else "-", ratio_text(summary.cpu_ms_per_image, disk.cpu_ms_per_image),
+            f"{1000 * summary.store_per_image('cpu_s'):.2f}" if ok else "-",
+            f"{summary.store_in_flight:.0f}" if ok else "-"]
 
 
 def cache_row(label: str, storage: str, cached: Summary, disk: Summary) -> list[str]:
     """The default strategy's epoch read after one that filled its node-local cache, in the columns
     of :func:`object_storage_rows` (the 0 ms column does not apply)."""
-    ok = bool(cached.ok_runs)
     return [label, storage, rate_text(cached), ratio_text(cached.images_per_s, disk.images_per_s), "-",
-            f"{cached.store_per_image('gets'):.2f}" if ok else "-",
-            f"{cached.store_per_image('get_bytes') / 1000:,.1f}" if ok else "-",
-            f"{cached.cpu_ms_per_image:.2f}" if ok else "-", ratio_text(cached.cpu_ms_per_image, disk.cpu_ms_per_image),
-            f"{1000 * cached.store_per_image('cpu_s'):.2f}" if ok else "-",
-            f"{cached.store_in_flight:.0f}" if ok else "-"]
+            *_store_cells(cached, disk)]
 
 
 def cache_target(cached: Summary, disk: Summary, uncached: Summary) -> Target:

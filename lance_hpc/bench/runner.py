@@ -120,12 +120,16 @@ class Summary:
         values = [max(getattr(result, attribute) for result in run) for run in self.ok_runs]
         return statistics.median(values) if values else 0.0
 
+    def _per_image(self, value: Callable[[Result], float]) -> float:
+        """Median over runs of a per-image figure, its ranks weighted by the images each read."""
+        values = [sum(value(r) * r.images for r in run) / max(1, sum(r.images for r in run)) if len(run) > 1
+                  else value(run[0]) for run in self.ok_runs]
+        return statistics.median(values) if values else 0.0
+
     @property
     def worker_cpu_ms_per_image(self) -> float:
         """Median over runs of the DataLoader workers' CPU time per image (the main process left out)."""
-        values = [sum((r.cpu_ms_per_image - r.main_cpu_ms_per_image) * r.images for r in run)
-                  / max(1, sum(r.images for r in run)) for run in self.ok_runs]
-        return statistics.median(values) if values else 0.0
+        return self._per_image(lambda r: r.cpu_ms_per_image - r.main_cpu_ms_per_image)
 
     @property
     def data_wait_share(self) -> float:
@@ -135,12 +139,7 @@ class Summary:
     @property
     def cpu_ms_per_image(self) -> float:
         """Median over runs of the CPU time (main process and workers, all ranks) per image."""
-        values = [
-            sum(r.cpu_ms_per_image * r.images for r in run) / max(1, sum(r.images for r in run)) if len(run) > 1
-            else run[0].cpu_ms_per_image
-            for run in self.ok_runs
-        ]
-        return statistics.median(values) if values else 0.0
+        return self._per_image(lambda r: r.cpu_ms_per_image)
 
     @property
     def first_batch_s(self) -> float:

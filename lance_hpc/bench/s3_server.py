@@ -119,7 +119,7 @@ class Store:
         kept = self._fields.get(key)
         if kept is None or kept[0] != version:
             lines = (f"ETag: {etag(stat)}\r\nLast-Modified: {formatdate(stat.st_mtime, usegmt=True)}\r\n"
-                     "Accept-Ranges: bytes\r\nContent-Type: application/octet-stream\r\nx-amz-request-id: bench\r\n")
+                     "Accept-Ranges: bytes\r\nContent-Type: application/octet-stream\r\n")
             kept = self._fields[key] = (version, lines.encode("latin-1"))
         return kept[1]
 
@@ -330,8 +330,7 @@ class Server:
             start, end = parse_range(headers["range"], stat.st_size)
             status = 206
             extra = f"Content-Range: bytes {start}-{end - 1}/{stat.st_size}\r\n".encode()
-        head = (f"HTTP/1.1 {status} {REASONS[status]}\r\nContent-Length: {end - start}\r\n".encode()
-                + self.store.object_fields(key, stat) + extra + b"\r\n")
+        head = response_head(status, end - start, self.store.object_fields(key, stat) + extra)
         if method == "HEAD":
             self.counts["heads"] += 1
             writer.write(head)
@@ -381,13 +380,18 @@ class Server:
         await writer.drain()
 
 
+def response_head(status: int, length: int, lines: bytes) -> bytes:
+    """The status line, Content-Length, the request id and ``lines`` (header lines, each ending in
+    CRLF), then the blank line."""
+    return (f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}\r\nContent-Length: {length}\r\n"
+            "x-amz-request-id: bench\r\n").encode("latin-1") + lines + b"\r\n"
+
+
 def send(writer: asyncio.StreamWriter, status: int, fields: dict[str, str], body: bytes,
          length: int | None = None) -> None:
     """Writes the status line, the headers and the first part of the body (``length`` in all)."""
-    lines = [f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}",
-             f"Content-Length: {len(body) if length is None else length}",
-             "x-amz-request-id: bench", *(f"{name}: {value}" for name, value in fields.items())]
-    writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
+    lines = "".join(f"{name}: {value}\r\n" for name, value in fields.items()).encode("latin-1")
+    writer.write(response_head(status, len(body) if length is None else length, lines) + body)
 
 
 async def serve(root: Path, host: str, port: int, bucket: str, latency_ms: float, exit_with_parent: bool) -> None:
