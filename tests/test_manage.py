@@ -205,6 +205,14 @@ def steps_per_epoch(spec: JobSpec) -> int:
     return build_train_loader(spec.data, task.decoder(train=True), 0, spec.slurm.world_size).steps_per_epoch
 
 
+def sbatch(cluster: SlurmCluster, spec: JobSpec) -> str:
+    """Render the job and submit it with the user's own sbatch (no record: found by name and log)."""
+    _, script = write_job_files(spec)
+    submitted = subprocess.run(["sbatch", "--parsable", str(script)], env=environ(cluster), cwd=REPO_ROOT,
+                               capture_output=True, text=True, check=True)
+    return submitted.stdout.strip().split(";")[0]
+
+
 def scancel_quietly(cluster: SlurmCluster, job_id: str) -> None:
     subprocess.run(["scancel", job_id], env=environ(cluster), capture_output=True)
 
@@ -213,10 +221,7 @@ def scancel_quietly(cluster: SlurmCluster, job_id: str) -> None:
 @pytest.mark.slurm
 def test_status_logs_and_cancel_an_sbatch_job(slurm_cluster: SlurmCluster, digits: Digits, tmp_path: Path) -> None:
     spec_path, spec = long_job(tmp_path, digits, slurm_cluster, "watched")
-    _, script = write_job_files(spec)  # --render-only, then the user's own sbatch: no record, found by name/log
-    submitted = subprocess.run(["sbatch", "--parsable", str(script)], env=environ(slurm_cluster), cwd=REPO_ROOT,
-                               capture_output=True, text=True, check=True)
-    job_id = submitted.stdout.strip().split(";")[0]
+    job_id = sbatch(slurm_cluster, spec)  # --render-only, then the user's own sbatch: no record, found by name/log
     try:
         wait_for(lambda: logged_step(spec) >= 3, "the third logged step")
         status = lance_hpc(slurm_cluster, "status", str(spec_path)).stdout
@@ -346,14 +351,6 @@ def test_unknown_jobs_unsubmitted_specs_and_missing_slurm_are_clear_errors(
     result = subprocess.run([sys.executable, "-m", "lance_hpc", "cancel", "12"], env=no_slurm, cwd=REPO_ROOT,
                             capture_output=True, text=True)
     assert result.returncode == 2 and "scancel not found on PATH" in result.stderr, result.stderr
-
-
-def sbatch(cluster: SlurmCluster, spec: JobSpec) -> str:
-    """Render the job and submit it with the user's own sbatch (no record: found by name and log)."""
-    _, script = write_job_files(spec)
-    submitted = subprocess.run(["sbatch", "--parsable", str(script)], env=environ(cluster), cwd=REPO_ROOT,
-                               capture_output=True, text=True, check=True)
-    return submitted.stdout.strip().split(";")[0]
 
 
 def slurm_job(cluster: SlurmCluster, job_id: str) -> queue.SlurmJob | None:
