@@ -16,13 +16,14 @@ if __name__ == "__main__":  # first: SLURM's USR2 may come while the imports bel
     early_signals.hold()
 
 import argparse
+import atexit
 import dataclasses
 import os
 import signal
 import sys
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import submitit
 import torch.distributed as dist
@@ -117,7 +118,7 @@ def run_job(
                     name = signal.Signals(preemption.agreed_signal).name
                     print(f"stopped at step {summary.step} by {name}; checkpoint {summary.checkpoint}; {message}",
                           flush=True)
-                return dataclasses.replace(summary, status="requeued" if requeued else "stopped")
+                summary = dataclasses.replace(summary, status="requeued" if requeued else "stopped")
             dist.barrier()  # rank 0 hosts the rendezvous store: nobody leaves while others still use it
             return summary
     except (UserError, StoreUnavailable):
@@ -162,7 +163,7 @@ class SubmititJob(submitit.helpers.Checkpointable):
         # submitit's protocol: USR2 checkpoints and requeues; SIGTERM keeps submitit's handler (it logs it)
         summary = run_job(self.spec_file, requeue_with_submitit, signals=(checkpoint.REQUEUE_SIGNAL,))
         if summary.status == "requeued":
-            sys.exit(-1)  # as submitit's handler does: a requeued task leaves no result behind
+            exit_process(255)  # as submitit's handler does (sys.exit(-1)): a requeued task leaves no result behind
         return dataclasses.asdict(summary)
 
 
@@ -188,5 +189,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     return EXIT_STOPPED if summary.status == "stopped" else 0
 
 
+def exit_process(code: int) -> NoReturn:
+    """End this rank with ``code``, skipping the interpreter's teardown.
+
+    When the last collective returns, a gloo thread may still hold that collective's tensors. If
+    it lets go of them while the interpreter shuts down, it cannot take the GIL, and the process
+    dies of SIGABRT ("terminate called without an active exception") after doing all its work.
+    So: the exit hooks run (they stop the DataLoader workers and flush logging), then the output
+    is flushed, and the process ends without a teardown.
+    """
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from unittest import mock
 
 import pytest
@@ -207,3 +208,25 @@ def test_explain_failure_names_a_lost_peer() -> None:
     lost = RuntimeError("[pair.cc:545] Read error [127.0.0.1]:1234: Connection reset by peer")
     assert "lost contact with another rank" in explain_failure(lost, env)
     assert "training failed: ValueError: bad" in explain_failure(ValueError("bad"), env)
+
+
+def test_a_rank_exits_with_its_code_after_the_exit_hooks_and_without_the_teardown() -> None:
+    """exit_process: what atexit registered runs and buffered output is written, but nothing of the
+    interpreter's teardown (here a module global's __del__), where gloo's threads can abort it."""
+    program = """
+import atexit, sys
+from lance_hpc.run import exit_process
+
+class Teardown:
+    def __del__(self):
+        print("teardown ran")
+
+kept = Teardown()
+atexit.register(lambda: print("exit hook ran"))
+print("buffered output", end="")
+sys.stderr.write("buffered error")
+exit_process(3)
+"""
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr
+    assert done.stdout == "buffered outputexit hook ran\n" and done.stderr == "buffered error"
