@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from lance_hpc import checkpoint, data
 from lance_hpc.errors import UserError
-from lance_hpc.run import EXIT_STOPPED
+from lance_hpc.run import EXIT_STOPPED, exit_process
 from lance_hpc.spec import SpecError, load_spec, load_spec_text
 from lance_hpc.tasks import load_task
 from tests.fixtures_s3 import S3Server, free_port
@@ -222,6 +222,7 @@ def save_on_two_ranks(rank: int, store_file: str, uri: str, out_dir: str) -> Non
         outcome = f"UserError: {error}"
     Path(out_dir, f"{rank}.txt").write_text(outcome)
     dist.destroy_process_group()
+    exit_process(0)  # as a rank of lance_hpc.run ends: gloo's threads may still hold the last broadcast
 
 
 @pytest.mark.s3
