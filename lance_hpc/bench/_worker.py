@@ -34,9 +34,13 @@ from lance_hpc.bench.s3_server import CounterWindow
 FINGERPRINT_BYTES = 1024
 # Images the decode limit cycles through (read once, decoded again and again).
 DECODE_SAMPLE = 256
-# Batches a DataLoader worker holds ready (DataSpec.prefetch_factor's default): with a model
-# trained on every batch, this many per worker are trained on before the clock starts.
-QUEUED_PER_WORKER = 2
+
+
+def queued_per_worker(config: Measurement) -> int:
+    """The batches a DataLoader worker holds ready: the measurement's data.prefetch_factor."""
+    from lance_hpc.spec import DataSpec
+
+    return int(config.data.get("prefetch_factor", DataSpec.model_fields["prefetch_factor"].default))
 
 
 def fingerprints(images: Any) -> list[str]:
@@ -163,7 +167,7 @@ def measure(config: Measurement) -> Result:
             # The batches the workers queued while the first was on its way are trained on untimed:
             # the window then shows whether the loader keeps up, not how much it had stored.
             train_step(first)
-            for _ in range(config.num_workers * QUEUED_PER_WORKER):
+            for _ in range(config.num_workers * queued_per_worker(config)):
                 first = next(batches, None)
                 if first is None:
                     raise RuntimeError("the epoch ended before the loader's queue was drained")

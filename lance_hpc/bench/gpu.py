@@ -103,7 +103,7 @@ def synthetic_batches(config: Measurement) -> Iterator[dict[str, Any]]:
     images = torch.randint(0, 256, (config.batch_size, 3, config.image_size, config.image_size), dtype=torch.uint8,
                            generator=generator)
     batch = {"image": images.to(config.device).contiguous(memory_format=torch.channels_last),
-             "label": torch.randint(0, 1000, (config.batch_size,), generator=generator).to(config.device)}
+             "label": torch.randint(0, CLASSES, (config.batch_size,), generator=generator).to(config.device)}
     while True:
         yield batch
 
