@@ -10,12 +10,17 @@ from typing import BinaryIO, Iterator
 
 
 @contextmanager
-def replaced_atomically(final: Path, temp: Path) -> Iterator[BinaryIO]:
+def replaced_atomically(final: Path, temp: Path, *, mode: int = 0o666, exclusive: bool = False) -> Iterator[BinaryIO]:
     """An open ``temp`` to write; on a clean exit it is fsynced, renamed over ``final`` and the
     directory fsynced (which makes the rename itself durable). On an error, raised by the body
-    too (a size check, say), ``temp`` is deleted and ``final`` left as it was."""
+    too (a size check, say), ``temp`` is deleted and ``final`` left as it was.
+
+    ``temp`` is created with ``mode`` (less the umask) and never through a symlink; ``exclusive``
+    refuses a ``temp`` that is already there instead of truncating it."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_EXCL if exclusive else os.O_TRUNC)
+    handle = os.open(temp, flags, mode)  # before the try: what is at ``temp`` when this fails is not ours to delete
     try:
-        with open(temp, "wb") as file:
+        with open(handle, "wb") as file:
             yield file
             file.flush()
             os.fsync(file.fileno())

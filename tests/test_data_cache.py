@@ -2,11 +2,16 @@
 (local and over the loopback S3 server), a filler killed mid-download leaves nothing a reader uses,
 files are evicted least recently used beyond the size limit (never the manifest of a version in
 use), a new version (or a dataset written again under the same version number) never gets another
-version's bytes, and processes sharing one cache download each file once."""
+version's bytes, and processes sharing one cache download each file once.
+
+On a node shared by several users: each user's files live in a 0700 directory of their own,
+eviction deletes nothing the cache did not write, no symlink is followed, a cached file of the
+wrong size is fetched again, and a lock file that cannot be opened leaves its file uncached."""
 
 import multiprocessing
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -18,9 +23,12 @@ import pyarrow as pa
 import pytest
 
 from lance_hpc.data import cache
-from lance_hpc.data.cache import GIB, PARTIAL, CachedFile, NodeCache, Source, evict, fetch, fragment_files, open_cache
+from lance_hpc.data.cache import (GIB, PARTIAL, CachedFile, NodeCache, Source, cache_root, dataset_key, evict, fetch,
+                                  fragment_files, lock_path, manifest_names, open_cache, user_directory)
 from lance_hpc.data.reader import ReadStats
 from lance_hpc.data.storage import storage_options
+from lance_hpc.errors import UserError
+from lance_hpc.files import replaced_atomically
 from lance_hpc.spec import CacheSpec, SpecError, load_spec_text
 from tests.test_data_loader import spec, train_loader, write_dataset
 
@@ -337,3 +345,206 @@ def test_the_cache_section_is_checked_with_yaml_paths():
         load_spec_text(text % ("s3://b/c", "1"), "job.yaml")
     loaded = load_spec_text(text % ("$TMPDIR/lance-cache", "2.5"), "job.yaml").spec
     assert loaded.data.cache == CacheSpec(dir="$TMPDIR/lance-cache", max_gb=2.5)
+
+
+def drained(node, timeout_s=120.0):
+    """Wait for the node's fetches like ``node.drain()``, but fail instead of hanging when the fill
+    thread has died with jobs left."""
+    deadline = time.monotonic() + timeout_s
+    while node.todo.unfinished_tasks:
+        assert time.monotonic() < deadline, "the fill thread stopped with fetches left"
+        time.sleep(0.02)
+
+
+def read_everything(node, dataset, batch=16):
+    """Every row through the cache, in batches, checked against the store."""
+    rows = dataset.count_rows()
+    for start in range(0, rows, batch):
+        ids = np.arange(start, min(start + batch, rows))
+        table, _ = take(node, dataset, ids)
+        assert table.equals(dataset.take(ids, columns=COLUMNS))
+
+
+def snapshot(*directories):
+    """Every file under ``directories`` (symlinks followed, so what a link points to counts too)
+    with its bytes."""
+    found = {}
+    for directory in directories:
+        for parent, _, names in os.walk(directory, followlinks=True):
+            for name in names:
+                path = Path(parent, name)
+                found[str(path)] = path.read_bytes()
+    return found
+
+
+@pytest.mark.parametrize("store", ["local", pytest.param("s3", marks=pytest.mark.s3)])
+def test_eviction_in_a_shared_directory_deletes_only_what_the_cache_wrote(store, request, monkeypatch, tmp_path):
+    if store == "s3":
+        server = request.getfixturevalue("s3_server")
+        for key, value in server.env.items():
+            monkeypatch.setenv(key, value)
+        uri = server.uri(f"evicted-{os.getpid()}-{time.time_ns()}.lance")
+        options = storage_options(uri, server.storage_options)
+    else:
+        uri, options = str(tmp_path / "store" / "d.lance"), {}
+    dataset = write(uri, fragments=8, rows=10, payload_bytes=20_000, options=options)  # ~200 KB a fragment
+    shared, elsewhere = tmp_path / "shared", tmp_path / "elsewhere"
+    write(str(shared / "neighbour.lance"), seed=1)  # another user's dataset beside the cache
+    (shared / "project" / "data").mkdir(parents=True)
+    (shared / "project" / "data" / "results.csv").write_text("epoch,loss\n0,2.3\n")
+    write(str(elsewhere / "linked.lance"), seed=2)
+    (shared / "linked").symlink_to(elsewhere)
+    before = snapshot(shared, elsewhere)
+    max_gb = 0.0005  # ~537 KB: two fragments fit, the dataset does not
+    node = node_cache(shared, dataset, uri=uri, max_gb=max_gb, options=options)
+    # a link under the cache's own names, inside its own root: neither it nor its target is deleted
+    (node.root / "data").mkdir(exist_ok=True)
+    (node.root / "data" / "linked.lance").symlink_to(elsewhere / "linked.lance" / "_versions")
+    for _ in range(3):
+        read_everything(node, dataset)
+        drained(node)
+    assert node.fetched_bytes > max_gb * GIB  # eviction ran, more than once
+    assert snapshot(shared / "neighbour.lance", shared / "project", shared / "linked", elsewhere) == before
+    assert sorted(path.name for path in shared.iterdir()) == sorted(["neighbour.lance", "project", "linked",
+                                                                    node.directory.name])
+    assert (node.root / "data" / "linked.lance").is_symlink()
+    cached = sum(path.stat().st_size for path in node.root.rglob("*")
+                 if path.is_file() and not path.is_symlink() and ".locks" not in path.parts)
+    assert cached <= max_gb * GIB
+    node.close()
+
+
+def test_each_user_gets_a_directory_only_they_can_read_whatever_the_umask(tmp_path):
+    dataset = write(str(tmp_path / "d.lance"))
+    previous = os.umask(0o002)
+    try:
+        node = node_cache(tmp_path / "cache", dataset)
+        read_everything(node, dataset)
+        drained(node)
+    finally:
+        os.umask(previous)
+    assert node.directory == tmp_path / "cache" / f"lance_hpc-{os.geteuid()}"
+    info = os.lstat(node.directory)
+    assert (stat.S_IMODE(info.st_mode), info.st_uid) == (0o700, os.geteuid())
+    files = [path for path in node.directory.rglob("*") if path.is_file()]
+    assert len(files) > len(all_files(dataset))  # data, deletions, manifest, locks, the marker
+    assert {oct(stat.S_IMODE(path.stat().st_mode)) for path in files} == {oct(0o600)}
+    node.close()
+
+
+@pytest.mark.parametrize("problem, message", [
+    pytest.param("foreign", r"belongs to uid 4242, not to you",
+                 marks=pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user needs root")),
+    ("world-writable", r"is open to other users \(mode drwxrwxrwx\).*run chmod 700"),
+    ("group-readable", r"is open to other users \(mode drwxr-x---\).*run chmod 700"),
+    ("symlink", r"is not a directory \(a symlink or a file\)"),
+])
+def test_a_user_directory_that_is_not_safely_theirs_is_refused(problem, message, tmp_path):
+    dataset = write(str(tmp_path / "d.lance"))
+    mine = tmp_path / "cache" / f"lance_hpc-{os.geteuid()}"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    if problem == "symlink":
+        mine.parent.mkdir()
+        mine.symlink_to(elsewhere)
+    else:
+        mine.mkdir(parents=True)
+        os.chmod(mine, {"foreign": 0o700, "world-writable": 0o777, "group-readable": 0o750}[problem])
+        if problem == "foreign":
+            os.chown(mine, 4242, 4242)
+    with pytest.raises(UserError, match=message) as error:
+        open_cache(str(tmp_path / "cache"), 1.0, dataset.uri, dataset.version, {}, lambda: dataset)
+    assert "data.cache.dir" in str(error.value)
+    assert not list(elsewhere.iterdir()) and not list(mine.iterdir())
+
+
+@pytest.mark.parametrize("exclusive", [False, True])
+def test_a_symlink_planted_at_a_temporary_path_is_not_followed(exclusive, tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    temp, final = tmp_path / "file.partial", tmp_path / "file"
+    temp.symlink_to(victim)
+    with pytest.raises(OSError):
+        with replaced_atomically(final, temp, mode=0o600, exclusive=exclusive) as out:
+            out.write(b"overwritten")
+    assert victim.read_bytes() == b"precious" and temp.is_symlink() and not final.exists()
+
+
+def test_a_file_planted_at_a_cached_path_is_replaced_and_its_target_left_alone(tmp_path):
+    dataset = write(str(tmp_path / "d.lance"))
+    node = node_cache(tmp_path / "cache", dataset)
+    data_file = fragment_files(dataset.get_fragments()[1])[0]
+    victim = tmp_path / "victim"
+    victim.write_bytes(os.urandom(data_file.size))  # the right size, other bytes
+    before = victim.read_bytes()
+    (node.root / "data").mkdir(exist_ok=True)
+    (node.root / data_file.path).symlink_to(victim)
+    ids = fragment_rows(dataset, 1)
+    for _ in range(2):
+        table, _ = take(node, dataset, ids)
+        assert table.equals(dataset.take(ids, columns=COLUMNS))
+        drained(node)
+    assert victim.read_bytes() == before
+    assert not (node.root / data_file.path).is_symlink()
+    assert (node.root / data_file.path).read_bytes() == (Path(dataset.uri) / data_file.path).read_bytes()
+    node.close()
+
+
+def test_a_truncated_cached_file_is_fetched_again(tmp_path):
+    dataset = write(str(tmp_path / "d.lance"))
+    node = node_cache(tmp_path / "cache", dataset)
+    read_everything(node, dataset)
+    drained(node)
+    node.close()
+    data_file = fragment_files(dataset.get_fragments()[1])[0]
+    manifest = next(name for name in manifest_names(dataset.version) if (node.root / name).exists())
+    for path in (node.root / data_file.path, node.root / manifest):
+        os.truncate(path, path.stat().st_size // 2)
+    again = node_cache(tmp_path / "cache", dataset)  # a later process: nothing known yet
+    ids = fragment_rows(dataset, 1)
+    table, stats = take(again, dataset, ids)
+    assert table.equals(dataset.take(ids, columns=COLUMNS)) and stats.cache_misses == len(ids)
+    drained(again)
+    assert again.fetched == [data_file.path]
+    for name in (data_file.path, manifest):
+        assert (again.root / name).read_bytes() == (Path(dataset.uri) / name).read_bytes()
+    table, stats = take(again, dataset, ids)
+    assert table.equals(dataset.take(ids, columns=COLUMNS)) and stats.cache_hits == len(ids)
+    again.close()
+
+
+@pytest.mark.parametrize("lock", ["fill", "use", "evict"])
+@pytest.mark.parametrize("planted", ["dangling symlink", "directory"])
+def test_a_lock_file_that_cannot_be_opened_warns_once_and_rows_come_from_the_store(lock, planted, tmp_path,
+                                                                                   monkeypatch, caplog):
+    monkeypatch.setattr(cache, "RETRY_FETCH_S", 0.0)  # ask for the fragment again at every batch
+    dataset = write(str(tmp_path / "d.lance"))
+    directory = tmp_path / "cache"
+    mine = user_directory(directory)
+    root = cache_root(mine, dataset_key(dataset.uri, {}), dataset.uri)
+    blocked = fragment_files(dataset.get_fragments()[1])[0]
+    manifest = next(name for name in manifest_names(dataset.version) if (Path(dataset.uri) / name).exists())
+    path = {"fill": lock_path(root, blocked.path, "fill"), "use": lock_path(root, manifest, "use"),
+            "evict": mine / ".evict.lock"}[lock]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    target = tmp_path / "elsewhere" / "created-through-the-link"
+    if planted == "directory":
+        path.mkdir()
+    else:
+        target.parent.mkdir()
+        path.symlink_to(target)
+    with caplog.at_level("WARNING", logger="lance_hpc.data"):
+        node = node_cache(directory, dataset)
+        for _ in range(3):
+            read_everything(node, dataset)
+            drained(node)
+    assert not target.exists()
+    assert len([record for record in caplog.records if str(path) in record.getMessage()]) == 1
+    everything = set(range(len(dataset.get_fragments())))
+    expected = {"fill": everything - {1}, "use": set(), "evict": everything}[lock]
+    assert set(cached_fragments(node, dataset)) == expected
+    ids = np.arange(dataset.count_rows())
+    table, stats = take(node, dataset, ids)
+    assert table.equals(dataset.take(ids, columns=COLUMNS))
+    assert stats.cache_hits == sum(len(fragment_rows(dataset, index)) for index in expected)
+    node.close()

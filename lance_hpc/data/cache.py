@@ -1,18 +1,30 @@
 """The node-local cache (``data.cache``): Lance data files fetched once, read from local disk after.
 
 Lance data files and deletion files are immutable and uniquely named, so the cache keeps whole
-files. ``<dir>/<dataset key>/`` is itself a Lance dataset root: ``data/`` and ``_deletions/`` hold
-the files fetched so far, ``_versions/`` the manifest of every version read through the cache. A
-process opens that root at its pinned version; rows of fragments whose files are all there are read
-from it, the other rows from the store, while a background thread fetches the missing fragments.
+files. ``<dir>/lance_hpc-<uid>/<dataset key>/`` is itself a Lance dataset root: ``data/`` and
+``_deletions/`` hold the files fetched so far, ``_versions/`` the manifest of every version read
+through the cache. A process opens that root at its pinned version; rows of fragments whose files
+are all there are read from it, the other rows from the store, while a background thread fetches
+the missing fragments.
 
-Every rank and DataLoader worker on the node shares the directory:
+``<dir>`` may be shared by every user of the node (``/local/nvme/...``), so each user gets a
+directory of their own in it, ``lance_hpc-<uid>``, mode 0700; the cache refuses one that is a
+symlink, another user's, or open to others. Inside, a dataset root exists only with the marker file
+the cache wrote into it (the root is renamed into place with it), and eviction deletes only files
+of a marked root under the names the cache writes, never following a symlink: nothing else in
+``<dir>`` is ever touched. Files are created 0600, temporary files exclusively, and no file is
+created or opened through a symlink.
+
+Every rank and DataLoader worker of the user on the node shares their directory:
 
 - one process fetches a file: it holds an ``fcntl`` lock on the file's lock file under ``.locks/``
-  while it downloads; the others find the lock taken and read from the store meanwhile;
+  while it downloads; the others find the lock taken and read from the store meanwhile (as does
+  a process that cannot open the lock file: it warns once and leaves that file uncached);
 - a fetch writes ``<name>.<pid>-<thread>.partial``, fsyncs it, checks its size against the
   manifest and renames it to ``<name>`` (then fsyncs the directory): a process killed mid-download
-  leaves only a ``.partial`` file, which no reader opens and the next fetcher deletes;
+  leaves only a ``.partial`` file, which no reader opens and the next fetcher deletes. A cached
+  file is used only when it is a regular file of the size the manifest gives (data files; the
+  store's size for the manifest), and fetched again otherwise;
 - the cache stays under ``max_gb``: after each fetch, data files are deleted oldest use first (a
   file's modification time is its last use; readers touch it), then deletion files and manifests.
   A deleted file still open by a reader stays readable (Linux); a reader that finds a file gone
@@ -32,6 +44,8 @@ import logging
 import os
 import queue
 import re
+import stat
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -53,6 +67,15 @@ RETRY_FETCH_S = 60.0  # after a failed fetch, the fragment is read from the stor
 PARTIAL = ".partial"
 MANIFEST_DIR = "_versions"
 CACHED_DIRS = ("data", "_deletions", MANIFEST_DIR)
+# The names the cache writes under each of CACHED_DIRS (Lance's names): eviction deletes nothing else
+CACHED_NAMES = {
+    "data": re.compile(r"[\w-]+\.lance"),
+    "_deletions": re.compile(r"\d+-\d+-\d+\.(?:arrow|bin)"),
+    MANIFEST_DIR: re.compile(r"\d+\.manifest"),
+}
+PARTIAL_NAME = re.compile(rf"(?P<final>.+)\.\d+-\d+{re.escape(PARTIAL)}")  # <name>.<pid>-<thread>.partial
+ROOT_MARKER = ".lance_hpc-cache-root"
+FILE_MODE = 0o600
 GIB = 2**30
 DELETIONS = -2  # the fill job that fetches every deletion file of the version
 STOP = -1  # the fill thread's last job
@@ -113,13 +136,31 @@ class Source:
         else:
             raise UserError(f"data.cache: {uri}: only local and s3:// datasets can be cached; remove data.cache")
 
-    def exists(self, path: str) -> bool:
-        return self.filesystem.get_file_info(f"{self.root}/{path}").type == fs.FileType.File
+    def size(self, path: str) -> int | None:
+        """The size of the file at ``path``; None where there is no file."""
+        info = self.filesystem.get_file_info(f"{self.root}/{path}")
+        return info.size if info.type == fs.FileType.File else None
 
     def chunks(self, path: str) -> Iterator[bytes]:
         with self.filesystem.open_input_stream(f"{self.root}/{path}") as stream:
             while chunk := stream.read(CHUNK_BYTES):
                 yield chunk
+
+
+class UnusableLock(OSError):
+    """A lock file the cache cannot open (a symlink, a directory, not writable): the file it guards
+    is left uncached, and the rows read from the store."""
+
+
+_warned: set[str] = set()
+
+
+def warn_once(key: str, message: str, *args: object) -> None:
+    """Log ``message`` the first time this process meets ``key``; a lock that cannot be opened now
+    will not open at the next batch either."""
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message, *args)
 
 
 class FileLock:
@@ -130,8 +171,11 @@ class FileLock:
         self.handle: int | None = None
 
     def acquire(self) -> bool:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        handle = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            handle = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+        except OSError as error:
+            raise UnusableLock(error.errno, f"cannot open the lock file: {error.strerror}", str(self.path)) from None
         mode = (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX) | (0 if self.wait else fcntl.LOCK_NB)
         try:
             fcntl.flock(handle, mode)
@@ -151,24 +195,34 @@ def lock_path(root: Path, path: str, kind: str) -> Path:
     return root / ".locks" / f"{path.replace('/', '%')}.{kind}"
 
 
+def is_whole(path: Path, size: int | None) -> bool:
+    """Whether ``path`` is a regular file (not a symlink) of ``size`` bytes (any size where None)."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(info.st_mode) and (size is None or info.st_size == size)
+
+
 def fetch(source: Source, root: Path, file: CachedFile, wait: bool = False) -> int | None:
-    """Copy ``file`` into ``root`` atomically unless it is there: the bytes downloaded, 0 if it was
-    there, None if another process holds its lock (and ``wait`` is false)."""
+    """Copy ``file`` into ``root`` atomically unless it is there whole: the bytes downloaded, 0 if
+    it was there, None if another process holds its lock (and ``wait`` is false). Raises
+    :class:`UnusableLock` when its lock file cannot be opened."""
     final = root / file.path
-    if final.exists():
+    if is_whole(final, file.size):
         return 0
     lock = FileLock(lock_path(root, file.path, "fill"), wait=wait)
     if not lock.acquire():
         return None
     try:
-        if final.exists():  # another process finished it while we took the lock
+        if is_whole(final, file.size):  # another process finished it while we took the lock
             return 0
         final.parent.mkdir(parents=True, exist_ok=True)
         for stale in final.parent.glob(f"{final.name}.*{PARTIAL}"):  # left by a fetcher that died
             stale.unlink(missing_ok=True)
         partial = final.with_name(f"{final.name}.{os.getpid()}-{threading.get_ident()}{PARTIAL}")
         size = 0
-        with replaced_atomically(final, partial) as out:
+        with replaced_atomically(final, partial, mode=FILE_MODE, exclusive=True) as out:
             for chunk in source.chunks(file.path):
                 out.write(chunk)
                 size += len(chunk)
@@ -183,30 +237,28 @@ def fetch(source: Source, root: Path, file: CachedFile, wait: bool = False) -> i
 def touch(path: Path) -> None:
     """Mark ``path`` used now (its modification time orders eviction; nanoseconds, not the kernel's tick)."""
     now = time.time_ns()
-    os.utime(path, ns=(now, now))
+    os.utime(path, ns=(now, now), follow_symlinks=False)
 
 
 def evict(directory: Path, max_bytes: int) -> int:
-    """Delete least recently used files under ``directory`` (every dataset in it) until they total
-    at most ``max_bytes``: data files, then deletion files, then manifests of versions not in use;
-    delete partial files nobody is writing. Returns the bytes freed; 0 if another process is
-    evicting."""
+    """Delete least recently used files the cache wrote under ``directory`` (every dataset root in
+    it that bears the cache's marker) until they total at most ``max_bytes``: data files, then
+    deletion files, then manifests of versions not in use; delete partial files nobody is writing.
+    Returns the bytes freed; 0 if another process is evicting."""
     guard = FileLock(directory / ".evict.lock", wait=False)
-    if not guard.acquire():
+    try:
+        if not guard.acquire():
+            return 0
+    except UnusableLock as error:
+        warn_once(error.filename, "node cache: not evicting from %s: %s", directory, error)
         return 0
     try:
         files: list[tuple[int, int, Path, Path]] = []  # (last use, size, path, dataset root)
-        for root in (entry for entry in directory.iterdir() if entry.is_dir() and not entry.name.startswith(".")):
-            for sub in CACHED_DIRS:
-                for path in (root / sub).glob("*"):
-                    try:
-                        stat = path.stat()
-                    except FileNotFoundError:
-                        continue
-                    if path.name.endswith(PARTIAL):
-                        _remove_abandoned(root, path)
-                    else:
-                        files.append((stat.st_mtime_ns, stat.st_size, path, root))
+        for root, path, info in _cached_files(directory):
+            if PARTIAL_NAME.fullmatch(path.name):
+                _remove_abandoned(root, path)
+            else:
+                files.append((info.st_mtime_ns, info.st_size, path, root))
         total = sum(size for _, size, _, _ in files)
         freed = 0
         # data files first, least recently used first; deletion files (small, and all of them
@@ -218,7 +270,10 @@ def evict(directory: Path, max_bytes: int) -> int:
             relative = f"{path.parent.name}/{path.name}"
             if path.parent.name == MANIFEST_DIR:
                 in_use = FileLock(lock_path(root, relative, "use"), wait=False)
-                if not in_use.acquire():
+                try:
+                    if not in_use.acquire():
+                        continue
+                except UnusableLock:  # nobody can mark it in use either: kept, as if it were
                     continue
                 try:
                     path.unlink(missing_ok=True)
@@ -233,14 +288,96 @@ def evict(directory: Path, max_bytes: int) -> int:
         guard.release()
 
 
+def _cached_files(directory: Path) -> Iterator[tuple[Path, Path, os.stat_result]]:
+    """(dataset root, path, lstat) of each regular file under the cache's names in the cached
+    directories of each marked root in ``directory``; symlinks are neither followed nor listed."""
+    with os.scandir(directory) as entries:
+        roots = [Path(entry.path) for entry in entries
+                 if not entry.name.startswith(".") and entry.is_dir(follow_symlinks=False)]
+    for root in (root for root in roots if is_whole(root / ROOT_MARKER, None)):
+        for sub in CACHED_DIRS:
+            try:
+                if not stat.S_ISDIR(os.lstat(root / sub).st_mode):
+                    continue
+                with os.scandir(root / sub) as entries:
+                    found = [entry for entry in entries if entry.is_file(follow_symlinks=False)]
+            except FileNotFoundError:
+                continue
+            for entry in found:
+                partial = PARTIAL_NAME.fullmatch(entry.name)
+                if not CACHED_NAMES[sub].fullmatch(partial["final"] if partial else entry.name):
+                    continue
+                try:
+                    info = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:  # evicted by another process meanwhile
+                    continue
+                yield root, Path(entry.path), info
+
+
 def _remove_abandoned(root: Path, partial: Path) -> None:
-    final_name = partial.name[: -len(PARTIAL)].rsplit(".", 1)[0]  # <name>.<pid>-<thread>.partial
+    final_name = PARTIAL_NAME.fullmatch(partial.name)["final"]
     lock = FileLock(lock_path(root, f"{partial.parent.name}/{final_name}", "fill"), wait=False)
-    if lock.acquire():
-        try:
-            partial.unlink(missing_ok=True)
-        finally:
-            lock.release()
+    try:
+        if not lock.acquire():
+            return
+    except UnusableLock:
+        return
+    try:
+        partial.unlink(missing_ok=True)
+    finally:
+        lock.release()
+
+
+def user_directory(directory: Path) -> Path:
+    """This user's directory in ``directory`` (which other users of the node may share), created
+    0700 on first use; refused where it is a symlink, another user's, or open to other users."""
+    directory.mkdir(parents=True, exist_ok=True)
+    mine = directory / f"lance_hpc-{os.geteuid()}"
+    try:
+        os.mkdir(mine, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(mine)
+    fix = "remove it (or have its owner or an administrator remove it), or choose another data.cache.dir"
+    if not stat.S_ISDIR(info.st_mode):
+        raise UserError(f"data.cache.dir: {mine} is not a directory (a symlink or a file) where the cache keeps your "
+                        f"files: {fix}")
+    if info.st_uid != os.geteuid():
+        raise UserError(f"data.cache.dir: {mine} belongs to uid {info.st_uid}, not to you (uid {os.geteuid()}), "
+                        f"and the cache would keep your files there: {fix}")
+    if info.st_mode & 0o077:
+        raise UserError(f"data.cache.dir: {mine} is open to other users (mode {stat.filemode(info.st_mode)}) and holds "
+                        f"your cached data: run chmod 700 {mine}")
+    return mine
+
+
+def cache_root(directory: Path, key: str, uri: str) -> Path:
+    """The dataset root ``directory/key``, made on first use with its marker already inside (a
+    directory renamed into place), so that eviction never meets a root of its own unmarked."""
+    root = directory / key
+    if _is_marked(root):
+        return root
+    made = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=directory))
+    marker = os.open(made / ROOT_MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+    with open(marker, "w") as file:
+        file.write(f"lance_hpc node-local cache of {uri}: its files are deleted by lance_hpc's eviction\n")
+    try:
+        os.rename(made, root)
+    except OSError:  # another process made it first (or something else is there: refused below)
+        (made / ROOT_MARKER).unlink()
+        made.rmdir()
+    if not _is_marked(root):
+        raise UserError(f"data.cache.dir: {root} is not a cache directory lance_hpc made (no {ROOT_MARKER} in it): "
+                        "remove it, or choose another data.cache.dir")
+    return root
+
+
+def _is_marked(root: Path) -> bool:
+    """Whether ``root`` is a directory (not a symlink) that the cache made: its marker is in it."""
+    try:
+        return stat.S_ISDIR(os.lstat(root).st_mode) and is_whole(root / ROOT_MARKER, None)
+    except FileNotFoundError:
+        return False
 
 
 _opening = threading.Lock()
@@ -270,9 +407,9 @@ class NodeCache:
     """One dataset version through the node-local cache, in one process (thread-safe)."""
 
     def __init__(self, directory: str, max_gb: float, uri: str, version: int, options: Mapping[str, str], dataset: Any):
-        self.directory = Path(os.path.expandvars(os.path.expanduser(directory)))
+        self.directory = user_directory(Path(os.path.expandvars(os.path.expanduser(directory))))
         self.max_bytes = int(max_gb * GIB)
-        self.root = self.directory / dataset_key(uri, options)
+        self.root = cache_root(self.directory, dataset_key(uri, options), uri)
         self.version = version
         self.source = Source(uri, options)
         fragments = dataset.get_fragments()
@@ -301,21 +438,30 @@ class NodeCache:
 
     def _open_local(self) -> Any:
         """The cache root opened at this version: its manifest fetched (or checked against the
-        store's) first, and held in use so that eviction leaves it."""
+        store's) first, and held in use so that eviction leaves it. None when a lock file of the
+        manifest cannot be opened: every row is read from the store then."""
         import lance
 
-        name = next((name for name in manifest_names(self.version) if self.source.exists(name)), None)
-        if name is None:
+        manifest = next((CachedFile(name, size) for name in manifest_names(self.version)
+                         if (size := self.source.size(name)) is not None), None)
+        if manifest is None:
             raise UserError(f"data.cache: no manifest of version {self.version} under {self.source.root}/{MANIFEST_DIR}")
+        name = manifest.path
         self.in_use = FileLock(lock_path(self.root, name, "use"), shared=True)
-        self.in_use.acquire()
-        for attempt in range(2):
-            fetch(self.source, self.root, CachedFile(name), wait=True)
-            local = lance.dataset(str(self.root), version=self.version)
-            if [(f.fragment_id, fragment_files(f)) for f in local.get_fragments()] == self.signature:
-                return local
-            log.warning("node cache: %s holds another dataset's version %d; fetching its manifest again", self.root, self.version)
-            (self.root / name).unlink(missing_ok=True)
+        try:
+            self.in_use.acquire()
+            for attempt in range(2):
+                fetch(self.source, self.root, manifest, wait=True)
+                local = lance.dataset(str(self.root), version=self.version)
+                if [(f.fragment_id, fragment_files(f)) for f in local.get_fragments()] == self.signature:
+                    return local
+                log.warning("node cache: %s holds another dataset's version %d; fetching its manifest again",
+                            self.root, self.version)
+                (self.root / name).unlink(missing_ok=True)
+        except UnusableLock as error:
+            warn_once(error.filename, "node cache: reading version %d of %s from the store, uncached: %s",
+                      self.version, self.source.root, error)
+            return None
         raise UserError(f"data.cache: the cached manifest {self.root / name} keeps differing from the store's")
 
     def close(self) -> None:
@@ -337,6 +483,9 @@ class NodeCache:
     def take(self, row_ids: np.ndarray, columns: list[str], stats: Any, from_store: Callable[[np.ndarray], Any]) -> Any:
         """``columns`` of ``row_ids`` (sorted, unique): rows of cached fragments from local disk,
         the others through ``from_store``; counts rows in ``stats.cache_hits`` / ``cache_misses``."""
+        if self.local is None:
+            stats.cache_misses += len(row_ids)
+            return from_store(row_ids)
         fragment_of = np.searchsorted(self.starts, row_ids, side="right") - 1
         by_offset = self._all_deletions_cached()
         cached = self._cached(np.unique(fragment_of))
@@ -381,7 +530,7 @@ class NodeCache:
             if now - self.deletions_checked < 1.0:
                 return False
             self.deletions_checked = now
-        if all((self.root / file.path).exists() for file in self.deletions):
+        if all(is_whole(self.root / file.path, file.size) for file in self.deletions):
             self.deletions_cached = True
             return True
         self._ask([DELETIONS], now)
@@ -397,7 +546,7 @@ class NodeCache:
                 continue
             with self.lock:
                 known = index in self.complete
-            if not known and not all((self.root / file.path).exists() for file in files):
+            if not known and not all(is_whole(self.root / file.path, file.size) for file in files):
                 missing.append(index)
                 continue
             if now - self.touched.get(index, -TOUCH_INTERVAL_S) >= TOUCH_INTERVAL_S:
@@ -460,6 +609,10 @@ class NodeCache:
             with self.lock:
                 self.failed[index] = time.monotonic()
             what = "the deletion files" if index == DELETIONS else f"fragment {self.ids[index]}"
+            if isinstance(error, UnusableLock):
+                warn_once(error.filename, "node cache: reading %s of %s from the store, uncached: %s",
+                          what, self.root, error)
+                return
             log.warning("node cache: cannot fetch %s into %s (reading from the store for %.0f s): %s",
                         what, self.root, RETRY_FETCH_S, error)
             return
