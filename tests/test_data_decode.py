@@ -1,12 +1,18 @@
 """Decode and transforms: uint8 batches of the right shape, the PIL fallback, the corrupt-row
-policy (skip keeps the batch size and counts; fail names the row), normalisation."""
+policy (skip keeps the batch size and counts; fail names the row), the declared-size limit,
+normalisation."""
+
+import struct
+import zlib
 
 import numpy as np
 import pyarrow as pa
 import pytest
 import torch
+from PIL import ImageFile
 
-from lance_hpc.data.decode import Transform, binary_values, decode_image, normalize, random_resized_crop_box
+from lance_hpc.data import decode as decode_module
+from lance_hpc.data.decode import MAX_IMAGE_PIXELS, Transform, binary_values, decode_image, normalize, random_resized_crop_box
 from lance_hpc.data.reader import ROW_ID_FIELD, CorruptRowError, apply_corrupt_policy
 from lance_hpc.data.sources import encode_image, skimage_photo_crops
 from lance_hpc.tasks.base import ROW_ID
@@ -190,3 +196,59 @@ def test_normalize_uses_imagenet_statistics():
     out = normalize(images)
     assert out.dtype == torch.float32 and out.shape == images.shape
     assert torch.allclose(out[0, :, 0, 0], torch.tensor([(1 - 0.485) / 0.229, (1 - 0.456) / 0.224, (1 - 0.406) / 0.225]))
+
+
+def jpeg_declaring(width, height):
+    """A real small JPEG whose baseline frame header (SOF0) declares ``width`` x ``height``."""
+    jpeg = photo_bytes(1, size=16)[0]
+    start = jpeg.index(b"\xff\xc0")
+    # marker (2 bytes), segment length (2), sample precision (1), then height and width (2 each)
+    return jpeg[: start + 5] + struct.pack(">HH", height, width) + jpeg[start + 9 :]
+
+
+def png_declaring(width, height):
+    """A real small PNG whose IHDR chunk declares ``width`` x ``height`` (its CRC recomputed)."""
+    png = encode_image(np.zeros((4, 4, 3), np.uint8), "png")
+    start = png.index(b"IHDR")
+    header = struct.pack(">II", width, height) + png[start + 12 : start + 17]
+    return png[:start] + b"IHDR" + header + struct.pack(">I", zlib.crc32(b"IHDR" + header)) + png[start + 21 :]
+
+
+@pytest.fixture
+def never_decode_oversized(monkeypatch):
+    """Makes decoding the pixels of an image over the limit fail the test instead of allocating them."""
+    decode_jpeg, load = decode_module.simplejpeg.decode_jpeg, ImageFile.ImageFile.load
+
+    def guarded_decode_jpeg(data, *args, **kwargs):
+        height, width = decode_module.simplejpeg.decode_jpeg_header(data)[:2]
+        assert width * height <= MAX_IMAGE_PIXELS, f"decoded the pixels of a {width}x{height} image"
+        return decode_jpeg(data, *args, **kwargs)
+
+    def guarded_load(image):
+        assert image.size[0] * image.size[1] <= MAX_IMAGE_PIXELS, f"decoded the pixels of a {image.size} image"
+        return load(image)
+
+    monkeypatch.setattr(decode_module.simplejpeg, "decode_jpeg", guarded_decode_jpeg)
+    monkeypatch.setattr(ImageFile.ImageFile, "load", guarded_load)
+
+
+def test_a_jpeg_declaring_more_pixels_than_the_limit_is_a_corrupt_row_never_decoded(never_decode_oversized, caplog):
+    huge = jpeg_declaring(30000, 30000)
+    with pytest.raises(ValueError, match=r"declares 30000x30000 pixels \(900,000,000\), over the limit of 89,478,485"):
+        decode_image(huge)
+    good = photo_bytes(2, size=16)
+    images = pa.array([good[0], huge, good[1]], pa.binary())
+    with caplog.at_level("WARNING", logger="lance_hpc.data"):
+        batch, skipped = decode_batch(images, np.array([0, 1, 2]), np.array([5, 6, 7]), Transform(8), rng(), dataset="/d.lance")
+    assert skipped == 1 and batch["image"].shape == (3, 3, 8, 8) and batch[ROW_ID].tolist()[1] in (5, 7)
+    assert "skipping corrupt row 6 of /d.lance: the image declares 30000x30000 pixels" in caplog.text
+    with pytest.raises(CorruptRowError, match=r"cannot decode row 6 of /d.lance: the image declares 30000x30000 .*on_corrupt: skip"):
+        decode_batch(images, np.array([0, 1, 2]), np.array([5, 6, 7]), Transform(8), rng(), on_corrupt="fail", dataset="/d.lance")
+
+
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
+def test_other_formats_have_the_same_limit_below_pils_own_hard_limit(never_decode_oversized):
+    # 10000 x 10000 is over the limit but under twice it, where PIL itself only warns and decodes.
+    with pytest.raises(ValueError, match="declares 10000x10000 pixels .* over the limit"):
+        decode_image(png_declaring(10000, 10000))
+    assert decode_image(png_declaring(4, 4)).shape == (3, 4, 4)

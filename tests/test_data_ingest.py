@@ -1,16 +1,23 @@
-"""Ingest: every source kind, the schema contract, train/val split, fragment size, atomicity."""
+"""Ingest: every source kind, the schema contract, train/val split, fragment size, atomicity, and
+what is already at a target (other files refused and left alone, datasets kept or written over as
+new versions, concurrent ingests committing once), locally and on S3."""
 
 import json
 import os
+import threading
 from pathlib import Path
 
 import lance
 import numpy as np
+import pyarrow as pa
 import pytest
+from pyarrow import fs
 
 from lance_hpc.data import ingest as ingest_module
-from lance_hpc.data.ingest import ensure_dataset, ingest, main, resolve_source
+from lance_hpc.data.ingest import Ingested, ensure_dataset, ingest, main, resolve_source
+from lance_hpc.checkpoint_store import filesystem_arguments
 from lance_hpc.data.sources import PHOTO_NAMES, encode_image, skimage_photo_crops
+from lance_hpc.data.storage import storage_options
 from lance_hpc.errors import UserError
 from lance_hpc.spec import DataSpec, IngestSpec
 
@@ -22,7 +29,7 @@ def class_names(uri):
 def test_sklearn_digits_train_val_split_schema_and_fragments(tmp_path):
     train, val = tmp_path / "train.lance", tmp_path / "val.lance"
     written = ingest("sklearn-digits", str(train), str(val), val_fraction=0.25, rows_per_fragment=300, seed=3)
-    assert written == {"train": 1348, "val": 449}
+    assert written == Ingested(train=1348, val=449)
     dataset = lance.dataset(str(train))
     assert dataset.schema.field("image").type.equals("binary") and str(dataset.schema.field("label").type) == "int64"
     assert class_names(str(train)) == [str(d) for d in range(10)] == class_names(str(val))
@@ -51,7 +58,7 @@ def test_imagefolder_source(tmp_path):
         (folder / f"{index}.jpg").write_bytes(data)
     (tmp_path / "images" / "dog" / "notes.txt").write_text("not an image")
     written = ingest(f"imagefolder:{tmp_path / 'images'}", str(tmp_path / "t.lance"), str(tmp_path / "v.lance"), val_fraction=0.5)
-    assert written == {"train": 3, "val": 3}
+    assert written == Ingested(train=3, val=3)
     assert class_names(str(tmp_path / "t.lance")) == ["cat", "dog"]
 
 
@@ -71,7 +78,7 @@ def make_fake_food101(root: Path) -> None:
 def test_torchvision_food101_on_disk_uses_its_official_test_split(tmp_path):
     make_fake_food101(tmp_path / "data")
     written = ingest(f"torchvision:Food101:{tmp_path / 'data'}", str(tmp_path / "t.lance"), str(tmp_path / "v.lance"))
-    assert written == {"train": 6, "val": 4}
+    assert written == Ingested(train=6, val=4)
     assert class_names(str(tmp_path / "t.lance")) == ["apple_pie", "sushi"]
     # Files are stored as their bytes, not re-encoded.
     stored = lance.dataset(str(tmp_path / "t.lance")).to_table().column("image").to_pylist()
@@ -140,7 +147,7 @@ def test_ensure_dataset_writes_validation_first_and_train_marks_completion(tmp_p
         uri=str(tmp_path / "t.lance"), val_uri=str(tmp_path / "v.lance"),
         ingest=IngestSpec(source="skimage-photos:count=20,size=16", val_fraction=0.25),
     )
-    (tmp_path / "v.lance").mkdir()  # a leftover of an earlier interrupted run is replaced
+    (tmp_path / "v.lance").mkdir()  # an empty directory holds nothing to lose: the dataset goes there
     ensure_dataset(spec)
     assert lance.dataset(str(tmp_path / "t.lance")).count_rows() == 15
     assert lance.dataset(str(tmp_path / "v.lance")).count_rows() == 5
@@ -165,8 +172,143 @@ def test_python_dash_m_shim():
 
     result = subprocess.run([sys.executable, "-m", "lance_hpc.ingest", "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "imagefolder" in result.stdout
+    help_text = " ".join(result.stdout.split())
+    assert "--overwrite write the source over Lance datasets already at the URIs, as a new version of each" in help_text
+    assert "refused either way, and nothing is deleted" in help_text
 
 
 def test_encode_image_rejects_unknown_formats():
     with pytest.raises(ValueError, match="jpeg or png"):
         encode_image(np.zeros((2, 2, 3), np.uint8), "tiff")
+
+
+def test_a_path_holding_files_ingest_did_not_write_is_refused_and_left_alone(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rv" / "important" / "sub").mkdir(parents=True)
+    (tmp_path / "rv" / "important" / "sub" / "notes.txt").write_text("my notes")
+    spec = tmp_path / "job.yaml"
+    spec.write_text("name: j\ndata:\n  uri: rv/new.lance\n  val_uri: rv/important\n  ingest: {source: sklearn-digits}\n")
+    for overwrite in ([], ["--overwrite"]):
+        assert main(["--spec", str(spec), *overwrite]) == 2
+        error = capsys.readouterr().err
+        important = tmp_path / "rv" / "important"  # the spec's relative paths, resolved
+        assert f"data.val_uri {important} exists and is not a Lance dataset (it holds sub/)" in error
+        assert f"fix: point data.val_uri at a new path, or move {important} away yourself" in error
+    assert (tmp_path / "rv" / "important" / "sub" / "notes.txt").read_text() == "my notes"
+    assert os.listdir(tmp_path / "rv") == ["important"]  # refused before anything was written
+    # A file, and a directory of many entries, on the command line: named as the command line names them.
+    (tmp_path / "notes.lance").write_text("not a dataset")
+    for index in range(7):
+        (tmp_path / "rv" / "important" / f"{index}.txt").write_text("mine")
+    assert main(["sklearn-digits", "notes.lance", "--val-uri", "v.lance"]) == 2
+    assert "URI notes.lance exists and is not a Lance dataset (it is not a directory)" in capsys.readouterr().err
+    assert main(["sklearn-digits", "t.lance", "--val-uri", "rv/important"]) == 2
+    assert "--val-uri rv/important exists and is not a Lance dataset (it holds 0.txt, 1.txt, 2.txt, 3.txt, 4.txt and 3 more)" in (
+        capsys.readouterr().err)
+    assert (tmp_path / "notes.lance").read_text() == "not a dataset" and not (tmp_path / "t.lance").exists()
+
+
+def test_a_dataset_already_there_is_kept_and_overwrite_writes_a_new_version_of_it(tmp_path, capsys):
+    train, val = str(tmp_path / "t.lance"), str(tmp_path / "v.lance")
+    arguments = [train, "--val-uri", val, "--val-fraction", "0.25"]
+    assert main(["skimage-photos:count=12,size=16", *arguments]) == 0
+    assert main(["sklearn-digits", *arguments]) == 0
+    assert f"kept the Lance dataset already at {train}; to write the source over it as a new version, pass --overwrite" in (
+        capsys.readouterr().out)
+    assert lance.dataset(train).version == 1 and lance.dataset(train).count_rows() == 9
+    assert main(["sklearn-digits", *arguments, "--overwrite"]) == 0
+    assert "wrote 1,348 training rows" in capsys.readouterr().out
+    for uri, before, after in ((train, 9, 1348), (val, 3, 449)):
+        assert lance.dataset(uri).version == 2 and lance.dataset(uri).count_rows() == after
+        assert lance.dataset(uri, version=1).count_rows() == before  # the version written over is still there
+        assert class_names(uri) == [str(digit) for digit in range(10)]
+
+
+def test_a_validation_set_of_an_unfinished_ingest_is_kept_one_from_another_source_is_refused(tmp_path):
+    train, val = tmp_path / "t.lance", tmp_path / "v.lance"
+    photos = "skimage-photos:count=20,size=16"
+    ingest(photos, str(tmp_path / "other.lance"), str(val), val_fraction=0.25)  # val written, train elsewhere
+    spec = DataSpec(uri=str(train), val_uri=str(val), ingest=IngestSpec(source=photos, val_fraction=0.25))
+    assert ensure_dataset(spec) == Ingested(train=15, kept=(str(val),))
+    assert lance.dataset(str(val)).version == 1 and lance.dataset(str(train)).count_rows() == 15
+    assert ensure_dataset(spec) == Ingested(kept=(str(train),))  # complete: nothing to do
+    digits = DataSpec(uri=str(tmp_path / "d.lance"), val_uri=str(val), ingest=IngestSpec(source="sklearn-digits"))
+    with pytest.raises(UserError, match=r"(?s)data.val_uri .*v.lance already holds a Lance dataset ingested from "
+                       r"skimage-photos, not from sklearn-digits.*fix: to write sklearn-digits over it as a new version, "
+                       r"set data.ingest.overwrite: true"):
+        ensure_dataset(digits)
+    assert not (tmp_path / "d.lance").exists()
+    overwriting = digits.model_copy(update={"ingest": IngestSpec(source="sklearn-digits", overwrite=True)})
+    assert ensure_dataset(overwriting) == Ingested(train=1438, val=359)
+    assert lance.dataset(str(val)).version == 2
+
+
+def start_together(count, run):
+    """Run ``run(index)`` in ``count`` threads at once; returns their results in order."""
+    results, errors = [None] * count, []
+
+    def target(index):
+        try:
+            results[index] = run(index)
+        except BaseException as error:  # noqa: BLE001 - reported by the assertion below
+            errors.append(error)
+
+    threads = [threading.Thread(target=target, args=(index,)) for index in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    return results
+
+
+def writes_meet_before_committing(monkeypatch, count):
+    """Each write hands over its last rows only once every one of ``count`` writers has read all of
+    its own: every ingest has written its files before any commits."""
+    barrier, real_batches = threading.Barrier(count), ingest_module._batches
+
+    def batches(items, indices, schema, progress):
+        yield from real_batches(items, indices, schema, progress)
+        barrier.wait(timeout=120)
+
+    monkeypatch.setattr(ingest_module, "_batches", batches)
+
+
+def test_concurrent_ingests_of_one_dataset_commit_once_and_the_others_use_it(tmp_path, monkeypatch):
+    train, val = str(tmp_path / "t.lance"), str(tmp_path / "v.lance")
+    writes_meet_before_committing(monkeypatch, 3)
+    results = start_together(3, lambda _: ingest("sklearn-digits", train, val, val_fraction=0.25, rows_per_fragment=500))
+    # One ingest wrote each dataset (not always the same one); every other kept what it found.
+    assert sorted(result.train for result in results) == [0, 0, 1348] and sorted(result.val for result in results) == [0, 0, 449]
+    assert all((train in result.kept) == (result.train == 0) and (val in result.kept) == (result.val == 0) for result in results)
+    assert lance.dataset(train).version == 1 == lance.dataset(val).version
+    assert lance.dataset(train).count_rows() == 1348 and lance.dataset(val).count_rows() == 449
+    assert sorted(os.listdir(tmp_path)) == ["t.lance", "v.lance"]  # the losers' temporary directories are gone
+
+
+@pytest.mark.s3
+def test_on_s3_other_objects_are_refused_and_concurrent_creates_commit_once(s3_server, monkeypatch):
+    for key, value in s3_server.env.items():
+        monkeypatch.setenv(key, value)
+    options = storage_options(s3_server.uri("x"), s3_server.storage_options)
+    store = fs.S3FileSystem(**filesystem_arguments(options))
+    notes = f"{s3_server.bucket}/ingest-safety/important/sub/notes.txt"
+    with store.open_output_stream(notes) as stream:
+        stream.write(b"my notes")
+    train, important = s3_server.uri("ingest-safety/t.lance"), s3_server.uri("ingest-safety/important")
+    with pytest.raises(UserError, match=r"--val-uri s3://\S+/important exists and is not a Lance dataset \(it holds sub/\)"):
+        ingest("sklearn-digits", train, important, options=options, overwrite=True)
+    with store.open_input_stream(notes) as stream:
+        assert stream.read() == b"my notes"
+    assert store.get_file_info(f"{s3_server.bucket}/ingest-safety/t.lance").type == fs.FileType.NotFound
+
+    # An interrupted create leaves only Lance's own uncommitted files: a later ingest goes on beside them.
+    interrupted = s3_server.uri("ingest-safety/interrupted.lance")
+    lance.fragment.write_fragments(pa.table({"label": [1, 2]}), interrupted, storage_options=options)
+    assert ingest("sklearn-digits", interrupted, options=options).train == 1797
+    assert lance.dataset(interrupted, storage_options=options).count_rows() == 1797
+
+    writes_meet_before_committing(monkeypatch, 2)
+    results = start_together(2, lambda _: ingest("sklearn-digits", train, options=options, rows_per_fragment=900))
+    assert sorted((result.train, result.kept) for result in results) == [(0, (train,)), (1797, ())]
+    assert lance.dataset(train, storage_options=options).version == 1

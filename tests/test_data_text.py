@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 
 from lance_hpc.data import text as text_module
-from lance_hpc.data.ingest import ensure_dataset, main
+from lance_hpc.data.ingest import Ingested, ensure_dataset, main
 from lance_hpc.data.plan import plan_data
 from lance_hpc.data.text import (
     BYTES_PER_TOKEN_KEY,
@@ -125,7 +125,7 @@ def test_split_by_document_and_packing(tmp_path, corpus):
     documents = documents_in_order(corpus)
     assert len(documents) == DOCUMENTS  # the empty file is skipped
     val_rows, train_rows = rows_of(val), rows_of(train)
-    assert written == {"train": len(train_rows), "val": len(val_rows)}
+    assert (written.train, written.val, written.kept) == (len(train_rows), len(val_rows), ())
     assert {fragment.count_rows() for fragment in lance.dataset(str(train)).get_fragments()[:-1]} == {8}
     # Consecutive validation rows overlap by one token; undone, they are the documents + EOD in order.
     assert (val_rows[1:, 0] == val_rows[:-1, -1]).all()
@@ -264,3 +264,18 @@ def test_clear_errors(tmp_path, corpus):
     with pytest.raises(UserError, match="at least 2"):
         ingest_text(f"text:{single}", uri, str(tmp_path / "v.lance"), sequence_length=4)
     assert sorted(os.listdir(tmp_path)) == ["corpus", "single.txt"]
+
+
+def test_text_ingest_refuses_what_it_did_not_write_and_writes_over_a_dataset_only_when_asked(tmp_path, corpus):
+    train, val = tmp_path / "t.lance", tmp_path / "v.lance"
+    val.mkdir()
+    (val / "keep.txt").write_text("mine")
+    with pytest.raises(UserError, match=r"--val-uri \S+v.lance exists and is not a Lance dataset \(it holds keep.txt\)"):
+        ingest_text(corpus, str(train), str(val), sequence_length=16, overwrite=True)
+    assert (val / "keep.txt").read_text() == "mine" and not train.exists()
+    assert ingest_text(corpus, str(train), None, sequence_length=16).train > 0
+    assert ingest_text(corpus, str(train), None, sequence_length=16) == Ingested(kept=(str(train),))
+    assert lance.dataset(str(train)).version == 1
+    ingest_text(corpus, str(train), None, sequence_length=32, overwrite=True)
+    assert lance.dataset(str(train)).version == 2 and lance.dataset(str(train)).schema.metadata[SEQUENCE_LENGTH_KEY] == b"32"
+    assert lance.dataset(str(train), version=1).schema.metadata[SEQUENCE_LENGTH_KEY] == b"16"

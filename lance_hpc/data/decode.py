@@ -1,11 +1,13 @@
 """Image bytes to batched uint8 tensors: decode, train/eval transforms, and normalisation.
 
 JPEG goes through simplejpeg (libjpeg-turbo, straight into an H x W x 3 array); other formats, and
-JPEGs it refuses (CMYK, for one), through PIL. Pixels stay in that H x W x 3 layout from decode to
-batch: resizing keeps it (torch's uint8 antialiased kernel works on it without repacking) and the
-batch is allocated the same way, so each image lands in it with a plain copy. Batches are uint8
-``[B, 3, S, S]`` tensors in channels-last memory: they cross process boundaries at a quarter of
-the float size, and :func:`normalize` runs on the device. Workers never import torchvision.
+JPEGs it refuses (CMYK, for one), through PIL. The size a header declares is checked against
+:data:`MAX_IMAGE_PIXELS` before any pixel is decoded: an image over it is a corrupt row. Pixels stay
+in that H x W x 3 layout from decode to batch: resizing keeps it (torch's uint8 antialiased kernel
+works on it without repacking) and the batch is allocated the same way, so each image lands in it
+with a plain copy. Batches are uint8 ``[B, 3, S, S]`` tensors in channels-last memory: they cross
+process boundaries at a quarter of the float size, and :func:`normalize` runs on the device.
+Workers never import torchvision.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ import torch.nn.functional as nnf
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 JPEG_MAGIC = b"\xff\xd8\xff"
+# PIL's default Image.MAX_IMAGE_PIXELS, for every format: a header of a few bytes can declare
+# gigapixels, and each DataLoader worker would allocate them before finding the data missing.
+MAX_IMAGE_PIXELS = 89_478_485
 # torchvision's RandomResizedCrop defaults.
 CROP_SCALE = (0.08, 1.0)
 CROP_LOG_RATIO = (math.log(3 / 4), math.log(4 / 3))
@@ -120,17 +125,37 @@ def decode_pixels(data: np.ndarray | bytes) -> torch.Tensor:
     jpeg_error = ""
     if bytes(data[:3]) == JPEG_MAGIC:
         try:
-            return torch.from_numpy(simplejpeg.decode_jpeg(data, colorspace="RGB"))
-        except ValueError as error:  # e.g. CMYK, which PIL converts
+            height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+        except ValueError as error:
             jpeg_error = f"{error}; "
-    try:
-        from PIL import Image
+        else:
+            check_declared_size(width, height)
+            try:
+                return torch.from_numpy(simplejpeg.decode_jpeg(data, colorspace="RGB"))
+            except ValueError as error:  # e.g. CMYK, which PIL converts
+                jpeg_error = f"{error}; "
+    from PIL import Image
 
-        with Image.open(io.BytesIO(data)) as image:
-            pixels = np.array(image.convert("RGB"))
+    try:
+        image = Image.open(io.BytesIO(data))  # reads the header only
     except Exception as error:  # PIL raises many types for bad bytes
         raise ValueError(f"{jpeg_error}PIL: {error}") from None
+    with image:
+        check_declared_size(*image.size)
+        try:
+            pixels = np.array(image.convert("RGB"))
+        except Exception as error:
+            raise ValueError(f"{jpeg_error}PIL: {error}") from None
     return torch.from_numpy(pixels)
+
+
+def check_declared_size(width: int, height: int) -> None:
+    """ValueError (a corrupt row) when an image's header declares more than MAX_IMAGE_PIXELS."""
+    if width * height > MAX_IMAGE_PIXELS:
+        raise ValueError(
+            f"the image declares {width}x{height} pixels ({width * height:,}), over the limit of "
+            f"{MAX_IMAGE_PIXELS:,}, so it was not decoded"
+        )
 
 
 def binary_values(column: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

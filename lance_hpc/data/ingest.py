@@ -4,11 +4,17 @@ Schema: ``image`` (encoded bytes, stored as given), ``label`` (int64), and the c
 in the schema metadata. Rows are written in a seeded random order, so contiguous reads (the
 iterable strategies) still see mixed classes.
 
-Atomic: one ``write_dataset`` call is one Lance commit, and a Lance dataset exists only once its
-manifest is committed, so an interrupted write never opens as a dataset. Local datasets are also
-written to a hidden sibling and renamed into place, so no partial files are left at the path.
-Validation is written before training, and ``ensure_dataset`` treats the training set as the
-marker that an ingest finished.
+What is already there is safe: ingest writes only where nothing is (or an empty directory, or on an
+object store the files of a Lance create that never committed) or where a Lance dataset is. Anything
+else is refused before a row is read, naming what is there; nothing is ever deleted. A Lance dataset
+already there is kept, unless asked to overwrite it: then the rows become a new version of it.
+
+Atomic and race-free: a new dataset is one Lance commit that fails when another writer created the
+dataset first, and the loser uses the winner's dataset (sweep runs that start together each ingest).
+A local dataset is written to a hidden sibling directory and renamed into place, which never replaces
+a non-empty directory, so an interrupted write leaves nothing at the path; on an object store the
+commit has no retries, since a retried create would land on top of the winner's as its next version.
+Validation is written before training, and the training set marks that an ingest finished.
 
 Sources (``data.ingest.source`` or the first argument of ``lance-hpc ingest``):
 ``sklearn-digits``, ``skimage-photos[:count=N,size=S,seed=K,min_side=A,max_side=B,quality=Q]``,
@@ -28,15 +34,18 @@ import shutil
 import sys
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
+from urllib.parse import urlparse
 
 import numpy as np
 import pyarrow as pa
+from pyarrow import fs
 
 from lance_hpc.data import sources
 from lance_hpc.data.sources import ImageSource
-from lance_hpc.data.storage import dataset_exists, is_remote, storage_options
+from lance_hpc.data.storage import dataset_exists, is_remote, open_dataset, redact, storage_options
 from lance_hpc.data.text import ingest_text, is_text_source
 from lance_hpc.errors import UserError
 
@@ -44,6 +53,44 @@ from lance_hpc.errors import UserError
 CLASS_NAMES_KEY = b"class_names"
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 WRITE_CHUNK_ROWS = 256
+# What Lance writes under a new dataset's path before its first commit (folder: file suffix): on an
+# object store an interrupted or lost create leaves these, and a later create may go on beside them.
+UNCOMMITTED_LANCE_FILES = {"data": ".lance", "_transactions": ".txn"}
+ENTRIES_SHOWN = 5
+
+
+@dataclass(frozen=True)
+class TargetNames:
+    """How messages name the two datasets and the switch that lets ingest write over one."""
+
+    train: str
+    val: str
+    overwrite: str
+
+
+COMMAND_LINE_NAMES = TargetNames("URI", "--val-uri", "pass --overwrite")
+SPEC_NAMES = TargetNames(
+    "data.uri", "data.val_uri", "set data.ingest.overwrite: true or run lance-hpc ingest --spec JOB.yaml --overwrite"
+)
+
+
+@dataclass(frozen=True)
+class Target:
+    """A dataset ingest writes: where, with which storage options, and its name in messages."""
+
+    uri: str
+    options: dict[str, str]
+    name: str
+
+
+@dataclass(frozen=True)
+class Ingested:
+    """Rows written per split, and the URIs of datasets kept as they were: ingested before, or
+    by another ingest that committed first."""
+
+    train: int = 0
+    val: int = 0
+    kept: tuple[str, ...] = ()
 
 
 def _parse_options(text: str) -> dict[str, int]:
@@ -168,46 +215,154 @@ def _batches(items: ImageSource, indices: np.ndarray, schema: pa.Schema, progres
             )
 
 
-def write_lance_atomically(
-    reader: pa.RecordBatchReader, uri: str, *, rows_per_fragment: int, options: dict[str, str], replace: bool = False
-) -> None:
-    """Write ``reader`` to ``uri`` as one Lance commit. A local dataset is written to a hidden
-    sibling and renamed into place, so an interrupted write leaves nothing at ``uri``."""
+def existing_dataset(target: Target) -> Any | None:
+    """The Lance dataset at ``target``, or None where ingest may create one; a UserError that names
+    what is there when it is anything else."""
+    try:
+        return open_dataset(target.uri, None, target.options)
+    except UserError as error:
+        if is_remote(target.uri) and "no Lance dataset there" not in str(error):
+            raise  # credentials, bucket, endpoint: the message already says how to fix them
+    found = _remote_contents(target) if is_remote(target.uri) else _local_contents(Path(target.uri))
+    if found is None:
+        return None
+    raise UserError(
+        f"{target.name} {target.uri} exists and is not a Lance dataset ({found}): ingest never writes into, "
+        f"replaces or deletes what it did not create\n  fix: point {target.name} at a new path, "
+        f"or move {target.uri} away yourself"
+    )
+
+
+def _listing(names: Sequence[str]) -> str:
+    shown = ", ".join(sorted(names)[:ENTRIES_SHOWN])
+    return f"it holds {shown}" + (f" and {len(names) - ENTRIES_SHOWN} more" if len(names) > ENTRIES_SHOWN else "")
+
+
+def _local_contents(path: Path) -> str | None:
+    """None for nothing or an empty directory at ``path``; else what is there, in a few words."""
+    if not path.exists() and not path.is_symlink():
+        return None
+    if not path.is_dir():
+        return "it is not a directory"
+    with os.scandir(path) as entries:
+        names = [entry.name + ("/" if entry.is_dir() else "") for entry in entries]
+    return _listing(names) if names else None
+
+
+def _remote_contents(target: Target) -> str | None:
+    """None for nothing (or only the files of an uncommitted Lance create) under ``target.uri``;
+    else what is there, in a few words."""
+    try:
+        filesystem, path = _filesystem(target.uri, target.options)
+        info = filesystem.get_file_info(path)
+        if info.type == fs.FileType.NotFound:
+            return None
+        if info.type == fs.FileType.File:
+            return "it is an object, not a prefix"
+        entries = filesystem.get_file_info(fs.FileSelector(path, allow_not_found=True))
+        if all(_uncommitted_lance_folder(filesystem, entry) for entry in entries):
+            return None
+    except OSError as error:
+        text = redact(str(error), target.options).splitlines()
+        raise UserError(
+            f"{target.name} {target.uri}: cannot list what is there ({text[0] if text else type(error).__name__})\n"
+            f"  fix: check the object store, the credentials and data.storage_options"
+        ) from None
+    return _listing([entry.base_name + ("/" if entry.type == fs.FileType.Directory else "") for entry in entries])
+
+
+def _uncommitted_lance_folder(filesystem: Any, entry: Any) -> bool:
+    """Whether ``entry`` is a folder holding only files that Lance writes before a first commit."""
+    suffix = UNCOMMITTED_LANCE_FILES.get(entry.base_name)
+    if entry.type != fs.FileType.Directory or suffix is None:
+        return False
+    inside = filesystem.get_file_info(fs.FileSelector(entry.path, allow_not_found=True))
+    return all(item.type == fs.FileType.File and item.base_name.endswith(suffix) for item in inside)
+
+
+def _filesystem(uri: str, options: Mapping[str, str]) -> tuple[Any, str]:
+    """A pyarrow filesystem for an object-store URI and the path of ``uri`` on it."""
+    from lance_hpc.checkpoint_store import filesystem_arguments
+
+    parsed = urlparse(uri)
+    if parsed.scheme == "s3":
+        return fs.S3FileSystem(**filesystem_arguments(options)), f"{parsed.netloc}{parsed.path}".rstrip("/")
+    return fs.FileSystem.from_uri(uri.rstrip("/"))
+
+
+def write_lance(reader: pa.RecordBatchReader, target: Target, *, rows_per_fragment: int, replace: bool = False) -> bool:
+    """Write ``reader`` to ``target`` as one Lance commit: a new version of the dataset there with
+    ``replace``, else a new dataset. Returns False when another writer created that dataset first
+    (it is left as it is, for the caller to use)."""
     import lance
 
-    write = dict(max_rows_per_file=rows_per_fragment, storage_options=options or None)
-    if is_remote(uri):
-        lance.write_dataset(reader, uri, mode="overwrite" if replace else "create", **write)
-        return
-    final = Path(uri)
+    options = target.options or None
+    if replace:
+        lance.write_dataset(reader, target.uri, mode="overwrite", max_rows_per_file=rows_per_fragment, storage_options=options)
+        return True
+    if is_remote(target.uri):
+        fragments = lance.fragment.write_fragments(reader, target.uri, max_rows_per_file=rows_per_fragment, storage_options=options)
+        try:
+            # No retries: Lance retries a create that lost by committing it as the winner's next version.
+            lance.LanceDataset.commit(target.uri, lance.LanceOperation.Overwrite(reader.schema, fragments),
+                                      max_retries=0, storage_options=options)
+        except OSError:
+            if dataset_exists(target.uri, target.options):
+                return False
+            raise
+        return True
+    final = Path(target.uri)
     final.parent.mkdir(parents=True, exist_ok=True)
     partial = final.parent / f".{final.name}.partial-{uuid.uuid4().hex[:8]}"
+    # mkdir fails if the path exists, so what the finally below removes is ours alone (mkdtemp would
+    # do the same, but its 0700 mode would stay on the dataset and hide it from the user's group).
+    partial.mkdir()
     try:
-        lance.write_dataset(reader, str(partial), mode="create", **write)
-        if replace and final.exists():
-            shutil.rmtree(final)
-        os.replace(partial, final)
+        lance.write_dataset(reader, str(partial), mode="create", max_rows_per_file=rows_per_fragment)
+        try:
+            os.rename(partial, final)  # fails, replacing nothing, when final is a non-empty directory
+        except OSError:
+            if existing_dataset(target) is None:  # a UserError when what is there is not a dataset
+                raise
+            return False
+        return True
     finally:
-        shutil.rmtree(partial, ignore_errors=True)
+        shutil.rmtree(partial, ignore_errors=True)  # our own temporary directory, if the rename did not take it
+
+
+def find_datasets(train: Target, val: Target | None) -> tuple[Any | None, Any | None]:
+    """The Lance datasets already at the targets (None where there is none), checked before any
+    row is read or written, so a target holding something else fails the ingest at once."""
+    return existing_dataset(train), (existing_dataset(val) if val is not None else None)
+
+
+def keeps(found: Any | None, target: Target, source: str, *, overwrite: bool, names: TargetNames) -> bool:
+    """Whether the dataset ``found`` at ``target`` stays as it is instead of being written: yes for
+    one ingested from ``source`` (by an interrupted or concurrent ingest), unless ``overwrite``;
+    a UserError for one from another source."""
+    if found is None or overwrite:
+        return False
+    recorded = (found.schema.metadata or {}).get(b"source", b"").decode()
+    if recorded != source:
+        origin = f"ingested from {recorded}" if recorded else "not written by lance-hpc ingest"
+        raise UserError(
+            f"{target.name} {target.uri} already holds a Lance dataset {origin}, not from {source}\n"
+            f"  fix: to write {source} over it as a new version, {names.overwrite}; or point {target.name} at a new path"
+        )
+    return True
 
 
 def write_split(
-    items: ImageSource,
-    indices: np.ndarray,
-    uri: str,
-    *,
-    rows_per_fragment: int,
-    options: dict[str, str],
-    replace: bool = False,
-) -> int:
-    """Write ``items[indices]`` to ``uri`` as one Lance commit; returns the rows written."""
+    items: ImageSource, indices: np.ndarray, target: Target, *, rows_per_fragment: int, replace: bool = False
+) -> bool:
+    """Write ``items[indices]`` to ``target`` as one Lance commit; False when another ingest
+    created the dataset first."""
     from tqdm import tqdm
 
     schema = schema_for(items.class_names, items.name)
-    with tqdm(total=len(indices), desc=f"ingest {uri}", unit="img", file=sys.stderr, mininterval=1.0) as progress:
+    with tqdm(total=len(indices), desc=f"ingest {target.uri}", unit="img", file=sys.stderr, mininterval=1.0) as progress:
         reader = pa.RecordBatchReader.from_batches(schema, _batches(items, indices, schema, progress))
-        write_lance_atomically(reader, uri, rows_per_fragment=rows_per_fragment, options=options, replace=replace)
-    return len(indices)
+        return write_lance(reader, target, rows_per_fragment=rows_per_fragment, replace=replace)
 
 
 def ingest(
@@ -220,10 +375,18 @@ def ingest(
     seed: int = 0,
     options: dict[str, str] | None = None,
     val_options: dict[str, str] | None = None,
-) -> dict[str, int]:
-    """Write the training (and validation) split of ``source``; returns rows written per split."""
+    overwrite: bool = False,
+    names: TargetNames = COMMAND_LINE_NAMES,
+) -> Ingested:
+    """Write the training (and validation) split of ``source``. A URI holding anything but a Lance
+    dataset fails it before a row is read. A training dataset already at ``uri`` means the ingest
+    is done, unless ``overwrite``: then both splits are written as new versions."""
     if rows_per_fragment < 1:
         raise UserError("rows_per_fragment must be >= 1")
+    train, val = targets(uri, val_uri, options, val_options, names)
+    train_found, val_found = find_datasets(train, val)
+    if train_found is not None and not overwrite:
+        return Ingested(kept=(uri,))
     train_items, official_val = resolve_source(source)
     if official_val is not None:
         train_indices = np.random.default_rng(seed).permutation(len(train_items))
@@ -231,36 +394,66 @@ def ingest(
     else:
         train_indices, val_indices = split_rows(len(train_items), val_fraction if val_uri else 0.0, seed)
         val_items = train_items
-    written = {"train": 0, "val": 0}
-    if val_uri and len(val_indices):
-        written["val"] = write_split(
-            val_items, val_indices, val_uri, rows_per_fragment=rows_per_fragment,
-            options=val_options if val_options is not None else dict(options or {}), replace=True,
-        )
-    written["train"] = write_split(train_items, train_indices, uri, rows_per_fragment=rows_per_fragment, options=dict(options or {}))
-    return written
+    written, kept = {"train": 0, "val": 0}, []
+    if val is not None and len(val_indices):
+        if keeps(val_found, val, val_items.name, overwrite=overwrite, names=names) or not write_split(
+            val_items, val_indices, val, rows_per_fragment=rows_per_fragment, replace=val_found is not None
+        ):
+            kept.append(val.uri)
+        else:
+            written["val"] = len(val_indices)
+    if write_split(train_items, train_indices, train, rows_per_fragment=rows_per_fragment, replace=train_found is not None):
+        written["train"] = len(train_indices)
+    else:
+        kept.append(train.uri)
+    return Ingested(written["train"], written["val"], tuple(kept))
 
 
-def ensure_dataset(data: Any) -> None:
-    """Ingest ``data.ingest.source`` unless a dataset is already at ``data.uri``. Call it once per
-    job (rank 0, then a barrier) before ranks open the data."""
+def targets(
+    uri: str, val_uri: str | None, options: Mapping[str, str] | None, val_options: Mapping[str, str] | None,
+    names: TargetNames,
+) -> tuple[Target, Target | None]:
+    """The training and validation targets; the validation set shares the training options unless given its own."""
+    train = Target(uri, dict(options or {}), names.train)
+    if not val_uri:
+        return train, None
+    return train, Target(val_uri, dict(val_options if val_options is not None else train.options), names.val)
+
+
+def ensure_dataset(data: Any, *, overwrite: bool = False) -> Ingested:
+    """Ingest ``data.ingest.source`` unless a dataset is already at ``data.uri`` (with ``overwrite``,
+    even then, as new versions: a job start never asks for that, so a requeued job reads what it
+    read before). Call it once per job (rank 0, then a barrier) before ranks open the data."""
     options = storage_options(data.uri, data.storage_options)
-    if dataset_exists(data.uri, options):
-        return
     if data.ingest is None:
+        if dataset_exists(data.uri, options):
+            return Ingested(kept=(data.uri,))
         raise UserError(f"{data.uri}: no Lance dataset there and data.ingest is not set: fix data.uri or add data.ingest")
     spec = data.ingest
     common: dict[str, Any] = dict(
         val_fraction=spec.val_fraction, rows_per_fragment=spec.rows_per_fragment, seed=spec.seed, options=options,
         val_options=storage_options(data.val_uri, data.storage_options) if data.val_uri else None,
+        overwrite=overwrite or spec.overwrite, names=SPEC_NAMES,
     )
+    if not overwrite and existing_dataset(Target(data.uri, options, SPEC_NAMES.train)) is not None:
+        return Ingested(kept=(data.uri,))
     if is_text_source(spec.source):
-        ingest_text(
+        return ingest_text(
             spec.source, data.uri, data.val_uri, sequence_length=spec.sequence_length,
             tokenizer=spec.tokenizer, **common,
         )
-    else:
-        ingest(spec.source, data.uri, data.val_uri, **common)
+    return ingest(spec.source, data.uri, data.val_uri, **common)
+
+
+def report(done: Ingested, uri: str, val_uri: str | None, overwrite_fix: str) -> str:
+    """What an ingest did, for the command line."""
+    lines = []
+    if done.train or done.val:
+        lines.append(f"wrote {done.train:,} training rows to {uri}"
+                     + (f" and {done.val:,} validation rows to {val_uri}" if done.val else ""))
+    for kept in done.kept:
+        lines.append(f"kept the Lance dataset already at {kept}; to write the source over it as a new version, {overwrite_fix}")
+    return "\n".join(lines) or f"nothing to write to {uri}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -274,6 +467,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("uri", nargs="?", help="training dataset to create (path or s3://bucket/x.lance)")
     parser.add_argument("--spec", help="job spec: ingest its data.ingest source to data.uri / data.val_uri")
     parser.add_argument("--val-uri", help="validation dataset to create")
+    parser.add_argument(
+        "--overwrite", action="store_true",
+        help="write the source over Lance datasets already at the URIs, as a new version of each (without it they "
+        "are kept); a path holding anything but a Lance dataset is refused either way, and nothing is deleted",
+    )
     parser.add_argument(
         "--val-fraction", type=float, default=0.2, help="share of rows (text: of documents) for validation (default 0.2)"
     )
@@ -293,7 +491,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             data = load_spec(args.spec).spec.data
             if data.ingest is None:
                 raise UserError(f"{args.spec}: data.ingest is not set, so there is nothing to ingest")
-            ensure_dataset(data)
+            done = ensure_dataset(data, overwrite=args.overwrite or data.ingest.overwrite)
+            print(report(done, data.uri, data.val_uri, SPEC_NAMES.overwrite))
             print(f"dataset ready at {data.uri}")
             return 0
         if not args.source or not args.uri:
@@ -303,16 +502,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             val_fraction=args.val_fraction, rows_per_fragment=args.rows_per_fragment, seed=args.seed,
             options=storage_options(args.uri, spec_options),
             val_options=storage_options(args.val_uri, spec_options) if args.val_uri else None,
+            overwrite=args.overwrite,
         )
         if is_text_source(args.source):
-            written = ingest_text(
+            done = ingest_text(
                 args.source, args.uri, args.val_uri, sequence_length=args.sequence_length, tokenizer=args.tokenizer, **common
             )
         else:
-            written = ingest(args.source, args.uri, args.val_uri, **common)
+            done = ingest(args.source, args.uri, args.val_uri, **common)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(f"wrote {written['train']:,} training rows to {args.uri}"
-          + (f" and {written['val']:,} validation rows to {args.val_uri}" if written["val"] else ""))
+    print(report(done, args.uri, args.val_uri, COMMAND_LINE_NAMES.overwrite))
     return 0

@@ -22,13 +22,16 @@ import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
 
 from lance_hpc.errors import UserError
 from lance_hpc.imports import is_import_path, load_callable
+
+if TYPE_CHECKING:
+    from lance_hpc.data.ingest import Ingested, Target, TargetNames
 
 TOKENS_COLUMN = "tokens"
 KIND_KEY = b"lance_hpc.kind"
@@ -241,15 +244,14 @@ def _row_batches(rows: np.ndarray, order: np.ndarray, schema: pa.Schema) -> Iter
 
 
 def _write_split(
-    rows: np.ndarray, order: np.ndarray, schema: pa.Schema, uri: str, *, rows_per_fragment: int, options: dict[str, str],
-    replace: bool = False,
-) -> int:
-    """Write ``rows[order]`` to ``uri`` as one Lance commit; returns the rows written."""
-    from lance_hpc.data.ingest import write_lance_atomically  # ingest.py imports this module
+    rows: np.ndarray, order: np.ndarray, schema: pa.Schema, target: Target, *, rows_per_fragment: int, replace: bool = False
+) -> bool:
+    """Write ``rows[order]`` to ``target`` as one Lance commit; False when another ingest created
+    the dataset first."""
+    from lance_hpc.data.ingest import write_lance  # ingest.py imports this module
 
     reader = pa.RecordBatchReader.from_batches(schema, _row_batches(rows, order, schema))
-    write_lance_atomically(reader, uri, rows_per_fragment=rows_per_fragment, options=options, replace=replace)
-    return len(order)
+    return write_lance(reader, target, rows_per_fragment=rows_per_fragment, replace=replace)
 
 
 def ingest_text(
@@ -264,28 +266,43 @@ def ingest_text(
     seed: int = 0,
     options: dict[str, str] | None = None,
     val_options: dict[str, str] | None = None,
-) -> dict[str, int]:
-    """Tokenize ``source``, pack it into sequences and write the training (and validation) split;
-    returns rows written per split. Everything is tokenized before anything is written, so a
-    failing tokenizer leaves no dataset; validation is written before training."""
+    overwrite: bool = False,
+    names: TargetNames | None = None,
+) -> Ingested:
+    """Tokenize ``source``, pack it into sequences and write the training (and validation) split.
+    Everything is tokenized before anything is written, so a failing tokenizer leaves no dataset;
+    validation is written before training. What is already at the URIs is treated as by
+    :func:`lance_hpc.data.ingest.ingest`."""
+    from lance_hpc.data.ingest import COMMAND_LINE_NAMES, Ingested, find_datasets, keeps, targets  # ingest.py imports this module
+
     if rows_per_fragment < 1:
         raise UserError("rows_per_fragment must be >= 1")
+    names = names or COMMAND_LINE_NAMES
+    train_target, val_target = targets(uri, val_uri, options, val_options, names)
+    train_found, val_found = find_datasets(train_target, val_target)
+    if train_found is not None and not overwrite:
+        return Ingested(kept=(uri,))
     loaded = load_tokenizer(tokenizer)
     train, val = tokenize_splits(source, sequence_length, loaded, val_fraction, seed, has_val=bool(val_uri))
-    written = {"train": 0, "val": 0}
-    if val_uri and val is not None:
+    written, kept = {"train": 0, "val": 0}, []
+    if val_target is not None and val is not None:
         rows = val.rows(sequence_length)
-        written["val"] = _write_split(
-            rows, np.arange(len(rows)), token_schema(val, loaded, sequence_length, source), val_uri,
-            rows_per_fragment=rows_per_fragment, options=val_options if val_options is not None else dict(options or {}),
-            replace=True,
-        )
+        if keeps(val_found, val_target, source, overwrite=overwrite, names=names) or not _write_split(
+            rows, np.arange(len(rows)), token_schema(val, loaded, sequence_length, source), val_target,
+            rows_per_fragment=rows_per_fragment, replace=val_found is not None,
+        ):
+            kept.append(val_target.uri)
+        else:
+            written["val"] = len(rows)
     rows = train.rows(sequence_length)
-    written["train"] = _write_split(
+    if _write_split(
         rows, np.random.default_rng(seed + 1).permutation(len(rows)), token_schema(train, loaded, sequence_length, source),
-        uri, rows_per_fragment=rows_per_fragment, options=dict(options or {}),
-    )
-    return written
+        train_target, rows_per_fragment=rows_per_fragment, replace=train_found is not None,
+    ):
+        written["train"] = len(rows)
+    else:
+        kept.append(train_target.uri)
+    return Ingested(written["train"], written["val"], tuple(kept))
 
 
 def sequences_before_ingest(source: str, sequence_length: int, tokenizer: str, val_fraction: float, seed: int, has_val: bool) -> int:

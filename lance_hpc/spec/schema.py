@@ -170,6 +170,9 @@ class IngestSpec(_Section):
     seed: int = Field(0, description="Seed of the train/validation split.")
     sequence_length: int = Field(256, ge=2, description="Text sources: tokens per training sequence.")
     tokenizer: str = Field("bytes", description="Text sources: bytes (UTF-8, nothing to download) or pkg.mod:factory.")
+    overwrite: bool = Field(False, description=(
+        "Write over Lance datasets already at data.uri / data.val_uri as new versions (other files are never touched); "
+        "a job's start still skips a complete one."))
 
 
 class CacheSpec(_Section):
