@@ -3,6 +3,10 @@
 A file path is loaded as a module named after the file, with the file's directory put first on
 ``sys.path``. That is also how the forkserver that DataLoader workers fork from finds it: the
 rank resolves every import path before the server starts, and the server copies ``sys.path``.
+
+Importing runs the module's code. So ``validate``, ``submit`` (``--dry-run`` too) and the job's
+ranks import these paths; ``status``, ``logs`` and ``cancel`` never do (they validate with
+``imports=False``, see :func:`lance_hpc.spec.load.validate_spec`).
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ The resources, setup lines and launch command are computed here once and used tw
 Jinja2 template (``templates/sbatch.sh.j2``, or the site template in ``slurm.template``) and by
 :mod:`lance_hpc.submit` for submitit, so both paths ask SLURM for the same job.
 
+Secrets never enter the script: validation refuses credentials in the spec, and the template's
+``spec`` is a copy with credential-looking values redacted besides.
+
 Templates get every ``{{ value }}`` shell-quoted on output unless it is :class:`ShellText`: script
 text this module built from quoted parts, or the user's own setup lines, which are shell by
 design. A value like ``$(touch /tmp/pwned)`` in a partition or path therefore stays a string, and
@@ -220,7 +223,8 @@ def render_sbatch(spec: JobSpec, spec_file: str) -> str:
     srun = ShellText(shlex.join(["srun", *srun_args(spec)]))
     command = launch_command(spec, spec_file)
     variables = {
-        "spec": spec,
+        # a site template may print any field: it gets the spec with credential-looking values redacted
+        "spec": JobSpec.model_validate(spec.redacted_dict()),
         "spec_file": str(spec_file),
         "sbatch_lines": [ShellText(sbatch_line(name, value)) for name, value in sorted(flags.items())],
         "setup": [ShellText(line) for line in _user_setup(spec)],

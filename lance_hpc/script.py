@@ -199,7 +199,7 @@ class Context:
             "world_size": self.world_size,
             "objects": {name: _unwrapped(item).state_dict() for name, item in self.registered.items() if name not in loaders},
             "dataset_version": next(iter(loaders.values())).dataset_version if loaders else None,
-            "spec": self.spec.to_dict(),
+            "spec": self.spec.redacted_dict(),
         }
         rank_state = {"loaders": {name: item.state_dict() for name, item in loaders.items()} if mid_epoch else {}}
         return str(checkpoint.save(self.spec.checkpoint.dir, self.step, state, rank_state, self.spec.checkpoint.keep))
@@ -234,7 +234,7 @@ def run_script(entry: Callable[[Context], Any], spec: JobSpec, env: DistEnv, dev
         print(checkpoint.resume_message(resumed, float(resumed.state.get("progress", resumed.epoch)), env.world_size,
                                         spec.data.batch_size, spec.train.grad_accum), flush=True)
     logger = build_logger(spec.logging.tensorboard_dir, env.is_main, purge_step=resumed.step if resumed else None)
-    logger.log_hparams({**flatten(spec.to_dict()), "world_size": env.world_size}, (f"val/{task.headline_metric}", "val/loss"))
+    logger.log_hparams({**flatten(spec.redacted_dict()), "world_size": env.world_size}, (f"val/{task.headline_metric}", "val/loss"))
     context = Context(spec, env, device, task, logger, preemption, resumed, step=resumed.step if resumed else 0,
                       epoch=resumed.epoch if resumed else 0)
     try:

@@ -3,6 +3,7 @@
 
 Every path writes the resolved spec as ``<log_dir>/<name>.spec.yaml`` and the script as
 ``<log_dir>/<name>.sbatch``; the job's tasks read that spec, so they run exactly what was shown.
+Both are written 0600, and a log directory lance_hpc creates is 0700.
 A sweep also writes one spec per run, ``<log_dir>/<name>.sweep/<index>.spec.yaml``, and submits
 one job array whose task ``<index>`` reads that file; ``--local`` runs them one after another.
 """
@@ -12,10 +13,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import os
 import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -28,6 +31,10 @@ from lance_hpc.errors import UserError
 from lance_hpc.spec import JobSpec, LoadedSpec, SweepRun, expand, load_spec
 
 EXIT_USER_ERROR, EXIT_JOB_FAILED = 2, 1
+# The resolved spec and the script say everything the job does (its paths, its setup lines), and
+# the job's tasks run whatever the spec file says: only their owner may read or change them
+# (files 0600, see write_private; a directory lance_hpc creates for them 0700).
+PRIVATE_DIR_MODE = 0o700
 # scontrol states of a job that will not run again.
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
@@ -55,15 +62,41 @@ def write_job_files(spec: JobSpec, script_path: Path | None = None) -> tuple[Pat
     runs = expand(spec) if spec.sweep else []
     # before writing anything: rendering may refuse
     script = render.render_sbatch(spec, run_spec_files(spec) if runs else str(spec_file))
-    spec_file.parent.mkdir(parents=True, exist_ok=True)  # SLURM cannot open logs in a missing directory
-    spec_file.write_text(spec.to_yaml())
-    for run in runs:
-        run_file = run_spec_file(spec, run)
-        run_file.parent.mkdir(parents=True, exist_ok=True)
-        run_file.write_text(run.spec.to_yaml())
-    script_path.parent.mkdir(parents=True, exist_ok=True)
-    script_path.write_text(script)
+    files = {spec_file: spec.to_yaml(), **{run_spec_file(spec, run): run.spec.to_yaml() for run in runs}, script_path: script}
+    for path, text in files.items():
+        try:
+            make_private_dirs(path.parent)  # also the log directory: SLURM cannot open logs in a missing one
+            write_private(path, text)
+        except OSError as error:
+            raise UserError(f"cannot write {path}: {error.strerror}\n"
+                            f"  fix: make {path.parent} a directory you can write, or set slurm.log_dir to one") from None
     return spec_file, script_path
+
+
+def make_private_dirs(directory: Path) -> None:
+    """Create ``directory`` and its missing parents readable by their owner alone (0700). One that
+    exists keeps the mode its owner chose: a group's shared log directory stays shared, while the
+    files lance_hpc writes into it are private anyway."""
+    missing = [path for path in (directory, *directory.parents) if not path.exists()]
+    for path in reversed(missing):
+        path.mkdir(mode=PRIVATE_DIR_MODE, exist_ok=True)
+
+
+def write_private(path: Path, text: str) -> None:
+    """Replace ``path`` by a file holding ``text``, readable and writable by its owner alone (0600).
+
+    The text is written to a fresh temporary file (mkstemp: 0600, never an existing file or link)
+    and renamed over ``path``: a link planted there is replaced, not followed, and an earlier
+    file's mode does not carry over.
+    """
+    descriptor, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(descriptor, "w") as file:
+            file.write(text)
+        os.replace(temp, path)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
 
 
 def dry_run(loaded: LoadedSpec) -> None:

@@ -141,7 +141,7 @@ def build_run(spec: JobSpec, env: DistEnv, device: torch.device, task: Task, res
     schedule = Schedule(optimizer, peak_lr(spec, env.world_size), spec.train.warmup_epochs,
                         float(spec.train.epochs), steps_per_epoch)
     logger = build_logger(spec.logging.tensorboard_dir, env.is_main, purge_step=step if resumed else None)
-    hparams = {**flatten(spec.to_dict()), "world_size": env.world_size, "peak_lr": schedule.peak_lr}
+    hparams = {**flatten(spec.redacted_dict()), "world_size": env.world_size, "peak_lr": schedule.peak_lr}
     logger.log_hparams(hparams, (f"val/{task.headline_metric}", "val/loss"))
     run = TrainingRun(spec, env, device, task, loader, ddp, optimizer, schedule, logger, step, epoch)
     if spec.train.max_steps is not None:  # the schedule ends where max_steps will stop this world size
@@ -323,7 +323,7 @@ def save(run: TrainingRun) -> str:
         "model": run.model.module.state_dict(),
         "optimizer": run.optimizer.state_dict(),
         "dataset_version": run.loader.dataset_version,
-        "spec": run.spec.to_dict(),
+        "spec": run.spec.redacted_dict(),
     }
     rank_state = {"loader": run.loader.state_dict() if mid_epoch else None}
     return str(checkpoint.save(run.spec.checkpoint.dir, run.step, state, rank_state, run.spec.checkpoint.keep))

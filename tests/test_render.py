@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from lance_hpc import render
 from lance_hpc.errors import UserError
-from lance_hpc.spec import JobSpec, load_spec, validate_spec
+from lance_hpc.spec import REDACTED, JobSpec, load_spec, validate_spec
 from lance_hpc.submit import run_spec_files
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -173,6 +173,21 @@ def test_site_template_gets_the_same_variables(tmp_path: Path) -> None:
     assert "#SBATCH --licenses=scratch" in script
     assert "echo 'a b' site" in script  # values are quoted on output, also in site templates
     assert script.rstrip().endswith("apptainer exec /images/train.sif python3 -m lance_hpc.run /x.yaml")
+
+
+def test_a_site_template_sees_the_spec_with_credentials_redacted(tmp_path: Path) -> None:
+    """Validation refuses credentials in a spec; a spec built without it still renders none."""
+    template = tmp_path / "site.sbatch.j2"
+    template.write_text("#!/bin/bash\n# {{ spec.data.storage_options.azure_storage_sas_token }} {{ spec.data.storage_options.region }}"
+                        " {{ spec.slurm.setup[0] }}\n{{ launch }}\n")
+    spec = JobSpec.model_validate({
+        "name": "site",
+        "data": {"uri": "/d", "storage_options": {"azure_storage_sas_token": "sv=1&sig=SECRET1", "region": "eu"}},
+        "slurm": {"template": str(template), "setup": ["export HF_TOKEN=SECRET2"]},
+    })
+    script = render.render_sbatch(spec, "/x.yaml")
+    assert "SECRET" not in script
+    assert f"# '{REDACTED}' eu 'export HF_TOKEN={REDACTED}'\n" in script
 
 
 @pytest.mark.parametrize(

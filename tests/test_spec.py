@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import math
+import re
+import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
+
+from pydantic import BaseModel
 
 import pytest
 import yaml
@@ -11,7 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lance_hpc.errors import UserError
-from lance_hpc.spec import SpecError, load_spec, load_spec_text, parse_time_limit, validate_spec
+from lance_hpc.spec import REDACTED, JobSpec, SpecError, load_spec, load_spec_text, parse_time_limit, redacted, validate_spec
+from lance_hpc.spec.secrets import is_credential_key
+from lance_hpc.spec.yaml_text import MAX_DEPTH, MAX_EXPANDED_VALUES, expanded_sizes
 
 BASE = {"name": "job", "data": {"uri": "/data/train.lance"}}
 
@@ -233,5 +240,200 @@ def test_round_trip_through_yaml(raw: dict[str, Any]) -> None:
     text = spec.to_yaml()
     again = load_spec_text(text, base_dir="/somewhere/else")
     assert again.spec == spec
+    assert load_spec_text(text, imports=False).spec == spec  # how status/logs/cancel read it: the same spec
     assert again.resolutions == ()
     assert yaml.safe_load(again.spec.to_yaml()) == spec.to_dict()
+
+
+# ---- YAML within bounds --------------------------------------------------------------------------
+
+
+def alias_bomb(levels: int, width: int = 6) -> str:
+    """A spec whose anchors each alias the previous one ``width`` times: ``width ** levels`` values."""
+    lines = [f"    a0: &a0 [{', '.join(['x'] * width)}]"]
+    lines += [f"    a{level}: &a{level} [{', '.join([f'*a{level - 1}'] * width)}]" for level in range(1, levels)]
+    return "name: bomb\ndata: {uri: /d}\ntask:\n  options:\n" + "\n".join(lines) + "\n"
+
+
+def test_an_alias_bomb_is_refused_naming_the_anchor_without_expanding_it() -> None:
+    text = alias_bomb(9)
+    assert len(text) < 450  # 413 bytes in the report that took 19 s to validate
+    with pytest.raises(SpecError) as caught:
+        load_spec_text(text)
+    message = str(caught.value)
+    assert f"aliases expand the spec to more than {MAX_EXPANDED_VALUES:,} values" in message
+    assert "anchor &a6 (line 11) alone stands for more than" in message
+    sizes = expanded_sizes(yaml.compose(text))
+    assert len(sizes) < 100  # every distinct node visited once, not 6 ** 9 times
+    assert max(values for values, _ in sizes.values()) > MAX_EXPANDED_VALUES
+
+
+def test_aliases_within_bounds_are_read_and_duplicate_keys_found_once() -> None:
+    loaded = load_spec_text("name: ok\ndata: &d {uri: /d, batch_size: 8}\nsweep: {data.batch_size: [8, 16]}\n")
+    assert loaded.spec.data.batch_size == 8
+    with pytest.raises(SpecError) as caught:
+        load_spec_text("name: x\ndata: {uri: /d}\ntask:\n  options: &o {a: 1, a: 2}\nsweep: {task.options.x: [*o, *o]}\n")
+    assert caught.value.problems == [caught.value.problems[0]]
+    assert "task.options.a: written twice, on lines 4 and 4" in str(caught.value)
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("name: x\ndata: {uri: /d}\ntask:\n  options: &o {a: *o}\n", "anchor &o (line 4) contains an alias to itself"),
+    ("name: x\ndata: {uri: /d}\nsweep:\n  train.lr: &l [0.1, *l]\n", "anchor &l (line 4) contains an alias to itself"),
+    ("name: x\ndata: &d\n  uri: /d\n  more: {deeper: *d}\n", "anchor &d (line 2) contains an alias to itself"),
+    ("x: " + "[" * (MAX_DEPTH + 5) + "]" * (MAX_DEPTH + 5) + "\n", f"nested {MAX_DEPTH + 6} levels deep (line 1)"),
+    ("x: " + "[" * 5000 + "]" * 5000 + "\n", "nested too deeply to read"),
+], ids=["mapping", "list", "nested", "deep", "deeper than python recurses"])
+def test_recursive_anchors_and_deep_nesting_are_refused_without_a_traceback(text: str, expected: str) -> None:
+    with pytest.raises(SpecError, match=re.escape(expected)):
+        load_spec_text(text)
+
+
+def test_command_line_values_are_bounded_too() -> None:
+    with pytest.raises(SpecError, match=re.escape("--set task.options=&a [*a]: anchor &a (line 1) contains an alias to itself")):
+        validate_spec(BASE, overrides=["task.options=&a [*a]"])
+    with pytest.raises(SpecError, match=re.escape("--sweep train.lr=[&a [*a]]: anchor &a (line 1) contains")):
+        validate_spec(BASE, sweeps=["train.lr=[&a [*a]]"])
+
+
+# ---- every number bounded ----------------------------------------------------------------------
+
+
+def numeric_fields(model: type[BaseModel] = JobSpec, prefix: str = "") -> Iterator[tuple[str, type]]:
+    """(YAML path, int or float) of every numeric field of the spec, sections included."""
+    for name, field in model.model_fields.items():
+        candidates = typing.get_args(field.annotation) or (field.annotation,)
+        section = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if section is not None:
+            yield from numeric_fields(section, f"{prefix}{name}.")
+        elif int in candidates or float in candidates:
+            yield f"{prefix}{name}", float if float in candidates else int
+
+
+NUMERIC_FIELDS = sorted(numeric_fields())
+# Sections that must be complete before their numbers are checked.
+REQUIRED = {"data": {"uri": "/d", "cache": {"dir": "/local/cache", "max_gb": 1}, "ingest": {"source": "sklearn-digits"}}}
+
+
+def with_value(path: str, value: Any) -> dict[str, Any]:
+    raw: dict[str, Any] = {"name": "bounds", **yaml.safe_load(yaml.safe_dump(REQUIRED))}
+    *sections, field = path.split(".")
+    node = raw
+    for part in sections:
+        node = node.setdefault(part, {})
+    node[field] = value
+    return raw
+
+
+def test_the_table_below_sees_every_numeric_field() -> None:
+    assert len(NUMERIC_FIELDS) >= 30
+    assert ("train.seed", int) in NUMERIC_FIELDS and ("data.cache.max_gb", float) in NUMERIC_FIELDS
+
+
+@pytest.mark.parametrize(("path", "kind"), NUMERIC_FIELDS, ids=[path for path, _ in NUMERIC_FIELDS])
+def test_every_numeric_field_refuses_nan_infinity_negatives_and_huge_values(path: str, kind: type) -> None:
+    for value in (math.nan, math.inf, -math.inf):
+        assert f"{path}: must be a finite number, got {value!r}" in problems_of(with_value(path, value))
+    assert f"{path}: must be >" in problems_of(with_value(path, -1))  # every count, size and rate is >= 0
+    if kind is int:
+        assert f"{path}: must be <=" in problems_of(with_value(path, 2**64))
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("train: {seed: -1}", "train.seed: must be >= 0, got -1"),
+    ("train: {seed: 4294967296}", "train.seed: must be <= 4294967295"),
+    ("data: {uri: /d, cache: {dir: /local, max_gb: .inf}}", "data.cache.max_gb: must be a finite number, got inf"),
+    ("train: {lr: .nan}", "train.lr: must be a finite number, got nan"),
+])
+def test_values_that_would_fail_on_every_rank_fail_at_validation(text: str, expected: str) -> None:
+    spec = "name: x\n" + ("" if text.startswith("data") else "data: {uri: /d}\n") + text + "\n"
+    with pytest.raises(SpecError, match=re.escape(expected)):
+        load_spec_text(spec)
+
+
+def test_seed_bounds_are_inclusive() -> None:
+    assert validate_spec(with_fields(train={"seed": 2**32 - 1}, data={"seed": 0})).spec.train.seed == 2**32 - 1
+
+
+# ---- credentials never in the spec -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("key", "fix"), [
+    ("aws_secret_access_key", "AWS_SECRET_ACCESS_KEY"),
+    ("secret_access_key", "AWS_SECRET_ACCESS_KEY"),
+    ("aws_session_token", "AWS_SESSION_TOKEN"),
+    ("azure_storage_account_key", "AZURE_STORAGE_ACCOUNT_KEY"),
+    ("account_key", "AZURE_STORAGE_ACCOUNT_KEY"),
+    ("azure_storage_sas_token", "AZURE_STORAGE_SAS_TOKEN"),
+    ("sas_key", "AZURE_STORAGE_SAS_KEY"),
+    ("azure_client_secret", "AZURE_CLIENT_SECRET"),
+    ("bearer_token", "AZURE_STORAGE_BEARER_TOKEN"),
+    ("google_service_account_key", "GOOGLE_APPLICATION_CREDENTIALS"),
+    ("service_account_key", "GOOGLE_APPLICATION_CREDENTIALS"),
+    ("aws_sse_customer_key_base64", "AWS_SSE_CUSTOMER_KEY_BASE64"),
+    ("proxy_password", "PROXY_PASSWORD"),
+])
+def test_credential_storage_options_are_refused_naming_where_they_go(key: str, fix: str) -> None:
+    message = problems_of(with_fields(data={"storage_options": {key: "s3cr3t"}}))
+    assert f"data.storage_options.{key}: credentials must not be written in the spec" in message
+    assert fix in message.split("fix:")[1]
+
+
+@pytest.mark.parametrize("key", [
+    "region", "endpoint", "allow_http", "azure_storage_account_name", "google_application_credentials",
+    "google_service_account", "aws_sse_kms_key_id", "azure_federated_token_file", "aws_skip_signature",
+])
+def test_storage_options_that_are_not_credentials_pass(key: str) -> None:
+    assert validate_spec(with_fields(data={"storage_options": {key: "value"}})).spec.data.storage_options == {key: "value"}
+
+
+@pytest.mark.parametrize(("slurm", "expected"), [
+    ({"setup": ["export AWS_SECRET_ACCESS_KEY=abc123"]}, "slurm.setup[0]: assigns AWS_SECRET_ACCESS_KEY a literal credential"),
+    ({"setup": ["module load x", "HF_TOKEN='hf_abc' python prep.py"]}, "slurm.setup[1]: assigns HF_TOKEN a literal credential"),
+    ({"setup": ["huggingface-cli login --token hf_abc"]}, "slurm.setup[0]: passes --token a literal credential"),
+    ({"setup": ["export AZURE_STORAGE_SAS_TOKEN=\"sv=1&sig=x\""]}, "AZURE_STORAGE_SAS_TOKEN a literal credential"),
+    ({"setup": ["export KEY_ID=AKIAABCDEFGHIJKLMNOP"]}, "slurm.setup[0]: holds what looks like an AWS access key id"),
+    ({"extra_flags": {"export": "ALL,AWS_SESSION_TOKEN=xyz"}}, "slurm.extra_flags.export: assigns AWS_SESSION_TOKEN"),
+    ({"extra_flags": {"password": "x"}}, "slurm.extra_flags.password: an sbatch flag must not carry a credential"),
+])
+def test_credentials_in_setup_lines_and_flags_are_refused(slurm: dict[str, Any], expected: str) -> None:
+    message = problems_of(with_fields(slurm=slurm))
+    assert expected in message
+    assert "fix: export" in message or "fix: keep it in the environment" in message
+
+
+@pytest.mark.parametrize("line", [
+    'export AWS_SECRET_ACCESS_KEY="$(cat ~/.secrets/aws)"', "export HF_TOKEN=$HF_TOKEN", "export TOKENIZERS_PARALLELISM=false",
+    "export AWS_PROFILE=research", "huggingface-cli login --token \"$HF_TOKEN\" --add-to-git-credential", "module load cuda",
+])
+def test_setup_lines_that_read_credentials_at_run_time_pass(line: str) -> None:
+    assert validate_spec(with_fields(slurm={"setup": [line]})).spec.slurm.setup == [line]
+
+
+@pytest.mark.parametrize(("section", "fields", "expected"), [
+    ("data", {"uri": "az://c/train.lance?sv=2022-11-02&sig=abc"}, "data.uri: holds what looks like an Azure SAS token"),
+    ("data", {"storage_options": {"endpoint": "https://me:pw@minio:9000"}}, "data.storage_options.endpoint: holds what looks like a password in a URL"),
+])
+def test_credential_looking_values_are_refused_wherever_they_are(section: str, fields: dict[str, Any], expected: str) -> None:
+    assert expected in problems_of(with_fields(**{section: fields}))
+
+
+def test_no_field_of_the_spec_looks_like_a_credential() -> None:
+    """Redaction replaces the values of credential-looking keys: no field of the spec may be one."""
+    def names(model: type[BaseModel]) -> Iterator[str]:
+        for name, field in model.model_fields.items():
+            yield name
+            for candidate in typing.get_args(field.annotation) or (field.annotation,):
+                if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+                    yield from names(candidate)
+    assert [name for name in names(JobSpec) if is_credential_key(name)] == []
+
+
+def test_redaction_replaces_credential_values_anywhere() -> None:
+    tree = {"a": {"azure_storage_sas_token": "sv=1", "region": "eu"}, "b": [{"apiKey": "k"}, "export TOKEN=abc && run"],
+            "c": "https://me:pw@host/x", "d": {"tokenizer": "bytes", "password": None}}
+    assert redacted(tree) == {"a": {"azure_storage_sas_token": REDACTED, "region": "eu"}, "b": [{"apiKey": REDACTED},
+                              f"export TOKEN={REDACTED} && run"], "c": f"{REDACTED}host/x", "d": {"tokenizer": "bytes", "password": None}}
+    spec = JobSpec.model_validate({"name": "x", "data": {"uri": "/d", "storage_options": {"aws_secret_access_key": "s3cr3t"}}})
+    assert spec.redacted_dict()["data"]["storage_options"] == {"aws_secret_access_key": REDACTED}
+    assert spec.to_dict()["data"]["storage_options"] == {"aws_secret_access_key": "s3cr3t"}  # the job's own copy keeps it

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -91,6 +92,49 @@ def test_render_only_writes_script_and_resolved_spec(tmp_path: Path, capsys: pyt
     assert spec == load_spec(spec_path).spec  # the job runs exactly the spec that was rendered
     assert out_file.read_text() == render.render_sbatch(spec, str(spec_file))
     assert f"sbatch {out_file}" in capsys.readouterr().out
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.lstat().st_mode)
+
+
+def test_files_that_hold_the_spec_are_private(tmp_path: Path) -> None:
+    """The spec, a sweep's run specs and the script are 0600 whatever the umask; the log directory
+    lance_hpc creates is 0700."""
+    log_dir = tmp_path / "new" / "logs"
+    raw = {**FULL_SPEC, "slurm": {**FULL_SPEC["slurm"], "log_dir": str(log_dir)}, "sweep": {"train.lr": [0.1, 0.2]}}
+    old_umask = os.umask(0o022)
+    try:
+        assert submit.main([str(write_spec(tmp_path, raw)), "--render-only"]) == 0
+    finally:
+        os.umask(old_umask)
+    written = [log_dir / "full.spec.yaml", log_dir / "full.sbatch", log_dir / "full.sweep" / "0.spec.yaml",
+               log_dir / "full.sweep" / "1.spec.yaml"]
+    assert {path.name: mode(path) for path in written} == {path.name: 0o600 for path in written}
+    assert mode(log_dir) == mode(tmp_path / "new") == mode(log_dir / "full.sweep") == 0o700
+    assert sorted(path.name for path in log_dir.iterdir()) == ["full.sbatch", "full.spec.yaml", "full.sweep"]  # no temp files left
+
+
+def test_an_existing_log_directory_keeps_its_mode_and_links_there_are_replaced(tmp_path: Path) -> None:
+    log_dir = tmp_path / "shared-logs"
+    log_dir.mkdir()
+    log_dir.chmod(0o2775)  # a group's shared directory: the owner's choice, kept
+    elsewhere = tmp_path / "elsewhere.txt"
+    elsewhere.write_text("not yours to overwrite")
+    (log_dir / "full.spec.yaml").symlink_to(elsewhere)  # planted where the spec goes
+    raw = {**FULL_SPEC, "slurm": {**FULL_SPEC["slurm"], "log_dir": str(log_dir)}}
+    assert submit.main([str(write_spec(tmp_path, raw)), "--render-only"]) == 0
+    assert mode(log_dir) == 0o2775
+    assert elsewhere.read_text() == "not yours to overwrite"
+    assert not (log_dir / "full.spec.yaml").is_symlink() and mode(log_dir / "full.spec.yaml") == 0o600
+
+
+def test_a_log_directory_that_cannot_be_written_is_a_user_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "file").write_text("")
+    raw = {**FULL_SPEC, "slurm": {**FULL_SPEC["slurm"], "log_dir": str(tmp_path / "file" / "logs")}}
+    assert submit.main([str(write_spec(tmp_path, raw)), "--render-only"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write {tmp_path}/file/logs/full.spec.yaml" in err and "fix:" in err and "Traceback" not in err
 
 
 def test_local_runs_the_written_spec_with_nproc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

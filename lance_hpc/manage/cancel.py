@@ -85,8 +85,7 @@ def report_stopped(ref: JobRef, job: queue.SlurmJob | None) -> None:
         records.record_state(ref.spec, job)
     print(f"job {ref.job_id} stopped ({state})")
     if ref.spec is None:
-        print("  (its spec was not found beside its log: see its last lines with "
-              f"`lance-hpc logs {ref.job_id}`)")
+        print(f"  ({ref.spec_note}: see its last lines with `lance-hpc logs {ref.job_id}`)")
         return
     texts = [path.read_text(errors="replace") if path.exists() else "" for path in logs.job_logs(ref, job).files]
     outcome = progress.outcome_from_log(texts[0], "".join(texts[1:]))

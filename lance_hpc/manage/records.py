@@ -10,7 +10,10 @@ their job name.
 from __future__ import annotations
 
 import json
+import os
+import pwd
 import re
+import stat
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -18,10 +21,23 @@ from typing import Any, Sequence
 
 from lance_hpc.errors import UserError
 from lance_hpc.manage import queue
-from lance_hpc.spec import JobSpec, SweepRun, expand, load_spec
+from lance_hpc.spec import JobSpec, Problem, SpecError, SweepRun, expand, load_spec_text
 
 RECORDS_FILE = "jobs.jsonl"
 JOB_ID = re.compile(r"^\d+(_\d+)?$")
+SPEC_NOT_FOUND = "its spec was not found beside its log"
+
+
+class NotYourSpec(UserError):
+    """A spec file someone else owns: its paths would decide what this user's commands read and write."""
+
+    def __init__(self, path: Path, uid: int) -> None:
+        self.path, self.owner = path, _user_name(uid)
+        super().__init__(
+            f"{path} belongs to {self.owner}, not to you: lance-hpc status, logs and cancel read only your own job "
+            "specs, so that nobody else's spec decides which files they read and write as you\n"
+            f"  fix: give the job id instead (lance-hpc status <job id>) to see what SLURM knows, or ask {self.owner}"
+        )
 
 
 @dataclass(frozen=True)
@@ -34,6 +50,7 @@ class JobRef:
     spec_source: str = ""
     log_spec: JobSpec | None = None
     run_label: str = ""  # a sweep's run: " (run 2: train.lr=0.05)"
+    spec_note: str = SPEC_NOT_FOUND  # without a spec: why
 
     @property
     def log_owner(self) -> JobSpec | None:
@@ -91,7 +108,7 @@ def resolve(target: str, overrides: Sequence[str] = (), job_id: str | None = Non
         if overrides:
             raise UserError("--set goes with a job spec, not a job id")
         return job_refs(target)
-    spec = load_spec(target, overrides).spec
+    spec = load_own_spec(Path(target), overrides)
     if spec.sweep:
         return sweep_runs(spec, target, job_id, every)
     ids = job_ids_of(spec)
@@ -108,7 +125,7 @@ def resolve(target: str, overrides: Sequence[str] = (), job_id: str | None = Non
 
 def sweep_runs(spec: JobSpec, target: str, job_id: str | None, every: bool) -> list[JobRef]:
     """A sweep's array tasks, one per run (``<array id>_<run index>``), each with its run's spec."""
-    runs = expand(spec, target)
+    runs = expand(spec, target, imports=False)
     arrays = sorted({found.partition("_")[0] for found in job_ids_of(spec)}, key=queue.job_order)
     if not arrays:
         raise never_submitted(spec, target)
@@ -128,11 +145,11 @@ def run_ref(array_id: str, run: SweepRun, sweep: JobSpec, source: str) -> JobRef
 def job_refs(job_id: str) -> list[JobRef]:
     """The job a job id names, with its spec when found. A sweep's array task reports with its
     run's spec (its own checkpoints and events), an array id as every run of the array."""
-    spec, source = spec_of_job(job_id)
+    spec, source, note = spec_of_job(job_id)
     if spec is None or not spec.sweep:
-        return [JobRef(job_id, spec, source)]
+        return [JobRef(job_id, spec, source, spec_note=note)]
     array_id, _, index = job_id.partition("_")
-    runs = [run for run in expand(spec, source) if index in ("", str(run.index))]
+    runs = [run for run in expand(spec, source, imports=False) if index in ("", str(run.index))]
     return [run_ref(array_id, run, spec, source) for run in runs] or [JobRef(job_id, spec, source)]
 
 
@@ -144,8 +161,32 @@ def never_submitted(spec: JobSpec, target: str) -> UserError:
     )
 
 
-def spec_of_job(job_id: str) -> tuple[JobSpec | None, str]:
-    """The resolved spec a live job runs, found beside its log file (where submit writes it)."""
+def load_own_spec(path: Path, overrides: Sequence[str] = (), follow_links: bool = True) -> JobSpec:
+    """The spec at ``path``, read only if the caller owns it and validated without importing
+    anything it names: looking at a job must not run its code, nor let another user's spec
+    choose the checkpoints, logs and records read and written as the caller. Raises NotYourSpec
+    for another user's file, SpecError for a missing or invalid one."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_links else os.O_NOFOLLOW)
+    try:
+        descriptor = os.open(path, flags)  # O_NONBLOCK: a FIFO planted in its place cannot hang us
+    except FileNotFoundError:
+        raise SpecError(str(path), [Problem("", f"spec file {path} does not exist", "check the path")]) from None
+    except OSError as error:
+        raise SpecError(str(path), [Problem("", f"cannot read {path}: {error.strerror}")]) from None
+    with os.fdopen(descriptor, "rb") as file:
+        info = os.fstat(file.fileno())  # of what was opened, not of what the path names a moment later
+        if info.st_uid != os.getuid():
+            raise NotYourSpec(path, info.st_uid)
+        if not stat.S_ISREG(info.st_mode):
+            raise SpecError(str(path), [Problem("", f"{path} is not a regular file", "name the job's spec file")])
+        text = file.read().decode("utf-8", errors="replace")
+    return load_spec_text(text, str(path), overrides, imports=False).spec
+
+
+def spec_of_job(job_id: str) -> tuple[JobSpec | None, str, str]:
+    """The resolved spec a live job runs, found beside its log file (where submit writes it), its
+    path, and without it what to tell the user. Any user's job can be named, so only a regular
+    file the caller owns is read (a link there is not followed)."""
     if not queue.have_slurm():
         queue.require("scontrol")
     job = queue.show_job(job_id)
@@ -156,12 +197,13 @@ def spec_of_job(job_id: str) -> tuple[JobSpec | None, str]:
             "  fix: check the id with `squeue --me`, or name the job's spec: lance-hpc status jobs/<spec>.yaml"
         )
     for candidate in _spec_candidates(job):
-        if candidate.is_file():
-            try:
-                return load_spec(candidate).spec, str(candidate)
-            except UserError:
-                continue  # a spec since rewritten by a newer lance_hpc: report what SLURM knows
-    return None, ""
+        try:
+            return load_own_spec(candidate, follow_links=False), str(candidate), ""
+        except NotYourSpec as error:
+            return None, "", f"its spec {candidate} belongs to {error.owner}, not to you, so lance-hpc did not read it"
+        except UserError:
+            continue  # missing, or a spec since rewritten by a newer lance_hpc: report what SLURM knows
+    return None, "", SPEC_NOT_FOUND
 
 
 def _spec_candidates(job: queue.SlurmJob) -> list[Path]:
@@ -181,3 +223,10 @@ def _append(path: Path, entry: dict[str, Any]) -> None:
 
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"

@@ -45,8 +45,8 @@ def report(ref: JobRef, job: queue.SlurmJob | None) -> list[str]:
     recorded = records.read_records(spec).get(ref.job_id, {}) if spec else {}
     lines = [headline(ref, job, recorded)]
     if spec is None:
-        lines.append("  (its spec was not found beside its log, so no checkpoint or metrics: "
-                     "name the spec to see them)")
+        fix = ": name the spec to see them" if ref.spec_note == records.SPEC_NOT_FOUND else ""
+        lines.append(f"  ({ref.spec_note}, so no checkpoint or metrics{fix})")
         return lines
     if job is not None:
         records.record_state(spec, job)

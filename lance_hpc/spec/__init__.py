@@ -2,8 +2,9 @@
 
 Every user mistake becomes one :class:`SpecError` that lists each problem with its YAML path and
 a fix, never a traceback. The sections live in :mod:`~lance_hpc.spec.schema`, loading and path
-resolution in :mod:`~lance_hpc.spec.load`, rules across fields (and the task a spec names) in
-:mod:`~lance_hpc.spec.rules`, and error reporting in :mod:`~lance_hpc.spec.problems`.
+resolution in :mod:`~lance_hpc.spec.load`, bounded YAML reading in :mod:`~lance_hpc.spec.yaml_text`,
+rules across fields (and the task a spec names) in :mod:`~lance_hpc.spec.rules`, credentials in
+:mod:`~lance_hpc.spec.secrets`, and error reporting in :mod:`~lance_hpc.spec.problems`.
 """
 
 from lance_hpc.spec.load import (
@@ -28,6 +29,7 @@ from lance_hpc.spec.schema import (
     TrainSpec,
     parse_time_limit,
 )
+from lance_hpc.spec.secrets import REDACTED, redacted
 from lance_hpc.spec.sweep import SweepRun, expand, run_count
 
 __all__ = [
@@ -40,6 +42,7 @@ __all__ = [
     "LoadedSpec",
     "LoggingSpec",
     "Problem",
+    "REDACTED",
     "Resolution",
     "SlurmSpec",
     "SpecError",
@@ -51,6 +54,7 @@ __all__ = [
     "load_spec",
     "load_spec_text",
     "parse_time_limit",
+    "redacted",
     "run_count",
     "validate_spec",
 ]

@@ -1,5 +1,6 @@
-"""Loading a spec: YAML (duplicate keys refused, with both line numbers), ``--set`` overrides,
-placeholders and relative paths resolved once, then validation that reports every problem.
+"""Loading a spec: YAML (duplicate keys, self-containing anchors and alias bombs refused, see
+:mod:`~lance_hpc.spec.yaml_text`), ``--set`` overrides, placeholders and relative paths resolved
+once, then validation that reports every problem.
 
 Placeholders such as ``{name}`` in path fields are resolved at load time, and the resolutions are
 kept on the spec so the command line can show them. A relative path, and the file of an import
@@ -20,7 +21,11 @@ from pydantic import ValidationError
 from lance_hpc.spec.problems import Problem, SpecError, from_pydantic, unique
 from lance_hpc.spec.rules import cross_field_problems, entry_problems, moved_key_problems, task_problems
 from lance_hpc.spec.schema import CheckpointSpec, JobSpec, LoggingSpec, SlurmSpec
+from lance_hpc.spec.secrets import secret_problems
 from lance_hpc.spec.sweep import expand, merge_sweep_options, sweep_problems
+from lance_hpc.spec.yaml_text import duplicate_keys, parse_value, parse_yaml
+
+__all__ = ["LoadedSpec", "Resolution", "apply_overrides", "duplicate_keys", "load_spec", "load_spec_text", "validate_spec"]
 
 # Fields whose string values may hold placeholders and name local paths (made absolute on load);
 # section None is the top level.
@@ -53,26 +58,6 @@ class LoadedSpec:
     resolutions: tuple[Resolution, ...]
     source: str
 
-def duplicate_keys(node: yaml.Node | None, path: str = "") -> list[Problem]:
-    """Keys written twice in one mapping (YAML loaders silently keep the last), with both lines."""
-    problems: list[Problem] = []
-    if isinstance(node, yaml.MappingNode):
-        first_line: dict[str, int] = {}
-        for key_node, value_node in node.value:
-            key = str(key_node.value)
-            where = f"{path}.{key}" if path else key
-            line = key_node.start_mark.line + 1
-            if key in first_line:
-                problems.append(Problem(where, f"written twice, on lines {first_line[key]} and {line}; YAML would keep only the second",
-                                        "keep one of them"))
-            else:
-                first_line[key] = line
-            problems += duplicate_keys(value_node, where)
-    elif isinstance(node, yaml.SequenceNode):
-        for index, item in enumerate(node.value):
-            problems += duplicate_keys(item, f"{path}[{index}]")
-    return problems
-
 
 def _resolve_import_path(value: str, base_dir: Path) -> str:
     """``file.py:Name`` with the file made absolute; module paths and registered names as they are."""
@@ -101,7 +86,10 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> list[Probl
                 break
             node = child
         else:
-            node[parts[-1]] = yaml.safe_load(value) if value.strip() else None
+            parsed, value_problems = parse_value(value, f"--set {item}") if value.strip() else (None, [])
+            problems += value_problems
+            if not value_problems:
+                node[parts[-1]] = parsed
     return problems
 
 
@@ -110,10 +98,13 @@ def load_spec(
     overrides: Sequence[str] = (),
     base_dir: str | Path | None = None,
     sweeps: Sequence[str] = (),
+    *,
+    imports: bool = True,
 ) -> LoadedSpec:
     """Read, override, resolve and validate a job spec; raises SpecError listing every problem.
 
-    ``sweeps`` are ``--sweep KEY=V1,V2`` options, added to the spec's sweep section.
+    ``sweeps`` are ``--sweep KEY=V1,V2`` options, added to the spec's sweep section. With
+    ``imports=False`` nothing the spec names is imported (see :func:`validate_spec`).
     """
     source = str(path)
     try:
@@ -122,7 +113,7 @@ def load_spec(
         raise SpecError(source, [Problem("", f"spec file {source} does not exist", "check the path")]) from None
     except OSError as error:
         raise SpecError(source, [Problem("", f"cannot read {source}: {error.strerror}")]) from None
-    return load_spec_text(text, source, overrides, base_dir, sweeps)
+    return load_spec_text(text, source, overrides, base_dir, sweeps, imports=imports)
 
 
 def load_spec_text(
@@ -131,22 +122,18 @@ def load_spec_text(
     overrides: Sequence[str] = (),
     base_dir: str | Path | None = None,
     sweeps: Sequence[str] = (),
+    *,
+    imports: bool = True,
 ) -> LoadedSpec:
     """Like load_spec, from YAML text."""
-    try:
-        duplicates = duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader))
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "somewhere"
-        raise SpecError(source, [Problem("", f"not valid YAML at {where}: {getattr(error, 'problem', error)}")]) from None
-    if duplicates:
-        raise SpecError(source, duplicates)
+    raw, problems = parse_yaml(text)
+    if problems:
+        raise SpecError(source, problems)
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise SpecError(source, [Problem("", "the spec must be a mapping of sections", "start with 'name: ...'")])
-    return validate_spec(raw, source, overrides, base_dir, sweeps)
+    return validate_spec(raw, source, overrides, base_dir, sweeps, imports=imports)
 
 
 def validate_spec(
@@ -155,10 +142,15 @@ def validate_spec(
     overrides: Sequence[str] = (),
     base_dir: str | Path | None = None,
     sweeps: Sequence[str] = (),
+    *,
+    imports: bool = True,
 ) -> LoadedSpec:
     """Validate a spec mapping (a deep copy is modified); raises SpecError listing every problem.
 
-    A sweep's runs are validated too, once the spec they start from is valid.
+    A sweep's runs are validated too, once the spec they start from is valid. ``imports=True``
+    imports task.name and entry to check them (and fills in the task's option defaults): that
+    runs the code they name. ``imports=False`` checks only their form, for reading the spec of a
+    job that may not be yours to run; lance_hpc's own modules are still imported.
     """
     raw = yaml.safe_load(yaml.safe_dump(dict(raw), sort_keys=False))  # deep copy through plain YAML types, in order
     problems = apply_overrides(raw, overrides)
@@ -170,16 +162,17 @@ def validate_spec(
     problems += moved_key_problems(raw)
     resolutions, resolve_problems = _resolve_paths(raw, Path(base_dir) if base_dir else Path.cwd())
     problems += resolve_problems
-    problems += task_problems(raw) + entry_problems(raw)
+    problems += task_problems(raw, imports=imports) + entry_problems(raw, imports=imports)
     try:
         spec = JobSpec.model_validate(raw)
     except ValidationError as error:
         spec = None
         problems += [from_pydantic(item, JobSpec) for item in error.errors()]
     problems += cross_field_problems(raw)
+    problems += secret_problems(raw)
     if not problems and spec is not None and spec.sweep:
         try:
-            expand(spec, source)
+            expand(spec, source, imports=imports)
         except SpecError as error:
             problems += error.problems
     if problems:

@@ -81,6 +81,8 @@ def from_pydantic(item: Mapping[str, Any], root: type[BaseModel], prefix: Sequen
     if kind in BOUNDS:
         bound, limit = BOUNDS[kind], next(iter(context.values()), "")
         return Problem(path, f"must be {bound} {limit}, got {value!r}", f"set a value {bound} {limit}")
+    if kind == "finite_number":
+        return Problem(path, f"must be a finite number, got {value!r}", "write a number, not .inf or .nan")
     if kind == "string_too_short":
         return Problem(path, "must not be empty", f"write a value for '{location[-1]}'")
     if kind == "string_pattern_mismatch":

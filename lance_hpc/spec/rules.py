@@ -5,16 +5,14 @@ They read the raw mapping, so they run (and report) even when other fields are w
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any, Mapping
 
 from lance_hpc.errors import UserError
+from lance_hpc.imports import is_import_path, load_callable
 from lance_hpc.spec.problems import Problem, from_pydantic
 from lance_hpc.spec.schema import SlurmSpec, parse_time_limit
 
-# storage_options keys that would put a credential into a file; they must come from the environment.
-SECRET_KEY_PATTERN = re.compile(r"secret|access_key|session_token|password|token|credential", re.I)
 # Keys that moved into task.options when tasks became pluggable: old path -> new key.
 MOVED = {
     ("model", "arch"): "model",
@@ -47,16 +45,24 @@ def moved_key_problems(raw: dict[str, Any]) -> list[Problem]:
     return problems
 
 
-def task_problems(raw: dict[str, Any]) -> list[Problem]:
+def task_problems(raw: dict[str, Any], imports: bool = True) -> list[Problem]:
     """Check task.name resolves to a Task class and task.options against its Options; on success
-    the options in ``raw`` are replaced by the validated ones, defaults filled in."""
-    from lance_hpc.tasks import task_class, validate_options
+    the options in ``raw`` are replaced by the validated ones, defaults filled in. Without
+    ``imports``, only that task.name is a registered name or has the form of an import path:
+    importing it would run its code."""
+    from lance_hpc.tasks import TASKS, task_class, validate_options
 
     task = raw.get("task")
     if task is None:
         task = raw["task"] = {}
     if not isinstance(task, dict) or not isinstance(task.get("name", ""), str):
         return []  # the schema reports the wrong type
+    if not imports:
+        name = task.get("name", "image_classification")
+        if name in TASKS or is_import_path(name):
+            return []
+        return [Problem("task.name", f"unknown task {name!r}", f"use one of: {', '.join(TASKS)}, or an import path to "
+                        "your Task class (my_pkg.tasks:MyTask or path/to/file.py:MyTask)")]
     try:
         cls = task_class(task.get("name", "image_classification"))
     except UserError as error:
@@ -71,13 +77,16 @@ def task_problems(raw: dict[str, Any]) -> list[Problem]:
     return []
 
 
-def entry_problems(raw: Mapping[str, Any]) -> list[Problem]:
-    """Script mode: the entry must import and be callable."""
-    from lance_hpc.imports import load_callable
-
+def entry_problems(raw: Mapping[str, Any], imports: bool = True) -> list[Problem]:
+    """Script mode: the entry must import and be callable; without ``imports``, only have the
+    form of an import path."""
     entry = raw.get("entry")
     if not isinstance(entry, str):
         return []
+    if not imports:
+        if is_import_path(entry):
+            return []
+        return [Problem("entry", f"{entry!r} is not an import path", "write package.module:Name or path/to/file.py:Name")]
     try:
         load_callable(entry, "entry")
     except UserError as error:
@@ -152,17 +161,6 @@ def cross_field_problems(raw: Mapping[str, Any]) -> list[Problem]:
         if problem:
             message, _, fix = problem.partition("\n  fix: ")
             problems.append(Problem("checkpoint.dir", message, fix))
-    options = data.get("storage_options")
-    if isinstance(options, dict):
-        for key in options:
-            if SECRET_KEY_PATTERN.search(str(key)):
-                problems.append(
-                    Problem(
-                        f"data.storage_options.{key}",
-                        "credentials must not be written in the spec (they would land in scripts and logs)",
-                        "export AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_SESSION_TOKEN) in the environment",
-                    )
-                )
     problems += io_timeout_problems(data, raw.get("train") if isinstance(raw.get("train"), dict) else {})
     return problems
 

@@ -13,6 +13,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from lance_hpc.spec.secrets import redacted
+
+# Bounds of every count and seed: what SLURM's and numpy's 32-bit fields hold. Past them a value
+# passes validation and then fails on every rank (numpy refuses a seed of -1 or 2**32).
+MAX_INT = 2**31 - 1
+MAX_SEED = 2**32 - 1
 # The forms sbatch accepts for --time.
 TIME_PATTERN = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 
@@ -76,7 +82,8 @@ def _corrupt_policies() -> tuple[str, ...]:
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+    # allow_inf_nan=False: every float field is finite (a cache of .inf GiB never evicts).
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, allow_inf_nan=False)
 
 
 def _container_runtimes() -> list[str]:
@@ -113,13 +120,13 @@ class ContainerSpec(_Section):
 
 class SlurmSpec(_Section):
     partition: str | None = Field(None, description="SLURM partition (-p); null uses the cluster default.")
-    nodes: int = Field(1, ge=1, description="Number of nodes (-N).")
-    gpus_per_node: int = Field(0, ge=0, description="GPUs per node (--gpus-per-node); 0 for CPU jobs.")
+    nodes: int = Field(1, ge=1, le=MAX_INT, description="Number of nodes (-N).")
+    gpus_per_node: int = Field(0, ge=0, le=MAX_INT, description="GPUs per node (--gpus-per-node); 0 for CPU jobs.")
     tasks_per_node: int | None = Field(
-        None, ge=1, description="Tasks per node; null means one per GPU (or 1 without GPUs)."
+        None, ge=1, le=MAX_INT, description="Tasks per node; null means one per GPU (or 1 without GPUs)."
     )
-    cpus_per_task: int = Field(4, ge=1, description="CPU cores per task, for DataLoader workers.")
-    mem_gb: int | None = Field(None, ge=1, description="Memory per node in GiB (--mem); null: cluster default.")
+    cpus_per_task: int = Field(4, ge=1, le=MAX_INT, description="CPU cores per task, for DataLoader workers.")
+    mem_gb: int | None = Field(None, ge=1, le=MAX_INT, description="Memory per node in GiB (--mem); null: cluster default.")
     time: str = Field("01:00:00", description="Time limit, any sbatch form: MM, HH:MM:SS, D-HH:MM:SS.")
     account: str | None = Field(None, description="Account to charge (-A).")
     qos: str | None = Field(None, description="Quality of service (--qos).")
@@ -133,13 +140,13 @@ class SlurmSpec(_Section):
         description="More sbatch flags by long name without dashes, e.g. {reservation: big}.",
     )
     template: str | None = Field(None, description="Path of a site sbatch template; null: built-in.")
-    max_requeues: int = Field(3, ge=0, description="How many times a preempted job requeues itself.")
+    max_requeues: int = Field(3, ge=0, le=MAX_INT, description="How many times a preempted job requeues itself.")
     signal_delay_s: int = Field(
-        120, ge=10, description="Seconds before the time limit SLURM sends USR2 to save and requeue."
+        120, ge=10, le=MAX_INT, description="Seconds before the time limit SLURM sends USR2 to save and requeue."
     )
     log_dir: str = Field("logs/{name}", description="Where job stdout/stderr and rendered files go.")
     array_parallelism: int = Field(
-        4, ge=1, description="Sweeps: how many runs of the job array may run at once (--array=0-N%this)."
+        4, ge=1, le=MAX_INT, description="Sweeps: how many runs of the job array may run at once (--array=0-N%this)."
     )
     container: ContainerSpec | None = Field(None, description="Run every task in a container; null: on the host.")
 
@@ -166,9 +173,9 @@ class IngestSpec(_Section):
         "imagefolder:<dir>, torchvision:<Name>:<root>, text:<glob> or python-stdlib.",
     )
     val_fraction: float = Field(0.2, ge=0.0, lt=1.0, description="Share of rows written to data.val_uri.")
-    rows_per_fragment: int = Field(1024, ge=1, description="Rows per Lance fragment.")
-    seed: int = Field(0, description="Seed of the train/validation split.")
-    sequence_length: int = Field(256, ge=2, description="Text sources: tokens per training sequence.")
+    rows_per_fragment: int = Field(1024, ge=1, le=MAX_INT, description="Rows per Lance fragment.")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of the train/validation split.")
+    sequence_length: int = Field(256, ge=2, le=MAX_INT, description="Text sources: tokens per training sequence.")
     tokenizer: str = Field("bytes", description="Text sources: bytes (UTF-8, nothing to download) or pkg.mod:factory.")
     overwrite: bool = Field(False, description=(
         "Write over Lance datasets already at data.uri / data.val_uri as new versions (other files are never touched); "
@@ -196,7 +203,7 @@ class CacheSpec(_Section):
 class DataSpec(_Section):
     uri: str = Field(..., description="Training dataset: local path or s3://bucket/path.lance.")
     val_uri: str | None = Field(None, description="Validation dataset; null skips evaluation.")
-    version: int | None = Field(None, ge=1, description="Pinned dataset version; null: latest at start.")
+    version: int | None = Field(None, ge=1, le=MAX_INT, description="Pinned dataset version; null: latest at start.")
     storage_options: dict[str, str] = Field(
         default_factory=dict,
         description="Object-store options (endpoint, region, allow_http); credentials come from env.",
@@ -207,14 +214,14 @@ class DataSpec(_Section):
     )
     val_sampler: str = Field("sharded", description="Evaluation split: sharded across ranks, or full_scan on every rank.")
     uneven: str = Field("drop", description="How ranks get equal steps: drop the surplus rows or pad by repeating rows.")
-    batch_size: int = Field(64, ge=1, description="Samples per rank per step.")
-    num_workers: int = Field(4, ge=0, description="DataLoader worker processes per rank.")
-    prefetch_factor: int = Field(2, ge=1, description="Batches each worker keeps ready.")
+    batch_size: int = Field(64, ge=1, le=MAX_INT, description="Samples per rank per step.")
+    num_workers: int = Field(4, ge=0, le=MAX_INT, description="DataLoader worker processes per rank.")
+    prefetch_factor: int = Field(2, ge=1, le=MAX_INT, description="Batches each worker keeps ready.")
     io_depth: int = Field(4, ge=0, le=64, description=(
         "Batches each worker reads ahead from the store while it decodes (hides object-storage latency; "
         "each costs one batch of encoded bytes in memory); 0: read on demand."))
     shuffle: bool = Field(True, description="Reshuffle every epoch from seed + epoch.")
-    seed: int = Field(0, description="Seed of the data order and of augmentation.")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of the data order and of augmentation.")
     on_corrupt: str = Field("skip", description="A row the task cannot decode: skip (counted in logs) or fail naming it.")
     ingest: IngestSpec | None = Field(None, description="Create the dataset on first use from a source.")
     io_timeout_s: float | None = Field(
@@ -246,25 +253,25 @@ PRECISIONS = ("bf16", "fp32")
 
 
 class TrainSpec(_Section):
-    epochs: int = Field(10, ge=1, description="Passes over the training data.")
-    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (quick runs).")
+    epochs: int = Field(10, ge=1, le=MAX_INT, description="Passes over the training data.")
+    max_steps: int | None = Field(None, ge=1, le=MAX_INT, description="Stop after this many optimizer steps (quick runs).")
     lr: float = Field(0.1, gt=0, description="Learning rate at base_batch_size.")
     lr_scaling: str = Field(
         "linear", description="linear: lr * global_batch / base_batch_size; none: lr as given."
     )
-    base_batch_size: int = Field(256, ge=1, description="Global batch size at which lr applies.")
+    base_batch_size: int = Field(256, ge=1, le=MAX_INT, description="Global batch size at which lr applies.")
     warmup_epochs: float = Field(1.0, ge=0, description="Linear warmup length, then cosine decay.")
     optimizer: str = Field("sgd", description="sgd (momentum, nesterov) or adamw.")
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum.")
     weight_decay: float = Field(5e-5, ge=0, description="Weight decay.")
     precision: str = Field("bf16", description="bf16 autocast on GPU; CPU runs fp32.")
-    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
-    seed: int = Field(0, description="Seed of model init and augmentation.")
+    grad_accum: int = Field(1, ge=1, le=MAX_INT, description="Micro-batches per optimizer step.")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of model init and augmentation.")
     deterministic: bool = Field(False, description="Deterministic kernels (slower), for exact resume checks.")
     collective_timeout_s: int = Field(
-        180, ge=10, description="Seconds a collective may wait before the job fails with a clear error."
+        180, ge=10, le=MAX_INT, description="Seconds a collective may wait before the job fails with a clear error."
     )
-    eval_every_epochs: int = Field(1, ge=1, description="Evaluate every N epochs (and at the end).")
+    eval_every_epochs: int = Field(1, ge=1, le=MAX_INT, description="Evaluate every N epochs (and at the end).")
 
     check_lr_scaling = field_validator("lr_scaling")(_choice(lambda: LR_SCALING))
     check_optimizer = field_validator("optimizer")(_choice(lambda: OPTIMIZERS))
@@ -273,14 +280,14 @@ class TrainSpec(_Section):
 
 class CheckpointSpec(_Section):
     dir: str = Field("checkpoints/{name}", description="Checkpoint directory.")
-    every_steps: int = Field(500, ge=1, description="Save every N optimizer steps (and at epoch end).")
-    keep: int = Field(3, ge=1, description="Checkpoints kept; older ones are deleted.")
+    every_steps: int = Field(500, ge=1, le=MAX_INT, description="Save every N optimizer steps (and at epoch end).")
+    keep: int = Field(3, ge=1, le=MAX_INT, description="Checkpoints kept; older ones are deleted.")
     resume: bool = Field(True, description="Start from the latest checkpoint in dir if there is one.")
 
 
 class LoggingSpec(_Section):
     tensorboard_dir: str = Field("runs/{name}", description="TensorBoard event directory (rank 0 writes).")
-    log_every_steps: int = Field(20, ge=1, description="Log scalars every N steps.")
+    log_every_steps: int = Field(20, ge=1, le=MAX_INT, description="Log scalars every N steps.")
     progress: bool = Field(True, description="Show a progress bar on rank 0.")
 
 
@@ -311,6 +318,11 @@ class JobSpec(_Section):
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
+
+    def redacted_dict(self) -> dict[str, Any]:
+        """:meth:`to_dict` for copies that leave the job's own spec file (its script, checkpoints,
+        TensorBoard's hparams): credential-looking values replaced by a marker."""
+        return redacted(self.to_dict())
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)

@@ -21,6 +21,7 @@ from pydantic import BaseModel
 
 from lance_hpc.spec.problems import Problem, SpecError
 from lance_hpc.spec.schema import JobSpec
+from lance_hpc.spec.yaml_text import parse_value
 
 # SLURM's default MaxArraySize is 1001, so array indices run from 0 to 1000.
 MAX_RUNS = 1001
@@ -60,11 +61,13 @@ def parse_sweep_option(item: str) -> tuple[str, list[Any]] | Problem:
     key = key.strip()
     if not sep or not key or not text.strip():
         return Problem(f"--sweep {item}", "is not KEY=VALUE,VALUE,...", "write e.g. --sweep train.lr=0.1,0.05")
-    try:
-        values = yaml.safe_load(text) if text.strip().startswith("[") else [yaml.safe_load(part) for part in text.split(",")]
-    except yaml.YAMLError:
-        return Problem(f"--sweep {item}", "values are not valid YAML", "write e.g. --sweep 'task.options.hidden=[32, 64]'")
-    return key, values
+    parts = [text] if text.strip().startswith("[") else text.split(",")
+    parsed = [parse_value(part, f"--sweep {item}") for part in parts]
+    problems = [problem for _, found in parsed for problem in found]
+    if problems:
+        return Problem(problems[0].path, problems[0].message, problems[0].fix or "write e.g. --sweep 'task.options.hidden=[32, 64]'")
+    values = [value for value, _ in parsed]
+    return key, values[0] if text.strip().startswith("[") else values
 
 
 def merge_sweep_options(raw: dict[str, Any], options: Sequence[str]) -> list[Problem]:
@@ -122,8 +125,9 @@ def run_count(spec: JobSpec) -> int:
     return len(combinations(spec.sweep))
 
 
-def expand(spec: JobSpec, source: str = "<spec>") -> list[SweepRun]:
-    """The runs of a sweep spec, each validated; raises SpecError naming the swept value at fault."""
+def expand(spec: JobSpec, source: str = "<spec>", imports: bool = True) -> list[SweepRun]:
+    """The runs of a sweep spec, each validated (``imports``: as :func:`~lance_hpc.spec.load.validate_spec`
+    takes it); raises SpecError naming the swept value at fault."""
     from lance_hpc.spec.load import validate_spec  # load imports this module
 
     chosen = combinations(spec.sweep)
@@ -138,7 +142,7 @@ def expand(spec: JobSpec, source: str = "<spec>") -> list[SweepRun]:
         for key, value in values.items():
             _set(raw, key, value)
         try:
-            runs.append(SweepRun(index, values, validate_spec(raw, source).spec))
+            runs.append(SweepRun(index, values, validate_spec(raw, source, imports=imports).spec))
         except SpecError as error:
             problems += [_blame(problem, values, name) for problem in error.problems]
     if problems:
