@@ -25,6 +25,7 @@ from lance_hpc.slurm_cluster import SlurmCluster
 from lance_hpc.spec import JobSpec, SpecError, load_spec, validate_spec
 from lance_hpc.tasks import load_task
 from tests.test_render import check_golden
+from tests.fixtures_slurm import signal_steps
 from tests.trainer_jobs import REPO_ROOT, Digits, digits, final_state, write_spec
 
 __all__ = ["digits"]  # the session fixture, imported for pytest
@@ -215,7 +216,7 @@ def test_apptainer_job_is_preempted_requeued_by_its_script_and_resumes(
     from tests.test_sweep import job_fields, wait_for_runs, wait_for_text
 
     wait_for_text(log, "step 50/")  # early in epoch 2 of 44-step epochs
-    subprocess.run(["scancel", "--signal=USR2", job_id], env=environ, check=True)
+    signal_steps(environ, job_id)
     states = wait_for_runs(slurm_cluster, [job_id], 900)
     output = log.read_text() + (Path(spec.slurm.log_dir) / f"boxed-{job_id}.err").read_text()
     assert states == {job_id: "COMPLETED"}, output

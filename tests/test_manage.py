@@ -27,6 +27,7 @@ from lance_hpc.spec import JobSpec, load_spec
 from lance_hpc.spec.sweep import expand
 from lance_hpc.submit import write_job_files
 from lance_hpc.tasks import load_task
+from tests.fixtures_slurm import signal_steps
 from tests.trainer_jobs import REPO_ROOT, Digits, digits, write_spec
 
 __all__ = ["digits"]  # the session fixture, imported for pytest
@@ -396,7 +397,7 @@ def test_logs_follow_a_job_through_its_requeue_until_it_ends(
     follower, lines = follow(slurm_cluster, str(spec_path), "--stdout")  # most likely before the job starts
     try:
         wait_for(lambda: "0: step 2/" in "".join(lines), "the second step, followed")
-        subprocess.run(["scancel", "--signal=USR2", job_id], env=environ(slurm_cluster), check=True)
+        signal_steps(environ(slurm_cluster), job_id)
         wait_for(lambda: "by SIGUSR2" in "".join(lines), "the stop on USR2, followed")
         stopped_at = int(re.search(r"stopped at step (\d+) by SIGUSR2", "".join(lines)).group(1))
         wait_for(lambda: f"0: step {stopped_at + 1}/" in "".join(lines), "the restarted run's first step, followed")

@@ -29,6 +29,7 @@ from lance_hpc.spec import JobSpec, load_spec
 from lance_hpc.tasks import load_task
 from lance_hpc.submit import FINAL_STATES, make_executor, write_job_files
 from tests.test_elastic import logged_rows, planned_rows
+from tests.fixtures_slurm import signal_steps
 from tests.trainer_jobs import (
     FINAL_ACCURACY,
     REPO_ROOT,
@@ -145,7 +146,7 @@ def test_usr2_mid_epoch_requeues_and_resumes_to_the_same_weights(
     spec = job_spec(tmp_path, digits, slurm_cluster)
     job_id = sbatch(slurm_cluster, spec)
     wait_for_output(lambda: output_of(spec, job_id), f"step {steps_per_epoch(spec) + 3}/")  # early in epoch 2
-    subprocess.run(["scancel", "--signal=USR2", job_id], env=environ(slurm_cluster), check=True)
+    signal_steps(environ(slurm_cluster), job_id)
     assert wait_for_job(slurm_cluster, job_id, 600) == "COMPLETED", output_of(spec, job_id)
     output = output_of(spec, job_id)
     assert job_state(slurm_cluster, job_id)[1] == 1, output
@@ -164,7 +165,7 @@ def interrupt_with_usr2(cluster: SlurmCluster, spec: JobSpec) -> tuple[str, str,
     (job id, its output, the checkpoint the interrupted run saved)."""
     job_id = sbatch(cluster, spec)
     wait_for_output(lambda: output_of(spec, job_id), f"step {steps_per_epoch(spec) + 3}/")
-    subprocess.run(["scancel", "--signal=USR2", job_id], env=environ(cluster), check=True)
+    signal_steps(environ(cluster), job_id)
     assert wait_for_job(cluster, job_id, 600) == "COMPLETED", output_of(spec, job_id)
     output = output_of(spec, job_id)
     assert job_state(cluster, job_id)[1] == 1 and f"requeued job {job_id} (requeue 1 of at most 2)" in output, output
@@ -281,7 +282,7 @@ def test_four_ranks_preempted_mid_epoch_continue_on_two_with_every_row_once(
                     slurm={"max_requeues": 0})
     job_id = sbatch(slurm_cluster, spec)
     wait_for_output(lambda: output_of(spec, job_id), f"step {steps_per_epoch(spec) + 3}/")
-    subprocess.run(["scancel", "--signal=USR2", job_id], env=environ(slurm_cluster), check=True)
+    signal_steps(environ(slurm_cluster), job_id)
     wait_for_job(slurm_cluster, job_id, 300)
     assert "not requeued" in output_of(spec, job_id), output_of(spec, job_id)
     stopped = final_state(tmp_path)

@@ -47,7 +47,8 @@ def cancel(ref: JobRef, now: bool, timeout_s: float) -> int:
     signal_name = stop_signal(job)
     print(f"asking job {ref.job_id} to save a checkpoint and stop (SIG{signal_name} to its tasks; "
           "the ranks stop together at the next step)", flush=True)
-    queue.scancel(ref.job_id, signal_name)
+    if not queue.signal_steps(ref.job_id, signal_name):  # its batch script has not started srun yet
+        queue.scancel(ref.job_id, signal_name)
     job = wait_until_stopped(ref, signal_name, timeout_s)
     if job is not None and not job.ended:
         print(f"{PROG}: job {ref.job_id} is still {job.state} after {timeout_s:.0f} s; it may still be writing "

@@ -183,6 +183,20 @@ def scancel(job_id: str, signal_name: str | None = None) -> None:
         raise UserError(f"{' '.join(command)} failed: {message}\n  fix: check the job id with squeue --me")
 
 
+def signal_steps(job_id: str, signal_name: str) -> list[str]:
+    """Send ``signal_name`` once to each running step of the job; returns the steps signalled.
+
+    ``scancel --signal`` given a job id retries for up to a minute and a half while SLURM calls
+    the job "in a transitional state", which it does for a job whose ranks requeue it on that very
+    signal: a retry then lands in the requeued run, which stops and requeues again, or dies of the
+    signal before it can hold it. A step id is signalled once, with no retry."""
+    require("scancel")
+    steps = job_steps(job_id)
+    for step in steps:
+        _run("scancel", f"--signal={signal_name}", step)  # fails only for a step that ended meanwhile
+    return steps
+
+
 def kill_now(job_id: str) -> None:
     """Cancel a running job with its tasks killed at once, so they save nothing.
 
