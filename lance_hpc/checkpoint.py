@@ -1,17 +1,20 @@
 """Checkpoints: atomic save by rank 0, resume from the latest, and preemption (save, then requeue).
 
 A checkpoint is one file ``step-XXXXXXXX.pt`` in checkpoint.dir, a local directory or an
-``s3://bucket/prefix`` (see :mod:`lance_hpc.checkpoint_store`). Either way a crash at any moment
-leaves either the new checkpoint or none: the previous checkpoint stays loadable.
+``s3://bucket/prefix`` (see :mod:`lance_hpc.checkpoint_store`), with a small JSON manifest beside it
+(:mod:`lance_hpc.checkpoint_index`). Either way a crash at any moment leaves either the new
+checkpoint or none: the previous checkpoint stays loadable. One run writes to a directory at a time:
+rank 0 holds its lease (:mod:`lance_hpc.lease`, taken by :func:`writer_lease`).
 """
 
 from __future__ import annotations
 
 import random
-import re
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -20,14 +23,23 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from pydantic import BaseModel, ValidationError
+from torch import nn
 
-from lance_hpc import early_signals
-from lance_hpc.checkpoint_store import TEMP_SUFFIX, Location, locate, open_store
+from lance_hpc import early_signals, lease
+from lance_hpc.checkpoint_index import (
+    checkpoint_name,
+    checkpoint_names,
+    checkpoint_steps,
+    leftovers,
+    manifest,
+    manifest_name,
+)
+from lance_hpc.checkpoint_store import Location, NoSpace, locate, open_store
 from lance_hpc.env import DistEnv
 from lance_hpc.errors import UserError
+from lance_hpc.metrics import flatten
 from lance_hpc.spec import DataSpec, JobSpec
-
-NAME_PATTERN = re.compile(r"^step-(\d+)\.pt$")
 # USR2: SLURM's --signal before the time limit, or submitit's preemption signal: save and requeue.
 REQUEUE_SIGNAL = signal.SIGUSR2
 # SIGTERM: scancel, or a preemption that SLURM requeues by itself: save and stop.
@@ -39,20 +51,14 @@ PREEMPTION_SIGNALS = (INTERRUPT_SIGNAL, STOP_SIGNAL, REQUEUE_SIGNAL)  # in risin
 
 def checkpoint_path(directory: str | Path, step: int) -> Location:
     """Where the checkpoint of ``step`` goes: a Path, or an s3:// URI for a directory on object storage."""
-    return open_store(directory).location(f"step-{step:08d}.pt")
-
-
-def _checkpoint_names(names: list[str]) -> list[str]:
-    """The checkpoint names among ``names``, oldest first."""
-    found = [(int(match.group(1)), name) for name in names if (match := NAME_PATTERN.match(name))]
-    return [name for _, name in sorted(found)]
+    return open_store(directory).location(checkpoint_name(step))
 
 
 def list_checkpoints(directory: str | Path) -> list[Location]:
     """Complete checkpoints in ``directory``, oldest first (temporary files and unfinished uploads
     are never listed)."""
     store = open_store(directory)
-    return [store.location(name) for name in _checkpoint_names(store.names())]
+    return [store.location(name) for name in checkpoint_names(store.names())]
 
 
 def write_atomically(state: dict[str, Any], path: Location) -> None:
@@ -63,11 +69,12 @@ def write_atomically(state: dict[str, Any], path: Location) -> None:
 
 
 def prune(directory: str | Path, keep: int) -> None:
-    """Delete all but the newest ``keep`` checkpoints, and temporary files left by a crash."""
+    """Delete all but the newest ``keep`` checkpoints with their manifests, and what a crash left."""
     store = open_store(directory)
     names = store.names()
-    leftovers = [name for name in names if name.startswith(".step-") and name.endswith(TEMP_SUFFIX)]
-    for name in _checkpoint_names(names)[:-keep] + leftovers:
+    pruned = list(checkpoint_steps(names).items())[:-keep]
+    manifests = [manifest_name(step) for step, _ in pruned if manifest_name(step) in names]
+    for name in [name for _, name in pruned] + manifests + leftovers(names):
         store.delete(name)
 
 
@@ -85,10 +92,16 @@ def save(directory: str | Path, step: int, state: dict[str, Any], rank_state: di
     outcome: list[Any] = [None]  # (message, whether it is a UserError) when rank 0 failed
     if dist.get_rank() == 0:
         try:
+            held = lease.held(directory)
+            if held is not None:
+                held.confirm()
             write_atomically({**state, "ranks": ranks}, path)
+            open_store(directory).write_bytes(manifest_name(step), manifest({**state, "step": step}, len(ranks)))
             prune(directory, keep)
         except UserError as error:  # the object store's message already names the URI and the fix
             outcome[0] = (str(error), True)
+        except NoSpace as full:
+            outcome[0] = (no_space_message(directory, full), True)
         except Exception as error:  # reported on every rank below
             outcome[0] = (f"cannot write checkpoint {path}: {type(error).__name__}: {error}", False)
     dist.broadcast_object_list(outcome, src=0)
@@ -96,6 +109,66 @@ def save(directory: str | Path, step: int, state: dict[str, Any], rank_state: di
         message, user_error = outcome[0]
         raise UserError(message) if user_error else RuntimeError(message)
     return path
+
+
+def no_space_message(directory: str | Path, full: NoSpace) -> str:
+    """What a save that filled the file system tells the user: the file, the space left, and that
+    the newest complete checkpoint is untouched (a write goes to a temporary file first)."""
+    intact = checkpoint_names(open_store(directory).names())
+    reached = f", which had reached {_size(full.written)}" if full.written else ""
+    if full.quota:
+        problem = f"the disk quota on its file system is used up ({_size(full.free)} free on the file system)"
+    else:
+        problem = (f"the file system is full ({_size(full.free)} free in {directory} after removing the partial "
+                   f"file{reached})")
+    if intact:
+        kept = (f"the newest complete checkpoint, {intact[-1]}, is intact: a checkpoint is written to a temporary file "
+                "and renamed into place only when complete")
+    else:
+        kept = "no earlier checkpoint exists, and nothing was left behind"
+    fix = (f"free space there or point checkpoint.dir at a larger file system (checkpoint.keep: fewer kept), then run "
+           f"again to {'resume from ' + intact[-1] if intact else 'start'}")
+    return f"cannot write {full.path}: {problem}\n  {kept}\n  fix: {fix}"
+
+
+def _size(count: float) -> str:
+    for unit in ("bytes", "KiB", "MiB"):
+        if count < 1024:
+            return f"{count:.0f} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} GiB"
+
+
+@contextmanager
+def writer_lease(directory: str | Path, env: DistEnv) -> Iterator[lease.Lease | None]:
+    """Collective: rank 0 takes the lease of checkpoint.dir before any rank writes there, and
+    yields it (other ranks get None); when another run holds it, every rank raises the same
+    UserError, so none waits for the others. On leaving, the lease is released, unless it was
+    kept for a requeue (:meth:`lance_hpc.lease.Lease.keep`)."""
+    held: lease.Lease | None = None
+    refusal: list[Any] = [None]  # (message, whether it is a UserError) when rank 0 did not get the lease
+    if env.rank == 0:
+        try:
+            held, note = lease.acquire(directory, lease.this_process(env.job_ref, env.restart_count))
+            if note:
+                print(f"lance_hpc: {note}", file=sys.stderr, flush=True)
+        except UserError as error:
+            refusal[0] = (str(error), True)
+        except Exception as error:  # raised on every rank below, not only on this one
+            refusal[0] = (f"cannot take the lease of checkpoint.dir {directory}: {type(error).__name__}: {error}",
+                          False)
+    dist.broadcast_object_list(refusal, src=0)
+    if refusal[0] is not None:
+        message, user_error = refusal[0]
+        raise UserError(message) if user_error else RuntimeError(message)
+    try:
+        yield held
+    finally:
+        if held is not None:
+            try:
+                held.release()
+            except Exception as error:  # the run's outcome matters more; a stale lease is taken over later
+                print(f"lance_hpc: cannot release the lease {held.store.where} ({error})", file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -127,7 +200,7 @@ class Checkpoint:
 def load_latest(directory: str | Path) -> Checkpoint | None:
     """The newest checkpoint that loads; None when there is none."""
     store = open_store(directory)
-    for name in reversed(_checkpoint_names(store.names())):
+    for name in reversed(checkpoint_names(store.names())):
         path = store.location(name)
         try:
             return Checkpoint(path, store.read(name))
@@ -136,6 +209,74 @@ def load_latest(directory: str | Path) -> Checkpoint | None:
         except Exception as error:  # an unreadable file (e.g. a damaged disk): fall back to the previous one
             print(f"lance_hpc: skipping unreadable checkpoint {path}: {error}", file=sys.stderr)
     return None
+
+
+def restore_model(model: nn.Module, resumed: Checkpoint, spec: JobSpec, options: BaseModel) -> None:
+    """The built-in trainer's model from ``resumed``, refused with one message naming both when the
+    checkpoint was written for another task or model (``options``: this job's validated task options)."""
+    saved_task = resumed.state.get("spec", {}).get("task", {})
+    saved_name, saved_options = saved_task.get("name", spec.task.name), saved_task.get("options", {})
+    saved_model = saved_options.get("model")
+    if saved_name == spec.task.name:
+        try:  # the same task class fills in the default model the checkpoint's spec left out
+            saved_model = getattr(type(options).model_validate(saved_options), "model", saved_model)
+        except ValidationError:
+            pass
+    ours, theirs = _model_text(spec.task.name, getattr(options, "model", None)), _model_text(saved_name, saved_model)
+    if ours != theirs:
+        back = f"task.options.model: {saved_model}" if saved_name == spec.task.name else f"task.name: {saved_name}"
+        raise UserError(f"checkpoint {resumed.path} was written for {theirs}, but this job trains {ours}\n"
+                        f"  fix: {_OTHER_DIRECTORY}, or set {back} to continue that run; {_START_OVER}")
+    restore_object(model, resumed.state["model"], resumed, spec, "model")
+
+
+def restore_object(item: Any, saved: Any, resumed: Checkpoint, spec: JobSpec, name: str) -> None:
+    """``item.load_state_dict(saved)``: a model (or optimizer) that does not match the checkpoint's is
+    one UserError listing a few mismatched keys, instead of torch's list of every one."""
+    try:
+        item.load_state_dict(saved)
+    except (RuntimeError, ValueError) as error:
+        if isinstance(item, nn.Module):
+            mismatch = _state_mismatch(item, saved)
+        else:  # an optimizer over other parameters says so in a ValueError
+            mismatch = str(error) if isinstance(item, torch.optim.Optimizer) and isinstance(error, ValueError) else ""
+        if not mismatch:
+            raise
+        changes = _spec_changes(resumed.state.get("spec", {}), spec.redacted_dict())  # as the checkpoint keeps it
+        raise UserError(f"checkpoint {resumed.path}: its {name!r} does not match this job's {name} ({mismatch})\n"
+                        + (f"  the checkpoint was written with {changes}\n" if changes else "")
+                        + f"  fix: {_OTHER_DIRECTORY}, or build the {name} the checkpoint was written for; "
+                        + _START_OVER) from None
+
+
+_OTHER_DIRECTORY = "give this job another checkpoint.dir (--set checkpoint.dir=DIR)"
+_START_OVER = "checkpoint.resume: false starts over, in a directory without checkpoints"
+
+
+def _model_text(task: str, model: Any) -> str:
+    return f"model {model} (task {task})" if model is not None else f"task {task}"
+
+
+def _state_mismatch(module: nn.Module, saved: Any) -> str:
+    """A few of the keys that differ between ``module``'s state and ``saved``, and how many there are."""
+    expected = module.state_dict()
+    saved = saved if isinstance(saved, dict) else {}
+    resized = [f"{key} {list(saved[key].shape)} vs {list(value.shape)}" for key, value in expected.items()
+               if key in saved and hasattr(saved[key], "shape") and tuple(saved[key].shape) != tuple(value.shape)]
+    kinds = (("missing from the checkpoint", [key for key in expected if key not in saved]),
+             ("only in the checkpoint", [key for key in saved if key not in expected]),
+             ("of another shape (checkpoint vs model)", resized))
+    return "; ".join(f"{len(keys)} key(s) {label}: {', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}"
+                     for label, keys in kinds if keys)
+
+
+def _spec_changes(saved: dict[str, Any], current: dict[str, Any], shown: int = 3) -> str:
+    """``task.options.model: small_cnn (this job: resnet18)``, for the spec keys that shape a model."""
+    before = {key: value for key, value in flatten(saved).items() if key == "entry" or key.startswith("task.")}
+    after = {key: value for key, value in flatten(current).items() if key == "entry" or key.startswith("task.")}
+    changed = [key for key in sorted(before.keys() | after.keys()) if before.get(key) != after.get(key)]
+    return ", ".join(f"{key}: {before.get(key, '(unset)')} (this job: {after.get(key, '(unset)')})"
+                     for key in changed[:shown])
 
 
 def find_resume_point(spec: JobSpec) -> Checkpoint | None:

@@ -10,27 +10,31 @@ checkpoint:
   completes. An upload cut short (the writer killed, the network gone) never completes, so
   nothing is listed under the final name; its parts wait for the bucket's lifecycle rule.
 
+Besides checkpoints, a store keeps small files by name (a checkpoint's JSON manifest), written the
+same way. A local write that fills the file system raises :class:`NoSpace`, the partial file removed.
+
 Object storage takes its endpoint, region and credentials from the same AWS_* environment
 variables as s3:// datasets (:func:`lance_hpc.data.storage.storage_options`).
 """
 
 from __future__ import annotations
 
+import errno
 import io
 import os
+import shutil
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, BinaryIO, Callable, Mapping, Protocol
 from urllib.parse import urlparse
 
-import torch
 from pyarrow import fs
 
+from lance_hpc.checkpoint_index import TEMP_SUFFIX
 from lance_hpc.data.storage import CREDENTIAL_FIX, redact, storage_options
 from lance_hpc.errors import UserError
 from lance_hpc.files import replaced_atomically
 
-TEMP_SUFFIX = ".tmp"
 # object_store (and so Lance) assumes this region when none is configured; so do checkpoints.
 DEFAULT_REGION = "us-east-1"
 CREDENTIAL_ERRORS = ("INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH", "EXPIRED_TOKEN", "INVALID_TOKEN",
@@ -40,8 +44,18 @@ ENDPOINT_FIX = "check AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3) and the network 
 Location = Path | str  # a local checkpoint is a Path, one on object storage an s3:// URI
 
 
+class NoSpace(Exception):
+    """The file system filled up, or the user's quota ran out, while ``path`` was written. The
+    partial file is gone and ``path`` is as it was; ``free`` is what the file system had left after
+    that, ``written`` how far the write had got (0 when unknown)."""
+
+    def __init__(self, path: Path, code: int, written: int, free: int) -> None:
+        super().__init__(f"{path}: {os.strerror(code)}")
+        self.path, self.quota, self.written, self.free = path, code == errno.EDQUOT, written, free
+
+
 class Store(Protocol):
-    """Checkpoint files by name in one directory or prefix."""
+    """Checkpoint files, and small files beside them, by name in one directory or prefix."""
 
     def location(self, name: str) -> Location: ...
 
@@ -50,6 +64,10 @@ class Store(Protocol):
     def write(self, name: str, state: dict[str, Any]) -> None: ...
 
     def read(self, name: str) -> dict[str, Any]: ...
+
+    def write_bytes(self, name: str, payload: bytes) -> None: ...
+
+    def read_bytes(self, name: str) -> bytes: ...
 
     def delete(self, name: str) -> None: ...
 
@@ -70,14 +88,36 @@ class LocalDirectory:
 
     def write(self, name: str, state: dict[str, Any]) -> None:
         """torch.save to a temporary file, fsync, rename over ``name``, fsync the directory."""
+        self._write(name, lambda file: _save(state, file))
+
+    def read(self, name: str) -> dict[str, Any]:
+        return _load(self.location(name))
+
+    def write_bytes(self, name: str, payload: bytes) -> None:
+        self._write(name, lambda file: file.write(payload))
+
+    def read_bytes(self, name: str) -> bytes:
+        return self.location(name).read_bytes()
+
+    def _write(self, name: str, dump: Callable[[BinaryIO], object]) -> None:
+        """``dump`` into a temporary file that replaces ``name`` once complete; NoSpace when the
+        file system fills up on the way (torch.save reports that as an obscure RuntimeError)."""
         path = self.location(name)
         path.parent.mkdir(parents=True, exist_ok=True)
         temp = path.with_name(f".{path.name}.{os.getpid()}{TEMP_SUFFIX}")
-        with replaced_atomically(path, temp) as file:
-            torch.save(state, file)
-
-    def read(self, name: str) -> dict[str, Any]:
-        return torch.load(self.location(name), map_location="cpu", weights_only=True)
+        written = 0
+        try:
+            with replaced_atomically(path, temp) as file:
+                try:
+                    dump(file)
+                except BaseException:
+                    written = file.tell()
+                    raise
+        except Exception as error:
+            code = out_of_space(error)
+            if code is None:
+                raise
+            raise NoSpace(path, code, written, shutil.disk_usage(self.directory).free) from error
 
     def delete(self, name: str) -> None:
         self.location(name).unlink(missing_ok=True)
@@ -115,21 +155,26 @@ class ObjectStore:
         """Serialize in memory, then upload in one write call: a signal or an error in
         torch.save cannot end the upload with half a checkpoint under ``name``."""
         payload = io.BytesIO()
-        torch.save(state, payload)
+        _save(state, payload)
+        self.write_bytes(name, payload.getbuffer())
+
+    def read(self, name: str) -> dict[str, Any]:
+        return _load(io.BytesIO(self.read_bytes(name)))
+
+    def write_bytes(self, name: str, payload: bytes | memoryview) -> None:
         try:
             with self.filesystem.open_output_stream(f"{self.prefix}/{name}") as stream:
-                stream.write(payload.getbuffer())
+                stream.write(payload)
         except OSError as error:
             untouched = "; earlier checkpoints are untouched"
             raise self.error(str(error), "write checkpoint", self.location(name), untouched) from None
 
-    def read(self, name: str) -> dict[str, Any]:
+    def read_bytes(self, name: str) -> bytes:
         try:
             with self.filesystem.open_input_file(f"{self.prefix}/{name}") as file:
-                payload = file.read()
+                return file.read()
         except OSError as error:
             raise self.error(str(error), "read checkpoint", self.location(name)) from None
-        return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
 
     def delete(self, name: str) -> None:
         try:
@@ -159,6 +204,34 @@ class ObjectStore:
             reason = text.splitlines()[0] if text else "the object store failed"
             fix = f"check checkpoint.dir and the object store at {endpoint}"
         return UserError(f"cannot {operation} {location}: {reason}{note}\n  fix: {fix}")
+
+
+def _save(state: dict[str, Any], file: BinaryIO) -> None:
+    # torch is imported where a checkpoint is written or read, not with this module: status and
+    # cancel list checkpoint directories on login nodes, where importing torch costs seconds
+    import torch
+
+    torch.save(state, file)
+
+
+def _load(source: str | Path | BinaryIO) -> dict[str, Any]:
+    import torch
+
+    return torch.load(source, map_location="cpu", weights_only=True)
+
+
+def out_of_space(error: BaseException) -> int | None:
+    """ENOSPC or EDQUOT when ``error``, or an error it was raised from or while handling, is one:
+    torch.save turns a full disk into RuntimeError("... unexpected pos ...") raised while handling
+    the OSError that says so."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+            return cause.errno
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def filesystem_arguments(options: Mapping[str, str]) -> dict[str, Any]:

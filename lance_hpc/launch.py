@@ -1,8 +1,9 @@
 """Local runs: N processes on this machine through the same code path as a SLURM job.
 
-:func:`run_local` prepares the dataset once and checks the task against it, then starts ``python -m lance_hpc.run SPEC`` N times
-with the variables torchrun would set (gloo on CPU), forwards SLURM's stop signals to them, and
-when one rank dies stops the others and says which rank died and how.
+:func:`run_local` refuses a checkpoint.dir another run writes to, prepares the dataset once and
+checks the task against it, then starts ``python -m lance_hpc.run SPEC`` N times with the
+variables torchrun would set (gloo on CPU), forwards SLURM's stop signals to them, and when one
+rank dies stops the others and says which rank died and how.
 
 Ctrl-C behaves like SIGTERM under SLURM: the ranks agree at the next step, save and exit 3, and
 rerunning the same command continues. A second Ctrl-C stops every rank at once. The ranks run in
@@ -25,8 +26,9 @@ from pathlib import Path
 from types import FrameType
 
 import lance_hpc
-from lance_hpc import data
+from lance_hpc import data, lease
 from lance_hpc.checkpoint import INTERRUPT_SIGNAL, PREEMPTION_SIGNALS
+from lance_hpc.env import SLURM_VARS
 from lance_hpc.errors import UserError
 from lance_hpc.run import EXIT_INTERRUPTED, EXIT_STOPPED
 from lance_hpc.spec import load_spec
@@ -44,6 +46,10 @@ def run_local(spec_file: str | Path, nproc: int) -> int:
     if spec.sweep:
         raise UserError(f"{spec_file} is a sweep, not one run: use lance-hpc submit {spec_file} --local, "
                         "which runs each combination in turn")
+    # rank 0 takes the lease itself (another run may still get there first); this look says who
+    # holds it once, before the dataset is prepared and N ranks start only to refuse
+    lease.refuse_if_held(spec.checkpoint.dir, os.environ.get(SLURM_VARS["job_id"]),
+                         int(os.environ.get(SLURM_VARS["restart_count"]) or 0))
     try:
         data.ensure_dataset(spec.data)
         load_task(spec)  # a column the task needs but the data lacks: one error here, not one per rank

@@ -1,8 +1,9 @@
 """The entry point of every rank: ``python -m lance_hpc.run SPEC_FILE``.
 
 srun starts one per GPU (or :mod:`lance_hpc.launch` one per local process); each reads the
-resolved spec, joins the process group, checks the task against the data, trains (the built-in
-loop, or the spec's ``entry`` in script mode), and on preemption saves and requeues the job.
+resolved spec, joins the process group, takes checkpoint.dir for this run (rank 0 holds its lease;
+a second run on the same directory stops here), checks the task against the data, trains (the
+built-in loop, or the spec's ``entry`` in script mode), and on preemption saves and requeues the job.
 Exit codes: 0 finished or requeued, 1 training failed (or the data store stayed down for longer
 than data.io_timeout_s), 2 a problem the user can fix, 3 stopped by a signal without requeue (the
 checkpoint holds the state; run again to resume), 130 interrupted (Ctrl-C) before training began.
@@ -98,7 +99,8 @@ def run_job(
         data.worker_context()  # the DataLoader worker server imports torch while the process group forms
     try:
         timeout_s = spec.train.collective_timeout_s
-        with checkpoint.Preemption(signals) as preemption, process_group(env, timeout_s) as device:
+        with checkpoint.Preemption(signals) as preemption, process_group(env, timeout_s) as device, \
+                checkpoint.writer_lease(spec.checkpoint.dir, env) as lease:
             on_main_rank(lambda: data.ensure_dataset(spec.data), "prepare the dataset")
             task = load_task(spec)
             if entry is not None:
@@ -111,6 +113,8 @@ def run_job(
                     outcome[0] = after_preemption(env, spec, preemption, requeue)
                 dist.broadcast_object_list(outcome, src=0)
                 requeued, message = outcome[0]
+                if requeued and lease is not None:  # the job's next run takes the lease back; nobody else meanwhile
+                    lease.keep()
                 if env.is_main and preemption.agreed_signal == checkpoint.INTERRUPT_SIGNAL:
                     print(f"interrupted at step {summary.step}, checkpoint saved ({summary.checkpoint}); {message}",
                           flush=True)

@@ -147,7 +147,7 @@ class Context:
                 if saved is not None:
                     item.load_state_dict(saved)
             elif name in self.resumed.state["objects"]:
-                _unwrapped(item).load_state_dict(self.resumed.state["objects"][name])
+                checkpoint.restore_object(_unwrapped(item), self.resumed.state["objects"][name], self.resumed, self.spec, name)
             else:
                 raise UserError(f"ctx.register: the checkpoint {self.resumed.path} holds no {name!r} "
                                 f"(it has {', '.join(self.resumed.state['objects']) or 'nothing'})")

@@ -130,7 +130,7 @@ def build_run(spec: JobSpec, env: DistEnv, device: torch.device, task: Task, res
                                      env.rank, env.world_size, pin_memory=device.type == "cuda")
     model = task.build_model()
     if resumed:
-        model.load_state_dict(resumed.state["model"])
+        checkpoint.restore_model(model, resumed, spec, task.options)
     ddp = wrap_model(task.prepare_model(model, device), device, spec.train.deterministic)
     optimizer = build_optimizer(model, spec.train, peak_lr(spec, env.world_size))
     step, epoch = (resumed.step, resumed.epoch) if resumed else (0, 0)

@@ -1,15 +1,21 @@
-"""Checkpoint files: atomic writes that survive a crash mid-write, pruning, RNG round trips, the
-collective save, and the preemption flag."""
+"""Checkpoint files: atomic writes that survive a crash mid-write, a full disk, pruning with the
+manifests beside each checkpoint, reading the newest step without loading it, RNG round trips, the
+collective save (only while this run holds the directory's lease), a checkpoint of another model,
+and the preemption flag."""
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -17,8 +23,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lance_hpc import checkpoint, checkpoint_store
+from lance_hpc import checkpoint, checkpoint_index, checkpoint_store, lease
 from lance_hpc.env import DistEnv, detect, process_group
+from lance_hpc.errors import UserError
+from lance_hpc.spec import JobSpec, load_spec_text
+from lance_hpc.tasks.image import ImageOptions
 
 
 @pytest.fixture
@@ -50,10 +59,10 @@ def test_failure_between_write_and_rename_keeps_the_previous_checkpoint(tmp_path
     checkpoint.write_atomically(state(1), checkpoint.checkpoint_path(tmp_path, 1))
 
     def fail(*args: object) -> None:
-        raise OSError(28, "No space left on device")
+        raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(checkpoint_store.os, "replace", fail)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(OSError, match="Input/output error"):
         checkpoint.write_atomically(state(2), checkpoint.checkpoint_path(tmp_path, 2))
     found = checkpoint.load_latest(tmp_path)
     path, loaded = found.path, found.state
@@ -84,7 +93,7 @@ def test_process_killed_mid_write_leaves_a_loadable_previous_checkpoint(tmp_path
     finally:
         process.kill()
         process.wait()
-    leftovers = [p.name for p in tmp_path.iterdir() if p.name.endswith(checkpoint.TEMP_SUFFIX)]
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.endswith(checkpoint_store.TEMP_SUFFIX)]
     assert len(leftovers) == 1 and (tmp_path / leftovers[0]).stat().st_size > 40_000_000
     found = checkpoint.load_latest(tmp_path)
     path, loaded = found.path, found.state
@@ -120,6 +129,93 @@ def test_collective_save_gathers_every_rank_and_keeps_k(tmp_path: Path, single_r
     assert set(loaded["ranks"][0]["rng"]) == {"python", "numpy", "torch", "cuda"}
 
 
+def test_each_checkpoint_has_a_manifest_pruned_with_it(tmp_path: Path, single_rank: torch.device) -> None:
+    for step in range(1, 4):
+        saved = {**state(step), "epoch": step // 2, "progress": step / 4, "mid_epoch": True, "dataset_version": 3}
+        checkpoint.save(tmp_path, step, saved, {}, keep=2)
+    (tmp_path / "step-00000001.json").write_text("{}")  # a manifest whose checkpoint is gone: a save cut short
+    (tmp_path / ".step-00000004.json.77.tmp").write_text("{")
+    checkpoint.prune(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step-00000002.json", "step-00000002.pt", "step-00000003.json", "step-00000003.pt"]
+    manifest = json.loads((tmp_path / "step-00000003.json").read_text())
+    assert manifest.pop("saved_at").endswith("+00:00")
+    assert manifest == {"step": 3, "epoch": 1, "progress": 0.75, "mid_epoch": True, "world_size": 1,
+                        "dataset_version": 3, "checkpoint": "step-00000003.pt"}
+
+
+def test_the_newest_step_is_read_from_names_and_manifests_without_loading(tmp_path: Path, monkeypatch) -> None:
+    """What lance-hpc status and cancel read: a multi-GB checkpoint is neither loaded nor downloaded."""
+    assert checkpoint_index.latest(tmp_path) is None
+    checkpoint.write_atomically(state(5), checkpoint.checkpoint_path(tmp_path, 5))
+    (tmp_path / "step-00000012.pt").write_bytes(b"not a torch file: never opened")
+    (tmp_path / "step-00000012.json").write_text(json.dumps({"step": 12, "epoch": 2, "world_size": 4}))
+
+    def no_loading(*args: object, **kwargs: object) -> None:
+        raise AssertionError("torch.load was called")
+
+    monkeypatch.setattr(torch, "load", no_loading)
+    saved = checkpoint_index.latest(tmp_path)
+    assert (saved.step, saved.epoch, saved.world_size, saved.location) == (12, 2, 4, str(tmp_path / "step-00000012.pt"))
+    (tmp_path / "step-00000012.json").write_text("{damaged")  # the name still says the step
+    assert (checkpoint_index.latest(tmp_path).step, checkpoint_index.latest(tmp_path).epoch) == (12, None)
+
+
+@contextmanager
+def small_tmpfs(mount_point: Path, size: str) -> Iterator[Path]:
+    """A real file system of ``size`` (tmpfs) at ``mount_point``; the test is skipped where mounting
+    is not permitted (not root, or a container without CAP_SYS_ADMIN)."""
+    mount_point.mkdir(parents=True)
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=True)
+
+
+@pytest.fixture
+def small_filesystem(tmp_path: Path) -> Iterator[Path]:
+    with small_tmpfs(tmp_path / "small", "1m") as mount_point:
+        yield mount_point
+
+
+def test_a_full_disk_is_one_message_and_the_previous_checkpoint_stays(small_filesystem: Path,
+                                                                       single_rank: torch.device) -> None:
+    checkpoint.save(small_filesystem, 1, state(1), {}, keep=3)
+    too_big = {"step": 2, "model": {"weight": torch.zeros(1_000_000)}}  # 4 MB on a 1 MiB file system
+    with pytest.raises(UserError) as full:
+        checkpoint.save(small_filesystem, 2, too_big, {}, keep=3)
+    lines = str(full.value).splitlines()
+    free = shutil.disk_usage(small_filesystem).free
+    assert lines[0] == (f"cannot write {small_filesystem}/step-00000002.pt: the file system is full "
+                        f"({free / 1024:.1f} KiB free in {small_filesystem} after removing the partial file, which had "
+                        f"reached {lines[0].rsplit('reached ', 1)[1]}")
+    assert lines[1].startswith("  the newest complete checkpoint, step-00000001.pt, is intact")
+    assert lines[2].startswith("  fix: free space there or point checkpoint.dir at a larger file system")
+    assert "enforce fail" not in str(full.value)
+    assert sorted(p.name for p in small_filesystem.iterdir()) == ["step-00000001.json", "step-00000001.pt"]
+    assert checkpoint.load_latest(small_filesystem).step == 1
+
+
+def test_a_save_after_another_run_took_the_lease_writes_nothing(tmp_path: Path, single_rank: torch.device) -> None:
+    held, _ = lease.acquire(tmp_path, lease.this_process(None, 0))
+    try:
+        checkpoint.save(tmp_path, 1, state(1), {}, keep=3)
+        other = lease.this_process("55", 0)
+        (tmp_path / lease.LEASE_NAME).write_bytes(other.encode())  # what a run that judged this one dead leaves
+        with pytest.raises(UserError, match="this run no longer holds its lease .another run took it over: "
+                                            f"pid {os.getpid()} on .*, SLURM job 55"):
+            checkpoint.save(tmp_path, 2, state(2), {}, keep=3)
+        assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step-00000001.pt"]
+    finally:
+        held.release()
+
+
 def test_failed_save_raises_instead_of_hanging(tmp_path: Path, single_rank: torch.device) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("a file where the checkpoint directory should be")
@@ -143,3 +239,52 @@ def test_no_requeue_beyond_max_requeues() -> None:
     env = DistEnv("slurm", 0, 0, 1, 1, 0, 1, "node1", 20001, job_id="12", restart_count=3)
     requeued, message = checkpoint.requeue_sbatch(env, max_requeues=3)
     assert not requeued and "requeued 3 times already (slurm.max_requeues: 3)" in message
+
+
+def digits_spec(model: str) -> JobSpec:
+    return load_spec_text(f"name: job\ndata: {{uri: /data/train.lance}}\ntask: {{options: {{model: {model}}}}}\n").spec
+
+
+def test_a_checkpoint_of_another_model_is_one_message_naming_both(tmp_path: Path) -> None:
+    """Written for small_cnn, resumed with --set task.options.model=resnet18."""
+    written_for = digits_spec("small_cnn")
+    resumed = checkpoint.Checkpoint(tmp_path / "step-00000010.pt",
+                                    {"model": {}, "spec": written_for.redacted_dict()})
+    spec = digits_spec("resnet18")
+    with pytest.raises(UserError) as refused:
+        checkpoint.restore_model(torch.nn.Linear(2, 2), resumed, spec, ImageOptions(model="resnet18"))
+    assert str(refused.value) == (
+        f"checkpoint {tmp_path}/step-00000010.pt was written for model small_cnn (task image_classification), but "
+        "this job trains model resnet18 (task image_classification)\n"
+        "  fix: give this job another checkpoint.dir (--set checkpoint.dir=DIR), or set task.options.model: small_cnn "
+        "to continue that run; checkpoint.resume: false starts over, in a directory without checkpoints")
+
+    # a spec that left the model out meant the default (resnet18): the same model, so it loads
+    default = load_spec_text("name: job\ndata: {uri: /data/train.lance}\n").spec
+    model = torch.nn.Linear(2, 2)
+    same = checkpoint.Checkpoint(resumed.path, {"model": torch.nn.Linear(2, 2).state_dict(),
+                                                "spec": default.redacted_dict()})
+    checkpoint.restore_model(model, same, spec, ImageOptions(model="resnet18"))
+    assert torch.equal(model.weight, same.state["model"]["weight"])
+
+
+def test_a_users_model_that_does_not_match_lists_a_few_keys(tmp_path: Path) -> None:
+    """Script mode: the model is the user's own, so only its keys can tell."""
+    written = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    resumed = checkpoint.Checkpoint(tmp_path / "step-00000010.pt", {"spec": digits_spec("small_cnn").redacted_dict()})
+    now = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3), torch.nn.Linear(3, 3))
+    with pytest.raises(UserError) as refused:
+        checkpoint.restore_object(now, written.state_dict(), resumed, digits_spec("resnet18"), "model")
+    assert str(refused.value) == (
+        f"checkpoint {tmp_path}/step-00000010.pt: its 'model' does not match this job's model (2 key(s) missing from "
+        "the checkpoint: 3.weight, 3.bias; 3 key(s) of another shape (checkpoint vs model): "
+        "0.weight [8, 4] vs [16, 4], 0.bias [8] vs [16], 2.weight [3, 8] vs [3, 16])\n"
+        "  the checkpoint was written with task.options.model: small_cnn (this job: resnet18)\n"
+        "  fix: give this job another checkpoint.dir (--set checkpoint.dir=DIR), or build the model the checkpoint "
+        "was written for; checkpoint.resume: false starts over, in a directory without checkpoints")
+
+    optimizer = torch.optim.AdamW(now.parameters())
+    saved = torch.optim.AdamW(written.parameters()).state_dict()
+    saved["param_groups"][0]["params"] = saved["param_groups"][0]["params"][:2]
+    with pytest.raises(UserError, match="its 'optimizer' does not match this job's optimizer .loaded state dict "):
+        checkpoint.restore_object(optimizer, saved, resumed, digits_spec("resnet18"), "optimizer")

@@ -1,7 +1,8 @@
 """Checkpoints on object storage against the loopback S3 server (moto, credentials checked): save,
-list, load and prune under an s3:// checkpoint.dir; an upload cut short leaves the previous
-checkpoint the latest; a failed write names the URI, the operation and the fix, on every rank; and a
-two-rank local job interrupted by SIGUSR2 resumes from its S3 checkpoint and finishes.
+list, load and prune under an s3:// checkpoint.dir, with a manifest beside each checkpoint; an upload
+cut short leaves the previous checkpoint the latest; a failed write names the URI, the operation and
+the fix, on every rank; a two-rank local job interrupted by SIGUSR2 resumes from its S3
+checkpoint and finishes; and a second job on the same checkpoint.dir is refused while the first runs.
 
 Objects are also listed with boto3, a client independent of the code under test."""
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -22,13 +24,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lance_hpc import checkpoint, data
+from lance_hpc import checkpoint, checkpoint_index, data, lease
 from lance_hpc.errors import UserError
 from lance_hpc.run import EXIT_STOPPED, exit_process
 from lance_hpc.spec import SpecError, load_spec, load_spec_text
 from lance_hpc.tasks import load_task
 from tests.fixtures_s3 import S3Server, free_port
 from tests.test_checkpoint import single_rank, state
+from tests.test_trainer import rank_pid
 from tests.trainer_jobs import REPO_ROOT, digits, write_spec
 
 __all__ = ["digits", "single_rank"]  # fixtures, imported for pytest
@@ -71,7 +74,10 @@ def test_save_list_load_and_prune_on_s3(run_uri: str, s3_env: S3Server, single_r
         path = checkpoint.save(run_uri, step, state(step), {"loader": {"batches_consumed": step}}, keep=2)
     assert path == f"{run_uri}step-00000004.pt"
     assert checkpoint.list_checkpoints(run_uri) == [checkpoint.checkpoint_path(run_uri, 3), path]
-    assert stored(s3_env, run_uri) == ["step-00000003.pt", "step-00000004.pt"]
+    assert stored(s3_env, run_uri) == [
+        "step-00000003.json", "step-00000003.pt", "step-00000004.json", "step-00000004.pt"]
+    newest = checkpoint_index.latest(run_uri)  # what lance-hpc status reads: a listing and a manifest
+    assert (newest.step, newest.location, newest.world_size) == (4, path, 1)
     found = checkpoint.load_latest(run_uri)
     assert found.path == path and found.step == 4 and found.state["note"] == "step 4"
     assert torch.equal(found.state["model"]["weight"], torch.full((4, 4), 4.0))
@@ -192,7 +198,8 @@ def test_failed_writes_name_the_uri_the_operation_and_the_fix(run_uri: str, s3_e
     errors.append(str(wrong_key.value))
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_env.access_key_id)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_env.secret_access_key)
-    assert checkpoint.load_latest(run_uri).step == 1 and stored(s3_env, run_uri) == ["step-00000001.pt"]
+    assert checkpoint.load_latest(run_uri).step == 1
+    assert stored(s3_env, run_uri) == ["step-00000001.json", "step-00000001.pt"]
 
     missing = "s3://no-such-bucket/run"
     with pytest.raises(UserError, match=f"cannot write checkpoint {missing}/step-00000001.pt: bucket 'no-such-bucket' "
@@ -286,4 +293,28 @@ def test_a_local_job_interrupted_mid_run_resumes_from_its_s3_checkpoint(run_uri:
     assert resumed.returncode == 0, output
     assert f"resuming from {stopped.path} at step {stopped.step}" in output
     assert checkpoint.load_latest(run_uri).step == 2 * steps_per_epoch
-    assert len(stored(s3_env, run_uri)) == spec.checkpoint.keep
+    assert len(stored(s3_env, run_uri)) == 2 * spec.checkpoint.keep  # each with its manifest
+    assert lease.LEASE_NAME not in stored(s3_env, run_uri)  # released when the run ended
+
+
+@pytest.mark.s3
+@pytest.mark.slow
+def test_a_second_job_on_the_same_s3_checkpoint_dir_is_refused(run_uri: str, s3_env: S3Server, tmp_path: Path,
+                                                               digits) -> None:
+    spec_file = write_spec(tmp_path, digits, train={"epochs": 50}, checkpoint={"dir": run_uri},
+                           logging={"log_every_steps": 1, "progress": False})
+    first = submit_local(spec_file)
+    try:
+        read_until(first, "step 3/")
+        second = submit_local(spec_file)  # the same job again, on the same checkpoint.dir
+        output = second.communicate(timeout=300)[0]
+        assert second.returncode == 2 and "Traceback" not in output, output
+        assert (f"checkpoint.dir {run_uri} is in use by another run: pid {rank_pid(first, 0)} on "
+                f"{socket.gethostname()}, a local run") in output
+        assert lease.LEASE_NAME in stored(s3_env, run_uri)
+        first.send_signal(signal.SIGUSR2)
+        output = first.communicate(timeout=120)[0]
+        assert first.returncode == EXIT_STOPPED, output
+    finally:
+        first.kill()
+    assert lease.LEASE_NAME not in stored(s3_env, run_uri)  # a run that stopped gives it back

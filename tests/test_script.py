@@ -1,6 +1,7 @@
 """Script mode: the example's own loop runs in two local ranks under lance_hpc's runtime; SIGUSR2
 mid-epoch saves and stops every rank at one step, and a rerun resumes to the weights of an
-uninterrupted run, bit for bit; the context's checks on what it is given."""
+uninterrupted run, bit for bit; the context's checks on what it is given, and on a checkpoint
+written for another model."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 
-from lance_hpc.checkpoint import load_latest
+from lance_hpc.checkpoint import Checkpoint, load_latest
 from lance_hpc.errors import UserError
 from lance_hpc.run import EXIT_STOPPED
 from lance_hpc.script import Context
@@ -37,6 +39,21 @@ def test_register_refuses_what_it_cannot_checkpoint() -> None:
     context.registered, context.resumed = {}, None
     with pytest.raises(UserError, match=r"ctx.register\(step=...\): a int has no state_dict"):
         context.register(step=3)
+
+
+def test_register_refuses_a_checkpoint_of_another_model_naming_a_few_keys(tmp_path: Path, digits) -> None:
+    spec = load_spec(script_spec(tmp_path, digits)).spec
+    written = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    context = Context.__new__(Context)
+    context.registered, context.spec = {}, spec
+    context.resumed = Checkpoint(tmp_path / "step-00000009.pt", {"objects": {"model": written.state_dict()},
+                                                                 "spec": spec.redacted_dict()})
+    with pytest.raises(UserError) as refused:
+        context.register(model=torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2), torch.nn.Linear(2, 2)))
+    assert str(refused.value).startswith(
+        f"checkpoint {tmp_path}/step-00000009.pt: its 'model' does not match this job's model (2 key(s) missing from "
+        "the checkpoint: 2.weight, 2.bias)\n  fix: give this job another checkpoint.dir")
+    assert "Missing key" not in str(refused.value)
 
 
 @pytest.mark.slow

@@ -1,12 +1,16 @@
 """The trainer on CPU with the real data layer: two local gloo ranks train the digits to the
 accuracy bar and log TensorBoard scalars; an interrupted run resumes to the same weights as an
-uninterrupted one; a killed rank ends the job with a clear error; schedule and model units."""
+uninterrupted one; a killed rank ends the job with a clear error; a second run on the same
+checkpoint.dir refuses, a dead run's lease is taken over, and a full disk or a checkpoint of another
+model is one message; schedule and model units."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lance_hpc import data, trainer
+from lance_hpc import data, lease, trainer
 from lance_hpc.checkpoint import (
     Checkpoint,
     Preemption,
@@ -30,10 +34,11 @@ from lance_hpc.env import DistEnv, detect, process_group
 from lance_hpc.errors import UserError
 from lance_hpc.metrics import TAGS
 from lance_hpc.models import build_model
-from lance_hpc.run import EXIT_STOPPED, after_preemption
+from lance_hpc.run import EXIT_STOPPED, EXIT_USER_ERROR, after_preemption
 from lance_hpc.spec import load_spec
 from lance_hpc.tasks import load_task
 from lance_hpc.tasks.image import ImageClassification
+from tests.test_checkpoint import small_tmpfs
 from tests.trainer_jobs import (
     FINAL_ACCURACY,
     REPO_ROOT,
@@ -172,7 +177,8 @@ def test_two_ranks_train_to_the_bar_and_log_tensorboard(reference_run: FinishedR
     every, epoch_ends = spec.checkpoint.every_steps, [steps_per_epoch * (epoch + 1) for epoch in range(4)]
     saved_steps = sorted({step for step in range(every, total_steps, every) if step % steps_per_epoch} | set(epoch_ends))
     checkpoints = sorted(path.name for path in (reference_run.directory / "checkpoints").iterdir())
-    assert checkpoints == [f"step-{step:08d}.pt" for step in saved_steps[-spec.checkpoint.keep:]]
+    kept = saved_steps[-spec.checkpoint.keep:]  # each with its manifest; the lease is gone with the run
+    assert checkpoints == sorted([f"step-{step:08d}.pt" for step in kept] + [f"step-{step:08d}.json" for step in kept])
 
 
 def launch(spec_file: Path) -> subprocess.Popen:
@@ -315,3 +321,98 @@ def test_a_preemption_warning_while_a_rank_still_starts_is_held_and_honoured(tmp
     assert launcher.returncode == EXIT_STOPPED, output
     assert "by SIGUSR2; checkpoint" in output and "Traceback" not in output, output
     assert load_latest(tmp_path / "checkpoints").state["step"] <= 2
+
+
+def long_job(directory: Path, dataset, **sections) -> Path:
+    return write_spec(directory, dataset, train={"epochs": 50}, logging={"log_every_steps": 1, "progress": False},
+                      **sections)
+
+
+# Starts the ranks of a local run without the launcher's look at the lease, as srun starts them.
+RANKS_ONLY = ("import sys; from lance_hpc import launch; launch.lease.refuse_if_held = lambda *args: None; "
+              "sys.exit(launch.main(sys.argv[1:]))")
+
+
+@pytest.mark.slow
+def test_a_second_run_on_the_same_checkpoint_dir_refuses_naming_the_first(tmp_path: Path, digits) -> None:
+    """Two runs started at the same moment: one trains, the other refuses, naming it. While it
+    trains, a third is refused by the launcher before any rank starts; ranks started without the
+    launcher (as srun starts them) stop on every rank with the same message, none left waiting."""
+    spec_file = long_job(tmp_path, digits)
+    racing = [launch(spec_file), launch(spec_file)]
+    try:
+        finished = None
+        while finished is None:
+            finished = next((run for run in racing if run.poll() is not None), None)
+            time.sleep(0.2)
+        trainer_run = racing[1 - racing.index(finished)]
+        refused = finished.communicate(timeout=60)[0]
+        assert finished.returncode == EXIT_USER_ERROR and "Traceback" not in refused, refused
+        holder = f"is in use by another run: pid {rank_pid(trainer_run, 0)} on {socket.gethostname()}, a local run"
+        assert f"checkpoint.dir {tmp_path / 'checkpoints'} {holder}" in refused, refused
+        read_until(trainer_run, "step 3/")
+
+        environ = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        third = subprocess.run([sys.executable, "-m", "lance_hpc.launch", str(spec_file), "--nproc", "2"],
+                               capture_output=True, text=True, cwd=REPO_ROOT, timeout=120, env=environ)
+        assert third.returncode == EXIT_USER_ERROR and third.stdout == "", third.stdout + third.stderr
+        assert third.stderr.startswith("lance_hpc.launch: checkpoint.dir") and third.stderr.count(holder) == 1
+        assert "rank 0" not in third.stderr  # no rank started
+
+        ranks = subprocess.run([sys.executable, "-c", RANKS_ONLY, str(spec_file), "--nproc", "2"], capture_output=True,
+                               text=True, cwd=REPO_ROOT, timeout=300, env=environ)
+        assert ranks.returncode == EXIT_USER_ERROR and "Traceback" not in ranks.stderr, ranks.stderr
+        assert ranks.stderr.count(f"lance_hpc.run: checkpoint.dir {tmp_path / 'checkpoints'} {holder}") == 2
+
+        trainer_run.send_signal(signal.SIGUSR2)
+        output = trainer_run.communicate(timeout=120)[0]
+        assert trainer_run.returncode == EXIT_STOPPED, output
+    finally:
+        for run in racing:
+            run.kill()
+    assert not (tmp_path / "checkpoints" / lease.LEASE_NAME).exists()  # a local run that stopped gives it back
+    assert not list((tmp_path / "checkpoints").glob(".step-*"))
+
+
+@pytest.mark.slow
+def test_the_lease_of_a_run_that_died_is_taken_over_with_a_message(tmp_path: Path, digits) -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = dataclasses.replace(lease.this_process(None, 0), pid=dead.pid, token="killed-with-sigkill")
+    (tmp_path / "checkpoints").mkdir(parents=True)
+    (tmp_path / "checkpoints" / lease.LEASE_NAME).write_bytes(stale.encode())
+    run = launch(write_spec(tmp_path, digits, train={"max_steps": 3}))
+    output = run.communicate(timeout=300)[0]
+    assert run.returncode == 0, output
+    assert (f"lance_hpc: checkpoint.dir {tmp_path / 'checkpoints'}: taking over the lease of a run that is gone "
+            f"(pid {dead.pid} is no longer running on {socket.gethostname()}); it was held by pid {dead.pid}") in output
+    assert not (tmp_path / "checkpoints" / lease.LEASE_NAME).exists()
+
+
+@pytest.mark.slow
+def test_resuming_a_checkpoint_of_another_model_is_one_message(tmp_path: Path, digits) -> None:
+    first = launch(write_spec(tmp_path, digits, train={"max_steps": 2}))
+    output = first.communicate(timeout=300)[0]
+    assert first.returncode == 0, output
+    task = {"name": "image_classification", "options": {"model": "resnet18", "image_size": 16, "augment": "none"}}
+    other = launch(write_spec(tmp_path, digits, task=task, train={"max_steps": 4}))
+    output = other.communicate(timeout=300)[0]
+    assert other.returncode == EXIT_USER_ERROR, output
+    assert "Traceback" not in output and "Missing key" not in output and "Unexpected key" not in output, output
+    written = tmp_path / "checkpoints" / "step-00000002.pt"
+    assert (f"lance_hpc.run: checkpoint {written} was written for model small_cnn (task image_classification), "
+            "but this job trains model resnet18 (task image_classification)\n"
+            "  fix: give this job another checkpoint.dir (--set checkpoint.dir=DIR), or set task.options.model: "
+            "small_cnn to continue that run") in output
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_saving_is_one_message(tmp_path: Path, digits) -> None:
+    with small_tmpfs(tmp_path / "small", "512k") as directory:  # the lease fits, a checkpoint does not
+        run = launch(write_spec(tmp_path, digits, checkpoint={"dir": str(directory)}, train={"max_steps": 12}))
+        output = run.communicate(timeout=300)[0]
+        assert run.returncode == EXIT_USER_ERROR, output
+        assert "Traceback" not in output and "enforce fail" not in output, output
+        assert f"lance_hpc.run: cannot write {directory / 'step-00000010.pt'}: the file system is full (" in output
+        assert "no earlier checkpoint exists, and nothing was left behind" in output
+        assert sorted(path.name for path in directory.iterdir()) == []  # no partial file; the lease released

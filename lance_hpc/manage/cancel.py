@@ -16,6 +16,7 @@ import time
 from typing import Sequence
 
 from lance_hpc.errors import UserError
+from lance_hpc import checkpoint_index
 from lance_hpc.manage import logs, progress, queue, records, run_reporting_errors, target_parser
 from lance_hpc.manage.records import JobRef
 
@@ -90,7 +91,7 @@ def report_stopped(ref: JobRef, job: queue.SlurmJob | None) -> None:
         return
     texts = [path.read_text(errors="replace") if path.exists() else "" for path in logs.job_logs(ref, job).files]
     outcome = progress.outcome_from_log(texts[0], "".join(texts[1:]))
-    saved = progress.latest_checkpoint(ref.spec)
+    saved = checkpoint_index.latest(ref.spec.checkpoint.dir)  # names and manifests only: nothing is loaded
     print(f"  its log: {outcome or 'no stop message (it may have stopped before its first step)'}")
     if saved:
         print(f"  checkpoint step {saved.step}: {saved.location}")

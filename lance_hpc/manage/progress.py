@@ -1,4 +1,4 @@
-"""How far a job got, from what it leaves behind: its latest checkpoint, its TensorBoard events and
+"""How far a job got, from what it leaves behind: its TensorBoard events and
 the last lines lance_hpc.run printed. Nothing here asks SLURM, so it works for jobs long gone.
 """
 
@@ -30,13 +30,6 @@ OUTCOMES = (
 
 
 @dataclass(frozen=True)
-class CheckpointInfo:
-    step: int
-    epoch: int | None
-    location: str
-
-
-@dataclass(frozen=True)
 class Logged:
     """The last values rank 0 logged; ``step`` is the step of the last loss (or throughput)."""
 
@@ -44,17 +37,6 @@ class Logged:
     loss: float | None = None
     samples_per_s: float | None = None
     seconds_per_step: float | None = None
-
-
-def latest_checkpoint(spec: JobSpec) -> CheckpointInfo | None:
-    """Step and epoch of the newest checkpoint that loads (local or object storage)."""
-    from lance_hpc import checkpoint
-
-    found = checkpoint.load_latest(spec.checkpoint.dir)
-    if found is None:
-        return None
-    epoch = found.state.get("epoch")
-    return CheckpointInfo(int(found.state["step"]), int(epoch) if epoch is not None else None, str(found.path))
 
 
 def last_logged(tensorboard_dir: str) -> Logged:

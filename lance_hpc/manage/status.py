@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from lance_hpc import checkpoint_index
 from lance_hpc.manage import logs, progress, queue, records, run_reporting_errors, target_parser
 from lance_hpc.manage.records import JobRef
 from lance_hpc.spec import JobSpec
@@ -57,7 +58,7 @@ def report(ref: JobRef, job: queue.SlurmJob | None) -> list[str]:
         texts = [_read(path) for path in job_logs.files]
         outcome = progress.outcome_from_log(texts[0], "".join(texts[1:]))
         lines.append(f"  ended       {outcome or 'the log does not say how'}")
-    saved = progress.latest_checkpoint(spec)
+    saved = checkpoint_index.latest(spec.checkpoint.dir)  # names and manifests only: nothing is loaded
     if saved:
         epoch = f", epoch {saved.epoch}" if saved.epoch is not None else ""
         lines.append(f"  checkpoint  step {saved.step}{epoch}: {saved.location}")

@@ -1,0 +1,104 @@
+"""What a checkpoint directory holds, known without loading a checkpoint.
+
+A checkpoint ``step-XXXXXXXX.pt`` carries its step in its name, and a small JSON manifest beside it,
+``step-XXXXXXXX.json``, says the rest: epoch, progress, world size, dataset version and when it was
+written. The manifest is written (atomically) once its checkpoint is complete and pruned with it, so
+``lance-hpc status`` and ``cancel`` list a directory and read a few hundred bytes on a login node,
+where loading the newest checkpoint would read, or download, all of it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lance_hpc.checkpoint_store import Store
+
+# Temporary files of a checkpoint being written: ``.step-XXXXXXXX.pt.<pid>.tmp``.
+TEMP_SUFFIX = ".tmp"
+
+CHECKPOINT_PATTERN = re.compile(r"^step-(\d+)\.pt$")
+MANIFEST_PATTERN = re.compile(r"^step-(\d+)\.json$")
+# What the manifest copies from a checkpoint's state, when the state has it.
+MANIFEST_FIELDS = ("step", "epoch", "progress", "mid_epoch", "world_size", "dataset_version")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}.pt"
+
+
+def manifest_name(step: int) -> str:
+    return f"step-{step:08d}.json"
+
+
+def checkpoint_steps(names: list[str]) -> dict[int, str]:
+    """Step -> checkpoint name, for the checkpoints among ``names``, oldest first."""
+    found = sorted((int(match.group(1)), name) for name in names if (match := CHECKPOINT_PATTERN.match(name)))
+    return dict(found)
+
+
+def checkpoint_names(names: list[str]) -> list[str]:
+    """The checkpoint names among ``names``, oldest first."""
+    return list(checkpoint_steps(names).values())
+
+
+def manifest(state: Mapping[str, Any], world_size: int) -> bytes:
+    """The manifest of a checkpoint of ``state``, written by ``world_size`` ranks."""
+    fields = {key: state[key] for key in MANIFEST_FIELDS if key in state}
+    fields.update(world_size=world_size, saved_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                  checkpoint=checkpoint_name(int(state["step"])))
+    return (json.dumps(fields, indent=1) + "\n").encode()
+
+
+def leftovers(names: list[str]) -> list[str]:
+    """Files a save cut short left behind: temporary files, and manifests whose checkpoint is gone."""
+    steps = checkpoint_steps(names)
+    temporary = [name for name in names if name.startswith(".step-") and name.endswith(TEMP_SUFFIX)]
+    orphans = [name for name in names if (match := MANIFEST_PATTERN.match(name)) and int(match.group(1)) not in steps]
+    return temporary + orphans
+
+
+@dataclass(frozen=True)
+class Saved:
+    """The newest checkpoint of a directory as its name and manifest describe it; ``epoch`` and
+    ``saved_at`` are None without a manifest (one written before manifests, or a save cut short)."""
+
+    step: int
+    location: str
+    epoch: int | None = None
+    world_size: int | None = None
+    saved_at: str | None = None
+
+
+def latest(directory: str | Path) -> Saved | None:
+    """The newest checkpoint in ``directory`` (local or object storage), from its name and manifest;
+    None when there is none. Nothing is loaded: a damaged checkpoint is still reported by its name."""
+    # Imported here, not with this module: the stores come with lance_hpc.data, which imports torch,
+    # and status and cancel call this on login nodes, where that import costs seconds.
+    from lance_hpc.checkpoint_store import open_store
+
+    store = open_store(directory)
+    names = store.names()
+    steps = checkpoint_steps(names)
+    if not steps:
+        return None
+    step, name = max(steps.items())
+    fields = read_manifest(store, step) if manifest_name(step) in names else {}
+    epoch, world_size = fields.get("epoch"), fields.get("world_size")
+    return Saved(step, str(store.location(name)), int(epoch) if isinstance(epoch, int) else None,
+                 int(world_size) if isinstance(world_size, int) else None, fields.get("saved_at"))
+
+
+def read_manifest(store: "Store", step: int) -> dict[str, Any]:
+    """The manifest of ``step``'s checkpoint; empty when it cannot be parsed (the name still gives the step)."""
+    try:
+        fields = json.loads(store.read_bytes(manifest_name(step)))
+    except (OSError, ValueError):
+        return {}
+    return fields if isinstance(fields, dict) else {}
