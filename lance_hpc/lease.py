@@ -18,7 +18,10 @@ Taking it is atomic without flock, which NFS and Lustre mounts often lack or fak
 
 A lease is alive while its pid runs on this machine (same host name and boot id, same process start
 time), or, from another machine, while its heartbeat is younger than STALE_AFTER_S. The same SLURM job
-started again (requeued, or restarted by SLURM) takes its own lease back at once.
+started again (requeued, or restarted by SLURM) takes its own lease back at once. A requeued job's
+lease, marked so, holds while SLURM shows the job waiting to run again, though its pid is gone and
+its heartbeat stopped; it is free once SLURM says the job ended, or once SLURM no longer knows it and
+its last heartbeat is STALE_AFTER_S old.
 
 The heartbeat comes from a thread rather than from step boundaries: a step, an evaluation or a
 multi-GB checkpoint upload can outlast any timeout worth waiting for, and a thread beats through them.
@@ -53,6 +56,7 @@ SETTLE_S = 2.0  # object storage: how long a taker waits for a racer's write bef
 CLAIM_ATTEMPTS = 20  # looks at a lease others are changing, CLAIM_WAIT_S apart
 CLAIM_WAIT_S = 0.2
 TAKEOVER_S = 60.0  # a takeover file older than this was left by a taker that died
+END_WAIT_S = 30.0  # how long a run's exit waits on the store to release or mark its lease
 RECORD_BYTES = 1024  # renewals rewrite the record in place at one size, so no reader sees it shrink
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 T = TypeVar("T")
@@ -234,16 +238,16 @@ class LeaseFile:
             os.rename(self.path, aside)
         except FileNotFoundError:  # released, or moved by another taker: the O_EXCL create decides
             return True
-        if aside.read_bytes() == expected:
+        moved = aside.read_bytes()
+        if moved == expected:
             aside.unlink()
             return True
         try:
             os.link(aside, self.path)  # fails when another lease took the name meanwhile: that one wins
         except FileExistsError:
             pass
-        except OSError:  # a file system without hard links
-            os.rename(aside, self.path)
-            return False
+        except OSError:  # a file system without hard links: a copy, put back only where no newer lease is
+            self._create(moved)  # O_EXCL, where a rename back would replace a lease taken meanwhile
         aside.unlink()
         return False
 
@@ -374,22 +378,37 @@ class Lease:
 
     def keep(self) -> None:
         """Stop renewing but keep the lease: the job was requeued, and its next run (same job, next
-        restart count) takes it back at once. The mark tells other runs why the heartbeat stopped."""
+        restart count) takes it back at once. The mark tells other runs why the heartbeat stopped,
+        and that SLURM decides when the lease is free."""
         if not self._end():
             return
         try:
-            self.renew(requeued=True)
+            marked = _within(END_WAIT_S, lambda: self.renew(requeued=True))
         except Exception as error:  # the lease stays as it was; the restart count still identifies the job
             print(f"lance_hpc: cannot mark the lease {self.store.where} as requeued ({error})", file=sys.stderr,
                   flush=True)
+            return
+        if not marked:
+            print(f"lance_hpc: the lease {self.store.where} could not be marked as requeued within "
+                  f"{END_WAIT_S:.0f} s (its file system or store does not answer); it goes stale unmarked",
+                  file=sys.stderr, flush=True)
 
     def release(self) -> None:
-        """Stop renewing and delete the lease, if it is still this process's."""
-        if self._end():
+        """Stop renewing and delete the lease, if it is still this process's. Waits at most about
+        HEARTBEAT_S + END_WAIT_S on a store that stopped answering: a lease left behind goes stale
+        (or its pid is seen gone), where a job stuck in its exit would hold its nodes."""
+        if not self._end():
+            return
+
+        def remove() -> None:
             snapshot = self.store.read()
             holder = snapshot.holder if snapshot else None
             if snapshot is not None and holder is not None and holder.token == self.holder.token:
                 self.store.remove(snapshot)
+
+        if not _within(END_WAIT_S, remove):
+            print(f"lance_hpc: the lease {self.store.where} could not be released within {END_WAIT_S:.0f} s (its "
+                  "file system or store does not answer); it is left to go stale", file=sys.stderr, flush=True)
 
     def _end(self) -> bool:
         """Stop the heartbeat and forget the lease; False when that was done already."""
@@ -399,6 +418,27 @@ class Lease:
         self._stop.set()
         self._thread.join(timeout=HEARTBEAT_S)  # a renewal stuck on a dead store is left to die with the process
         return True
+
+
+def _within(seconds: float, action: Callable[[], None]) -> bool:
+    """Run ``action`` and wait for it at most ``seconds``; False when it has not returned by then. It
+    runs on a daemon thread, so a read stuck on a hard-mounted NFS server that went away (or behind a
+    renewal stuck there, holding the lease's lock) is left to die with the process. Its exception is
+    raised here."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            action()
+        except BaseException as error:  # handed to the caller, which decides what to report
+            errors.append(error)
+
+    thread = threading.Thread(target=run, name="lance_hpc-lease-end", daemon=True)
+    thread.start()
+    thread.join(timeout=seconds)
+    if errors:
+        raise errors[0]
+    return not thread.is_alive()
 
 
 # The lease this process holds on each checkpoint directory, which checkpoint.save confirms.
@@ -453,6 +493,14 @@ def verdict(seen: Snapshot, me: Holder, directory: str, where: str) -> str | Non
     if holder.job is not None and holder.job == me.job and (holder.requeued or holder.restart != me.restart):
         return None  # SLURM ends a job's previous run before it starts the next one
     gone = _why_gone(holder, me, now)
+    if gone is None and holder.requeued and holder.job:
+        raise UserError(
+            f"checkpoint.dir {directory} is kept by a requeued job: {holder.describe(now)}\n"
+            "  its next run takes the lease back and continues from its checkpoints; two runs on one checkpoint.dir "
+            "would prune and resume from each other's checkpoints\n"
+            f"  fix: let that job run again, or stop it for good with `lance-hpc cancel {holder.job}` (or "
+            f"`scancel {holder.job}`) and start this run once SLURM shows it ended; or give this run its own "
+            "checkpoint.dir (--set checkpoint.dir=...)")
     if gone is None:
         raise UserError(
             f"checkpoint.dir {directory} is in use by another run: {holder.describe(now)}\n"
@@ -466,6 +514,8 @@ def verdict(seen: Snapshot, me: Holder, directory: str, where: str) -> str | Non
 
 def _why_gone(holder: Holder, me: Holder, now: float) -> str | None:
     """None while ``holder`` may still write; else why it cannot."""
+    if holder.requeued and holder.job:
+        return _why_requeued_gone(holder.job, now - holder.heartbeat)
     if holder.host == me.host and holder.boot_id == me.boot_id:
         if _running(holder.pid, holder.pid_start):
             return None
@@ -479,17 +529,38 @@ def _why_gone(holder: Holder, me: Holder, now: float) -> str | None:
     return f"no heartbeat for {_duration(age)} (a lease goes stale after {STALE_AFTER_S / 60:.0f} min without one)"
 
 
+def _why_requeued_gone(job: str, heartbeat_age: float) -> str | None:
+    """None while a requeued job may run again and take its lease back. Its pid is gone and its
+    heartbeat stopped on purpose, so neither says anything: a job SLURM shows and has not ended keeps
+    the lease however long it waits in the queue. One SLURM does not know (forgotten after it ended,
+    or no SLURM on this machine) is gone once its heartbeat is stale; while the controller does not
+    answer, nothing is decided."""
+    shown, answered = _slurm_job(job)
+    if shown is not None:
+        return f"SLURM job {job} ended {shown.state}" if shown.ended else None
+    if not answered or heartbeat_age < STALE_AFTER_S:
+        return None
+    return (f"SLURM job {job} was requeued {_duration(heartbeat_age)} ago and SLURM no longer knows it "
+            f"(a requeued job's lease is free then, {STALE_AFTER_S / 60:.0f} min after its last heartbeat)")
+
+
 def _slurm_job_ended(job: str) -> str | None:
     """Why the holder's SLURM job can no longer write (it ended: cancelled with --now, killed, timed
     out), when this machine's SLURM knows; None otherwise. Without it a job resubmitted right after
     such an end would wait out the heartbeat."""
-    try:
-        shown = queue.show_job(job) if queue.have_slurm() else None
-    except UserError:  # the controller did not answer: no verdict
-        return None
+    shown, _ = _slurm_job(job)
     if shown is None or not shown.ended:
         return None
     return f"SLURM job {job} ended {shown.state}"
+
+
+def _slurm_job(job: str) -> tuple[queue.SlurmJob | None, bool]:
+    """The job as this machine's SLURM shows it (None: unknown to it, or no SLURM here), and False
+    when the controller did not answer."""
+    try:
+        return (queue.show_job(job) if queue.have_slurm() else None), True
+    except UserError:
+        return None, False
 
 
 def _read(store: LeaseStore) -> Snapshot | None:

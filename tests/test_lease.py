@@ -158,6 +158,54 @@ def test_a_requeued_job_takes_its_own_lease_back_and_others_wait(tmp_path: Path,
     assert take(tmp_path, lease.this_process("800", 1), leases)[1] is None  # marked requeued: taken back at once
 
 
+def test_a_requeued_job_keeps_its_lease_after_its_process_is_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, leases
+) -> None:
+    """On this machine the requeued run's pid is gone at once, so the pid cannot keep the lease: while
+    SLURM does not say the job ended (here it cannot say anything: no SLURM configured), the mark and
+    a fresh heartbeat do; the job's next run takes it back."""
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    me = lease.this_process(None, 0)
+    requeued = dataclasses.replace(me, token="requeued", pid=dead_pid(), job="900", requeued=True)
+    plant(tmp_path, requeued)
+    for other in (lease.this_process(None, 0), lease.this_process("901", 0)):
+        with pytest.raises(UserError) as refused:
+            lease.acquire(tmp_path, other)
+        message = str(refused.value)
+        assert message.startswith(f"checkpoint.dir {tmp_path} is kept by a requeued job: pid {requeued.pid} on "
+                                  f"{me.host}, SLURM job 900 requeued and waiting to run again")
+        assert "fix: let that job run again, or stop it for good with `lance-hpc cancel 900` (or `scancel 900`)" \
+            in message
+    assert take(tmp_path, lease.this_process("900", 1), leases)[1] is None  # its next run
+
+
+def test_a_requeued_job_slurm_does_not_know_loses_its_lease_once_its_heartbeat_is_stale(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, leases
+) -> None:
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    plant(tmp_path, dataclasses.replace(elsewhere(heartbeat_age_s=lease.STALE_AFTER_S + 60, job="902"),
+                                        requeued=True))
+    held, note = take(tmp_path, lease.this_process(None, 0), leases)
+    assert "taking over the lease of a run that is gone (SLURM job 902 was requeued 6 min ago and SLURM no " \
+           "longer knows it" in note
+
+
+def test_release_does_not_hang_on_a_store_that_stopped_answering(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    held, _ = lease.acquire(tmp_path, lease.this_process(None, 0))
+    answering, read = threading.Event(), held.store.read
+    monkeypatch.setattr(held.store, "read", lambda: answering.wait() and read())  # an NFS server gone away
+    monkeypatch.setattr(lease, "END_WAIT_S", 0.2)
+    started = time.monotonic()
+    try:
+        held.release()
+    finally:
+        answering.set()
+    assert time.monotonic() - started < 5 and lease.held(tmp_path) is None
+    assert "could not be released within 0 s" in capsys.readouterr().err
+
+
 def test_an_unreadable_lease_holds_while_young_and_is_taken_over_when_old(tmp_path: Path, leases) -> None:
     path = tmp_path / lease.LEASE_NAME
     path.write_bytes(b"")  # what a taker has between its O_EXCL create and its write

@@ -22,6 +22,8 @@ from lance_hpc.submit import FINAL_STATES
 SCONTROL_KEY = re.compile(r"(?:^|\s)([A-Za-z][A-Za-z0-9_/:]*)=")
 SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Start", "End", "Elapsed", "NodeList")
 COMMAND_TIMEOUT_S = 30
+# scancel's words (slurm_strerror) for a step that ended before its signal reached it
+STEP_GONE_WORDS = ("already completing or completed", "invalid job id specified", "invalid job step")
 SHELL_SIGNAL_BASE = 128  # a process killed by signal N exits 128 + N as the shell reports it
 # Exit codes of ``python -m lance_hpc.run`` (lance_hpc.run), as SLURM reports them for the job.
 RUN_EXIT_MEANINGS = {
@@ -189,12 +191,29 @@ def signal_steps(job_id: str, signal_name: str) -> list[str]:
     ``scancel --signal`` given a job id retries for up to a minute and a half while SLURM calls
     the job "in a transitional state", which it does for a job whose ranks requeue it on that very
     signal: a retry then lands in the requeued run, which stops and requeues again, or dies of the
-    signal before it can hold it. A step id is signalled once, with no retry."""
+    signal before it can hold it. A step id is signalled once, with no retry.
+
+    A step that ended meanwhile fails harmlessly; when every step fails for another reason (someone
+    else's job, say), UserError says so rather than leaving the caller to wait for a stop that
+    never comes."""
     require("scancel")
     steps = job_steps(job_id)
+    refusals = []
     for step in steps:
-        _run("scancel", f"--signal={signal_name}", step)  # fails only for a step that ended meanwhile
+        result = _run("scancel", f"--signal={signal_name}", step)
+        if result.returncode != 0:
+            refusals.append((result.stderr or result.stdout).strip() or f"exit status {result.returncode}")
+    refused = [message for message in refusals if not _step_gone(message)]
+    if steps and len(refusals) == len(steps) and refused:
+        raise UserError(f"scancel --signal={signal_name} could not signal job {job_id}: {refused[0]}\n"
+                        f"  fix: check the job id with squeue --me (only your own jobs can be signalled)")
     return steps
+
+
+def _step_gone(message: str) -> bool:
+    """Whether scancel failed because the step had already ended (nothing to signal any more)."""
+    lowered = message.lower()
+    return any(words in lowered for words in STEP_GONE_WORDS)
 
 
 def kill_now(job_id: str) -> None:
