@@ -33,6 +33,7 @@ import jinja2
 from lance_hpc.container import container_launch
 from lance_hpc.errors import UserError
 from lance_hpc.spec import JobSpec, Problem, SpecError, run_count
+from lance_hpc.spec.secrets import redact_text
 
 DEFAULT_TEMPLATE = "sbatch.sh.j2"
 PYTHON = "python3"
@@ -226,8 +227,10 @@ def render_sbatch(spec: JobSpec, spec_file: str) -> str:
         # a site template may print any field: it gets the spec with credential-looking values redacted
         "spec": JobSpec.model_validate(spec.redacted_dict()),
         "spec_file": str(spec_file),
-        "sbatch_lines": [ShellText(sbatch_line(name, value)) for name, value in sorted(flags.items())],
-        "setup": [ShellText(line) for line in _user_setup(spec)],
+        # validation refuses credentials in setup lines and flags; redacting here keeps one that
+        # slipped past it out of the script, which SLURM keeps and shows to others
+        "sbatch_lines": [ShellText(redact_text(sbatch_line(name, value))) for name, value in sorted(flags.items())],
+        "setup": [ShellText(redact_text(line)) for line in _user_setup(spec)],
         "exports": [ShellText(line) for line in export_lines(spec)],
         "requeue_handler": [ShellText(line) for line in requeue_handler(spec)],
         "job_ref": job_reference(spec),

@@ -34,7 +34,8 @@ from lance_hpc.data.retry import StoreUnavailable
 from lance_hpc.env import DistEnv, detect, explain_failure, lost_peer, process_group
 from lance_hpc.errors import UserError
 from lance_hpc.imports import load_callable
-from lance_hpc.spec import JobSpec, load_spec
+from lance_hpc.spec import JobSpec, load_spec_text
+from lance_hpc.spec.load import read_own_text
 from lance_hpc.tasks import load_task
 
 EXIT_FAILED, EXIT_USER_ERROR, EXIT_STOPPED = 1, 2, 3
@@ -89,7 +90,8 @@ def run_job(
     """Train this rank's part of the job described by ``spec_file``; requeue it when preempted."""
     # Loading the spec imports its task and entry, so a task file's directory is on sys.path
     # before the worker server starts and copies it (workers then unpickle the task's decoder).
-    spec = load_spec(spec_file).spec
+    # Read only if this user owns it: the spec names the code this rank imports and runs.
+    spec = load_spec_text(read_own_text(spec_file), spec_file).spec
     if spec.sweep:
         raise UserError(f"{spec_file} is a sweep, not one run: submit it with "
                         "lance-hpc submit, which runs each combination with its own spec")

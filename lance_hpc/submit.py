@@ -29,6 +29,7 @@ from submitit.core import utils as submitit_utils
 from lance_hpc import render
 from lance_hpc.errors import UserError
 from lance_hpc.spec import JobSpec, LoadedSpec, SweepRun, expand, load_spec
+from lance_hpc.spec.load import check_owned
 
 EXIT_USER_ERROR, EXIT_JOB_FAILED = 2, 1
 # The resolved spec and the script say everything the job does (its paths, its setup lines), and
@@ -87,8 +88,14 @@ def write_private(path: Path, text: str) -> None:
 
     The text is written to a fresh temporary file (mkstemp: 0600, never an existing file or link)
     and renamed over ``path``: a link planted there is replaced, not followed, and an earlier
-    file's mode does not carry over.
+    file's mode does not carry over. Another user's file there is refused: in a shared log
+    directory it is their job's spec or script, and their requeued job would run ours.
     """
+    try:
+        check_owned(os.lstat(path), path, "its job reads it when it runs or is requeued, so replacing it "
+                    "would make that job run your spec", "set another slurm.log_dir, or give your job another name")
+    except FileNotFoundError:
+        pass
     descriptor, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(descriptor, "w") as file:

@@ -21,6 +21,7 @@ import pytest
 
 from lance_hpc import checkpoint
 from lance_hpc.data import build_train_loader
+from lance_hpc.errors import UserError
 from lance_hpc.manage import logs, progress, queue, records
 from lance_hpc.slurm_cluster import SlurmCluster
 from lance_hpc.spec import JobSpec, load_spec
@@ -150,9 +151,56 @@ def test_tail_returns_complete_lines_and_keeps_a_cut_off_one(tmp_path: Path) -> 
     assert tail.read() == [b"two"] and tail.read(final=True) == [b"three"]
 
 
+def test_tail_reads_in_chunks_and_only_regular_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job found by id alone has whatever log path SLURM shows: a FIFO or a device there is
+    refused at once instead of blocking or never ending, and a big log is read a chunk at a time."""
+    monkeypatch.setattr(logs, "READ_CHUNK", 8)
+    path = tmp_path / "x.out"
+    path.write_bytes(b"0: a\n0: bcdefghijk\n1: c")
+    tail = logs.Tail(path)
+    assert tail.read() == [b"0: a"] and tail.more
+    assert tail.read() == [b"0: bcdefghi"]  # a line past the chunk size comes in pieces
+    assert tail.read() == [b"jk"] and not tail.more and tail.read(final=True) == [b"1: c"]
+    fifo = tmp_path / "fifo.out"
+    os.mkfifo(fifo)
+    for special in (fifo, Path("/dev/zero")):
+        with pytest.raises(UserError, match="is not a regular file"):
+            logs.Tail(special).read()
+        with pytest.raises(UserError, match="is not a regular file"):
+            logs.check_labels(logs.JobLogs([special], labelled=True), rank=0)
+
+
 def test_log_paths_fill_in_job_and_array_ids() -> None:
     assert logs.expand_job_id("/l/x-%j.out", "42") == Path("/l/x-42.out")
     assert logs.expand_job_id("/l/x-%A_%a.out", "55_2") == Path("/l/x-55_2.out")
+
+
+def fake_slurm(directory: Path, monkeypatch: pytest.MonkeyPatch, scancel_stderr: str) -> None:
+    """squeue lists two steps of job 77; scancel fails for each with ``scancel_stderr``. Only the
+    handling of a failed scancel is under test here: the real cluster tests signal real steps."""
+    directory.mkdir()
+    for name, body in (("squeue", "printf '77.batch\\n77.0\\n77.1\\n'"),
+                       ("scancel", f"echo '{scancel_stderr}' >&2; exit 1")):
+        script = directory / name
+        script.write_text(f"#!/bin/sh\n{body}\n")
+        script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{directory}{os.pathsep}{os.environ['PATH']}")
+
+
+def test_signalling_a_job_whose_steps_all_refuse_is_a_clear_error(tmp_path: Path, monkeypatch) -> None:
+    denied = "scancel: error: Kill job error on job id 77.0: Access/permission denied"
+    fake_slurm(tmp_path / "bin", monkeypatch, denied)
+    with pytest.raises(UserError) as refused:
+        queue.signal_steps("77", "TERM")
+    message = str(refused.value)
+    assert message.startswith(f"scancel --signal=TERM could not signal job 77: {denied}\n")
+    assert "fix: check the job id with squeue --me" in message
+
+
+def test_signalling_steps_that_ended_meanwhile_is_no_error(tmp_path: Path, monkeypatch) -> None:
+    fake_slurm(tmp_path / "bin", monkeypatch,
+               "scancel: error: Kill job error on job id 77.0: Job/step already completing or completed")
+    assert queue.signal_steps("77", "TERM") == ["77.0", "77.1"]  # the job is ending: the caller waits for it
 
 
 # ---- the real cluster --------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from lance_hpc.spec import SpecError, load_spec
 JOB_ID = "77"
 COMMANDS = {"status": status.main, "logs": logs.main, "cancel": cancel.main}
 OTHER_UID = 12345
+NEEDS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
 
 
 @pytest.fixture
@@ -79,6 +80,7 @@ def test_the_job_ids_spec_is_used_when_the_caller_owns_it(job: Path, capfd: pyte
     assert f"spec        {job}" in out and "checkpoint  none yet" in out
 
 
+@NEEDS_ROOT
 def test_another_users_spec_beside_the_log_is_not_read(job: Path, capfd: pytest.CaptureFixture[str]) -> None:
     os.chown(job, OTHER_UID, -1)
     assert status.main([JOB_ID]) == 0
@@ -93,6 +95,7 @@ def test_another_users_spec_beside_the_log_is_not_read(job: Path, capfd: pytest.
     assert markers(job.parent.parent) == []
 
 
+@NEEDS_ROOT
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_another_users_spec_named_on_the_command_line_is_refused(
     command: str, job: Path, capfd: pytest.CaptureFixture[str]

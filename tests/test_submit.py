@@ -129,6 +129,28 @@ def test_an_existing_log_directory_keeps_its_mode_and_links_there_are_replaced(t
     assert not (log_dir / "full.spec.yaml").is_symlink() and mode(log_dir / "full.spec.yaml") == 0o600
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+def test_another_users_job_files_are_neither_replaced_nor_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """In a shared log directory the same job name must not swap someone's spec under their
+    queued job, and a rank refuses a spec file another user owns."""
+    from lance_hpc import run  # imports torch: only here
+
+    log_dir = tmp_path / "shared-logs"
+    raw = {**FULL_SPEC, "slurm": {**FULL_SPEC["slurm"], "log_dir": str(log_dir)}}
+    assert submit.main([str(write_spec(tmp_path, raw)), "--render-only"]) == 0
+    spec_file = log_dir / "full.spec.yaml"
+    before = spec_file.read_text()
+    os.chown(spec_file, 12345, -1)
+    capsys.readouterr()
+    assert submit.main([str(write_spec(tmp_path, {**raw, "train": {"lr": 0.5}})), "--render-only"]) == 2
+    err = capsys.readouterr().err
+    assert f"{spec_file} belongs to uid 12345, not to you" in err and "fix: set another slurm.log_dir" in err
+    assert spec_file.read_text() == before and spec_file.stat().st_uid == 12345
+    assert run.main([str(spec_file)]) == run.EXIT_USER_ERROR
+    err = capsys.readouterr().err
+    assert f"{spec_file} belongs to uid 12345" in err and "never runs code from a file another user owns" in err
+
+
 def test_a_log_directory_that_cannot_be_written_is_a_user_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "file").write_text("")
     raw = {**FULL_SPEC, "slurm": {**FULL_SPEC["slurm"], "log_dir": str(tmp_path / "file" / "logs")}}

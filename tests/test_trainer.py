@@ -35,7 +35,7 @@ from lance_hpc.errors import UserError
 from lance_hpc.metrics import TAGS
 from lance_hpc.models import build_model
 from lance_hpc.run import EXIT_STOPPED, EXIT_USER_ERROR, after_preemption
-from lance_hpc.spec import load_spec
+from lance_hpc.spec import REDACTED, load_spec
 from lance_hpc.tasks import load_task
 from lance_hpc.tasks.image import ImageClassification
 from tests.test_checkpoint import small_tmpfs
@@ -98,6 +98,35 @@ def test_one_rank_with_grad_accumulation_and_max_steps(tmp_path: Path, digits) -
     logged = scalars(tmp_path / "runs")
     assert [step for step, _ in logged["train/loss"]] == [5]
     assert math.ceil(loader.steps_per_epoch / 3) > 5  # so max_steps, not the epoch, ended the run
+
+
+# A task of the user's own whose options hold a credential: validation cannot know its options,
+# so only redaction keeps the token out of what the run writes.
+TOKEN_TASK = """
+from lance_hpc.tasks.image import ImageClassification, ImageOptions
+
+class TokenOptions(ImageOptions):
+    hub_api_token: str = ""
+    pad_token_id: int = 0
+
+class TokenImage(ImageClassification):
+    Options = TokenOptions
+"""
+
+
+def test_the_checkpoint_and_hparams_hold_the_spec_redacted(tmp_path: Path, digits) -> None:
+    (tmp_path / "token_task.py").write_text(TOKEN_TASK)
+    options = {"model": "small_cnn", "image_size": 16, "augment": "none", "hub_api_token": "hf_s3cr3tvalue", "pad_token_id": 7}
+    spec_file = write_spec(tmp_path, digits, task={"name": f"{tmp_path}/token_task.py:TokenImage", "options": options},
+                           train={"max_steps": 2})
+    spec = load_spec(spec_file).spec
+    with Preemption() as preemption, process_group(detect({}), spec.train.collective_timeout_s) as device:
+        assert trainer.train(spec, detect({}), device, preemption, load_task(spec)).status == "completed"
+    saved = final_state(tmp_path)["spec"]["task"]["options"]
+    assert saved["hub_api_token"] == REDACTED and saved["pad_token_id"] == 7  # an id, not a credential
+    hparams = hparams_logged(tmp_path / "runs")
+    assert hparams["task.options.hub_api_token"] == REDACTED and hparams["task.options.pad_token_id"] == 7
+    assert "hf_s3cr3tvalue" not in repr(final_state(tmp_path)) + repr(hparams)
 
 
 def test_only_usr2_requeues_sigterm_stops(tmp_path: Path, digits) -> None:

@@ -7,7 +7,9 @@ labelled by its rank (``srun --label``: ``3: text``); submitit jobs write a pair
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 import sys
 import time
 from dataclasses import dataclass
@@ -24,6 +26,11 @@ from lance_hpc.manage.records import JobRef
 PROG = "lance-hpc logs"
 RANK_LABEL = re.compile(rb"^\s*(\d+): ?")
 POLL_S, STATE_EVERY_S = 0.5, 2.0
+# Logs are read and printed this much at a time, so a huge one never sits in memory whole; a line
+# longer than this is printed in pieces.
+READ_CHUNK = 1 << 20
+# --rank looks for rank labels in this much of the end of the log, not the whole file.
+LABEL_CHECK_BYTES = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -90,22 +97,48 @@ class Printer:
         self.out.flush()
 
 
+def open_log(path: Path) -> int | None:
+    """A descriptor of the regular file at ``path``, or None while it does not exist. A job found
+    by id alone has the log path SLURM shows, which its submitter chose: a device such as
+    /dev/zero or a FIFO there would never end or block forever, so only a regular file is read."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # O_NONBLOCK: a FIFO cannot hang us
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        raise UserError(f"cannot read {path}: {error.strerror}\n  fix: check that the log is yours to read") from None
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise UserError(f"{path} is not a regular file, so lance-hpc logs does not read it (a device or a pipe "
+                        "may never end or may block)\n  fix: read the job's output where it was sent, or name the "
+                        "job's spec: lance-hpc logs jobs/<spec>.yaml")
+    return descriptor
+
+
+def read_log(path: Path, offset: int, size: int) -> bytes:
+    """Up to ``size`` bytes of the log at ``path`` from ``offset``; nothing while it does not exist."""
+    descriptor = open_log(path)
+    if descriptor is None:
+        return b""
+    try:
+        return os.pread(descriptor, size, offset)
+    finally:
+        os.close(descriptor)
+
+
 class Tail:
-    """New complete lines of one file since the last read (a cut-off last line waits for its end)."""
+    """New complete lines of one file since the last read (a cut-off last line waits for its end).
+    Each read takes at most READ_CHUNK bytes; ``more`` says the file has more to read now."""
 
     def __init__(self, path: Path) -> None:
-        self.path, self.offset, self.partial = path, 0, b""
+        self.path, self.offset, self.partial, self.more = path, 0, b"", False
 
     def read(self, final: bool = False) -> list[bytes]:
-        try:
-            with open(self.path, "rb") as file:
-                file.seek(self.offset)
-                data = file.read()
-        except FileNotFoundError:
-            data = b""
+        data = read_log(self.path, self.offset, READ_CHUNK)
         self.offset += len(data)
+        self.more = len(data) == READ_CHUNK
         *complete, self.partial = (self.partial + data).split(b"\n")
-        if final and self.partial:
+        if (final and not self.more and self.partial) or len(self.partial) >= READ_CHUNK:
             complete.append(self.partial)
             self.partial = b""
         return complete
@@ -119,6 +152,8 @@ def show(logs: JobLogs, rank: int | None, follow_job: str | None) -> None:
     while True:
         for tail in tails:
             printer.lines(tail.path, tail.read(final=ended))
+            while tail.more:
+                printer.lines(tail.path, tail.read(final=ended))
         if ended:
             return
         time.sleep(POLL_S)
@@ -131,7 +166,9 @@ def check_labels(logs: JobLogs, rank: int | None) -> None:
     """--rank needs labelled lines: refuse clearly on logs written before the script labelled them."""
     if rank is None or not logs.labelled or not logs.files[0].exists():
         return
-    lines = logs.files[0].read_bytes().splitlines()
+    path = logs.files[0]
+    start = max(path.stat().st_size - LABEL_CHECK_BYTES, 0)
+    lines = read_log(path, start, LABEL_CHECK_BYTES).splitlines()[1 if start else 0:]  # the line the window starts in is cut off
     if any(line.strip() for line in lines) and not any(RANK_LABEL.match(line) for line in lines):
         raise UserError(f"the lines in {logs.files[0]} carry no rank labels (the job's script was rendered "
                         "before lance_hpc ran srun with --label)\n"

@@ -10,10 +10,7 @@ their job name.
 from __future__ import annotations
 
 import json
-import os
-import pwd
 import re
-import stat
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -21,22 +18,24 @@ from typing import Any, Sequence
 
 from lance_hpc.errors import UserError
 from lance_hpc.manage import queue
-from lance_hpc.spec import JobSpec, Problem, SpecError, SweepRun, expand, load_spec_text
+from lance_hpc.spec import JobSpec, SweepRun, expand, load_spec_text
+from lance_hpc.spec.load import NotYourFile, owner_name, read_own_text
 
 RECORDS_FILE = "jobs.jsonl"
 JOB_ID = re.compile(r"^\d+(_\d+)?$")
 SPEC_NOT_FOUND = "its spec was not found beside its log"
 
 
-class NotYourSpec(UserError):
+class NotYourSpec(NotYourFile):
     """A spec file someone else owns: its paths would decide what this user's commands read and write."""
 
     def __init__(self, path: Path, uid: int) -> None:
-        self.path, self.owner = path, _user_name(uid)
+        owner = owner_name(uid)
         super().__init__(
-            f"{path} belongs to {self.owner}, not to you: lance-hpc status, logs and cancel read only your own job "
-            "specs, so that nobody else's spec decides which files they read and write as you\n"
-            f"  fix: give the job id instead (lance-hpc status <job id>) to see what SLURM knows, or ask {self.owner}"
+            path, uid,
+            "lance-hpc status, logs and cancel read only your own job specs, so that nobody else's spec decides "
+            "which files they read and write as you",
+            f"give the job id instead (lance-hpc status <job id>) to see what SLURM knows, or ask {owner}",
         )
 
 
@@ -166,20 +165,10 @@ def load_own_spec(path: Path, overrides: Sequence[str] = (), follow_links: bool 
     anything it names: looking at a job must not run its code, nor let another user's spec
     choose the checkpoints, logs and records read and written as the caller. Raises NotYourSpec
     for another user's file, SpecError for a missing or invalid one."""
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_links else os.O_NOFOLLOW)
     try:
-        descriptor = os.open(path, flags)  # O_NONBLOCK: a FIFO planted in its place cannot hang us
-    except FileNotFoundError:
-        raise SpecError(str(path), [Problem("", f"spec file {path} does not exist", "check the path")]) from None
-    except OSError as error:
-        raise SpecError(str(path), [Problem("", f"cannot read {path}: {error.strerror}")]) from None
-    with os.fdopen(descriptor, "rb") as file:
-        info = os.fstat(file.fileno())  # of what was opened, not of what the path names a moment later
-        if info.st_uid != os.getuid():
-            raise NotYourSpec(path, info.st_uid)
-        if not stat.S_ISREG(info.st_mode):
-            raise SpecError(str(path), [Problem("", f"{path} is not a regular file", "name the job's spec file")])
-        text = file.read().decode("utf-8", errors="replace")
+        text = read_own_text(path, follow_links)
+    except NotYourFile as error:
+        raise NotYourSpec(path, error.uid) from None
     return load_spec_text(text, str(path), overrides, imports=False).spec
 
 
@@ -225,8 +214,3 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def _user_name(uid: int) -> str:
-    try:
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except KeyError:
-        return f"uid {uid}"

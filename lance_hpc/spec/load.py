@@ -10,7 +10,10 @@ lance-hpc runs in).
 
 from __future__ import annotations
 
+import os
+import pwd
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -18,6 +21,7 @@ from typing import Any, Mapping, Sequence
 import yaml
 from pydantic import ValidationError
 
+from lance_hpc.errors import UserError
 from lance_hpc.spec.problems import Problem, SpecError, from_pydantic, unique
 from lance_hpc.spec.rules import cross_field_problems, entry_problems, moved_key_problems, task_problems
 from lance_hpc.spec.schema import CheckpointSpec, JobSpec, LoggingSpec, SlurmSpec
@@ -25,7 +29,8 @@ from lance_hpc.spec.secrets import secret_problems
 from lance_hpc.spec.sweep import expand, merge_sweep_options, sweep_problems
 from lance_hpc.spec.yaml_text import duplicate_keys, parse_value, parse_yaml
 
-__all__ = ["LoadedSpec", "Resolution", "apply_overrides", "duplicate_keys", "load_spec", "load_spec_text", "validate_spec"]
+__all__ = ["LoadedSpec", "NotYourFile", "Resolution", "apply_overrides", "check_owned", "duplicate_keys", "load_spec",
+           "load_spec_text", "read_own_text", "validate_spec"]
 
 # Fields whose string values may hold placeholders and name local paths (made absolute on load);
 # section None is the top level.
@@ -91,6 +96,51 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> list[Probl
             if not value_problems:
                 node[parts[-1]] = parsed
     return problems
+
+
+class NotYourFile(UserError):
+    """A job file another user owns. A spec names the code a job imports and the paths it reads
+    and writes, so lance_hpc neither runs nor replaces someone else's."""
+
+    def __init__(self, path: str | Path, uid: int, reason: str, fix: str) -> None:
+        self.path, self.uid, self.owner = Path(path), uid, owner_name(uid)
+        super().__init__(f"{path} belongs to {self.owner}, not to you: {reason}\n  fix: {fix}")
+
+
+# What the rank says when its spec belongs to someone else: whoever owns it chooses what runs.
+RUN_REASON = "lance_hpc never runs code from a file another user owns (a spec names the task and entry the job imports)"
+RUN_FIX = "submit your own spec (lance-hpc submit writes it into slurm.log_dir as yours) and run that"
+
+
+def owner_name(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def check_owned(info: os.stat_result, path: str | Path, reason: str = RUN_REASON, fix: str = RUN_FIX) -> None:
+    """Raise NotYourFile unless the caller owns the file ``info`` describes (a stat of ``path``)."""
+    if info.st_uid != os.getuid():
+        raise NotYourFile(path, info.st_uid, reason, fix)
+
+
+def read_own_text(path: str | Path, follow_links: bool = True, reason: str = RUN_REASON, fix: str = RUN_FIX) -> str:
+    """The text of the regular file at ``path``, read only if the caller owns it. Raises
+    NotYourFile for another user's file, SpecError for a missing, unreadable or special one."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_links else os.O_NOFOLLOW)
+    try:
+        descriptor = os.open(path, flags)  # O_NONBLOCK: a FIFO planted in its place cannot hang us
+    except FileNotFoundError:
+        raise SpecError(str(path), [Problem("", f"spec file {path} does not exist", "check the path")]) from None
+    except OSError as error:
+        raise SpecError(str(path), [Problem("", f"cannot read {path}: {error.strerror}")]) from None
+    with os.fdopen(descriptor, "rb") as file:
+        info = os.fstat(file.fileno())  # of what was opened, not of what the path names a moment later
+        check_owned(info, path, reason, fix)
+        if not stat.S_ISREG(info.st_mode):
+            raise SpecError(str(path), [Problem("", f"{path} is not a regular file", "name the job's spec file")])
+        return file.read().decode("utf-8", errors="replace")
 
 
 def load_spec(

@@ -6,7 +6,7 @@ checkpoints and TensorBoard's hparams, where anyone who can read those can read 
 credential a literal value, and values that look like a credential wherever they are (an AWS key
 id, a PEM private key, an Azure SAS signature, a password in a URL). Each problem names the
 environment variable or credential file to use instead. :func:`redacted` is the second line: the
-copies of a spec that leave it go through it, so a credential-looking key's value is replaced by
+copies of a spec that leave it go through it, so a credential-looking key's text is replaced by
 :data:`REDACTED` anywhere in the tree.
 """
 
@@ -119,16 +119,16 @@ def secret_problems(raw: Mapping[str, Any]) -> list[Problem]:
     return problems
 
 
-def redacted(tree: Any) -> Any:
-    """A copy of ``tree`` (the plain dicts and lists of a spec) with the value of every
-    credential-looking key, and every credential-looking value in text, replaced by REDACTED."""
+def redacted(tree: Any, under_credential_key: bool = False) -> Any:
+    """A copy of ``tree`` (the plain dicts and lists of a spec) with every text under a
+    credential-looking key, and every credential-looking value in text, replaced by REDACTED.
+    Numbers stay: ``pad_token_id: 0`` names a token id, not a credential."""
     if isinstance(tree, Mapping):
-        return {key: REDACTED if is_credential_key(str(key)) and tree[key] not in (None, "") else redacted(value)
-                for key, value in tree.items()}
+        return {key: redacted(value, under_credential_key or is_credential_key(str(key))) for key, value in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return [redacted(item) for item in tree]
+        return [redacted(item, under_credential_key) for item in tree]
     if isinstance(tree, str):
-        return redact_text(tree)
+        return REDACTED if under_credential_key and tree else redact_text(tree)
     return tree
 
 
