@@ -458,6 +458,48 @@ def test_a_user_directory_that_is_not_safely_theirs_is_refused(problem, message,
     assert not list(elsewhere.iterdir()) and not list(mine.iterdir())
 
 
+def test_a_missing_shared_directory_is_made_sticky_and_open_to_every_user_whatever_the_umask(tmp_path):
+    previous = os.umask(0o077)
+    try:
+        mine = user_directory(tmp_path / "scratch" / "cache")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(os.stat(tmp_path / "scratch" / "cache").st_mode) == 0o1777
+    assert stat.S_IMODE(os.lstat(mine).st_mode) == 0o700
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o775])
+def test_a_shared_directory_others_may_write_without_the_sticky_bit_is_refused(mode, tmp_path):
+    shared = tmp_path / "cache"
+    shared.mkdir()
+    os.chmod(shared, mode)
+    with pytest.raises(UserError, match=rf"{shared} is writable by other users without the sticky bit.*"
+                                        rf"\n  fix: have its owner run chmod \+t {shared}"):
+        user_directory(shared)
+    assert not list(shared.iterdir())
+    os.chmod(shared, mode | stat.S_ISVTX)
+    assert user_directory(shared) == shared / f"lance_hpc-{os.geteuid()}"
+
+
+def test_a_shared_directory_this_user_cannot_write_is_a_user_error(tmp_path, monkeypatch):
+    shared = tmp_path / "cache"
+    shared.mkdir(mode=0o755)
+    real_mkdir = os.mkdir
+
+    def refused(path, *args, **kwargs):  # as for a user who is not root and does not own the directory
+        if Path(path).parent == shared:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", refused)
+    with pytest.raises(UserError, match=rf"cannot create your cache directory .*: {shared} is not writable by you"
+                                        rf".*\n  fix: have its owner run chmod 1777 {shared}"):
+        user_directory(shared)
+    # A directory this user made there before is used as it is.
+    real_mkdir(shared / f"lance_hpc-{os.geteuid()}", 0o700)
+    assert user_directory(shared) == shared / f"lance_hpc-{os.geteuid()}"
+
+
 @pytest.mark.parametrize("exclusive", [False, True])
 def test_a_symlink_planted_at_a_temporary_path_is_not_followed(exclusive, tmp_path):
     victim = tmp_path / "victim"

@@ -2,9 +2,11 @@
 what is already at a target (other files refused and left alone, datasets kept or written over as
 new versions, concurrent ingests committing once), locally and on S3."""
 
+import errno
 import json
 import os
 import threading
+import time
 from pathlib import Path
 
 import lance
@@ -135,6 +137,71 @@ def test_interrupted_ingest_leaves_nothing_that_looks_complete(tmp_path, monkeyp
     assert lance.dataset(str(uri)).count_rows() == 1797
     ensure_dataset(spec)  # already there: nothing to do
     assert lance.dataset(str(uri)).version == 1
+
+
+SMALL_SOURCE = "skimage-photos:count=4,size=16"
+
+
+def test_a_symlink_to_an_empty_directory_is_written_through(tmp_path):
+    (tmp_path / "scratch" / "real.lance").mkdir(parents=True)
+    link = tmp_path / "project" / "train.lance"
+    link.parent.mkdir()
+    link.symlink_to(tmp_path / "scratch" / "real.lance")
+    assert ingest(SMALL_SOURCE, str(link)) == Ingested(train=4)
+    assert link.is_symlink() and lance.dataset(str(link)).count_rows() == 4
+    assert lance.dataset(str(tmp_path / "scratch" / "real.lance")).count_rows() == 4
+    assert os.listdir(tmp_path / "scratch") == ["real.lance"] and os.listdir(tmp_path / "project") == ["train.lance"]
+    assert ingest(SMALL_SOURCE, str(link)) == Ingested(kept=(str(link),))
+
+
+def test_a_target_that_cannot_be_replaced_is_a_user_error_and_the_partial_copy_is_removed(tmp_path, monkeypatch, capsys):
+    target = tmp_path / "mnt"
+    target.mkdir()  # stands for an empty mount point, which rename cannot replace
+    real_rename = os.rename
+
+    def busy(source, destination, *args, **kwargs):  # fault injection: what rename onto a mount point does
+        if Path(destination) == target:
+            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(source), None, str(destination))
+        return real_rename(source, destination, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", busy)
+    with pytest.raises(UserError, match=rf"URI {target}: cannot move it into place \(Device or resource busy: "
+                                        rf".*\.mnt\.partial-\w+\); its partial copy .* was removed\n"
+                                        rf"  fix: point URI at a new path inside it \(e\.g\. {target}/dataset\.lance\)"):
+        ingest(SMALL_SOURCE, str(target))
+    assert os.listdir(tmp_path) == ["mnt"] and os.listdir(target) == []
+    # The command line prints it, without a traceback.
+    assert main([SMALL_SOURCE, str(target)]) == 2
+    error = capsys.readouterr().err
+    assert f"error: URI {target}: cannot move it into place" in error and "Traceback" not in error
+
+
+def test_a_failed_write_is_a_user_error_that_says_what_became_of_the_partial_copy(tmp_path, monkeypatch):
+    def disk_full(reader, uri, **kwargs):  # fault injection: the disk fills up halfway through
+        (Path(uri) / "data").mkdir()
+        (Path(uri) / "data" / "half.lance").write_bytes(b"x")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(lance, "write_dataset", disk_full)
+    target = tmp_path / "t.lance"
+    with pytest.raises(UserError, match=rf"URI {target}: cannot write it \(No space left on device\); its partial "
+                                        rf"copy {tmp_path}/\.t\.lance\.partial-\w+ was removed\n  fix: free space"):
+        ingest(SMALL_SOURCE, str(target))
+    assert os.listdir(tmp_path) == []
+
+
+def test_partial_directories_of_killed_ingests_are_named_not_deleted(tmp_path, caplog):
+    old, recent = tmp_path / ".t.lance.partial-0badc0de", tmp_path / ".t.lance.partial-12345678"
+    for partial in (old, recent):
+        (partial / "data").mkdir(parents=True)
+    hours_ago = time.time() - 2 * 3600
+    os.utime(old, (hours_ago, hours_ago))
+    with caplog.at_level("WARNING", logger="lance_hpc.data"):
+        assert ingest(SMALL_SOURCE, str(tmp_path / "t.lance")) == Ingested(train=4)
+    warnings = [record.getMessage() for record in caplog.records if "partial" in record.getMessage()]
+    assert len(warnings) == 1 and str(old) in warnings[0] and str(recent) not in warnings[0]
+    assert "delete it once no ingest of" in warnings[0]
+    assert old.is_dir() and recent.is_dir()  # an ingest on another node may still be writing either
 
 
 def test_ensure_dataset_without_ingest_says_how_to_fix(tmp_path):

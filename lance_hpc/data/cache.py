@@ -328,15 +328,50 @@ def _remove_abandoned(root: Path, partial: Path) -> None:
         lock.release()
 
 
+SHARED_MODE = 0o1777  # like /tmp: everyone adds their own directory, no one removes or renames another's
+
+
+def shared_directory(directory: Path) -> None:
+    """Make sure ``directory``, which the node's users share, lets each of them add a directory
+    that no one else can swap: made mode 1777 where missing, refused where others may write to it
+    without the sticky bit (they could rename this user's directory and put their own in its place)."""
+    try:
+        os.stat(directory)
+    except FileNotFoundError:
+        try:
+            directory.parent.mkdir(parents=True, exist_ok=True)
+            os.mkdir(directory)
+            # mkdir's mode is masked by the umask, which would leave the directory to its first user alone.
+            os.chmod(directory, SHARED_MODE)
+        except FileExistsError:  # another process (or user) made it meanwhile: checked below like any other
+            pass
+        except OSError as error:
+            raise UserError(f"data.cache.dir: cannot create {directory}: {error.strerror or error}\n"
+                            "  fix: create it once with mode 1777 (mkdir -m 1777 DIR), or choose a data.cache.dir "
+                            "you can write on a node-local disk") from None
+    info = os.stat(directory)
+    if not stat.S_ISDIR(info.st_mode):
+        raise UserError(f"data.cache.dir: {directory} is not a directory\n  fix: choose another data.cache.dir")
+    if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+        raise UserError(f"data.cache.dir: {directory} is writable by other users without the sticky bit (mode "
+                        f"{stat.filemode(info.st_mode)}), so they could replace your cache directory in it with "
+                        f"their own\n  fix: have its owner run chmod +t {directory}, or choose another data.cache.dir")
+
+
 def user_directory(directory: Path) -> Path:
     """This user's directory in ``directory`` (which other users of the node may share), created
     0700 on first use; refused where it is a symlink, another user's, or open to other users."""
-    directory.mkdir(parents=True, exist_ok=True)
+    shared_directory(directory)
     mine = directory / f"lance_hpc-{os.geteuid()}"
     try:
         os.mkdir(mine, 0o700)
     except FileExistsError:
         pass
+    except PermissionError:
+        if not os.path.lexists(mine):
+            raise UserError(f"data.cache.dir: you cannot create your cache directory {mine}: {directory} is not "
+                            f"writable by you (mode {stat.filemode(os.stat(directory).st_mode)})\n"
+                            f"  fix: have its owner run chmod 1777 {directory}, or choose another data.cache.dir") from None
     info = os.lstat(mine)
     fix = "remove it (or have its owner or an administrator remove it), or choose another data.cache.dir"
     if not stat.S_ISDIR(info.st_mode):

@@ -15,6 +15,9 @@ A local dataset is written to a hidden sibling directory and renamed into place,
 a non-empty directory, so an interrupted write leaves nothing at the path; on an object store the
 commit has no retries, since a retried create would land on top of the winner's as its next version.
 Validation is written before training, and the training set marks that an ingest finished.
+A killed ingest leaves only its hidden directory, which the next ingest of that path names (it is
+not deleted: the ingest that made it may still be running on another node). A symlinked local path
+is written through: the dataset lands in the directory the link points to.
 
 Sources (``data.ingest.source`` or the first argument of ``lance-hpc ingest``):
 ``sklearn-digits``, ``skimage-photos[:count=N,size=S,seed=K,min_side=A,max_side=B,quality=Q]``,
@@ -28,10 +31,13 @@ its official test split becomes the validation set). Text sources, ``text:<glob>
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import logging
 import os
 import shutil
 import sys
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -57,6 +63,12 @@ WRITE_CHUNK_ROWS = 256
 # object store an interrupted or lost create leaves these, and a later create may go on beside them.
 UNCOMMITTED_LANCE_FILES = {"data": ".lance", "_transactions": ".txn"}
 ENTRIES_SHOWN = 5
+# A local dataset is written to the hidden sibling ".NAME" + PARTIAL_INFIX + 8 hex digits; one older
+# than LEFTOVER_AGE_S when the same target is ingested again was left by a killed ingest.
+PARTIAL_INFIX = ".partial-"
+LEFTOVER_AGE_S = 3600
+
+log = logging.getLogger("lance_hpc.data")
 
 
 @dataclass(frozen=True)
@@ -311,23 +323,76 @@ def write_lance(reader: pa.RecordBatchReader, target: Target, *, rows_per_fragme
                 return False
             raise
         return True
-    final = Path(target.uri)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    partial = final.parent / f".{final.name}.partial-{uuid.uuid4().hex[:8]}"
-    # mkdir fails if the path exists, so what the finally below removes is ours alone (mkdtemp would
-    # do the same, but its 0700 mode would stay on the dataset and hide it from the user's group).
-    partial.mkdir()
+    final = _local_path(target)
     try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise _write_failed(target, f"cannot create {final.parent}", error, None) from None
+    _warn_of_leftovers(final)
+    partial = final.parent / f".{final.name}{PARTIAL_INFIX}{uuid.uuid4().hex[:8]}"
+    step = "create its temporary directory"
+    try:
+        # mkdir fails if the path exists, so what is removed below is ours alone (mkdtemp would do
+        # the same, but its 0700 mode would stay on the dataset and hide it from the user's group).
+        partial.mkdir()
+        step = "write it"
         lance.write_dataset(reader, str(partial), mode="create", max_rows_per_file=rows_per_fragment)
-        try:
-            os.rename(partial, final)  # fails, replacing nothing, when final is a non-empty directory
-        except OSError:
-            if existing_dataset(target) is None:  # a UserError when what is there is not a dataset
-                raise
-            return False
+        step = "move it into place"
+        os.rename(partial, final)  # fails, replacing nothing, when final is a non-empty directory
         return True
+    except OSError as error:
+        if step == "move it into place" and existing_dataset(target) is not None:  # a UserError for anything else
+            return False
+        raise _write_failed(target, f"cannot {step}", error, partial) from None
     finally:
         shutil.rmtree(partial, ignore_errors=True)  # our own temporary directory, if the rename did not take it
+
+
+def _local_path(target: Target) -> Path:
+    """Where a local dataset is written: the directory a symlinked ``target`` points to, since the
+    rename that puts the dataset in place would fail on the link (and must stay on its filesystem)."""
+    path = Path(target.uri)
+    return path.resolve() if path.is_symlink() else path
+
+
+def _write_failed(target: Target, what: str, error: OSError, partial: Path | None) -> UserError:
+    """The UserError for a local write that failed: the target, the cause, and what became of the
+    hidden temporary directory (removed here, so the message can say whether that worked)."""
+    cause = error.strerror or str(error) or type(error).__name__
+    if error.filename is not None:
+        cause += f": {error.filename}"
+    leftover = ""
+    if partial is not None:
+        shutil.rmtree(partial, ignore_errors=True)
+        leftover = (f"; its partial copy {partial} is left there: delete it" if os.path.lexists(partial)
+                    else f"; its partial copy {partial} was removed")
+    if error.errno in (errno.EBUSY, errno.ENOTDIR, errno.EXDEV):
+        fix = (f"point {target.name} at a new path inside it (e.g. {target.uri.rstrip('/')}/dataset.lance): "
+               "an empty mount point or a directory in use cannot be replaced")
+    elif error.errno == errno.ENOSPC:
+        fix = f"free space on the filesystem of {target.uri}, or point {target.name} at another disk, then ingest again"
+    else:
+        fix = f"make {_local_path(target).parent} writable by you, or point {target.name} at a path you can write"
+    return UserError(f"{target.name} {target.uri}: {what} ({cause}){leftover}\n  fix: {fix}")
+
+
+def _warn_of_leftovers(final: Path) -> None:
+    """Warn of the hidden directories that earlier ingests of ``final`` left when killed (SIGKILL,
+    a node failure). They are named, not deleted: one may belong to an ingest still running on
+    another node of a shared filesystem, which age alone cannot rule out, and a pid file that
+    could would have to sit inside the directory and so end up in the dataset."""
+    cutoff = time.time() - LEFTOVER_AGE_S
+    try:
+        with os.scandir(final.parent) as entries:
+            old = sorted(entry.path for entry in entries
+                         if entry.name.startswith(f".{final.name}{PARTIAL_INFIX}") and entry.is_dir(follow_symlinks=False)
+                         and entry.stat(follow_symlinks=False).st_mtime < cutoff)
+    except OSError:  # only a warning: the write itself reports a directory it cannot use
+        return
+    if old:
+        log.warning("%d partial dataset director%s left by earlier interrupted ingests of %s (older than %d minutes): "
+                    "%s; delete %s once no ingest of %s is running", len(old), "y" if len(old) == 1 else "ies", final,
+                    LEFTOVER_AGE_S // 60, ", ".join(old), "it" if len(old) == 1 else "them", final)
 
 
 def find_datasets(train: Target, val: Target | None) -> tuple[Any | None, Any | None]:
