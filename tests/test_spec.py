@@ -437,3 +437,23 @@ def test_redaction_replaces_credential_values_anywhere() -> None:
     spec = JobSpec.model_validate({"name": "x", "data": {"uri": "/d", "storage_options": {"aws_secret_access_key": "s3cr3t"}}})
     assert spec.redacted_dict()["data"]["storage_options"] == {"aws_secret_access_key": REDACTED}
     assert spec.to_dict()["data"]["storage_options"] == {"aws_secret_access_key": "s3cr3t"}  # the job's own copy keeps it
+
+
+def test_redaction_hides_text_under_credential_keys_but_keeps_numbers() -> None:
+    """A tokenizer's ids are numbers under "token" keys; a credential is text, also inside a list
+    or a section a credential key holds."""
+    tree = {"task": {"options": {"pad_token_id": 0, "eos_token_id": 2, "special_token_ids": [1, 3], "use_token": True,
+                                 "api_token": "abc", "tokens": {"auth_token": ["x", 7]}, "credentials": {"user": "me", "n": 1}}}}
+    assert redacted(tree) == {"task": {"options": {
+        "pad_token_id": 0, "eos_token_id": 2, "special_token_ids": [1, 3], "use_token": True,
+        "api_token": REDACTED, "tokens": {"auth_token": [REDACTED, 7]}, "credentials": {"user": REDACTED, "n": 1}}}}
+
+
+# Float fields with an upper bound; lr and weight_decay have none that holds for every optimizer.
+BOUNDED_FLOATS = ["data.cache.max_gb", "data.io_timeout_s", "data.ingest.val_fraction", "train.momentum", "train.warmup_epochs"]
+
+
+@pytest.mark.parametrize("path", BOUNDED_FLOATS)
+def test_float_fields_with_an_obvious_limit_refuse_huge_values(path: str) -> None:
+    assert f"{path}: must be <" in problems_of(with_value(path, 1e300))
+    assert {path for path, kind in NUMERIC_FIELDS if kind is float} - set(BOUNDED_FLOATS) == {"train.lr", "train.weight_decay"}

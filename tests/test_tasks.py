@@ -1,13 +1,16 @@
 """Pluggable tasks: a task defined in a test module trains through its import path on two local
 ranks (its decoder running in DataLoader workers); every built-in task with every training
 strategy gives every rank the same steps and reads every planned row exactly once, by row id;
-a task checks its options against the data before any step runs."""
+a task checks its options against the data before any step runs, and every numeric option is
+finite and bounded at validation."""
 
 from __future__ import annotations
 
 import math
 import re
+import typing
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,7 +18,7 @@ import pytest
 from lance_hpc.data import build_train_loader, dataset_info, ensure_dataset
 from lance_hpc.data.sampling import STYLES
 from lance_hpc.errors import UserError
-from lance_hpc.spec import DataSpec, IngestSpec, load_spec
+from lance_hpc.spec import DataSpec, IngestSpec, SpecError, load_spec, validate_spec
 from lance_hpc.tasks import ROW_ID, TaskError, build_task, load_task
 from tests.test_trainer import launch
 from lance_hpc.tasks.language import LanguageModel
@@ -132,3 +135,52 @@ def test_language_model_trains_on_two_local_ranks_and_logs_its_tags(tmp_path: Pa
     assert logged["train/bits_per_byte"][-1][1] < logged["train/bits_per_byte"][0][1]
     assert all(value > 0 for _, value in logged["train/tokens_per_s"])
     assert hparams_logged(tmp_path / "runs")["task.name"] == "language_model"
+
+
+# ---- every built-in task option bounded --------------------------------------------------------
+
+
+def builtin_numeric_options() -> list[tuple[str, str, type]]:
+    """(task name, option, int or float) of every numeric option of every registered task."""
+    from lance_hpc.tasks import TASKS, task_class
+
+    found = []
+    for name in TASKS:
+        for option, field in task_class(name).Options.model_fields.items():
+            candidates = typing.get_args(field.annotation) or (field.annotation,)
+            if int in candidates or float in candidates:
+                found.append((name, option, float if float in candidates else int))
+    return found
+
+
+BUILTIN_NUMERIC_OPTIONS = builtin_numeric_options()
+
+
+def option_problems(task_name: str, option: str, value: Any) -> str:
+    with pytest.raises(SpecError) as caught:
+        validate_spec({"name": "bounds", "data": {"uri": "/d"}, "task": {"name": task_name, "options": {option: value}}})
+    return str(caught.value)
+
+
+def test_the_table_below_sees_every_numeric_task_option() -> None:
+    assert {("image_classification", "image_size", int), ("language_model", "dropout", float),
+            ("language_model", "vocab_size", int)} <= set(BUILTIN_NUMERIC_OPTIONS)
+
+
+@pytest.mark.parametrize(("task_name", "option", "kind"), BUILTIN_NUMERIC_OPTIONS,
+                         ids=[f"{name}.{option}" for name, option, _ in BUILTIN_NUMERIC_OPTIONS])
+def test_every_numeric_task_option_refuses_nan_infinity_negatives_and_huge_values(task_name: str, option: str,
+                                                                                   kind: type) -> None:
+    path = f"task.options.{option}"
+    for value in (math.nan, math.inf, -math.inf):
+        assert f"{path}: must be a finite number, got {value!r}" in option_problems(task_name, option, value)
+    assert f"{path}: must be >" in option_problems(task_name, option, -1)
+    assert f"{path}: must be <" in option_problems(task_name, option, 2**64 if kind is int else 1e300)
+
+
+def test_task_option_bounds_are_inclusive_and_named_in_the_fix() -> None:
+    assert "task.options.image_size: must be <= 4096, got 100000\n      fix: set a value <= 4096" in option_problems(
+        "image_classification", "image_size", 100000)
+    options = validate_spec({"name": "bounds", "data": {"uri": "/d"},
+                             "task": {"name": "language_model", "options": {"layers": 1024, "vocab_size": 2**24}}}).spec.task.options
+    assert options["layers"] == 1024 and options["vocab_size"] == 2**24

@@ -19,6 +19,8 @@ from lance_hpc.spec.secrets import redacted
 # passes validation and then fails on every rank (numpy refuses a seed of -1 or 2**32).
 MAX_INT = 2**31 - 1
 MAX_SEED = 2**32 - 1
+# A node-local cache's size in GiB: 2**20 GiB (1 PiB) is past any node's local disk.
+MAX_CACHE_GB = float(2**20)
 # The forms sbatch accepts for --time.
 TIME_PATTERN = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 
@@ -187,7 +189,7 @@ class CacheSpec(_Section):
         ..., min_length=1,
         description="Node-local directory for cached data files, shared by every rank and worker on the node; $VARS expand there.",
     )
-    max_gb: float = Field(..., gt=0, description="Size limit in GiB; beyond it the least recently used files are deleted.")
+    max_gb: float = Field(..., gt=0, le=MAX_CACHE_GB, description="Size limit in GiB; beyond it the least recently used files are deleted.")
 
     @field_validator("dir")
     @classmethod
@@ -225,7 +227,7 @@ class DataSpec(_Section):
     on_corrupt: str = Field("skip", description="A row the task cannot decode: skip (counted in logs) or fail naming it.")
     ingest: IngestSpec | None = Field(None, description="Create the dataset on first use from a source.")
     io_timeout_s: float | None = Field(
-        None, gt=0, description=(
+        None, gt=0, le=MAX_INT, description=(
             "Seconds a read keeps retrying a failing store before the job stops; at most train.collective_timeout_s - 30 "
             "[default: that, up to 120]."),
     )
@@ -260,7 +262,7 @@ class TrainSpec(_Section):
         "linear", description="linear: lr * global_batch / base_batch_size; none: lr as given."
     )
     base_batch_size: int = Field(256, ge=1, le=MAX_INT, description="Global batch size at which lr applies.")
-    warmup_epochs: float = Field(1.0, ge=0, description="Linear warmup length, then cosine decay.")
+    warmup_epochs: float = Field(1.0, ge=0, le=MAX_INT, description="Linear warmup length, then cosine decay.")
     optimizer: str = Field("sgd", description="sgd (momentum, nesterov) or adamw.")
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum.")
     weight_decay: float = Field(5e-5, ge=0, description="Weight decay.")

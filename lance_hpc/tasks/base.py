@@ -95,9 +95,11 @@ class DatasetInfo:
 
 
 class TaskOptions(BaseModel):
-    """Base of every task's options: frozen, unknown keys refused (reported as task.options.KEY)."""
+    """Base of every task's options: frozen, unknown keys refused (reported as task.options.KEY),
+    floats finite: a .nan or .inf option would pass here and then fail on every rank."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, protected_namespaces=())
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, protected_namespaces=(),
+                              allow_inf_nan=False)
 
 
 OptionsT = TypeVar("OptionsT", bound=TaskOptions)

@@ -21,13 +21,20 @@ from lance_hpc.data.ingest import CLASS_NAMES_KEY
 from lance_hpc.models import build_model, model_problem
 from lance_hpc.tasks.base import Batch, DatasetInfo, Decoder, FieldSpec, Task, TaskError, TaskOptions, column_problems
 
+# Upper bounds of the options: past them a spec would pass validation and then fail on every rank
+# allocating its batches or its model. 4096 px a side is 48 MiB per uint8 image, well past any
+# classifier's input; 2**24 classes is far past the largest label sets in use.
+MAX_IMAGE_SIZE = 4096
+MAX_CLASSES = 2**24
+
+
 class ImageOptions(TaskOptions):
     image_column: str = Field("image", description="Column of encoded image bytes (JPEG, PNG, ...).")
     label_column: str = Field("label", description="Column of integer class labels.")
-    image_size: int = Field(224, ge=8, description="Side of the square images the model sees.")
+    image_size: int = Field(224, ge=8, le=MAX_IMAGE_SIZE, description="Side of the square images the model sees.")
     augment: str = Field("crop_flip", description=f"Training augmentation: {', '.join(AUGMENTS)}.")
     model: str = Field("resnet18", description="small_cnn, a torchvision classification model, or my_pkg.models:build.")
-    num_classes: int | None = Field(None, ge=2, description="Classes; null reads them from the dataset.")
+    num_classes: int | None = Field(None, ge=2, le=MAX_CLASSES, description="Classes; null reads them from the dataset.")
     channels_last: bool = Field(True, description="Channels-last memory format on GPU (faster convolutions).")
 
     @field_validator("augment")
