@@ -343,6 +343,8 @@ def write_lance(reader: pa.RecordBatchReader, target: Target, *, rows_per_fragme
     except OSError as error:
         if step == "move it into place" and existing_dataset(target) is not None:  # a UserError for anything else
             return False
+        if error.errno is None:  # Lance's wrapping of an error the source raised, not the file system's
+            raise
         raise _write_failed(target, f"cannot {step}", error, partial) from None
     finally:
         shutil.rmtree(partial, ignore_errors=True)  # our own temporary directory, if the rename did not take it
