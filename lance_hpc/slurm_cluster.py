@@ -42,7 +42,7 @@ SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 # cred_expire is also how long a requeued job waits before it may start again (default 120 s).
-AuthInfo=socket={workdir}/munge.socket,cred_expire=10
+AuthInfo=socket={workdir}/munge.socket,cred_expire=5
 StateSaveLocation={workdir}/state
 SlurmctldPidFile={workdir}/slurmctld.pid
 SlurmctldLogFile={workdir}/slurmctld.log
