@@ -270,7 +270,7 @@ def object_storage_targets(local: dict[str, Summary], grid: dict[str, dict[float
     for label, by_latency in grid.items():
         zero = by_latency[0.0].images_per_s if 0.0 in by_latency else 0.0
         for latency, summary in by_latency.items():
-            if latency > 0:
+            if latency > 0 and 0.0 in by_latency:  # --tiny measures no 0 ms to compare with
                 latency_ratios.append((summary.images_per_s / zero if zero else 0.0, f"{label} at {latency:g} ms"))
             disk_cpu = local[label].cpu_ms_per_image
             cpu_ratios.append((summary.cpu_ms_per_image / disk_cpu if disk_cpu and summary.ok_runs else float("inf"),
