@@ -307,7 +307,7 @@ def wait_for_text(path: Path, marker: str, timeout_s: float = 300) -> None:
 @pytest.mark.slow
 @pytest.mark.slurm
 def test_four_run_sweep_on_the_cluster_each_run_on_its_own(slurm_cluster: SlurmCluster, digits: Digits, tmp_path: Path) -> None:
-    """lr x epochs: the two 1-epoch runs are short; run 0 (10 epochs) gets USR2 early, requeues
+    """lr x epochs: the two 1-epoch runs are short; run 0 (3 epochs) gets USR2 early, requeues
     itself alone (ARRAYID_0) and resumes; all four end COMPLETED with their own checkpoints and
     TensorBoard events under the sweep's directories.
 
@@ -319,7 +319,7 @@ def test_four_run_sweep_on_the_cluster_each_run_on_its_own(slurm_cluster: SlurmC
     spec_path = write_spec(tmp_path, digits, name="sw", slurm=slurm, train={"epochs": 1},
                            logging={"log_every_steps": 1, "progress": False},
                            checkpoint={"every_steps": 50, "keep": 2},
-                           sweep={"train.lr": [0.003, 0.001], "train.epochs": [10, 1]})
+                           sweep={"train.lr": [0.003, 0.001], "train.epochs": [3, 1]})
     spec = load_spec(spec_path).spec
     runs = expand(spec)
     _, script = submit.write_job_files(spec)
@@ -330,9 +330,9 @@ def test_four_run_sweep_on_the_cluster_each_run_on_its_own(slurm_cluster: SlurmC
     array_id = submitted.stdout.strip().split(";")[0]
     jobs = [f"{array_id}_{run.index}" for run in runs]
     logs = Path(spec.slurm.log_dir)
-    long_run = runs[0]  # lr 0.003, 10 epochs
-    assert long_run.values == {"train.lr": 0.003, "train.epochs": 10}
-    wait_for_text(logs / f"sw-{jobs[0]}.out", "step 30/")
+    long_run = runs[0]  # lr 0.003, 3 epochs (135 steps)
+    assert long_run.values == {"train.lr": 0.003, "train.epochs": 3}
+    wait_for_text(logs / f"sw-{jobs[0]}.out", "step 10/")
     signal_steps(environ(slurm_cluster), jobs[0])
 
     states = wait_for_runs(slurm_cluster, jobs, 900)

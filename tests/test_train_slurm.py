@@ -181,13 +181,13 @@ def test_a_task_from_a_test_module_requeues_and_resumes_to_the_same_weights(
 ) -> None:
     """A task no lance_hpc module defines, named by file path, decoding in DataLoader workers."""
     custom = {"task": {"name": f"{REPO_ROOT}/tests/custom_task.py:PixelMLP", "options": {"hidden": 32}},
-              "data": {"num_workers": 1}, "train": {"epochs": 3, "lr": 0.01}}
+              "data": {"num_workers": 1}, "train": {"epochs": 2, "lr": 0.01}}
     reference = run_to_end(slurm_cluster, job_spec(tmp_path / "reference", digits, slurm_cluster, **custom))
     assert reference.state == "COMPLETED" and "final validation accuracy" in reference.output, reference.output
     spec = job_spec(tmp_path / "interrupted", digits, slurm_cluster, **custom)
     interrupt_with_usr2(slurm_cluster, spec)
     final, expected = final_state(tmp_path / "interrupted"), final_state(tmp_path / "reference")
-    assert final["step"] == expected["step"] == 3 * steps_per_epoch(spec)
+    assert final["step"] == expected["step"] == 2 * steps_per_epoch(spec)
     assert same_weights(final["model"], expected["model"]) == []
 
 
@@ -197,10 +197,10 @@ def test_script_mode_example_requeues_and_resumes_on_the_cluster(
     """examples/script_mode (its own loop) through sbatch, preempted mid-epoch: saves, requeues,
     resumes and finishes with every rank on the same step."""
     spec = job_spec(tmp_path, digits, slurm_cluster, entry=f"{REPO_ROOT}/examples/script_mode/train.py:main",
-                    train={"epochs": 3})
+                    train={"epochs": 2})
     _, output, _ = interrupt_with_usr2(slurm_cluster, spec)
     assert "final validation accuracy" in output
-    assert final_state(tmp_path)["step"] == 3 * steps_per_epoch(spec)
+    assert final_state(tmp_path)["step"] == 2 * steps_per_epoch(spec)
 
 
 def test_submitit_preemption_checkpoints_requeues_and_resumes(
