@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from lance_hpc.errors import UserError
+from lance_hpc.errors import ExitCode, UserError
 
 if TYPE_CHECKING:
     from lance_hpc.spec import JobSpec
@@ -43,21 +43,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
         print(usage(), file=sys.stderr)
-        return 2
+        return ExitCode.USER_ERROR
     if argv[0] in ("-h", "--help"):
         print(usage())
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         print(f"lance-hpc: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
-        return 2
+        return ExitCode.USER_ERROR
     module_name, function_name, _ = COMMANDS[name]
     try:
         function: Callable[[list[str]], int] = getattr(importlib.import_module(module_name), function_name)
     except ImportError as error:
         print(f"lance-hpc {name}: not available, {module_name} cannot be loaded: {error}\n"
               "  fix: reinstall lance-hpc with its dependencies (pip install -e .)", file=sys.stderr)
-        return 2
+        return ExitCode.USER_ERROR
     return int(function(rest) or 0)
 
 
@@ -73,7 +73,7 @@ def validate(argv: list[str]) -> int:
         loaded = load_spec(args.spec, args.set)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
-        return 2
+        return ExitCode.USER_ERROR
     slurm = loaded.spec.slurm
     print(f"{args.spec}: valid ({loaded.spec.name}: {slurm.nodes} node(s) x {slurm.ntasks_per_node} task(s), "
           f"{loaded.spec.data.style}/{loaded.spec.data.sampler}, {describe_task(loaded.spec)})")
@@ -111,7 +111,7 @@ def render(argv: list[str]) -> int:
         spec_file, script_path = submit.write_job_files(load_spec(args.spec, args.set).spec, args.output)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
-        return 2
+        return ExitCode.USER_ERROR
     print(f"wrote {script_path}\n  (its tasks read {spec_file})\nsubmit it with: sbatch {script_path}")
     return 0
 

@@ -1,7 +1,33 @@
-"""The one exception type for mistakes a user can fix: the command line prints its message,
-which says what is wrong and how to fix it, and exits non-zero without a traceback."""
+"""The one exception type for mistakes a user can fix (the command line prints its message,
+which says what is wrong and how to fix it, and exits non-zero without a traceback), and the exit
+codes every lance_hpc command and rank ends with."""
 
 from __future__ import annotations
+
+import enum
+
+
+class ExitCode(enum.IntEnum):
+    """How a lance_hpc command, a rank or a job ended; SLURM reports these as the job's exit code."""
+
+    OK = 0
+    FAILED = 1  # training raised, a rank died, a job ended FAILED, a wait ran out of time
+    USER_ERROR = 2  # a problem in the spec, the data or the command line; its message says the fix
+    STOPPED = 3  # stopped by a signal with a checkpoint saved: run the job again to continue
+    INTERRUPTED = 130  # Ctrl-C before training began, as a shell reports it
+
+    @property
+    def meaning(self) -> str:
+        return _MEANINGS[self]
+
+
+_MEANINGS = {
+    ExitCode.OK: "finished",
+    ExitCode.FAILED: "training failed",
+    ExitCode.USER_ERROR: "a problem in the spec or data, see the log",
+    ExitCode.STOPPED: "stopped by a signal, checkpoint saved",
+    ExitCode.INTERRUPTED: "interrupted before training began",
+}
 
 
 class UserError(Exception):

@@ -29,8 +29,7 @@ import lance_hpc
 from lance_hpc import data, lease
 from lance_hpc.checkpoint import INTERRUPT_SIGNAL, PREEMPTION_SIGNALS
 from lance_hpc.env import SLURM_VARS
-from lance_hpc.errors import UserError
-from lance_hpc.run import EXIT_INTERRUPTED, EXIT_STOPPED
+from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.spec import load_spec
 from lance_hpc.tasks import load_task
 
@@ -55,7 +54,7 @@ def run_local(spec_file: str | Path, nproc: int) -> int:
         load_task(spec)  # a column the task needs but the data lacks: one error here, not one per rank
     except KeyboardInterrupt:
         print("\nlance_hpc: interrupted before training started; nothing to save", file=sys.stderr, flush=True)
-        return EXIT_INTERRUPTED
+        return ExitCode.INTERRUPTED
     port = free_port()
     package_root = str(Path(lance_hpc.__file__).resolve().parents[1])
     ranks: list[subprocess.Popen] = []
@@ -91,7 +90,7 @@ def run_local(spec_file: str | Path, nproc: int) -> int:
             ranks.append(subprocess.Popen([sys.executable, "-m", "lance_hpc.run", str(spec_file)], env=environ,
                                           start_new_session=True, preexec_fn=die_with_parent))
         code = wait_for_ranks(ranks, stopped_at_once=lambda: len(interrupts) > 1)
-        return EXIT_INTERRUPTED if len(interrupts) > 1 else code
+        return ExitCode.INTERRUPTED if len(interrupts) > 1 else code
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -115,7 +114,7 @@ def wait_for_ranks(ranks: Sequence[subprocess.Popen], stopped_at_once: Callable[
         if stopped_at_once():
             for process in ranks:
                 process.wait()
-            return EXIT_INTERRUPTED
+            return ExitCode.INTERRUPTED
         if failed is None:
             failed = first_failure(ranks)
             if failed is not None:
@@ -131,7 +130,10 @@ def wait_for_ranks(ranks: Sequence[subprocess.Popen], stopped_at_once: Callable[
     failed = failed or first_failure(ranks)
     if failed is None:
         codes = {process.returncode for process in ranks}
-        return EXIT_STOPPED if EXIT_STOPPED in codes else EXIT_INTERRUPTED if EXIT_INTERRUPTED in codes else 0
+        for code in (ExitCode.STOPPED, ExitCode.INTERRUPTED):
+            if code in codes:
+                return code
+        return ExitCode.OK
     rank, code = failed
     print(f"lance_hpc.launch: the job failed: rank {rank} (pid {ranks[rank].pid}) {describe_exit(code)}",
           file=sys.stderr, flush=True)
@@ -142,7 +144,7 @@ def first_failure(ranks: Sequence[subprocess.Popen]) -> tuple[int, int] | None:
     """(rank, exit code) of a failed rank, if any. When several failed since the last look, a rank
     killed by a signal is the likelier cause: the others exit with an error once it is gone."""
     failed = [(rank, process.returncode) for rank, process in enumerate(ranks)
-              if process.returncode not in (None, 0, EXIT_STOPPED, EXIT_INTERRUPTED)]
+              if process.returncode not in (None, 0, ExitCode.STOPPED, ExitCode.INTERRUPTED)]
     return min(failed, key=lambda item: (item[1] > 0, item[0]), default=None)
 
 
@@ -153,6 +155,7 @@ def describe_exit(code: int) -> str:
 
 
 def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now: the local job's MASTER_PORT."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -167,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_local(args.spec_file, args.nproc)
     except UserError as error:
         print(f"lance_hpc.launch: {error}", file=sys.stderr)
-        return 2
+        return ExitCode.USER_ERROR
 
 
 if __name__ == "__main__":

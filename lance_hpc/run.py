@@ -32,14 +32,11 @@ import torch.distributed as dist
 from lance_hpc import checkpoint, data, render, script, trainer
 from lance_hpc.data.retry import StoreUnavailable
 from lance_hpc.env import DistEnv, detect, explain_failure, lost_peer, process_group
-from lance_hpc.errors import UserError
+from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.imports import load_callable
 from lance_hpc.spec import JobSpec, load_spec_text
 from lance_hpc.spec.load import read_own_text
 from lance_hpc.tasks import load_task
-
-EXIT_FAILED, EXIT_USER_ERROR, EXIT_STOPPED = 1, 2, 3
-EXIT_INTERRUPTED = 130  # Ctrl-C before training began, as a shell reports it
 
 # How a preempted job gets back into the queue: (env, spec, preemption) -> (requeued, message).
 Requeue = Callable[[DistEnv, JobSpec, checkpoint.Preemption], tuple[bool, str]]
@@ -181,18 +178,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary = run_job(args.spec_file, requeue_with_scontrol)
     except UserError as error:
         print(f"lance_hpc.run: {error}", file=sys.stderr, flush=True)
-        return EXIT_USER_ERROR
+        return ExitCode.USER_ERROR
     except StoreUnavailable as error:  # the store, not the code, failed: its message says it all
         print(f"lance_hpc.run: {error}", file=sys.stderr, flush=True)
-        return EXIT_FAILED
+        return ExitCode.FAILED
     except TrainingFailed as error:
         if error.show_traceback:
             traceback.print_exception(error.__cause__, file=sys.stderr)
         print(f"lance_hpc.run: {error}", file=sys.stderr, flush=True)
-        return EXIT_FAILED
+        return ExitCode.FAILED
     except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save yet
-        return EXIT_INTERRUPTED
-    return EXIT_STOPPED if summary.status == "stopped" else 0
+        return ExitCode.INTERRUPTED
+    return ExitCode.STOPPED if summary.status == "stopped" else ExitCode.OK
 
 
 def exit_process(code: int) -> NoReturn:

@@ -27,11 +27,10 @@ import submitit
 from submitit.core import utils as submitit_utils
 
 from lance_hpc import render
-from lance_hpc.errors import UserError
+from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.spec import JobSpec, LoadedSpec, SweepRun, expand, load_spec
 from lance_hpc.spec.load import check_owned
 
-EXIT_USER_ERROR, EXIT_JOB_FAILED = 2, 1
 # The resolved spec and the script say everything the job does (its paths, its setup lines), and
 # the job's tasks run whatever the spec file says: only their owner may read or change them
 # (files 0600, see write_private; a directory lance_hpc creates for them 0700).
@@ -260,7 +259,6 @@ def run_sweep_locally(spec: JobSpec, nproc: int | None) -> int:
     its own experiment); an interrupted one (Ctrl-C) stops the sweep. Returns the first non-zero
     exit code, or 0."""
     from lance_hpc.launch import run_local
-    from lance_hpc.run import EXIT_INTERRUPTED, EXIT_STOPPED
 
     runs = expand(spec)
     write_job_files(spec)
@@ -269,12 +267,13 @@ def run_sweep_locally(spec: JobSpec, nproc: int | None) -> int:
         print(f"==== sweep run {run.index + 1}/{len(runs)}: {run.spec.name} ({run.describe()})", flush=True)
         code = run_local(run_spec_file(spec, run), nproc or run.spec.slurm.world_size)
         results.append((run, code))
-        if code in (EXIT_STOPPED, EXIT_INTERRUPTED):
+        if code in (ExitCode.STOPPED, ExitCode.INTERRUPTED):
             break
     print(f"==== sweep {spec.name}: {sum(code == 0 for _, code in results)} of {len(runs)} runs finished")
     for run, code in results:
         stopped = "stopped; run the same command again to continue"
-        outcome = {0: "finished", EXIT_STOPPED: stopped, EXIT_INTERRUPTED: stopped}.get(code, f"failed (exit {code})")
+        outcome = {ExitCode.OK: "finished", ExitCode.STOPPED: stopped, ExitCode.INTERRUPTED: stopped}.get(
+            code, f"failed (exit {int(code)})")
         print(f"  [{run.index}] {run.spec.name}: {outcome}")
     for run in runs[len(results):]:
         print(f"  [{run.index}] {run.spec.name}: not started")
@@ -302,12 +301,12 @@ def wait_for(job: submitit.Job) -> int:
         others = [str(index) for index, _ in failed if index != first_index]
         if others:
             print(f"tasks {', '.join(others)} failed too; their logs are in {job.paths.folder}", file=sys.stderr)
-        return EXIT_JOB_FAILED
+        return ExitCode.FAILED
     print(f"job {job.job_id} ended {state} with exit code {exit_code} and no result; the end of its log:",
           file=sys.stderr)
     print(_tail(Path(job.paths.stderr)), file=sys.stderr)
     print(f"  logs: {job.paths.stderr}\n        {job.paths.stdout}", file=sys.stderr)
-    return EXIT_JOB_FAILED
+    return ExitCode.FAILED
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -422,7 +421,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m lance_hpc.sub
         return submit(loaded.spec, wait=args.wait, check=not args.no_preflight)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return ExitCode.USER_ERROR
 
 
 if __name__ == "__main__":

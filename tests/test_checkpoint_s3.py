@@ -25,16 +25,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lance_hpc import checkpoint, checkpoint_index, data, lease
-from lance_hpc.errors import UserError
-from lance_hpc.run import EXIT_STOPPED, exit_process
+from lance_hpc.errors import ExitCode, UserError
+from lance_hpc.run import exit_process
 from lance_hpc.spec import SpecError, load_spec, load_spec_text
 from lance_hpc.tasks import load_task
-from tests.fixtures_s3 import S3Server, free_port
+from tests.support.jobs import REPO_ROOT, write_spec
+from tests.support.ports import free_port
+from tests.support.s3 import S3Server
 from tests.test_checkpoint import single_rank, state
 from tests.test_trainer import rank_pid
-from tests.trainer_jobs import REPO_ROOT, digits, write_spec
 
-__all__ = ["digits", "single_rank"]  # fixtures, imported for pytest
+__all__ = ["single_rank"]  # a fixture, imported for pytest
 
 
 @pytest.fixture
@@ -282,7 +283,7 @@ def test_a_local_job_interrupted_mid_run_resumes_from_its_s3_checkpoint(run_uri:
     read_until(interrupted, f"step {steps_per_epoch + 5}/")  # early in the second epoch
     interrupted.send_signal(signal.SIGUSR2)
     output = interrupted.communicate(timeout=120)[0]
-    assert interrupted.returncode == EXIT_STOPPED, output
+    assert interrupted.returncode == ExitCode.STOPPED, output
     assert f"by SIGUSR2; checkpoint {run_uri}step-" in output
     stopped = checkpoint.load_latest(run_uri)
     assert stopped.state["mid_epoch"] and steps_per_epoch < stopped.step < 2 * steps_per_epoch
@@ -314,7 +315,7 @@ def test_a_second_job_on_the_same_s3_checkpoint_dir_is_refused(run_uri: str, s3_
         assert lease.LEASE_NAME in stored(s3_env, run_uri)
         first.send_signal(signal.SIGUSR2)
         output = first.communicate(timeout=120)[0]
-        assert first.returncode == EXIT_STOPPED, output
+        assert first.returncode == ExitCode.STOPPED, output
     finally:
         first.kill()
     assert lease.LEASE_NAME not in stored(s3_env, run_uri)  # a run that stopped gives it back

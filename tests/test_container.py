@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,14 +20,13 @@ from lance_hpc.checkpoint import requeue_sbatch
 from lance_hpc.data import build_train_loader
 from lance_hpc.env import DistEnv
 from lance_hpc.errors import UserError
-from lance_hpc.slurm_cluster import SlurmCluster
 from lance_hpc.spec import JobSpec, SpecError, load_spec, validate_spec
 from lance_hpc.tasks import load_task
+from tests.support.jobs import REPO_ROOT, Digits, final_state, write_spec
+from tests.support.ports import free_port
+from tests.support.slurm import signal_steps
+from tests.support.slurm_cluster import SlurmCluster
 from tests.test_render import check_golden
-from tests.fixtures_slurm import signal_steps
-from tests.trainer_jobs import REPO_ROOT, Digits, digits, final_state, write_spec
-
-__all__ = ["digits"]  # the session fixture, imported for pytest
 
 CONTAINER: dict[str, Any] = {"image": "/images/train.sif", "mounts": ["/scratch:/scratch", "/datasets:/data:ro"],
                              "workdir": "/scratch/run"}
@@ -177,12 +175,6 @@ shift  # the image
 export PATH={python_dir}
 exec "$@"
 """
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from lance_hpc.data.storage import redact, storage_options
 from lance_hpc.errors import UserError
 from lance_hpc.spec import DataSpec, IngestSpec
 from lance_hpc.tasks.image import ImageClassification, ImageOptions
-from tests.fixtures_s3 import free_port
+from tests.support.ports import free_port
 from tests.test_data_loader import eval_loader, train_loader
 
 

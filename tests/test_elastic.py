@@ -23,14 +23,12 @@ import pytest
 from lance_hpc.data.reader import fragment_table
 from lance_hpc.data.sampling import epoch_batches
 from lance_hpc.data.storage import open_dataset
-from lance_hpc.launch import EXIT_INTERRUPTED
-from lance_hpc.run import EXIT_STOPPED
+from lance_hpc.errors import ExitCode
 from lance_hpc.spec import JobSpec, load_spec
 from lance_hpc.trainer import lr_factor
+from tests.support.jobs import REPO_ROOT, final_state, scalars, write_spec
 from tests.test_trainer import rank_pid, read_until
-from tests.trainer_jobs import REPO_ROOT, digits, final_state, scalars, write_spec
 
-__all__ = ["digits"]  # the session fixture, imported for pytest
 pytestmark = pytest.mark.slow
 
 
@@ -83,7 +81,7 @@ def test_stopped_on_two_ranks_mid_epoch_finishes_on_three_reading_every_row_once
     read_until(first, f"step {steps_per_epoch + 4}/")  # early in epoch 2 of 2
     first.send_signal(signal.SIGUSR2)
     output = first.communicate(timeout=120)[0]
-    assert first.returncode == EXIT_STOPPED, output
+    assert first.returncode == ExitCode.STOPPED, output
     stopped = final_state(tmp_path)
     assert stopped["mid_epoch"] and stopped["epoch"] == 1 and stopped["world_size"] == 2
 
@@ -115,7 +113,7 @@ def test_the_learning_rate_follows_the_rows_read_across_a_resume_on_three_ranks(
     read_until(first, "step 5/")
     first.send_signal(signal.SIGUSR2)
     output = first.communicate(timeout=120)[0]
-    assert first.returncode == EXIT_STOPPED, output
+    assert first.returncode == ExitCode.STOPPED, output
     stopped = final_state(tmp_path)
     assert stopped["mid_epoch"] and stopped["epoch"] == 0
     spec_file = row_logging_spec(tmp_path, digits, tmp_path / "rows3", **sections)
@@ -176,7 +174,7 @@ def test_script_mode_stopped_on_two_ranks_finishes_on_three(tmp_path: Path, digi
     read_until(first, f"step {steps_per_epoch + 4}/")
     first.send_signal(signal.SIGUSR2)
     output = first.communicate(timeout=120)[0]
-    assert first.returncode == EXIT_STOPPED, output
+    assert first.returncode == ExitCode.STOPPED, output
     stopped = final_state(tmp_path)
     assert stopped["mid_epoch"] and stopped["epoch"] == 1 and 0 < stopped["progress"] - 1 < 1
     second = submit_local(spec_file, 3)
@@ -194,7 +192,7 @@ def test_ctrl_c_saves_stops_with_one_line_and_the_rerun_continues(tmp_path: Path
     read_until(run, "step 4/")
     os.killpg(run.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
     output = run.communicate(timeout=120)[0]
-    assert run.returncode == EXIT_STOPPED, output
+    assert run.returncode == ExitCode.STOPPED, output
     assert "Traceback" not in output and "KeyboardInterrupt" not in output, output
     saved = final_state(tmp_path)
     assert f"interrupted at step {saved['step']}, checkpoint saved" in output
@@ -204,7 +202,7 @@ def test_ctrl_c_saves_stops_with_one_line_and_the_rerun_continues(tmp_path: Path
     read_until(rerun, f"resuming from")
     os.killpg(rerun.pid, signal.SIGINT)
     output = rerun.communicate(timeout=120)[0]
-    assert rerun.returncode == EXIT_STOPPED and final_state(tmp_path)["step"] > saved["step"], output
+    assert rerun.returncode == ExitCode.STOPPED and final_state(tmp_path)["step"] > saved["step"], output
 
 
 def test_a_second_ctrl_c_stops_at_once_and_leaves_no_process(tmp_path: Path, digits) -> None:
@@ -220,7 +218,7 @@ def test_a_second_ctrl_c_stops_at_once_and_leaves_no_process(tmp_path: Path, dig
     read_until(run, "Ctrl-C again to stop at once")
     os.killpg(run.pid, signal.SIGINT)
     output = run.communicate(timeout=60)[0]
-    assert run.returncode == EXIT_INTERRUPTED, output
+    assert run.returncode == ExitCode.INTERRUPTED, output
     assert "stopping at once" in output and "Traceback" not in output, output
     deadline = time.monotonic() + 60  # DataLoader workers notice a dead parent within seconds
     while processes_in(sessions) and time.monotonic() < deadline:

@@ -21,9 +21,9 @@ import pytest
 from lance_hpc import lease
 from lance_hpc.errors import UserError
 from lance_hpc.manage import queue
-from lance_hpc.slurm_cluster import SlurmCluster
-from tests.fixtures_s3 import S3Server
-from tests.trainer_jobs import REPO_ROOT
+from tests.support.jobs import REPO_ROOT
+from tests.support.s3 import S3Server
+from tests.support.slurm_cluster import SlurmCluster
 
 
 @pytest.fixture
@@ -247,7 +247,7 @@ import sys, time
 from lance_hpc import lease
 from lance_hpc.errors import UserError
 from lance_hpc.manage import queue
-from lance_hpc.slurm_cluster import SlurmCluster
+from tests.support.slurm_cluster import SlurmCluster
 sys.stdout.write("ready\\n"); sys.stdout.flush()
 sys.stdin.readline()  # all start at once
 try:

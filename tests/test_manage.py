@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -23,15 +22,14 @@ from lance_hpc import checkpoint
 from lance_hpc.data import build_train_loader
 from lance_hpc.errors import UserError
 from lance_hpc.manage import logs, progress, queue, records
-from lance_hpc.slurm_cluster import SlurmCluster
 from lance_hpc.spec import JobSpec, load_spec
 from lance_hpc.spec.sweep import expand
 from lance_hpc.submit import write_job_files
 from lance_hpc.tasks import load_task
-from tests.fixtures_slurm import signal_steps
-from tests.trainer_jobs import REPO_ROOT, Digits, digits, write_spec
-
-__all__ = ["digits"]  # the session fixture, imported for pytest
+from tests.support.jobs import REPO_ROOT, Digits, write_spec
+from tests.support.ports import free_port
+from tests.support.slurm import signal_steps
+from tests.support.slurm_cluster import SlurmCluster
 
 RUNNING_LINE = (
     "JobId=42 JobName=digits UserId=me(1000) GroupId=me(1000) Priority=1 JobState=RUNNING Reason=None "
@@ -209,12 +207,6 @@ def environ(cluster: SlurmCluster) -> dict[str, str]:
     # A port of our own for the jobs submitted with it: the one derived from the job id is the same
     # for job 1 of every test cluster on this machine.
     return {**os.environ, **cluster.env, "PYTHONPATH": str(REPO_ROOT), "MASTER_PORT": str(free_port())}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def lance_hpc(cluster: SlurmCluster, *args: str, check_rc: int | None = 0) -> subprocess.CompletedProcess[str]:

@@ -12,14 +12,11 @@ import pytest
 import torch
 
 from lance_hpc.checkpoint import Checkpoint, load_latest
-from lance_hpc.errors import UserError
-from lance_hpc.run import EXIT_STOPPED
+from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.script import Context
 from lance_hpc.spec import load_spec
+from tests.support.jobs import REPO_ROOT, final_state, same_weights, write_spec
 from tests.test_trainer import launch, read_until
-from tests.trainer_jobs import REPO_ROOT, digits, final_state, same_weights, write_spec
-
-__all__ = ["digits"]  # the session fixture, imported for pytest
 
 EXAMPLE = f"{REPO_ROOT}/examples/script_mode/train.py:main"
 
@@ -69,7 +66,7 @@ def test_script_mode_preempted_mid_epoch_resumes_to_the_same_weights(tmp_path: P
     read_until(interrupted, f"step {steps_per_epoch + 5}/")  # early in epoch 2 of 3
     interrupted.send_signal(signal.SIGUSR2)
     output = interrupted.communicate(timeout=120)[0]
-    assert interrupted.returncode == EXIT_STOPPED, output
+    assert interrupted.returncode == ExitCode.STOPPED, output
     assert "by SIGUSR2; checkpoint" in output and "run the same command again to resume" in output
     stopped = load_latest(tmp_path / "interrupted" / "checkpoints")
     assert stopped.state["mid_epoch"] and steps_per_epoch < stopped.step < 2 * steps_per_epoch

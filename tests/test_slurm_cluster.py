@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -14,8 +15,9 @@ import pytest
 import yaml
 
 from lance_hpc import render
-from lance_hpc.slurm_cluster import SlurmCluster, _free_ports
 from lance_hpc.spec import load_spec
+from tests.support.ports import free_ports
+from tests.support.slurm_cluster import SlurmCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
@@ -54,6 +56,20 @@ def write_spec(path: Path, raw: dict[str, Any]) -> Path:
     return path
 
 
+def wait_for_end(cluster: SlurmCluster, job_id: str, timeout_s: float = 300) -> tuple[str, str]:
+    """The job's final state and exit code, polled every second (``sbatch --wait`` polls at growing
+    intervals, so a job of seconds could hold a test for half a minute)."""
+    deadline = time.monotonic() + timeout_s
+    fields: dict[str, str] = {}
+    while time.monotonic() < deadline:
+        shown = cluster.run("scontrol", "show", "job", "-o", job_id, check=False).stdout
+        fields = dict(re.findall(r"(\w+)=(\S*)", shown))
+        if fields.get("JobState") in {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}:
+            return fields["JobState"], fields.get("ExitCode", "")
+        time.sleep(1)
+    raise AssertionError(f"job {job_id} still {fields.get('JobState', '?')} after {timeout_s}s")
+
+
 def wait_for_state(cluster: SlurmCluster, job_id: str, states: set[str], timeout_s: float = 180) -> str:
     deadline = time.monotonic() + timeout_s
     state = "?"
@@ -82,9 +98,10 @@ def test_rendered_script_runs_two_nodes_by_two_tasks(slurm_cluster: SlurmCluster
     assert dict(render.sbatch_directives(probe)) == dict(render.sbatch_directives(render.render_sbatch(spec, "/x.yaml")))
     (tmp_path / "probe.sbatch").write_text(probe)
 
-    result = sbatch(slurm_cluster, "--parsable", "--wait", str(tmp_path / "probe.sbatch"))
+    result = sbatch(slurm_cluster, "--parsable", str(tmp_path / "probe.sbatch"))
     assert result.returncode == 0, result.stderr
     job_id = result.stdout.strip().split(";")[0]
+    assert wait_for_end(slurm_cluster, job_id) == ("COMPLETED", "0:0")
     output = (tmp_path / "logs" / f"probe-{job_id}.out").read_text()
     # srun --label starts every line with its task's rank: "3: PROBE ..."
     seen = sorted(line.split(": ", 1)[1].split()[1:] for line in output.splitlines() if ": PROBE " in line)
@@ -133,15 +150,16 @@ def test_failing_trainer_reports_the_task_that_failed(slurm_cluster: SlurmCluste
     # the same job through the rendered script and plain sbatch: non-zero exit, message in the log
     rendered = lance_submit(slurm_cluster, tmp_path, str(spec_path), "--render-only")
     assert rendered.returncode == 0, rendered.stderr
-    result = sbatch(slurm_cluster, "--parsable", "--wait", str(tmp_path / "logs" / "nodata" / "nodata.sbatch"))
-    assert result.returncode != 0
+    result = sbatch(slurm_cluster, "--parsable", str(tmp_path / "logs" / "nodata" / "nodata.sbatch"))
     job_id = result.stdout.strip().split(";")[0]
+    state, exit_code = wait_for_end(slurm_cluster, job_id)
+    assert state == "FAILED" and exit_code != "0:0", (state, exit_code)
     assert "missing.lance" in (tmp_path / "logs" / "nodata" / f"nodata-{job_id}.err").read_text()
 
 
 def test_controller_down_is_a_clear_error(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     conf = Path(slurm_cluster.env["SLURM_CONF"]).read_text().splitlines()
-    (port,) = _free_ports(1)  # nothing listens there
+    (port,) = free_ports(1)  # nothing listens there
     down = [f"SlurmctldPort={port}" if line.startswith("SlurmctldPort=") else line for line in conf]
     (tmp_path / "down.conf").write_text("\n".join(down) + "\n")
     raw = {"name": "down", "slurm": {"time": "00:05:00"}, "data": {"uri": "/d"}}

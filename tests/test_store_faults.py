@@ -20,16 +20,16 @@ import pyarrow as pa
 import pytest
 
 from lance_hpc import checkpoint
-from lance_hpc.bench.fault_proxy import FaultProxy, control
 from lance_hpc.data import ensure_dataset, preflight
-from lance_hpc.data.integrity import DamagedDataset
 from lance_hpc.data.ingest import schema_for
+from lance_hpc.data.integrity import DamagedDataset
 from lance_hpc.data.retry import StoreUnavailable, backoff_s, retrying, short_error
 from lance_hpc.data.storage import open_dataset
 from lance_hpc.errors import UserError, worker_message
 from lance_hpc.spec import DataSpec, IngestSpec, SpecError, validate_spec
+from tests.support.fault_proxy import FaultProxy, control
+from tests.support.jobs import REPO_ROOT, Digits, write_spec
 from tests.test_data_loader import IMAGES, train_loader
-from tests.trainer_jobs import REPO_ROOT, Digits, write_spec
 
 LANCE_503 = (
     "LanceError(IO): Generic N/A error: LanceError(IO): Generic S3 error: Error performing GET "
@@ -102,7 +102,7 @@ def test_proxy_passes_requests_through_and_injects_each_fault_on_command(proxy):
 
 @pytest.mark.s3
 def test_proxy_is_controlled_from_another_process(proxy):
-    command = [sys.executable, "-m", "lance_hpc.bench.fault_proxy"]
+    command = [sys.executable, "-m", "tests.support.fault_proxy"]
     subprocess.run([*command, "inject", "--proxy", proxy.endpoint, "slowdown", "--count", "1"], check=True,
                    cwd=REPO_ROOT, capture_output=True)
     assert request(proxy)[0] == 503 and request(proxy)[0] == 200

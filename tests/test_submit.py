@@ -16,6 +16,7 @@ import yaml
 from submitit.core.utils import DelayedSubmission
 
 from lance_hpc import cli, render, submit
+from lance_hpc.errors import ExitCode
 from lance_hpc.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -146,7 +147,7 @@ def test_another_users_job_files_are_neither_replaced_nor_run(tmp_path: Path, ca
     err = capsys.readouterr().err
     assert f"{spec_file} belongs to uid 12345, not to you" in err and "fix: set another slurm.log_dir" in err
     assert spec_file.read_text() == before and spec_file.stat().st_uid == 12345
-    assert run.main([str(spec_file)]) == run.EXIT_USER_ERROR
+    assert run.main([str(spec_file)]) == ExitCode.USER_ERROR
     err = capsys.readouterr().err
     assert f"{spec_file} belongs to uid 12345" in err and "never runs code from a file another user owns" in err
 

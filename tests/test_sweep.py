@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -20,16 +19,15 @@ import yaml
 from lance_hpc import render, submit
 from lance_hpc.data import build_train_loader
 from lance_hpc.env import detect
-from lance_hpc.errors import UserError
-from lance_hpc.slurm_cluster import SlurmCluster
+from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.spec import SpecError, expand, load_spec, validate_spec
 from lance_hpc.spec.sweep import combinations, parse_sweep_option
 from lance_hpc.submit import FINAL_STATES
 from lance_hpc.tasks import load_task
-from tests.fixtures_slurm import signal_steps
-from tests.trainer_jobs import REPO_ROOT, Digits, digits, hparams_logged, scalars, write_spec
-
-__all__ = ["digits"]  # the session fixture, imported for pytest
+from tests.support.jobs import REPO_ROOT, Digits, hparams_logged, scalars, write_spec
+from tests.support.ports import free_port
+from tests.support.slurm import signal_steps
+from tests.support.slurm_cluster import SlurmCluster
 
 BASE: dict[str, Any] = {"name": "lr-sweep", "data": {"uri": "/d"}, "checkpoint": {"dir": "/ck/{name}"},
                         "logging": {"tensorboard_dir": "/tb/{name}"}, "slurm": {"log_dir": "/logs/{name}"}}
@@ -232,13 +230,12 @@ def test_local_stops_the_sweep_when_a_run_is_interrupted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     import lance_hpc.launch
-    from lance_hpc.run import EXIT_STOPPED
 
     started: list[str] = []
-    monkeypatch.setattr(lance_hpc.launch, "run_local", lambda spec_file, nproc: started.append(str(spec_file)) or EXIT_STOPPED)
+    monkeypatch.setattr(lance_hpc.launch, "run_local", lambda spec_file, nproc: started.append(str(spec_file)) or ExitCode.STOPPED)
     spec_path = tmp_path / "job.yaml"
     spec_path.write_text(yaml.safe_dump({"name": "s", "data": {"uri": "/d"}, "slurm": {"log_dir": str(tmp_path)}}))
-    assert submit.main([str(spec_path), "--local", "--sweep", "train.seed=0,1"]) == EXIT_STOPPED
+    assert submit.main([str(spec_path), "--local", "--sweep", "train.seed=0,1"]) == ExitCode.STOPPED
     out = capsys.readouterr().out
     assert len(started) == 1 and "[0] s-seed0: stopped; run the same command again" in out and "[1] s-seed1: not started" in out
 
@@ -287,12 +284,6 @@ def wait_for_runs(cluster: SlurmCluster, jobs: list[str], timeout_s: float) -> d
         time.sleep(1)
     subprocess.run(["scancel", jobs[0].split("_")[0]], env=environ(cluster))
     raise AssertionError(f"runs {jobs} did not end within {timeout_s} s: {states}")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def wait_for_text(path: Path, marker: str, timeout_s: float = 300) -> None:

@@ -20,11 +20,9 @@ from lance_hpc.data.sampling import STYLES
 from lance_hpc.errors import UserError
 from lance_hpc.spec import DataSpec, IngestSpec, SpecError, load_spec, validate_spec
 from lance_hpc.tasks import ROW_ID, TaskError, build_task, load_task
-from tests.test_trainer import launch
 from lance_hpc.tasks.language import LanguageModel
-from tests.trainer_jobs import Digits, digits, final_state, hparams_logged, scalars, write_spec
-
-__all__ = ["digits"]  # the session fixture, imported for pytest
+from tests.support.jobs import Digits, final_state, hparams_logged, scalars, write_spec
+from tests.test_trainer import launch
 
 TRAIN_SAMPLERS = [(style, sampler) for style, samplers in STYLES.items() for sampler in samplers if sampler != "full_scan"]
 

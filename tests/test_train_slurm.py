@@ -24,24 +24,22 @@ import torch
 
 from lance_hpc.data import build_train_loader
 from lance_hpc.run import SubmititJob
-from lance_hpc.slurm_cluster import SlurmCluster
 from lance_hpc.spec import JobSpec, load_spec
-from lance_hpc.tasks import load_task
 from lance_hpc.submit import FINAL_STATES, make_executor, write_job_files
-from tests.test_elastic import logged_rows, planned_rows
-from tests.fixtures_slurm import signal_steps
-from tests.trainer_jobs import (
+from lance_hpc.tasks import load_task
+from tests.support.jobs import (
     FINAL_ACCURACY,
     REPO_ROOT,
     Digits,
     assert_epoch_resumes_in_place,
-    digits,
     final_state,
     same_weights,
     write_spec,
 )
+from tests.support.slurm import signal_steps
+from tests.support.slurm_cluster import SlurmCluster
+from tests.test_elastic import logged_rows, planned_rows
 
-__all__ = ["digits"]  # the session fixture, imported for pytest
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
 TASKS = 4
@@ -182,10 +180,13 @@ def test_a_task_from_a_test_module_requeues_and_resumes_to_the_same_weights(
     """A task no lance_hpc module defines, named by file path, decoding in DataLoader workers."""
     custom = {"task": {"name": f"{REPO_ROOT}/tests/custom_task.py:PixelMLP", "options": {"hidden": 32}},
               "data": {"num_workers": 1}, "train": {"epochs": 2, "lr": 0.01}}
-    reference = run_to_end(slurm_cluster, job_spec(tmp_path / "reference", digits, slurm_cluster, **custom))
-    assert reference.state == "COMPLETED" and "final validation accuracy" in reference.output, reference.output
+    # The uninterrupted reference runs beside the interrupted job (4 of the cluster's 16 CPUs each).
+    reference = job_spec(tmp_path / "reference", digits, slurm_cluster, **custom)
+    reference_id = sbatch(slurm_cluster, reference)
     spec = job_spec(tmp_path / "interrupted", digits, slurm_cluster, **custom)
     interrupt_with_usr2(slurm_cluster, spec)
+    assert wait_for_job(slurm_cluster, reference_id, 600) == "COMPLETED", output_of(reference, reference_id)
+    assert "final validation accuracy" in output_of(reference, reference_id)
     final, expected = final_state(tmp_path / "interrupted"), final_state(tmp_path / "reference")
     assert final["step"] == expected["step"] == 2 * steps_per_epoch(spec)
     assert same_weights(final["model"], expected["model"]) == []

@@ -31,27 +31,24 @@ from lance_hpc.checkpoint import (
     write_atomically,
 )
 from lance_hpc.env import DistEnv, detect, process_group
-from lance_hpc.errors import UserError
+from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.metrics import TAGS
 from lance_hpc.models import build_model
-from lance_hpc.run import EXIT_STOPPED, EXIT_USER_ERROR, after_preemption
+from lance_hpc.run import after_preemption
 from lance_hpc.spec import REDACTED, load_spec
 from lance_hpc.tasks import load_task
 from lance_hpc.tasks.image import ImageClassification
-from tests.test_checkpoint import small_tmpfs
-from tests.trainer_jobs import (
+from tests.support.jobs import (
     FINAL_ACCURACY,
     REPO_ROOT,
     assert_epoch_resumes_in_place,
-    digits,
     final_state,
     hparams_logged,
     same_weights,
     scalars,
     write_spec,
 )
-
-__all__ = ["digits"]  # the session fixture, imported for pytest
+from tests.test_checkpoint import small_tmpfs
 
 
 def test_lr_warms_up_linearly_then_decays_to_zero() -> None:
@@ -259,7 +256,7 @@ def test_interrupted_run_resumes_to_the_same_weights(reference_run: FinishedRun,
     read_until(interrupted, f"step {steps_per_epoch + 5}/")  # early in epoch 2 of 4
     interrupted.send_signal(signal.SIGUSR2)
     output = interrupted.communicate(timeout=120)[0]
-    assert interrupted.returncode == EXIT_STOPPED, output
+    assert interrupted.returncode == ExitCode.STOPPED, output
     assert "by SIGUSR2; checkpoint" in output and "run the same command again to resume" in output
     stopped_path, stopped = load_latest(tmp_path / "checkpoints").path, load_latest(tmp_path / "checkpoints").state
     assert stopped["mid_epoch"] and steps_per_epoch < stopped["step"] < 2 * steps_per_epoch
@@ -347,7 +344,7 @@ def test_a_preemption_warning_while_a_rank_still_starts_is_held_and_honoured(tmp
         output = launcher.communicate(timeout=180)[0]
     finally:
         launcher.kill()
-    assert launcher.returncode == EXIT_STOPPED, output
+    assert launcher.returncode == ExitCode.STOPPED, output
     assert "by SIGUSR2; checkpoint" in output and "Traceback" not in output, output
     assert load_latest(tmp_path / "checkpoints").state["step"] <= 2
 
@@ -376,7 +373,7 @@ def test_a_second_run_on_the_same_checkpoint_dir_refuses_naming_the_first(tmp_pa
             time.sleep(0.2)
         trainer_run = racing[1 - racing.index(finished)]
         refused = finished.communicate(timeout=60)[0]
-        assert finished.returncode == EXIT_USER_ERROR and "Traceback" not in refused, refused
+        assert finished.returncode == ExitCode.USER_ERROR and "Traceback" not in refused, refused
         holder = f"is in use by another run: pid {rank_pid(trainer_run, 0)} on {socket.gethostname()}, a local run"
         assert f"checkpoint.dir {tmp_path / 'checkpoints'} {holder}" in refused, refused
         read_until(trainer_run, "step 3/")
@@ -384,18 +381,18 @@ def test_a_second_run_on_the_same_checkpoint_dir_refuses_naming_the_first(tmp_pa
         environ = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
         third = subprocess.run([sys.executable, "-m", "lance_hpc.launch", str(spec_file), "--nproc", "2"],
                                capture_output=True, text=True, cwd=REPO_ROOT, timeout=120, env=environ)
-        assert third.returncode == EXIT_USER_ERROR and third.stdout == "", third.stdout + third.stderr
+        assert third.returncode == ExitCode.USER_ERROR and third.stdout == "", third.stdout + third.stderr
         assert third.stderr.startswith("lance_hpc.launch: checkpoint.dir") and third.stderr.count(holder) == 1
         assert "rank 0" not in third.stderr  # no rank started
 
         ranks = subprocess.run([sys.executable, "-c", RANKS_ONLY, str(spec_file), "--nproc", "2"], capture_output=True,
                                text=True, cwd=REPO_ROOT, timeout=300, env=environ)
-        assert ranks.returncode == EXIT_USER_ERROR and "Traceback" not in ranks.stderr, ranks.stderr
+        assert ranks.returncode == ExitCode.USER_ERROR and "Traceback" not in ranks.stderr, ranks.stderr
         assert ranks.stderr.count(f"lance_hpc.run: checkpoint.dir {tmp_path / 'checkpoints'} {holder}") == 2
 
         trainer_run.send_signal(signal.SIGUSR2)
         output = trainer_run.communicate(timeout=120)[0]
-        assert trainer_run.returncode == EXIT_STOPPED, output
+        assert trainer_run.returncode == ExitCode.STOPPED, output
     finally:
         for run in racing:
             run.kill()
@@ -426,7 +423,7 @@ def test_resuming_a_checkpoint_of_another_model_is_one_message(tmp_path: Path, d
     task = {"name": "image_classification", "options": {"model": "resnet18", "image_size": 16, "augment": "none"}}
     other = launch(write_spec(tmp_path, digits, task=task, train={"max_steps": 4}))
     output = other.communicate(timeout=300)[0]
-    assert other.returncode == EXIT_USER_ERROR, output
+    assert other.returncode == ExitCode.USER_ERROR, output
     assert "Traceback" not in output and "Missing key" not in output and "Unexpected key" not in output, output
     written = tmp_path / "checkpoints" / "step-00000002.pt"
     assert (f"lance_hpc.run: checkpoint {written} was written for model small_cnn (task image_classification), "
@@ -440,7 +437,7 @@ def test_a_full_disk_while_saving_is_one_message(tmp_path: Path, digits) -> None
     with small_tmpfs(tmp_path / "small", "512k") as directory:  # the lease fits, a checkpoint does not
         run = launch(write_spec(tmp_path, digits, checkpoint={"dir": str(directory)}, train={"max_steps": 12}))
         output = run.communicate(timeout=300)[0]
-        assert run.returncode == EXIT_USER_ERROR, output
+        assert run.returncode == ExitCode.USER_ERROR, output
         assert "Traceback" not in output and "enforce fail" not in output, output
         assert f"lance_hpc.run: cannot write {directory / 'step-00000010.pt'}: the file system is full (" in output
         assert "no earlier checkpoint exists, and nothing was left behind" in output

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from typing import Callable
 
 import lance_hpc
 from lance_hpc.bench.configs import Measurement, Result
+from lance_hpc.launch import free_port
 
 # A measurement that takes longer than this is stopped and reported as failed.
 MEASUREMENT_TIMEOUT_S = 300
@@ -34,12 +34,6 @@ def _environment(extra: dict[str, str] | None = None) -> dict[str, str]:
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, environment.get("PYTHONPATH")]))
     environment.update(extra or {})
     return environment
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _read_result(config: Measurement, returncode: int | None, log_path: Path) -> Result:
@@ -75,7 +69,7 @@ def run_measurement(config: Measurement, work_dir: Path) -> list[Result]:
     stem = f"{config.dataset}-{config.label}".replace(" ", "_").replace("/", "_")
     environment = _environment()
     if config.world_size > 1:
-        environment = _environment({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
+        environment = _environment({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
     ranks = [
         replace(config, rank=rank, result_path=str(work_dir / f"{stem}.rank{rank}.json"))
         for rank in range(config.world_size)

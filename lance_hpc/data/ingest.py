@@ -53,7 +53,7 @@ from lance_hpc.data import sources
 from lance_hpc.data.sources import ImageSource
 from lance_hpc.data.storage import dataset_exists, is_remote, open_dataset, redact, storage_options
 from lance_hpc.data.text import ingest_text, is_text_source
-from lance_hpc.errors import UserError
+from lance_hpc.errors import ExitCode, UserError
 
 # Schema metadata of an image dataset: the class names as JSON (image_classification reads them).
 CLASS_NAMES_KEY = b"class_names"
@@ -579,6 +579,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             done = ingest(args.source, args.uri, args.val_uri, **common)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
-        return 2
+        return ExitCode.USER_ERROR
     print(report(done, args.uri, args.val_uri, COMMAND_LINE_NAMES.overwrite))
     return 0

@@ -14,7 +14,7 @@ from lance_hpc.data.integrity import check_data_files
 from lance_hpc.data.reader import fragment_table
 from lance_hpc.data.sampling import DataPlan, FragmentTable, eval_batches, plan_from_table
 from lance_hpc.data.storage import dataset_exists, open_dataset, preflight_uri, storage_options
-from lance_hpc.errors import UserError
+from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.spec import DataSpec
 
 
@@ -102,5 +102,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(describe_eval(spec.data, world_size))
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
-        return 2
+        return ExitCode.USER_ERROR
     return 0

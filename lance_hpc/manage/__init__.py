@@ -16,9 +16,8 @@ import os
 import sys
 from typing import Callable
 
-from lance_hpc.errors import UserError
+from lance_hpc.errors import ExitCode, UserError
 
-EXIT_USER_ERROR = 2
 TARGET_HELP = "a job spec (the YAML you submitted) or a SLURM job id"
 
 
@@ -40,7 +39,7 @@ def run_reporting_errors(command: Callable[[], int], prog: str) -> int:
         return command()
     except UserError as error:
         print(f"{prog}: {error}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return ExitCode.USER_ERROR
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130

@@ -15,13 +15,12 @@ import sys
 import time
 from typing import Sequence
 
-from lance_hpc.errors import UserError
 from lance_hpc import checkpoint_index
+from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.manage import logs, progress, queue, records, run_reporting_errors, target_parser
 from lance_hpc.manage.records import JobRef
 
 PROG = "lance-hpc cancel"
-EXIT_TIMED_OUT = 1
 POLL_S, PROGRESS_EVERY_S = 1.0, 10.0
 
 
@@ -55,7 +54,7 @@ def cancel(ref: JobRef, now: bool, timeout_s: float) -> int:
         print(f"{PROG}: job {ref.job_id} is still {job.state} after {timeout_s:.0f} s; it may still be writing "
               f"its checkpoint\n  fix: wait and check with `lance-hpc status {ref.spec_source or ref.job_id}`, "
               f"or stop it at once with `lance-hpc cancel {ref.job_id} --now`", file=sys.stderr)
-        return EXIT_TIMED_OUT
+        return ExitCode.FAILED
     report_stopped(ref, job)
     return 0
 

@@ -15,7 +15,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from lance_hpc.errors import UserError
+from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.submit import FINAL_STATES
 
 # A "Key=" of scontrol's one-line output: values may hold spaces, so keys mark where fields start.
@@ -25,11 +25,9 @@ COMMAND_TIMEOUT_S = 30
 # scancel's words (slurm_strerror) for a step that ended before its signal reached it
 STEP_GONE_WORDS = ("already completing or completed", "invalid job id specified", "invalid job step")
 SHELL_SIGNAL_BASE = 128  # a process killed by signal N exits 128 + N as the shell reports it
-# Exit codes of ``python -m lance_hpc.run`` (lance_hpc.run), as SLURM reports them for the job.
+# What the exit codes of ``python -m lance_hpc.run`` mean, as SLURM reports them for the job.
 RUN_EXIT_MEANINGS = {
-    "1": "training failed",
-    "2": "a problem in the spec or data, see the log",
-    "3": "stopped by a signal, checkpoint saved",
+    str(int(code)): code.meaning for code in (ExitCode.FAILED, ExitCode.USER_ERROR, ExitCode.STOPPED)
 }
 
 

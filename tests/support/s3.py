@@ -11,7 +11,7 @@ signed ``prefix=a%2F``), so every signed ListObjects call would fail; and it nam
 of its CompleteMultipartUpload answer ``CompleteMultipartUploadResponse`` where S3 says
 ``CompleteMultipartUploadResult``, which the AWS C++ SDK (pyarrow's S3 client) reads as an error,
 so every multipart upload would fail. The server therefore runs from this module
-(``python -m tests.fixtures_s3 PORT``), which re-encodes the query before moto checks and renames
+(``python -m tests.support.s3 PORT``), which re-encodes the query before moto checks and renames
 that element.
 """
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,8 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+
+from tests.support.ports import free_port
 
 S3_POLICY = {
     "Version": "2012-10-17",
@@ -66,12 +67,6 @@ class S3Server:
         return f"s3://{self.bucket}/{name}"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _wait_until_up(endpoint: str, process: subprocess.Popen, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -93,8 +88,8 @@ def start_s3_server(bucket: str = "lance-hpc-test") -> S3Server:
     endpoint = f"http://127.0.0.1:{port}"
     env = {key: value for key, value in os.environ.items() if not key.startswith("AWS_")}
     process = subprocess.Popen(
-        [sys.executable, "-m", "tests.fixtures_s3", str(port)],
-        cwd=Path(__file__).resolve().parent.parent,
+        [sys.executable, "-m", "tests.support.s3", str(port)],
+        cwd=Path(__file__).resolve().parents[2],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

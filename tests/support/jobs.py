@@ -18,7 +18,7 @@ from lance_hpc.data import build_train_loader, ensure_dataset
 from lance_hpc.spec import DataSpec, IngestSpec, JobSpec
 from lance_hpc.tasks import load_task
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 FINAL_ACCURACY = re.compile(r"final validation accuracy: ([0-9.]+)")
 # Converges to >= 90% validation accuracy on the digits in a few epochs, deterministically, on CPU.
 BASE_SPEC: dict[str, Any] = {

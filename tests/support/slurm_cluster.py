@@ -3,7 +3,7 @@
 ``munged``, ``slurmctld`` and two emulated nodes (``slurmd -N node1``, ``slurmd -N node2``) run on
 loopback from Debian's packages (SLURM 22.05), with config, state, logs and the munge socket in one
 directory and ports picked free at start, so two clusters on one machine do not collide. The
-daemons run as root. For people: ``python -m lance_hpc.slurm_cluster start|stop|status``.
+daemons run as root. For people: ``python -m tests.support.slurm_cluster start|stop|status``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from lance_hpc.errors import UserError
+from tests.support.ports import free_ports
 
 NODES = ("node1", "node2")
 PARTITION = "debug"
@@ -151,7 +152,7 @@ def stop(cluster: SlurmCluster) -> None:
 
 
 def _config_text(cluster: SlurmCluster) -> str:
-    controller_port, *node_ports = _free_ports(1 + len(cluster.nodes))
+    controller_port, *node_ports = free_ports(1 + len(cluster.nodes))
     node_lines = "\n".join(
         f"NodeName={node} NodeHostname={socket.gethostname()} NodeAddr=127.0.0.1 Port={port} "
         f"CPUs={CPUS_PER_NODE} RealMemory={MEMORY_MB_PER_NODE} State=UNKNOWN"
@@ -200,17 +201,6 @@ def _log_hint(cluster: SlurmCluster) -> str:
         lines.append(f"    {log}")
         lines += [f"      | {line}" for line in tail]
     return "\n".join(lines)
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def _write_munge_key(path: Path) -> None:
@@ -275,7 +265,7 @@ def _with_system_path(path: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m lance_hpc.slurm_cluster",
+        prog="python -m tests.support.slurm_cluster",
         description="Start, stop or inspect the local two-node SLURM test cluster (needs root).",
     )
     parser.add_argument("action", choices=("start", "stop", "status"))

@@ -14,7 +14,7 @@ from typing import Iterator, Mapping
 
 import pytest
 
-from lance_hpc import slurm_cluster as cluster_module
+from tests.support import slurm_cluster as cluster_module
 
 
 @pytest.fixture(scope="session")

@@ -21,11 +21,11 @@ through the control path ``/_faults`` (no S3 bucket name may contain an undersco
 
 Command line::
 
-    python -m lance_hpc.bench.fault_proxy serve --upstream http://127.0.0.1:9000 [--port 9100]
-    python -m lance_hpc.bench.fault_proxy inject --proxy http://127.0.0.1:9100 slowdown --fraction 0.1
-    python -m lance_hpc.bench.fault_proxy inject --proxy http://127.0.0.1:9100 hang --seconds 30
-    python -m lance_hpc.bench.fault_proxy clear --proxy http://127.0.0.1:9100
-    python -m lance_hpc.bench.fault_proxy stats --proxy http://127.0.0.1:9100
+    python -m tests.support.fault_proxy serve --upstream http://127.0.0.1:9000 [--port 9100]
+    python -m tests.support.fault_proxy inject --proxy http://127.0.0.1:9100 slowdown --fraction 0.1
+    python -m tests.support.fault_proxy inject --proxy http://127.0.0.1:9100 hang --seconds 30
+    python -m tests.support.fault_proxy clear --proxy http://127.0.0.1:9100
+    python -m tests.support.fault_proxy stats --proxy http://127.0.0.1:9100
 """
 
 from __future__ import annotations
@@ -346,7 +346,7 @@ def control(proxy: str, method: str, rule: dict[str, Any] | None = None) -> dict
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lance_hpc.bench.fault_proxy", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tests.support.fault_proxy", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="run the proxy in the foreground")
     serve.add_argument("--upstream", required=True, help="the S3 server, e.g. http://127.0.0.1:9000")
