@@ -23,6 +23,7 @@ from lance_hpc import checkpoint
 from lance_hpc.data import ensure_dataset, preflight
 from lance_hpc.data.ingest import schema_for
 from lance_hpc.data.integrity import DamagedDataset
+from lance_hpc.data.loader import kill_workers
 from lance_hpc.data.retry import StoreUnavailable, backoff_s, retrying, short_error
 from lance_hpc.data.storage import open_dataset
 from lance_hpc.errors import UserError, worker_message
@@ -364,7 +365,10 @@ def assert_damage_reported(data: DataSpec, path: str, how: str) -> None:
             for _ in loader:
                 pass
     finally:
-        loader = None  # its workers ignore SIGTERM: stop them now, not at interpreter exit
+        # Its workers ignore SIGTERM, and the exception's traceback still holds the loader: kill them
+        # now, as the program's exit would, rather than wait out the DataLoader's join timeouts.
+        kill_workers()
+        loader = None
     for error in (at_preflight.value, while_reading.value):
         message = str(error)
         assert message.startswith(expected), message
