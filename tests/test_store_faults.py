@@ -7,10 +7,12 @@ and leaves the checkpoint loadable; and a data file deleted or truncated, locall
 from __future__ import annotations
 
 import http.client
+import multiprocessing
 import os
 import subprocess
 import sys
 import time
+from multiprocessing.context import ForkServerProcess
 from pathlib import Path
 
 import boto3
@@ -355,19 +357,26 @@ def damage(uri: str, how: str, options: dict[str, str] | None = None) -> str:
     return path
 
 
+def worker_processes() -> list[int]:
+    """The pids of this process's DataLoader workers that are alive."""
+    return [child.pid for child in multiprocessing.active_children() if isinstance(child, ForkServerProcess)]
+
+
 def assert_damage_reported(data: DataSpec, path: str, how: str) -> None:
     expected = f"data file {path} of {data.uri} " + ("is missing" if how == "delete" else "has ")
     with pytest.raises(DamagedDataset) as at_preflight:
         preflight(data)
+    before = set(worker_processes())
     loader = train_loader(data, 0, 1)
     try:
         with pytest.raises(DamagedDataset) as while_reading:  # raised in a worker, re-raised in this process
             for _ in loader:
                 pass
+        # The loader stopped its workers with the error: a program that goes on does not wait for
+        # them (they ignore SIGTERM, so the DataLoader's own shutdown would take seconds per worker).
+        assert set(worker_processes()) <= before
     finally:
-        # Its workers ignore SIGTERM, and the exception's traceback still holds the loader: kill them
-        # now, as the program's exit would, rather than wait out the DataLoader's join timeouts.
-        kill_workers()
+        kill_workers()  # whatever the assertion found alive
         loader = None
     for error in (at_preflight.value, while_reading.value):
         message = str(error)

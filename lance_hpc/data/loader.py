@@ -97,6 +97,22 @@ def kill_workers() -> None:
             child.join(timeout=10)
 
 
+def stop_workers_after_failure(loader: DataLoader, batches: Iterator[Any]) -> None:
+    """Kill the workers of ``batches`` (an iterator of ``loader``) after a read failed for good.
+
+    Workers ignore SIGTERM (the rank's to handle), so the DataLoader's own shutdown, which joins
+    each worker for seconds and then sends SIGTERM, would hold a program that goes on after the
+    error for 10 s per loader. The workers hold nothing to save; a later pass starts new ones."""
+    for worker in getattr(batches, "_workers", ()):
+        if worker.is_alive():
+            worker.kill()
+    shutdown = getattr(batches, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+    if getattr(loader, "_iterator", None) is batches:  # persistent workers: the next pass must not reuse them
+        loader._iterator = None
+
+
 def init_worker(_worker_id: int) -> None:
     """DataLoader worker setup: one intra-op thread per worker, so workers do not oversubscribe;
     :data:`RANK_SIGNALS` ignored (torch's worker setup makes SIGTERM fatal); and no hold on the
@@ -287,6 +303,9 @@ class TrainLoader:
                     f"rank {self.rank}: the data loader ended after {self.consumed} of {steps} batches of epoch "
                     f"{self.epoch}; stopping instead of leaving the other ranks waiting"
                 ) from None
+            except Exception:
+                stop_workers_after_failure(self._loader, batches)
+                raise
             self.consumed += 1
             self.stats.add(stats)
             yield fields
@@ -370,7 +389,15 @@ class EvalLoader:
         return len(self.batches)
 
     def __iter__(self) -> Iterator[Batch]:
-        for fields, stats in self._loader:
+        batches = iter(self._loader)
+        while True:
+            try:
+                fields, stats = next(batches)
+            except StopIteration:
+                return
+            except Exception:
+                stop_workers_after_failure(self._loader, batches)
+                raise
             self.stats.add(stats)
             yield fields
 
