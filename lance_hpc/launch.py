@@ -17,7 +17,6 @@ import argparse
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from lance_hpc import data, lease
 from lance_hpc.checkpoint import INTERRUPT_SIGNAL, PREEMPTION_SIGNALS
 from lance_hpc.env import SLURM_VARS
 from lance_hpc.errors import ExitCode, UserError
+from lance_hpc.ports import free_port
 from lance_hpc.spec import load_spec
 from lance_hpc.tasks import load_task
 
@@ -152,13 +152,6 @@ def describe_exit(code: int) -> str:
     if code < 0:
         return f"was killed by {signal.Signals(-code).name}"
     return f"exited with code {code}"
-
-
-def free_port() -> int:
-    """A TCP port on loopback that nothing listens on now: the local job's MASTER_PORT."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
