@@ -1,3 +1,97 @@
-"""lance_hpc: DDP training of PyTorch models on Lance datasets across SLURM clusters."""
+"""lance_hpc: DDP training of PyTorch models on Lance datasets across SLURM clusters.
+
+The public API (the README's "Public API" section) is importable from here. Each name is loaded
+from its module when first used, so ``import lance_hpc`` (and every command that only reads a spec
+or the queue) does not pay for torch and Lance.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_PUBLIC: dict[str, tuple[str, ...]] = {
+    "lance_hpc.runtime.context": ("Context", "Preempted", "Summary"),
+    "lance_hpc.tasks": ("ROW_ID", "TASKS", "Batch", "DatasetInfo", "Decoder", "FieldSpec", "Task", "TaskError",
+                        "TaskOptions", "column_problems", "task_class"),
+    "lance_hpc.data": ("EvalLoader", "TrainLoader", "build_eval_loader", "build_train_loader", "dataset_info",
+                       "ensure_dataset", "load_task", "plan_data", "preflight"),
+    "lance_hpc.spec": ("JobSpec", "SpecError", "load_spec", "validate_spec"),
+    "lance_hpc.errors": ("ExitCode", "UserError"),
+}
+_MODULE_OF = {name: module for module, names in _PUBLIC.items() for name in names}
+__all__ = [
+    "Batch",
+    "Context",
+    "DatasetInfo",
+    "Decoder",
+    "EvalLoader",
+    "ExitCode",
+    "FieldSpec",
+    "JobSpec",
+    "Preempted",
+    "ROW_ID",
+    "SpecError",
+    "Summary",
+    "TASKS",
+    "Task",
+    "TaskError",
+    "TaskOptions",
+    "TrainLoader",
+    "UserError",
+    "build_eval_loader",
+    "build_train_loader",
+    "column_problems",
+    "dataset_info",
+    "ensure_dataset",
+    "load_spec",
+    "load_task",
+    "plan_data",
+    "preflight",
+    "task_class",
+    "validate_spec",
+]
+
+if TYPE_CHECKING:
+    from lance_hpc.data import (
+        EvalLoader,
+        TrainLoader,
+        build_eval_loader,
+        build_train_loader,
+        dataset_info,
+        ensure_dataset,
+        load_task,
+        plan_data,
+        preflight,
+    )
+    from lance_hpc.errors import ExitCode, UserError
+    from lance_hpc.runtime.context import Context, Preempted, Summary
+    from lance_hpc.spec import JobSpec, SpecError, load_spec, validate_spec
+    from lance_hpc.tasks import (
+        ROW_ID,
+        TASKS,
+        Batch,
+        DatasetInfo,
+        Decoder,
+        FieldSpec,
+        Task,
+        TaskError,
+        TaskOptions,
+        column_problems,
+        task_class,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lance_hpc' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

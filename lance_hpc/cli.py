@@ -97,7 +97,7 @@ def submit(argv: list[str]) -> int:
 
 def render(argv: list[str]) -> int:
     """``lance-hpc render job.yaml [-o FILE] [--set ...]``: the script for your own sbatch."""
-    from lance_hpc import submit
+    from lance_hpc.launch.render import write_job_files
     from lance_hpc.spec import load_spec
 
     parser = argparse.ArgumentParser(
@@ -108,7 +108,7 @@ def render(argv: list[str]) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field")
     args = parser.parse_args(argv)
     try:
-        spec_file, script_path = submit.write_job_files(load_spec(args.spec, args.set).spec, args.output)
+        spec_file, script_path = write_job_files(load_spec(args.spec, args.set).spec, args.output)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return ExitCode.USER_ERROR
@@ -122,6 +122,6 @@ def run(argv: list[str]) -> int:
         from lance_hpc import submit
 
         return submit.main(argv, prog="lance-hpc run")
-    from lance_hpc import run as run_module
+    from lance_hpc.runtime import rank as run_module
 
     return run_module.main(argv)

@@ -15,7 +15,16 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from lance_hpc.tasks import Batch, DatasetInfo, Decoder, FieldSpec, Task, TaskError, TaskOptions, column_problems
+from lance_hpc.tasks import (
+    Batch,
+    DatasetInfo,
+    Decoder,
+    FieldSpec,
+    Task,
+    TaskError,
+    TaskOptions,
+    column_problems,
+)
 
 
 class PixelOptions(TaskOptions):

@@ -14,7 +14,13 @@ from lance_hpc.bench.configs import Measurement, Result
 from lance_hpc.bench.datasets import DataSetSpec, prepare
 from lance_hpc.bench.object_storage import CACHE_LABEL
 from lance_hpc.bench.report import (
-    cache_row, cache_target, format_markdown, object_storage_rows, object_storage_targets, table_rows, targets,
+    cache_row,
+    cache_target,
+    format_markdown,
+    object_storage_rows,
+    object_storage_targets,
+    table_rows,
+    targets,
 )
 from lance_hpc.bench.runner import Summary, exactly_once, run_rounds
 

@@ -23,10 +23,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lance_hpc import checkpoint, checkpoint_index, checkpoint_store, lease
-from lance_hpc.env import DistEnv, detect, process_group
 from lance_hpc.errors import UserError
+from lance_hpc.runtime import checkpoint, lease, preemption
+from lance_hpc.runtime.environment import DistEnv, detect, process_group
 from lance_hpc.spec import JobSpec, load_spec_text
+from lance_hpc.storage import checkpoint_index, checkpoint_store
 from lance_hpc.tasks.image import ImageOptions
 
 
@@ -75,7 +76,8 @@ def test_process_killed_mid_write_leaves_a_loadable_previous_checkpoint(tmp_path
     child = textwrap.dedent(
         f"""
         import os, sys, time, torch
-        from lance_hpc import checkpoint, checkpoint_store
+        from lance_hpc.runtime import checkpoint
+        from lance_hpc.storage import checkpoint_store
         directory = {str(tmp_path)!r}
         checkpoint.write_atomically({{"step": 1, "weight": torch.ones(1000)}}, checkpoint.checkpoint_path(directory, 1))
         real_fsync = os.fsync
@@ -225,19 +227,19 @@ def test_failed_save_raises_instead_of_hanging(tmp_path: Path, single_rank: torc
 
 def test_preemption_signal_only_sets_a_flag(single_rank: torch.device) -> None:
     before = signal.getsignal(signal.SIGUSR2), signal.getsignal(signal.SIGTERM)
-    with checkpoint.Preemption() as preemption:
-        assert not preemption.agreed(single_rank) and preemption.agreed_signal is None
+    with preemption.Preemption() as stop:
+        assert not stop.agreed(single_rank) and stop.agreed_signal is None
         os.kill(os.getpid(), signal.SIGTERM)
-        assert preemption.agreed(single_rank) and preemption.agreed_signal == signal.SIGTERM
+        assert stop.agreed(single_rank) and stop.agreed_signal == signal.SIGTERM
         os.kill(os.getpid(), signal.SIGUSR2)
         os.kill(os.getpid(), signal.SIGTERM)  # a later SIGTERM does not take back the requeue request
-        assert preemption.agreed(single_rank) and preemption.agreed_signal == signal.SIGUSR2
+        assert stop.agreed(single_rank) and stop.agreed_signal == signal.SIGUSR2
     assert (signal.getsignal(signal.SIGUSR2), signal.getsignal(signal.SIGTERM)) == before
 
 
 def test_no_requeue_beyond_max_requeues() -> None:
     env = DistEnv("slurm", 0, 0, 1, 1, 0, 1, "node1", 20001, job_id="12", restart_count=3)
-    requeued, message = checkpoint.requeue_sbatch(env, max_requeues=3)
+    requeued, message = preemption.requeue_sbatch(env, max_requeues=3)
     assert not requeued and "requeued 3 times already (slurm.max_requeues: 3)" in message
 
 

@@ -24,11 +24,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lance_hpc import checkpoint, checkpoint_index, data, lease
+from lance_hpc import data
+from lance_hpc.data import load_task
 from lance_hpc.errors import ExitCode, UserError
-from lance_hpc.run import exit_process
+from lance_hpc.runtime import checkpoint, lease
+from lance_hpc.runtime.rank import exit_process
 from lance_hpc.spec import SpecError, load_spec, load_spec_text
-from lance_hpc.tasks import load_task
+from lance_hpc.storage import checkpoint_index
 from tests.support.jobs import REPO_ROOT, write_spec
 from tests.support.ports import free_port
 from tests.support.s3 import S3Server
@@ -118,7 +120,8 @@ def test_the_spec_accepts_s3_checkpoint_dirs_and_refuses_other_schemes(directory
 
 HALF_UPLOAD = """
 import time, torch
-from lance_hpc import checkpoint, checkpoint_store
+from lance_hpc.runtime import checkpoint
+from lance_hpc.storage import checkpoint_store
 
 directory = {directory!r}
 checkpoint.write_atomically({{"step": 1, "weight": torch.ones(1000)}}, checkpoint.checkpoint_path(directory, 1))

@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
-from lance_hpc import render, submit
-from lance_hpc.checkpoint import requeue_sbatch
-from lance_hpc.data import build_train_loader
-from lance_hpc.env import DistEnv
+from lance_hpc.data import build_train_loader, load_task
 from lance_hpc.errors import UserError
+from lance_hpc.launch import render
+from lance_hpc.runtime import preemption
+from lance_hpc.runtime.environment import DistEnv
+from lance_hpc.runtime.preemption import requeue_sbatch
 from lance_hpc.spec import JobSpec, SpecError, load_spec, validate_spec
-from lance_hpc.tasks import load_task
 from tests.support.jobs import REPO_ROOT, Digits, final_state, write_spec
 from tests.support.ports import free_port
 from tests.support.slurm import signal_steps
@@ -122,7 +122,7 @@ def run_script_with_shims(spec: JobSpec, tmp_path: Path, srun_body: str, **varia
 def test_the_script_requeues_a_run_of_an_array_when_rank_0_asks(tmp_path: Path) -> None:
     spec = validate_spec({"name": "boxed", "data": {"uri": "/d"}, "sweep": {"train.lr": [0.1, 0.05]},
                           "slurm": {"log_dir": str(tmp_path), "container": {"image": "/i.sif"}, "max_requeues": 2}}).spec
-    asks = f'touch "${render.REQUEUE_REQUEST_VARIABLE}"'  # what rank 0 does inside the container
+    asks = f'touch "${preemption.REQUEUE_REQUEST_VARIABLE}"'  # what rank 0 does inside the container
     result, calls = run_script_with_shims(spec, tmp_path, asks, SLURM_ARRAY_JOB_ID="70", SLURM_ARRAY_TASK_ID="1",
                                           SLURM_RESTART_COUNT="1")
     assert result.returncode == 0, result.stderr
@@ -139,7 +139,7 @@ def test_the_script_leaves_a_job_alone_unless_asked_even_when_srun_fails(tmp_pat
     result, calls = run_script_with_shims(spec, tmp_path, "exit 1")
     assert result.returncode == 1 and calls == []
     # a submitit task that asked for a requeue exits with an error; the script still requeues it
-    result, calls = run_script_with_shims(spec, tmp_path, f'touch "${render.REQUEUE_REQUEST_VARIABLE}"; exit 255')
+    result, calls = run_script_with_shims(spec, tmp_path, f'touch "${preemption.REQUEUE_REQUEST_VARIABLE}"; exit 255')
     assert calls == ["requeue 73"] and "requeueing job 73 (requeue 1 of at most 3)" in result.stdout
 
 
@@ -196,7 +196,7 @@ def test_apptainer_job_is_preempted_requeued_by_its_script_and_resumes(
     spec_path = write_spec(tmp_path, digits, name="boxed", slurm=slurm, train={"epochs": 8},
                            logging={"log_every_steps": 1, "progress": False}, checkpoint={"every_steps": 200, "keep": 3})
     spec = load_spec(spec_path).spec
-    spec_file, script = submit.write_job_files(spec)
+    spec_file, script = render.write_job_files(spec)
     # A port of our own: the port derived from the job id would be the same for job 1 of every
     # test cluster that other sessions run on this machine at the same time.
     environ = {**os.environ, **slurm_cluster.env, "PYTHONPATH": str(REPO_ROOT), "PATH": f"{shims}:{os.environ['PATH']}",

@@ -22,14 +22,28 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from lance_hpc.data import cache
-from lance_hpc.data.cache import (GIB, PARTIAL, CachedFile, NodeCache, Source, cache_root, dataset_key, evict, fetch,
-                                  fragment_files, lock_path, manifest_names, open_cache, user_directory)
 from lance_hpc.data.reader import ReadStats
-from lance_hpc.data.storage import storage_options
 from lance_hpc.errors import UserError
-from lance_hpc.files import replaced_atomically
 from lance_hpc.spec import CacheSpec, SpecError, load_spec_text
+from lance_hpc.storage import cache
+from lance_hpc.storage.cache import (
+    GIB,
+    PARTIAL,
+    CachedFile,
+    NodeCache,
+    Source,
+    cache_root,
+    dataset_key,
+    evict,
+    fetch,
+    fragment_files,
+    lock_path,
+    manifest_names,
+    open_cache,
+    user_directory,
+)
+from lance_hpc.storage.files import replaced_atomically
+from lance_hpc.storage.options import storage_options
 from tests.test_data_loader import spec, train_loader, write_dataset
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,7 +115,7 @@ def test_rows_through_the_cache_equal_the_store_before_during_and_after_filling(
 KILLED_FILLER = """
 import sys, time
 from pathlib import Path
-from lance_hpc.data import cache
+from lance_hpc.storage import cache
 def one_chunk_then_hang(self, path):
     with self.filesystem.open_input_stream(f"{self.root}/{path}") as stream:
         yield stream.read(4096)

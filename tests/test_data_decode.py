@@ -12,7 +12,14 @@ import torch
 from PIL import ImageFile
 
 from lance_hpc.data import decode as decode_module
-from lance_hpc.data.decode import MAX_IMAGE_PIXELS, Transform, binary_values, decode_image, normalize, random_resized_crop_box
+from lance_hpc.data.decode import (
+    MAX_IMAGE_PIXELS,
+    Transform,
+    binary_values,
+    decode_image,
+    normalize,
+    random_resized_crop_box,
+)
 from lance_hpc.data.reader import ROW_ID_FIELD, CorruptRowError, apply_corrupt_policy
 from lance_hpc.data.sources import encode_image, skimage_photo_crops
 from lance_hpc.tasks.base import ROW_ID

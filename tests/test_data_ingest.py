@@ -16,12 +16,13 @@ import pytest
 from pyarrow import fs
 
 from lance_hpc.data import ingest as ingest_module
-from lance_hpc.data.ingest import Ingested, ensure_dataset, ingest, main, resolve_source
-from lance_hpc.checkpoint_store import filesystem_arguments
+from lance_hpc.data.ingest import ensure_dataset, ingest, main, resolve_source
 from lance_hpc.data.sources import PHOTO_NAMES, encode_image, skimage_photo_crops
-from lance_hpc.data.storage import storage_options
+from lance_hpc.data.target import Ingested
 from lance_hpc.errors import UserError
 from lance_hpc.spec import DataSpec, IngestSpec
+from lance_hpc.storage.checkpoint_store import filesystem_arguments
+from lance_hpc.storage.options import storage_options
 
 
 def class_names(uri):

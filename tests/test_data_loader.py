@@ -11,7 +11,13 @@ import pyarrow as pa
 import pytest
 import torch
 
-from lance_hpc.data import build_eval_loader, build_train_loader, dataset_info, plan_data, preflight
+from lance_hpc.data import (
+    build_eval_loader,
+    build_train_loader,
+    dataset_info,
+    plan_data,
+    preflight,
+)
 from lance_hpc.data.decode import Transform
 from lance_hpc.data.ingest import schema_for
 from lance_hpc.data.plan import main as plan_main

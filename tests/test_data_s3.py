@@ -8,9 +8,9 @@ import pytest
 
 from lance_hpc.data import dataset_info, ensure_dataset, plan_data, preflight
 from lance_hpc.data.plan import main as plan_main
-from lance_hpc.data.storage import redact, storage_options
 from lance_hpc.errors import UserError
 from lance_hpc.spec import DataSpec, IngestSpec
+from lance_hpc.storage.options import redact, storage_options
 from lance_hpc.tasks.image import ImageClassification, ImageOptions
 from tests.support.ports import free_port
 from tests.test_data_loader import eval_loader, train_loader

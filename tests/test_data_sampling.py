@@ -20,11 +20,11 @@ from lance_hpc.data.sampling import (
     ResumedEpoch,
     Segment,
     epoch_batches,
-    remainder_share_rows,
-    rows_read,
     eval_batches,
     plan_from_table,
     rank_share,
+    remainder_share_rows,
+    rows_read,
     worker_steps,
 )
 

@@ -10,8 +10,9 @@ import pyarrow as pa
 import pytest
 
 from lance_hpc.data import text as text_module
-from lance_hpc.data.ingest import Ingested, ensure_dataset, main
+from lance_hpc.data.ingest import ensure_dataset, main
 from lance_hpc.data.plan import plan_data
+from lance_hpc.data.target import Ingested
 from lance_hpc.data.text import (
     BYTES_PER_TOKEN_KEY,
     DOCUMENTS_KEY,

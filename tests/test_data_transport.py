@@ -6,9 +6,9 @@ buffers for a whole epoch."""
 import gc
 import os
 import pickle
+from multiprocessing.reduction import ForkingPickler
 
 import torch
-from multiprocessing.reduction import ForkingPickler
 
 from lance_hpc.bench.resources import descendants
 from lance_hpc.data.reader import ROW_ID_FIELD, ReadStats

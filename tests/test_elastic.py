@@ -22,10 +22,10 @@ import pytest
 
 from lance_hpc.data.reader import fragment_table
 from lance_hpc.data.sampling import epoch_batches
-from lance_hpc.data.storage import open_dataset
 from lance_hpc.errors import ExitCode
+from lance_hpc.runtime.trainer import lr_factor
 from lance_hpc.spec import JobSpec, load_spec
-from lance_hpc.trainer import lr_factor
+from lance_hpc.storage.datasets import open_dataset
 from tests.support.jobs import REPO_ROOT, final_state, scalars, write_spec
 from tests.test_trainer import rank_pid, read_until
 
@@ -155,7 +155,7 @@ def test_an_epoch_end_checkpoint_resumes_on_three_ranks_with_more_epochs(tmp_pat
     second = submit_local(spec_file, 3)
     output = second.communicate(timeout=300)[0]
     assert second.returncode == 0, output
-    assert f"resuming from" in output and f"at step {saved['step']}, epoch 2" in output
+    assert "resuming from" in output and f"at step {saved['step']}, epoch 2" in output
     after = logged_rows(tmp_path / "rows3", 3)
     read = collections.Counter(row for batches in after for batch in batches for row in batch)
     assert read == planned_rows(load_spec(spec_file).spec, 3, epoch=1)
@@ -199,7 +199,7 @@ def test_ctrl_c_saves_stops_with_one_line_and_the_rerun_continues(tmp_path: Path
     assert "run the same command again to continue" in output and saved["step"] >= 4
 
     rerun = submit_local(spec_file, 2)
-    read_until(rerun, f"resuming from")
+    read_until(rerun, "resuming from")
     os.killpg(rerun.pid, signal.SIGINT)
     output = rerun.communicate(timeout=120)[0]
     assert rerun.returncode == ExitCode.STOPPED and final_state(tmp_path)["step"] > saved["step"], output

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lance_hpc.env import (
+from lance_hpc.errors import UserError
+from lance_hpc.runtime.environment import (
     DistEnv,
     detect,
     explain_failure,
@@ -21,7 +22,6 @@ from lance_hpc.env import (
     process_group,
     tasks_per_node,
 )
-from lance_hpc.errors import UserError
 
 # Real node-list forms and their expansion (as `scontrol show hostnames` prints them).
 NODE_LISTS = [
@@ -215,7 +215,7 @@ def test_a_rank_exits_with_its_code_after_the_exit_hooks_and_without_the_teardow
     interpreter's teardown (here a module global's __del__), where gloo's threads can abort it."""
     program = """
 import atexit, sys
-from lance_hpc.run import exit_process
+from lance_hpc.runtime.rank import exit_process
 
 class Teardown:
     def __del__(self):

@@ -18,14 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from lance_hpc import checkpoint
-from lance_hpc.data import build_train_loader
+from lance_hpc.data import build_train_loader, load_task
 from lance_hpc.errors import UserError
+from lance_hpc.launch.render import write_job_files
 from lance_hpc.manage import logs, progress, queue, records
-from lance_hpc.spec import JobSpec, load_spec
-from lance_hpc.spec.sweep import expand
-from lance_hpc.submit import write_job_files
-from lance_hpc.tasks import load_task
+from lance_hpc.runtime import checkpoint
+from lance_hpc.spec import JobSpec, expand, load_spec
 from tests.support.jobs import REPO_ROOT, Digits, write_spec
 from tests.support.ports import free_port
 from tests.support.slurm import signal_steps

@@ -22,10 +22,10 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from lance_hpc import render
 from lance_hpc.errors import UserError
+from lance_hpc.launch import render
+from lance_hpc.launch.paths import JobPaths
 from lance_hpc.spec import REDACTED, JobSpec, load_spec, validate_spec
-from lance_hpc.submit import run_spec_files
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden"
@@ -60,7 +60,7 @@ def spec_from(raw: dict[str, Any]) -> JobSpec:
 
 def spec_file_of(spec: JobSpec) -> str:
     """The spec file the job's tasks read (a sweep's, with {index} for the array task id)."""
-    return run_spec_files(spec) if spec.sweep else f"{spec.slurm.log_dir}/{spec.name}.spec.yaml"
+    return JobPaths.of(spec).run_specs if spec.sweep else f"{spec.slurm.log_dir}/{spec.name}.spec.yaml"
 
 
 def check_golden(name: str, text: str) -> None:
@@ -231,7 +231,7 @@ def hostile_spec(value: str, tmp_path: Path) -> dict[str, Any]:
 
 
 def expected_directives(spec: JobSpec) -> dict[str, str | bool]:
-    stdout, stderr = render.log_paths(spec)
+    stdout, stderr = (JobPaths.of(spec).stdout, JobPaths.of(spec).stderr)
     flags = {name: str(value) if value is not True else True for name, value in render.resource_flags(spec).items()}
     return {**flags, "output": stdout, "error": stderr}
 
@@ -315,7 +315,12 @@ def test_any_string_in_any_field_stays_one_quoted_value(value: str, field: str, 
 def test_default_template_ships_in_the_wheel(tmp_path: Path) -> None:
     """Built and installed as a wheel (no checkout around it), the package still finds its template."""
     source = tmp_path / "src"
-    ignored = shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", ".hypothesis", "data", "logs", "runs", "checkpoints")
+    anywhere = shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", ".hypothesis")
+
+    def ignored(directory: str, names: list[str]) -> set[str]:  # a run's outputs, at the top only (lance_hpc/data is code)
+        outputs = {"data", "logs", "runs", "checkpoints"} if Path(directory) == ROOT else set()
+        return set(anywhere(directory, names)) | (outputs & set(names))
+
     shutil.copytree(ROOT, source, symlinks=True, ignore=ignored)
     build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(source), "-w", str(tmp_path / "wheel")]
     subprocess.run(build, check=True, capture_output=True, timeout=300)
@@ -324,7 +329,7 @@ def test_default_template_ships_in_the_wheel(tmp_path: Path) -> None:
     install = [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(tmp_path / "site"), str(wheel)]
     subprocess.run(install, check=True, capture_output=True, timeout=300)
     probe = (
-        "import lance_hpc.render as r; from lance_hpc.spec import validate_spec; "
+        "import lance_hpc.launch.render as r; from lance_hpc.spec import validate_spec; "
         "print(r.__file__); print(r.render_sbatch(validate_spec({'name': 'w', 'data': {'uri': '/d'}}).spec, '/s.yaml'))"
     )
     result = subprocess.run(

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lance_hpc.checkpoint import Checkpoint, load_latest
 from lance_hpc.errors import ExitCode, UserError
-from lance_hpc.script import Context
+from lance_hpc.runtime.checkpoint import Checkpoint, load_latest
+from lance_hpc.runtime.context import Context
 from lance_hpc.spec import load_spec
 from tests.support.jobs import REPO_ROOT, final_state, same_weights, write_spec
 from tests.test_trainer import launch, read_until

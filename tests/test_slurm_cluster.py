@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from lance_hpc import render
+from lance_hpc.launch import render
 from lance_hpc.spec import load_spec
 from tests.support.ports import free_ports
 from tests.support.slurm_cluster import SlurmCluster

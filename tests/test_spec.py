@@ -8,15 +8,23 @@ import typing
 from pathlib import Path
 from typing import Any, Iterator
 
-from pydantic import BaseModel
-
 import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import BaseModel
 
 from lance_hpc.errors import UserError
-from lance_hpc.spec import REDACTED, JobSpec, SpecError, load_spec, load_spec_text, parse_time_limit, redacted, validate_spec
+from lance_hpc.spec import (
+    REDACTED,
+    JobSpec,
+    SpecError,
+    load_spec,
+    load_spec_text,
+    parse_time_limit,
+    redacted,
+    validate_spec,
+)
 from lance_hpc.spec.secrets import is_credential_key
 from lance_hpc.spec.yaml_text import MAX_DEPTH, MAX_EXPANDED_VALUES, expanded_sizes
 

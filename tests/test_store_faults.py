@@ -21,15 +21,15 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from lance_hpc import checkpoint
 from lance_hpc.data import ensure_dataset, preflight
 from lance_hpc.data.ingest import schema_for
-from lance_hpc.data.integrity import DamagedDataset
 from lance_hpc.data.loader import kill_workers
-from lance_hpc.data.retry import StoreUnavailable, backoff_s, retrying, short_error
-from lance_hpc.data.storage import open_dataset
 from lance_hpc.errors import UserError, worker_message
+from lance_hpc.runtime import checkpoint
 from lance_hpc.spec import DataSpec, IngestSpec, SpecError, validate_spec
+from lance_hpc.storage.datasets import open_dataset
+from lance_hpc.storage.integrity import DamagedDataset
+from lance_hpc.storage.retry import StoreUnavailable, backoff_s, retrying, short_error
 from tests.support.fault_proxy import FaultProxy, control
 from tests.support.jobs import REPO_ROOT, Digits, write_spec
 from tests.test_data_loader import IMAGES, train_loader

@@ -15,8 +15,10 @@ import pytest
 import yaml
 from submitit.core.utils import DelayedSubmission
 
-from lance_hpc import cli, render, submit
+from lance_hpc import cli, submit
 from lance_hpc.errors import ExitCode
+from lance_hpc.launch import render
+from lance_hpc.launch.paths import JobPaths
 from lance_hpc.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,7 +136,7 @@ def test_an_existing_log_directory_keeps_its_mode_and_links_there_are_replaced(t
 def test_another_users_job_files_are_neither_replaced_nor_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """In a shared log directory the same job name must not swap someone's spec under their
     queued job, and a rank refuses a spec file another user owns."""
-    from lance_hpc import run  # imports torch: only here
+    from lance_hpc.runtime import rank as run  # imports torch: only here
 
     log_dir = tmp_path / "shared-logs"
     raw = {**FULL_SPEC, "slurm": {**FULL_SPEC["slurm"], "log_dir": str(log_dir)}}
@@ -161,10 +163,10 @@ def test_a_log_directory_that_cannot_be_written_is_a_user_error(tmp_path: Path, 
 
 
 def test_local_runs_the_written_spec_with_nproc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import lance_hpc.launch
+    import lance_hpc.launch.local
 
     started: list[tuple[str, int]] = []
-    monkeypatch.setattr(lance_hpc.launch, "run_local", lambda spec_file, nproc: started.append((str(spec_file), nproc)) or 0)
+    monkeypatch.setattr(lance_hpc.launch.local, "run_local", lambda spec_file, nproc: started.append((str(spec_file), nproc)) or 0)
     raw = {"name": "loc", "data": {"uri": "/d"}, "slurm": {"tasks_per_node": 3, "log_dir": str(tmp_path)}}
     spec_path = write_spec(tmp_path, raw)
     assert submit.main([str(spec_path), "--local"]) == 0
@@ -314,7 +316,7 @@ def test_submitit_asks_for_the_same_job_as_the_script(raw: Any, shims: Path, tmp
     prefix = render.python_command(spec)[:-1]  # the container runtime's, if any
     spec_file = str(log_dir / f"{spec.name}.spec.yaml")
     if spec.sweep:
-        spec_file = submit.run_spec_files(spec).replace("{index}", "$SLURM_ARRAY_TASK_ID")
+        spec_file = JobPaths.of(spec).run_specs.replace("{index}", "$SLURM_ARRAY_TASK_ID")
     assert our_command == [*prefix, "python3", "-m", "lance_hpc.run", spec_file]
     # which runs SubmititJob(spec file), in the same container
     assert their_command[: len(prefix) + 4] == [*prefix, "python3", "-u", "-m", "submitit.core._submit"]

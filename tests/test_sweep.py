@@ -16,14 +16,14 @@ from typing import Any
 import pytest
 import yaml
 
-from lance_hpc import render, submit
-from lance_hpc.data import build_train_loader
-from lance_hpc.env import detect
+from lance_hpc import submit
+from lance_hpc.data import build_train_loader, load_task
 from lance_hpc.errors import ExitCode, UserError
+from lance_hpc.launch import render
+from lance_hpc.manage.queue import FINAL_STATES
+from lance_hpc.runtime.environment import detect
 from lance_hpc.spec import SpecError, expand, load_spec, validate_spec
 from lance_hpc.spec.sweep import combinations, parse_sweep_option
-from lance_hpc.submit import FINAL_STATES
-from lance_hpc.tasks import load_task
 from tests.support.jobs import REPO_ROOT, Digits, hparams_logged, scalars, write_spec
 from tests.support.ports import free_port
 from tests.support.slurm import signal_steps
@@ -167,7 +167,7 @@ def test_the_script_starts_the_spec_of_its_array_task(tmp_path: Path) -> None:
     """Run the rendered array script with bash for task 2; srun is a shim that runs its command
     line's last word through the shell as the real one would hand it to the task."""
     spec = sweep_spec({"train.lr": [0.1, 0.05, 0.01]}, slurm={"log_dir": str(tmp_path / "a b")})
-    _, script_path = submit.write_job_files(spec)
+    _, script_path = render.write_job_files(spec)
     shims = tmp_path / "shims"
     shims.mkdir()
     (shims / "srun").write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$SRUN_ARGS_FILE"\n')
@@ -209,7 +209,7 @@ def test_local_runs_every_run_in_turn_and_goes_on_after_a_failure(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """run_local is replaced by a recorder here; test_sweep_trains_locally runs the real thing."""
-    import lance_hpc.launch
+    import lance_hpc.launch.local
 
     started: list[tuple[str, int]] = []
 
@@ -217,7 +217,7 @@ def test_local_runs_every_run_in_turn_and_goes_on_after_a_failure(
         started.append((load_spec(spec_file).spec.name, nproc))
         return 1 if len(started) == 2 else 0
 
-    monkeypatch.setattr(lance_hpc.launch, "run_local", fake_run_local)
+    monkeypatch.setattr(lance_hpc.launch.local, "run_local", fake_run_local)
     spec_path = tmp_path / "job.yaml"
     spec_path.write_text(yaml.safe_dump({"name": "s", "data": {"uri": "/d"}, "slurm": {"log_dir": str(tmp_path)}}))
     assert submit.main([str(spec_path), "--local", "--nproc", "2", "--sweep", "train.seed=0,1,2"]) == 1
@@ -229,10 +229,10 @@ def test_local_runs_every_run_in_turn_and_goes_on_after_a_failure(
 def test_local_stops_the_sweep_when_a_run_is_interrupted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import lance_hpc.launch
+    import lance_hpc.launch.local
 
     started: list[str] = []
-    monkeypatch.setattr(lance_hpc.launch, "run_local", lambda spec_file, nproc: started.append(str(spec_file)) or ExitCode.STOPPED)
+    monkeypatch.setattr(lance_hpc.launch.local, "run_local", lambda spec_file, nproc: started.append(str(spec_file)) or ExitCode.STOPPED)
     spec_path = tmp_path / "job.yaml"
     spec_path.write_text(yaml.safe_dump({"name": "s", "data": {"uri": "/d"}, "slurm": {"log_dir": str(tmp_path)}}))
     assert submit.main([str(spec_path), "--local", "--sweep", "train.seed=0,1"]) == ExitCode.STOPPED
@@ -256,7 +256,7 @@ def test_sweep_trains_locally(digits: Digits, tmp_path: Path) -> None:
 
 
 def checkpoint_step(directory: Path) -> int:
-    from lance_hpc import checkpoint
+    from lance_hpc.runtime import checkpoint
 
     found = checkpoint.load_latest(directory)
     assert found is not None, f"no checkpoint in {directory}"
@@ -313,7 +313,7 @@ def test_four_run_sweep_on_the_cluster_each_run_on_its_own(slurm_cluster: SlurmC
                            sweep={"train.lr": [0.003, 0.001], "train.epochs": [3, 1]})
     spec = load_spec(spec_path).spec
     runs = expand(spec)
-    _, script = submit.write_job_files(spec)
+    _, script = render.write_job_files(spec)
     # A port of our own (the runs never overlap): one derived from the job id would be the same
     # for the same job id of other test clusters that other sessions run on this machine.
     submitted = subprocess.run(["sbatch", "--parsable", str(script)], env={**environ(slurm_cluster), "MASTER_PORT": str(free_port())},
@@ -376,7 +376,7 @@ def test_a_sweep_submitted_through_submitit_trains_each_run_on_its_own(
         assert hparams_logged(Path(run.spec.logging.tensorboard_dir))["train.lr"] == pytest.approx(run.values["train.lr"])
 
 
-@pytest.mark.parametrize("module", ["lance_hpc.run", "lance_hpc.launch"])
+@pytest.mark.parametrize("module", ["lance_hpc.run", "lance_hpc.launch.local"])
 def test_a_sweep_spec_run_directly_is_refused_not_trained_as_its_base(tmp_path: Path, digits: Digits, module: str) -> None:
     spec_file = write_spec(tmp_path, digits)
     raw = yaml.safe_load(spec_file.read_text())

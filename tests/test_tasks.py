@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lance_hpc.data import build_train_loader, dataset_info, ensure_dataset
-from lance_hpc.data.sampling import STYLES
+from lance_hpc.data import build_train_loader, dataset_info, ensure_dataset, load_task
 from lance_hpc.errors import UserError
 from lance_hpc.spec import DataSpec, IngestSpec, SpecError, load_spec, validate_spec
-from lance_hpc.tasks import ROW_ID, TaskError, build_task, load_task
+from lance_hpc.spec.choices import STYLES
+from lance_hpc.tasks import ROW_ID, TaskError, build_task
 from lance_hpc.tasks.language import LanguageModel
 from tests.support.jobs import Digits, final_state, hparams_logged, scalars, write_spec
 from tests.test_trainer import launch

@@ -22,11 +22,12 @@ from typing import Any
 import pytest
 import torch
 
-from lance_hpc.data import build_train_loader
-from lance_hpc.run import SubmititJob
+from lance_hpc.data import build_train_loader, load_task
+from lance_hpc.launch.render import write_job_files
+from lance_hpc.launch.submit import make_executor
+from lance_hpc.manage.queue import FINAL_STATES
+from lance_hpc.runtime.rank import SubmititJob
 from lance_hpc.spec import JobSpec, load_spec
-from lance_hpc.submit import FINAL_STATES, make_executor, write_job_files
-from lance_hpc.tasks import load_task
 from tests.support.jobs import (
     FINAL_ACCURACY,
     REPO_ROOT,

@@ -20,24 +20,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from lance_hpc import data, lease, trainer
-from lance_hpc.checkpoint import (
+from lance_hpc import data
+from lance_hpc.data import load_task
+from lance_hpc.errors import ExitCode, UserError
+from lance_hpc.runtime import lease, trainer
+from lance_hpc.runtime.checkpoint import (
     Checkpoint,
-    Preemption,
     checkpoint_path,
     find_resume_point,
     load_latest,
     pinned_data,
     write_atomically,
 )
-from lance_hpc.env import DistEnv, detect, process_group
-from lance_hpc.errors import ExitCode, UserError
-from lance_hpc.metrics import TAGS
-from lance_hpc.models import build_model
-from lance_hpc.run import after_preemption
+from lance_hpc.runtime.environment import DistEnv, detect, process_group
+from lance_hpc.runtime.metrics import TAGS
+from lance_hpc.runtime.preemption import Preemption, after_preemption
 from lance_hpc.spec import REDACTED, load_spec
-from lance_hpc.tasks import load_task
 from lance_hpc.tasks.image import ImageClassification
+from lance_hpc.tasks.models import build_model
 from tests.support.jobs import (
     FINAL_ACCURACY,
     REPO_ROOT,
@@ -208,10 +208,10 @@ def test_two_ranks_train_to_the_bar_and_log_tensorboard(reference_run: FinishedR
 
 
 def launch(spec_file: Path) -> subprocess.Popen:
-    """``python -m lance_hpc.launch SPEC --nproc 2`` in the background, its stdout piped."""
+    """``python -m lance_hpc.launch.local SPEC --nproc 2`` in the background, its stdout piped."""
     environ = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     return subprocess.Popen(
-        [sys.executable, "-m", "lance_hpc.launch", str(spec_file), "--nproc", "2"],
+        [sys.executable, "-m", "lance_hpc.launch.local", str(spec_file), "--nproc", "2"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environ, cwd=REPO_ROOT,
     )
 
@@ -355,8 +355,8 @@ def long_job(directory: Path, dataset, **sections) -> Path:
 
 
 # Starts the ranks of a local run without the launcher's look at the lease, as srun starts them.
-RANKS_ONLY = ("import sys; from lance_hpc import launch; launch.lease.refuse_if_held = lambda *args: None; "
-              "sys.exit(launch.main(sys.argv[1:]))")
+RANKS_ONLY = ("import sys; from lance_hpc.launch import local; local.lease.refuse_if_held = lambda *args: None; "
+              "sys.exit(local.main(sys.argv[1:]))")
 
 
 @pytest.mark.slow
@@ -379,10 +379,10 @@ def test_a_second_run_on_the_same_checkpoint_dir_refuses_naming_the_first(tmp_pa
         read_until(trainer_run, "step 3/")
 
         environ = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-        third = subprocess.run([sys.executable, "-m", "lance_hpc.launch", str(spec_file), "--nproc", "2"],
+        third = subprocess.run([sys.executable, "-m", "lance_hpc.launch.local", str(spec_file), "--nproc", "2"],
                                capture_output=True, text=True, cwd=REPO_ROOT, timeout=120, env=environ)
         assert third.returncode == ExitCode.USER_ERROR and third.stdout == "", third.stdout + third.stderr
-        assert third.stderr.startswith("lance_hpc.launch: checkpoint.dir") and third.stderr.count(holder) == 1
+        assert third.stderr.startswith("lance_hpc.launch.local: checkpoint.dir") and third.stderr.count(holder) == 1
         assert "rank 0" not in third.stderr  # no rank started
 
         ranks = subprocess.run([sys.executable, "-c", RANKS_ONLY, str(spec_file), "--nproc", "2"], capture_output=True,

@@ -68,7 +68,8 @@ def decode_limit(config: Measurement) -> Result:
     import torch
 
     from lance_hpc.data.decode import Transform, decode_pixels
-    from lance_hpc.data.storage import open_dataset, storage_options
+    from lance_hpc.storage.datasets import open_dataset
+    from lance_hpc.storage.options import storage_options
 
     torch.set_num_threads(1)
     options = storage_options(config.lance_uri, config.data.get("storage_options"))  # credentials from the environment

@@ -20,7 +20,14 @@ from typing import Any, Iterator
 
 from lance_hpc.bench import report
 from lance_hpc.bench.configs import Measurement
-from lance_hpc.bench.sections import DEFAULT_STRATEGY, Context, SectionReport, Summaries, common_fields, strategy_fields
+from lance_hpc.bench.sections import (
+    DEFAULT_STRATEGY,
+    Context,
+    SectionReport,
+    Summaries,
+    common_fields,
+    strategy_fields,
+)
 
 MODEL = "resnet50"
 LATENCY_MS = 25.0
@@ -110,7 +117,7 @@ def synthetic_batches(config: Measurement) -> Iterator[dict[str, Any]]:
 
 class TrainStep:
     """One optimizer step of ``config.train_model`` per batch, on ``config.device``, the way the
-    image task takes one for the trainer: the model from :func:`lance_hpc.models.build_model`, the
+    image task takes one for the trainer: the model from :func:`lance_hpc.tasks.models.build_model`, the
     pixels moved without blocking (from pinned memory) and normalized on the device by
     :func:`lance_hpc.data.decode.normalize`, channels-last and bf16 autocast on CUDA (fp32 and the
     default layout on the CPU). Each call waits for the device, so the caller's clock splits into
@@ -119,7 +126,7 @@ class TrainStep:
     def __init__(self, config: Measurement) -> None:
         import torch
 
-        from lance_hpc.models import build_model
+        from lance_hpc.tasks.models import build_model
 
         self.torch = torch
         self.device = torch.device(config.device)

@@ -12,7 +12,13 @@ from lance_hpc.bench.configs import Measurement
 from lance_hpc.bench.datasets import DataSet
 from lance_hpc.bench.runner import Summary, exactly_once
 from lance_hpc.bench.sections import (
-    DEFAULT_STRATEGY, STRATEGIES, Context, SectionReport, Summaries, common_fields, strategy_fields,
+    DEFAULT_STRATEGY,
+    STRATEGIES,
+    Context,
+    SectionReport,
+    Summaries,
+    common_fields,
+    strategy_fields,
 )
 
 DDP_LABEL = "lance_hpc map/distributed, 2-rank DDP"

@@ -19,7 +19,13 @@ from lance_hpc.bench import report
 from lance_hpc.bench.configs import Measurement
 from lance_hpc.bench.local import set_configs
 from lance_hpc.bench.sections import (
-    DEFAULT_STRATEGY, STRATEGIES, Context, SectionReport, Summaries, common_fields, strategy_fields,
+    DEFAULT_STRATEGY,
+    STRATEGIES,
+    Context,
+    SectionReport,
+    Summaries,
+    common_fields,
+    strategy_fields,
 )
 
 LATENCIES_MS = (0.0, 25.0, 50.0)

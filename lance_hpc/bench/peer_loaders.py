@@ -23,10 +23,15 @@ from lance_hpc.bench.configs import Measurement
 from lance_hpc.bench.object_storage import dataset_name
 from lance_hpc.bench.peers import PeerData, peer_paths, prepare_peers
 from lance_hpc.bench.pipelines import PEER_PACKAGES
-from lance_hpc.bench.runner import Summary
 from lance_hpc.bench.report import Target
+from lance_hpc.bench.runner import Summary
 from lance_hpc.bench.sections import (
-    DEFAULT_STRATEGY, Context, SectionReport, Summaries, common_fields, strategy_fields,
+    DEFAULT_STRATEGY,
+    Context,
+    SectionReport,
+    Summaries,
+    common_fields,
+    strategy_fields,
 )
 
 LATENCY_MS = 25.0

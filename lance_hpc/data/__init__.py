@@ -12,6 +12,7 @@ from lance_hpc.data.loader import (
     build_eval_loader,
     build_train_loader,
     dataset_info,
+    load_task,
     worker_context,
 )
 from lance_hpc.data.plan import plan_data, preflight
@@ -24,6 +25,7 @@ __all__ = [
     "build_eval_loader",
     "build_train_loader",
     "dataset_info",
+    "load_task",
     "ensure_dataset",
     "plan_data",
     "preflight",

@@ -22,7 +22,6 @@ import simplejpeg
 import torch
 import torch.nn.functional as nnf
 
-
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 JPEG_MAGIC = b"\xff\xd8\xff"

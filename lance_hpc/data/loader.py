@@ -26,7 +26,12 @@ import torch
 from torch.utils.data import DataLoader
 
 from lance_hpc.data.iterable import LanceIterableDataset
-from lance_hpc.data.mapstyle import BatchRequest, LanceMapDataset, PlanBatchSampler, ahead_of
+from lance_hpc.data.mapstyle import (
+    BatchRequest,
+    LanceMapDataset,
+    PlanBatchSampler,
+    ahead_of,
+)
 from lance_hpc.data.reader import BatchReader, ReadStats, fragment_table, keep_batch
 from lance_hpc.data.sampling import (
     DataPlan,
@@ -40,9 +45,12 @@ from lance_hpc.data.sampling import (
     remainder_share_rows,
     rows_read,
 )
-from lance_hpc.data.storage import open_dataset, storage_options
 from lance_hpc.errors import UserError
-from lance_hpc.spec import DataSpec
+from lance_hpc.runtime.preemption import PREEMPTION_SIGNALS
+from lance_hpc.spec import DataSpec, JobSpec
+from lance_hpc.storage.datasets import open_dataset
+from lance_hpc.storage.options import storage_options
+from lance_hpc.tasks import Task, build_task
 from lance_hpc.tasks.base import Batch, DatasetInfo, Decoder
 
 log = logging.getLogger("lance_hpc.data")
@@ -55,7 +63,7 @@ WORKER_PRELOAD = ("torch", "numpy", "simplejpeg", "PIL.Image", "pydantic")
 # server and the workers must not die of them first, which would fail the epoch instead (and lose
 # the batches they already prepared). SIGKILL, which follows SIGTERM, still ends them. The same
 # holds for SIGINT (Ctrl-C), which a terminal sends to every process of its foreground group.
-RANK_SIGNALS = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+RANK_SIGNALS = PREEMPTION_SIGNALS
 
 
 def worker_context() -> BaseContext:
@@ -425,3 +433,10 @@ def build_eval_loader(
     data: DataSpec, decoder: Decoder, rank: int, world_size: int, *, pin_memory: bool = False
 ) -> EvalLoader:
     return EvalLoader(data, decoder, rank, world_size, pin_memory=pin_memory)
+
+
+def load_task(spec: JobSpec) -> Task:
+    """The spec's task, checked against the spec's training and validation datasets."""
+    data = spec.data
+    val = dataset_info(data, data.val_uri) if data.val_uri else None
+    return build_task(spec.task.name, spec.task.options, dataset_info(data, data.uri), val)

@@ -10,19 +10,24 @@ import argparse
 import sys
 from typing import Sequence
 
-from lance_hpc.data.integrity import check_data_files
+from lance_hpc.data.ingest import resolve_source
 from lance_hpc.data.reader import fragment_table
-from lance_hpc.data.sampling import DataPlan, FragmentTable, eval_batches, plan_from_table
-from lance_hpc.data.storage import dataset_exists, open_dataset, preflight_uri, storage_options
+from lance_hpc.data.sampling import (
+    DataPlan,
+    FragmentTable,
+    eval_batches,
+    plan_from_table,
+)
+from lance_hpc.data.text import is_text_source, sequences_before_ingest
 from lance_hpc.errors import ExitCode, UserError
-from lance_hpc.spec import DataSpec
+from lance_hpc.spec import DataSpec, load_spec
+from lance_hpc.storage.datasets import dataset_exists, open_dataset, preflight_uri
+from lance_hpc.storage.integrity import check_data_files
+from lance_hpc.storage.options import storage_options
 
 
 def _table_before_ingest(data: DataSpec) -> FragmentTable:
     """The fragment layout ingest will write for the training split."""
-    from lance_hpc.data.ingest import resolve_source
-    from lance_hpc.data.text import is_text_source, sequences_before_ingest
-
     spec = data.ingest
     assert spec is not None
     if is_text_source(spec.source):
@@ -81,8 +86,6 @@ def preflight(data: DataSpec) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``lance-hpc plan job.yaml [--world-size N] [--set KEY=VALUE ...] [--check]``."""
-    from lance_hpc.spec import load_spec
-
     parser = argparse.ArgumentParser(prog="lance-hpc plan", description="Show the data plan of a job spec.")
     parser.add_argument("spec", help="job spec YAML")
     parser.add_argument("--world-size", type=int, help="ranks to plan for (default: the spec's nodes x tasks per node)")

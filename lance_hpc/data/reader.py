@@ -25,20 +25,19 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 import torch
 
-from lance_hpc.data.cache import open_cache
-from lance_hpc.data.integrity import explain_read_error
-from lance_hpc.data.retry import retrying
 from lance_hpc.data.sampling import FragmentTable
-from lance_hpc.data.storage import open_dataset
 from lance_hpc.data.transport import SharedBatch, worker_pool
 from lance_hpc.errors import UserError
+from lance_hpc.storage.cache import open_cache
+from lance_hpc.storage.datasets import open_dataset
+from lance_hpc.storage.integrity import explain_read_error
+from lance_hpc.storage.retry import retrying
 from lance_hpc.tasks.base import ROW_ID, Batch, Decoder, FieldSpec
 
 if TYPE_CHECKING:
     from lance_hpc.spec.schema import CacheSpec
 
 log = logging.getLogger("lance_hpc.data")
-ON_CORRUPT = ("skip", "fail")
 ROW_ID_FIELD = FieldSpec((), torch.int64)
 
 
@@ -99,7 +98,7 @@ class BatchReader:
 
     def take(self, row_ids: np.ndarray, stats: ReadStats) -> Any:
         """The task's columns of ``row_ids`` (sorted, unique) as an Arrow table: one ``take``, of
-        the node-local cache for rows it holds (see :mod:`lance_hpc.data.cache`), else of the store."""
+        the node-local cache for rows it holds (see :mod:`lance_hpc.storage.cache`), else of the store."""
         columns = list(self.decoder.columns)
         if self.cache is not None:
             cache = open_cache(self.cache.dir, self.cache.max_gb, self.uri, self.version, self.options, lambda: self.dataset)
@@ -108,7 +107,7 @@ class BatchReader:
 
     def take_from_store(self, row_ids: np.ndarray, columns: list[str], stats: ReadStats) -> Any:
         """One Lance ``take`` of the store, retried through transient faults for up to
-        ``io_timeout_s`` and counted in ``stats.retries`` (see :mod:`lance_hpc.data.retry`)."""
+        ``io_timeout_s`` and counted in ``stats.retries`` (see :mod:`lance_hpc.storage.retry`)."""
 
         def count_retry() -> None:
             stats.retries += 1

@@ -25,8 +25,12 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-UNEVEN_MODES = ("drop", "pad")
-EVAL_MODES = ("sharded", "full_scan")
+from lance_hpc.spec.choices import (
+    EVAL_MODES,
+    SAMPLERS,
+    UNEVEN_MODES,
+    check_registry,
+)
 
 
 @dataclass(frozen=True)
@@ -186,13 +190,7 @@ STRATEGIES: dict[str, Callable[[EpochRequest], list[np.ndarray]]] = {
     "sharded_fragment": sharded_fragment_batches,
     "full_scan": full_scan_batches,
 }
-
-
-# Which samplers each dataset style runs; full_scan gives every rank every row (evaluation only).
-STYLES: dict[str, tuple[str, ...]] = {
-    "map": ("distributed",),
-    "iterable": ("sharded_batch", "sharded_fragment", "full_scan"),
-}
+check_registry(STRATEGIES, SAMPLERS, "data.sampler")
 
 
 def strategy_function(sampler: str) -> Callable[[EpochRequest], list[np.ndarray]]:

@@ -22,16 +22,23 @@ import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
 
+from lance_hpc.data.target import (
+    COMMAND_LINE_NAMES,
+    Ingested,
+    Target,
+    TargetNames,
+    find_datasets,
+    keeps,
+    targets,
+    write_lance,
+)
 from lance_hpc.errors import UserError
 from lance_hpc.imports import is_import_path, load_callable
-
-if TYPE_CHECKING:
-    from lance_hpc.data.ingest import Ingested, Target, TargetNames
 
 TOKENS_COLUMN = "tokens"
 KIND_KEY = b"lance_hpc.kind"
@@ -248,8 +255,6 @@ def _write_split(
 ) -> bool:
     """Write ``rows[order]`` to ``target`` as one Lance commit; False when another ingest created
     the dataset first."""
-    from lance_hpc.data.ingest import write_lance  # ingest.py imports this module
-
     reader = pa.RecordBatchReader.from_batches(schema, _row_batches(rows, order, schema))
     return write_lance(reader, target, rows_per_fragment=rows_per_fragment, replace=replace)
 
@@ -273,8 +278,6 @@ def ingest_text(
     Everything is tokenized before anything is written, so a failing tokenizer leaves no dataset;
     validation is written before training. What is already at the URIs is treated as by
     :func:`lance_hpc.data.ingest.ingest`."""
-    from lance_hpc.data.ingest import COMMAND_LINE_NAMES, Ingested, find_datasets, keeps, targets  # ingest.py imports this module
-
     if rows_per_fragment < 1:
         raise UserError("rows_per_fragment must be >= 1")
     names = names or COMMAND_LINE_NAMES

@@ -15,10 +15,17 @@ import sys
 import time
 from typing import Sequence
 
-from lance_hpc import checkpoint_index
 from lance_hpc.errors import ExitCode, UserError
-from lance_hpc.manage import logs, progress, queue, records, run_reporting_errors, target_parser
+from lance_hpc.manage import (
+    logs,
+    progress,
+    queue,
+    records,
+    run_reporting_errors,
+    target_parser,
+)
 from lance_hpc.manage.records import JobRef
+from lance_hpc.storage import checkpoint_index
 
 PROG = "lance-hpc cancel"
 POLL_S, PROGRESS_EVERY_S = 1.0, 10.0

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence, TextIO
 
-from submitit.core.utils import JobPaths
+from submitit.core.utils import JobPaths as SubmititPaths
 
-from lance_hpc import render
 from lance_hpc.errors import UserError
+from lance_hpc.launch.paths import JobPaths
 from lance_hpc.manage import queue, records, run_reporting_errors, target_parser
 from lance_hpc.manage.records import JobRef
 
@@ -47,20 +47,17 @@ def expand_job_id(pattern: str, job_id: str) -> Path:
     return Path(pattern.replace("%A", array_id).replace("%a", task).replace("%j", job_id))
 
 
-def submitit_folder(log_dir: str) -> Path:
-    return Path(log_dir) / "submitit"  # where lance_hpc.submit points submitit's executor
-
-
 def job_logs(ref: JobRef, job: queue.SlurmJob | None, rank: int | None = None) -> JobLogs:
     """Where ``ref``'s output is (or will be), for every rank or just ``rank``."""
     owner = ref.log_owner
     if ref.spec is not None and owner is not None:
-        out, err = (expand_job_id(path, ref.job_id) for path in render.log_paths(owner))
-        submitit_log = JobPaths(submitit_folder(owner.slurm.log_dir), ref.job_id, 0).stdout
+        files = JobPaths.of(owner)
+        out, err = (expand_job_id(path, ref.job_id) for path in (files.stdout, files.stderr))
+        submitit_log = SubmititPaths(files.submitit_folder, ref.job_id, 0).stdout
         if out.exists() or not (submitit_log.exists() or (job is not None and job.via_submitit)):
             return JobLogs([out, err], labelled=True)
         tasks = [rank] if rank is not None else range(ref.spec.slurm.world_size)
-        paths = [JobPaths(submitit_folder(owner.slurm.log_dir), ref.job_id, task) for task in tasks]
+        paths = [SubmititPaths(JobPaths.of(owner).submitit_folder, ref.job_id, task) for task in tasks]
         return JobLogs([path for task in paths for path in (task.stdout, task.stderr)], labelled=False)
     if job is None or not job.stdout:
         raise UserError(f"cannot tell where job {ref.job_id} writes its log\n"

@@ -70,6 +70,7 @@ def recent_seconds_per_step(step_times: list[tuple[int, float]], points: int = R
 def total_steps(spec: JobSpec) -> int:
     """Optimizer steps of the whole run, as the trainer counts them: epochs of the data plan for
     the spec's world size, in steps of grad_accum batches, capped by train.max_steps."""
+    # imported here: the data layer imports torch and Lance, needed only for a running job
     from lance_hpc.data import plan_data
 
     batches = plan_data(spec.data, spec.slurm.world_size).steps_per_rank

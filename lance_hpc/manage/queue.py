@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lance_hpc.errors import ExitCode, UserError
-from lance_hpc.submit import FINAL_STATES
+
+# scontrol states of a job that will not run again.
+FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 # A "Key=" of scontrol's one-line output: values may hold spaces, so keys mark where fields start.
 SCONTROL_KEY = re.compile(r"(?:^|\s)([A-Za-z][A-Za-z0-9_/:]*)=")

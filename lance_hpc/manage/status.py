@@ -10,10 +10,17 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from lance_hpc import checkpoint_index
-from lance_hpc.manage import logs, progress, queue, records, run_reporting_errors, target_parser
+from lance_hpc.manage import (
+    logs,
+    progress,
+    queue,
+    records,
+    run_reporting_errors,
+    target_parser,
+)
 from lance_hpc.manage.records import JobRef
 from lance_hpc.spec import JobSpec
+from lance_hpc.storage import checkpoint_index
 
 PROG = "lance-hpc status"
 

@@ -11,6 +11,7 @@ from lance_hpc.spec.load import (
     LoadedSpec,
     Resolution,
     apply_overrides,
+    expand,
     load_spec,
     load_spec_text,
     validate_spec,
@@ -30,7 +31,7 @@ from lance_hpc.spec.schema import (
     parse_time_limit,
 )
 from lance_hpc.spec.secrets import REDACTED, redacted
-from lance_hpc.spec.sweep import SweepRun, expand, run_count
+from lance_hpc.spec.sweep import SweepRun, run_count
 
 __all__ = [
     "CacheSpec",

@@ -23,10 +23,21 @@ from pydantic import ValidationError
 
 from lance_hpc.errors import UserError
 from lance_hpc.spec.problems import Problem, SpecError, from_pydantic, unique
-from lance_hpc.spec.rules import cross_field_problems, entry_problems, moved_key_problems, task_problems
+from lance_hpc.spec.rules import (
+    cross_field_problems,
+    entry_problems,
+    moved_key_problems,
+    task_problems,
+)
 from lance_hpc.spec.schema import CheckpointSpec, JobSpec, LoggingSpec, SlurmSpec
 from lance_hpc.spec.secrets import secret_problems
-from lance_hpc.spec.sweep import expand, merge_sweep_options, sweep_problems
+from lance_hpc.spec.sweep import (
+    SweepRun,
+    blame,
+    merge_sweep_options,
+    run_drafts,
+    sweep_problems,
+)
 from lance_hpc.spec.yaml_text import duplicate_keys, parse_value, parse_yaml
 
 __all__ = ["LoadedSpec", "NotYourFile", "Resolution", "apply_overrides", "check_owned", "duplicate_keys", "load_spec",
@@ -277,3 +288,17 @@ _FIELD_DEFAULTS = {
     ("logging", "tensorboard_dir"): LoggingSpec.model_fields["tensorboard_dir"].default,
     ("slurm", "log_dir"): SlurmSpec.model_fields["log_dir"].default,
 }
+
+
+def expand(spec: JobSpec, source: str = "<spec>", imports: bool = True) -> list[SweepRun]:
+    """The runs of a sweep spec, each validated (``imports``: as :func:`validate_spec` takes it);
+    raises SpecError naming the swept value at fault."""
+    runs, problems = [], []
+    for index, values, name, raw in run_drafts(spec):
+        try:
+            runs.append(SweepRun(index, values, validate_spec(raw, source, imports=imports).spec))
+        except SpecError as error:
+            problems += [blame(problem, values, name) for problem in error.problems]
+    if problems:
+        raise SpecError(source, list(dict.fromkeys(problems)))
+    return runs

@@ -10,8 +10,10 @@ from typing import Any, Mapping
 
 from lance_hpc.errors import UserError
 from lance_hpc.imports import is_import_path, load_callable
+from lance_hpc.spec.choices import SAMPLERS, STYLES
 from lance_hpc.spec.problems import Problem, from_pydantic
-from lance_hpc.spec.schema import SlurmSpec, parse_time_limit
+from lance_hpc.spec.schema import SlurmSpec, TrainSpec, parse_time_limit
+from lance_hpc.storage.checkpoint_store import unsupported
 
 # Keys that moved into task.options when tasks became pluggable: old path -> new key.
 MOVED = {
@@ -50,6 +52,7 @@ def task_problems(raw: dict[str, Any], imports: bool = True) -> list[Problem]:
     the options in ``raw`` are replaced by the validated ones, defaults filled in. Without
     ``imports``, only that task.name is a registered name or has the form of an import path:
     importing it would run its code."""
+    # imported here: the tasks import torch, which status and cancel never need
     from lance_hpc.tasks import TASKS, task_class, validate_options
 
     task = raw.get("task")
@@ -102,7 +105,6 @@ def _problem_from_user_error(path: str, error: UserError) -> Problem:
 
 def cross_field_problems(raw: Mapping[str, Any]) -> list[Problem]:
     """Rules that span fields; read from the raw mapping so they run even when fields are wrong."""
-    from lance_hpc.data.sampling import STRATEGIES, STYLES
     problems = []
     data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
     slurm = raw.get("slurm") if isinstance(raw.get("slurm"), dict) else {}
@@ -113,7 +115,7 @@ def cross_field_problems(raw: Mapping[str, Any]) -> list[Problem]:
         problems.append(
             Problem("data.sampler", "iterable style needs a sampler", "use one of: sharded_batch, sharded_fragment")
         )
-    if style in STYLES and sampler in STRATEGIES and sampler not in STYLES[style]:
+    if style in STYLES and sampler in SAMPLERS and sampler not in STYLES[style]:
         valid = ", ".join(STYLES[style])
         problems.append(
             Problem("data.sampler", f"sampler '{sampler}' does not work with style '{style}'", f"with style '{style}' use: {valid}")
@@ -155,8 +157,6 @@ def cross_field_problems(raw: Mapping[str, Any]) -> list[Problem]:
         problems.append(Problem("slurm.template", f"template file {template} does not exist", "fix the path or remove the key"))
     checkpoint = raw.get("checkpoint") if isinstance(raw.get("checkpoint"), dict) else {}
     if isinstance(checkpoint.get("dir"), str):
-        from lance_hpc.checkpoint_store import unsupported
-
         problem = unsupported(checkpoint["dir"])
         if problem:
             message, _, fix = problem.partition("\n  fix: ")
@@ -173,8 +173,6 @@ def io_timeout_problems(data: Mapping[str, Any], train: Mapping[str, Any]) -> li
     """A data.io_timeout_s the user set must end before the collective timeout: ranks that already
     have their batch wait in a collective for a rank still retrying its read, and would otherwise
     fail first, with "lost contact" instead of the store's own message."""
-    from lance_hpc.spec.schema import TrainSpec
-
     io_timeout = data.get("io_timeout_s")
     collective = train.get("collective_timeout_s", TrainSpec.model_fields["collective_timeout_s"].default)
     if not isinstance(io_timeout, (int, float)) or not isinstance(collective, (int, float)):

@@ -1,7 +1,7 @@
 """The job spec's sections: frozen pydantic models, every field with a one-line description.
 
-Fields that name a strategy, mode or task are plain strings checked against the registry that
-defines those names (:func:`_choice`), so each set of names is written down once, where it is used.
+Fields that name a strategy, mode or runtime are plain strings checked against the names in
+:mod:`lance_hpc.spec.choices` (:func:`_choice`), which the layers that implement them check in turn.
 """
 
 from __future__ import annotations
@@ -13,6 +13,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from lance_hpc.spec.choices import (
+    CONTAINER_RUNTIMES,
+    EVAL_MODES,
+    ON_CORRUPT,
+    SAMPLERS,
+    STYLES,
+    UNEVEN_MODES,
+)
 from lance_hpc.spec.secrets import redacted
 
 # Bounds of every count and seed: what SLURM's and numpy's 32-bit fields hold. Past them a value
@@ -53,45 +61,9 @@ def _choice(names: Callable[[], Any]) -> Callable[[str], str]:
     return check
 
 
-def _samplers() -> list[str]:
-    from lance_hpc.data.sampling import STRATEGIES
-
-    return list(STRATEGIES)
-
-
-def _styles() -> list[str]:
-    from lance_hpc.data.sampling import STYLES
-
-    return list(STYLES)
-
-
-def _uneven_modes() -> tuple[str, ...]:
-    from lance_hpc.data.sampling import UNEVEN_MODES
-
-    return UNEVEN_MODES
-
-
-def _eval_modes() -> tuple[str, ...]:
-    from lance_hpc.data.sampling import EVAL_MODES
-
-    return EVAL_MODES
-
-
-def _corrupt_policies() -> tuple[str, ...]:
-    from lance_hpc.data.reader import ON_CORRUPT
-
-    return ON_CORRUPT
-
-
 class _Section(BaseModel):
     # allow_inf_nan=False: every float field is finite (a cache of .inf GiB never evicts).
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, allow_inf_nan=False)
-
-
-def _container_runtimes() -> list[str]:
-    from lance_hpc.container import RUNTIMES
-
-    return list(RUNTIMES)
 
 
 # A container mount as runtimes take it: /host/path:/container/path, optionally :ro or :rw.
@@ -106,7 +78,7 @@ class ContainerSpec(_Section):
     )
     workdir: str | None = Field(None, description="Working directory inside the container; null: the runtime's default.")
 
-    check_runtime = field_validator("runtime")(_choice(_container_runtimes))
+    check_runtime = field_validator("runtime")(_choice(lambda: CONTAINER_RUNTIMES))
 
     @field_validator("mounts")
     @classmethod
@@ -233,11 +205,11 @@ class DataSpec(_Section):
     )
     cache: CacheSpec | None = Field(None, description="Node-local cache of fetched data files; null reads the store every epoch.")
 
-    check_style = field_validator("style")(_choice(_styles))
-    check_sampler = field_validator("sampler")(_choice(_samplers))
-    check_val_sampler = field_validator("val_sampler")(_choice(_eval_modes))
-    check_uneven = field_validator("uneven")(_choice(_uneven_modes))
-    check_on_corrupt = field_validator("on_corrupt")(_choice(_corrupt_policies))
+    check_style = field_validator("style")(_choice(lambda: STYLES))
+    check_sampler = field_validator("sampler")(_choice(lambda: SAMPLERS))
+    check_val_sampler = field_validator("val_sampler")(_choice(lambda: EVAL_MODES))
+    check_uneven = field_validator("uneven")(_choice(lambda: UNEVEN_MODES))
+    check_on_corrupt = field_validator("on_corrupt")(_choice(lambda: ON_CORRUPT))
 
 
 class TaskSpec(_Section):

@@ -19,7 +19,7 @@ from typing import Any, Mapping, Sequence
 import yaml
 from pydantic import BaseModel
 
-from lance_hpc.spec.problems import Problem, SpecError
+from lance_hpc.spec.problems import Problem
 from lance_hpc.spec.schema import JobSpec
 from lance_hpc.spec.yaml_text import parse_value
 
@@ -125,15 +125,12 @@ def run_count(spec: JobSpec) -> int:
     return len(combinations(spec.sweep))
 
 
-def expand(spec: JobSpec, source: str = "<spec>", imports: bool = True) -> list[SweepRun]:
-    """The runs of a sweep spec, each validated (``imports``: as :func:`~lance_hpc.spec.load.validate_spec`
-    takes it); raises SpecError naming the swept value at fault."""
-    from lance_hpc.spec.load import validate_spec  # load imports this module
-
+def run_drafts(spec: JobSpec) -> list[tuple[int, dict[str, Any], str, dict[str, Any]]]:
+    """Each run of a sweep spec before validation: (index, swept values, run name, raw spec), the
+    run's checkpoint and TensorBoard directories under the sweep's, named after the run."""
     chosen = combinations(spec.sweep)
-    names = _run_names(spec.name, chosen)
-    runs, problems = [], []
-    for index, (values, name) in enumerate(zip(chosen, names)):
+    drafts = []
+    for index, (values, name) in enumerate(zip(chosen, _run_names(spec.name, chosen))):
         raw = spec.to_dict()
         raw["sweep"] = {}
         raw["name"] = name
@@ -141,13 +138,8 @@ def expand(spec: JobSpec, source: str = "<spec>", imports: bool = True) -> list[
         raw["logging"]["tensorboard_dir"] = f"{spec.logging.tensorboard_dir.rstrip('/')}/{name}"
         for key, value in values.items():
             _set(raw, key, value)
-        try:
-            runs.append(SweepRun(index, values, validate_spec(raw, source, imports=imports).spec))
-        except SpecError as error:
-            problems += [_blame(problem, values, name) for problem in error.problems]
-    if problems:
-        raise SpecError(source, list(dict.fromkeys(problems)))
-    return runs
+        drafts.append((index, values, name, raw))
+    return drafts
 
 
 def _key_problem(key: str) -> Problem | None:
@@ -211,7 +203,7 @@ def _run_names(base: str, chosen: list[dict[str, Any]]) -> list[str]:
     return [f"{base}-{suffix}" for suffix in suffixes]
 
 
-def _blame(problem: Problem, values: Mapping[str, Any], name: str) -> Problem:
+def blame(problem: Problem, values: Mapping[str, Any], name: str) -> Problem:
     """A problem of one run, told against the swept value that caused it when there is one."""
     for key, value in values.items():
         if problem.path == key or problem.path.startswith(f"{key}.") or key.startswith(f"{problem.path}."):

@@ -7,7 +7,7 @@ Registered tasks are imported only when used, so naming one costs nothing.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 from pydantic import ValidationError
 
@@ -24,9 +24,6 @@ from lance_hpc.tasks.base import (
     TaskOptions,
     column_problems,
 )
-
-if TYPE_CHECKING:
-    from lance_hpc.spec import JobSpec
 
 TASKS: dict[str, str] = {
     "image_classification": "lance_hpc.tasks.image:ImageClassification",
@@ -66,15 +63,6 @@ def build_task(name: str, options: Mapping[str, Any], train: DatasetInfo, val: D
     return cls(validated, train, val)
 
 
-def load_task(spec: JobSpec) -> Task:
-    """The spec's task, checked against the spec's training and validation datasets."""
-    from lance_hpc.data import dataset_info
-
-    data = spec.data
-    val = dataset_info(data, data.val_uri) if data.val_uri else None
-    return build_task(spec.task.name, spec.task.options, dataset_info(data, data.uri), val)
-
-
 __all__ = [
     "ROW_ID",
     "TASKS",
@@ -87,7 +75,6 @@ __all__ = [
     "TaskOptions",
     "build_task",
     "column_problems",
-    "load_task",
     "task_class",
     "validate_options",
 ]

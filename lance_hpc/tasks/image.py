@@ -16,10 +16,25 @@ import torch
 from pydantic import Field, field_validator
 from torch import nn
 
-from lance_hpc.data.decode import AUGMENTS, Transform, binary_values, decode_pixels, normalize
+from lance_hpc.data.decode import (
+    AUGMENTS,
+    Transform,
+    binary_values,
+    decode_pixels,
+    normalize,
+)
 from lance_hpc.data.ingest import CLASS_NAMES_KEY
-from lance_hpc.models import build_model, model_problem
-from lance_hpc.tasks.base import Batch, DatasetInfo, Decoder, FieldSpec, Task, TaskError, TaskOptions, column_problems
+from lance_hpc.tasks.base import (
+    Batch,
+    DatasetInfo,
+    Decoder,
+    FieldSpec,
+    Task,
+    TaskError,
+    TaskOptions,
+    column_problems,
+)
+from lance_hpc.tasks.models import build_model, model_problem
 
 # Upper bounds of the options: past them a spec would pass validation and then fail on every rank
 # allocating its batches or its model. 4096 px a side is 48 MiB per uint8 image, well past any

@@ -19,7 +19,17 @@ from torch import nn
 from lance_hpc.data.text import KIND_KEY, TOKEN_SEQUENCES_KIND, TOKENS_COLUMN, TokenInfo
 from lance_hpc.errors import UserError
 from lance_hpc.imports import is_import_path, load_callable
-from lance_hpc.tasks.base import Batch, DatasetInfo, Decoder, FieldSpec, Task, TaskError, TaskOptions, column_problems
+from lance_hpc.tasks.base import (
+    Batch,
+    DatasetInfo,
+    Decoder,
+    FieldSpec,
+    Task,
+    TaskError,
+    TaskOptions,
+    column_problems,
+)
+from lance_hpc.tasks.gpt import GPT
 
 # Upper bounds of the gpt options: past them a spec would pass validation and then fail on every
 # rank allocating the model. Each is far past the largest transformers trained; a vocabulary of
@@ -109,8 +119,6 @@ class LanguageModel(Task[LanguageModelOptions]):
             return factory(vocab_size=self.vocab_size, sequence_length=self.sequence_length)
         if self.options.model != "gpt":
             raise UserError(f"task.options.model: unknown model {self.options.model!r}\n  fix: use gpt or my_pkg.models:build")
-        from lance_hpc.tasks.gpt import GPT
-
         return GPT(self.vocab_size, self.sequence_length, layers=self.options.layers, width=self.options.width,
                    heads=self.options.heads, dropout=self.options.dropout)
 

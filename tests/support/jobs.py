@@ -13,10 +13,9 @@ import pytest
 import torch
 import yaml
 
-from lance_hpc import checkpoint
-from lance_hpc.data import build_train_loader, ensure_dataset
+from lance_hpc.data import build_train_loader, ensure_dataset, load_task
+from lance_hpc.runtime import checkpoint
 from lance_hpc.spec import DataSpec, IngestSpec, JobSpec
-from lance_hpc.tasks import load_task
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FINAL_ACCURACY = re.compile(r"final validation accuracy: ([0-9.]+)")

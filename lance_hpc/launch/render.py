@@ -30,9 +30,16 @@ from typing import Any, Iterator
 
 import jinja2
 
-from lance_hpc.container import container_launch
 from lance_hpc.errors import UserError
-from lance_hpc.spec import JobSpec, Problem, SpecError, run_count
+from lance_hpc.launch.container import container_launch
+from lance_hpc.launch.paths import (
+    ARRAY_INDEX,
+    JobPaths,
+    make_private_dirs,
+    write_private,
+)
+from lance_hpc.runtime.preemption import REQUEUE_FUNCTION, requeue_handler
+from lance_hpc.spec import JobSpec, Problem, SpecError, expand, run_count
 from lance_hpc.spec.secrets import redact_text
 
 DEFAULT_TEMPLATE = "sbatch.sh.j2"
@@ -42,12 +49,6 @@ ENTRY_MODULE = "lance_hpc.run"
 STRICT_MODE = "set -eo pipefail"
 # SLURM sends this to every task signal_delay_s before the time limit; submitit uses the same one.
 PREEMPT_SIGNAL = "USR2"
-# In a sweep's spec file path, where the array task id goes.
-ARRAY_INDEX = "{index}"
-# Set by the script for a job in a container: the file whose existence asks the script to requeue.
-REQUEUE_REQUEST_VARIABLE = "LANCE_HPC_REQUEUE_REQUEST"
-# The shell function that acts on that request; a site template must include requeue_handler.
-REQUEUE_FUNCTION = "requeue_if_asked"
 # Flags lance_hpc sets from spec fields; extra_flags must not set them a second time.
 FLAG_FIELDS = {
     "job-name": "name",
@@ -78,13 +79,6 @@ CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 class ShellText(str):
     """Text a template inserts verbatim: built here from quoted parts, or a user setup line."""
-
-
-def log_paths(spec: JobSpec) -> tuple[str, str]:
-    """The job's stdout and stderr files (``%j`` is the job id, ``%A_%a`` a sweep's array job id
-    and task id; requeues append to them)."""
-    base = f"{spec.slurm.log_dir}/{spec.name}-{'%A_%a' if spec.sweep else '%j'}"
-    return f"{base}.out", f"{base}.err"
 
 
 def array_range(spec: JobSpec) -> str | None:
@@ -141,7 +135,7 @@ def resource_flags(spec: JobSpec) -> dict[str, str | int | bool]:
 
 
 def environment(spec: JobSpec) -> dict[str, str]:
-    """Variables every task needs; MASTER_ADDR/PORT are derived by each rank (lance_hpc.env)."""
+    """Variables every task needs; MASTER_ADDR/PORT are derived by each rank (lance_hpc.runtime.environment)."""
     return {
         "PYTHONUNBUFFERED": "1",  # rank output reaches the log as it happens, not at exit
         "OMP_NUM_THREADS": str(spec.slurm.cpus_per_task),  # torch would otherwise use every core per task
@@ -150,34 +144,6 @@ def environment(spec: JobSpec) -> dict[str, str]:
 
 def export_lines(spec: JobSpec) -> list[str]:
     return [f"export {key}={shlex.quote(value)}" for key, value in environment(spec).items()]
-
-
-def requeue_handler(spec: JobSpec) -> list[str]:
-    """For a job in a container: shell that requeues the job after srun when rank 0 asked for it.
-
-    Rank 0 checked slurm.max_requeues before asking. An array task is requeued as
-    ARRAYID_TASKID: the bare array job id would requeue every run of the sweep.
-    """
-    if spec.slurm.container is None:
-        return []
-    request = f"{shlex.quote(spec.slurm.log_dir)}/requeue-\"$SLURM_JOB_ID\""
-    return [
-        f"export {REQUEUE_REQUEST_VARIABLE}={request}",
-        f'rm -f "${REQUEUE_REQUEST_VARIABLE}"',
-        f"{REQUEUE_FUNCTION}() {{",
-        f'    [ -e "${REQUEUE_REQUEST_VARIABLE}" ] || return 0',
-        f'    rm -f "${REQUEUE_REQUEST_VARIABLE}"',
-        "    local job=${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}",
-        "    job=${job:-$SLURM_JOB_ID}",
-        f'    echo "requeueing job $job (requeue $((${{SLURM_RESTART_COUNT:-0}} + 1)) of at most {spec.slurm.max_requeues})"',
-        '    if scontrol requeue "$job"; then',
-        "        sleep 300  # SLURM ends this script as it requeues the job; exiting first would race the requeue",
-        "    else",
-        '        echo "scontrol requeue $job failed; submit the job again to resume from its checkpoint" >&2',
-        "    fi",
-        "}",
-        f"trap {REQUEUE_FUNCTION} EXIT",
-    ]
 
 
 def setup_lines(spec: JobSpec) -> list[str]:
@@ -216,7 +182,8 @@ def render_sbatch(spec: JobSpec, spec_file: str) -> str:
     """
     if CONTROL.search(str(spec_file)):
         raise UserError(f"spec file path {spec_file!r} has a control character; use a plain path")
-    stdout, stderr = log_paths(spec)
+    paths = JobPaths.of(spec)
+    stdout, stderr = paths.stdout, paths.stderr
     log_flags = {"output": stdout, "error": stderr}
     _refuse_unreadable(log_flags, [])
     _refuse_unreadable_container(spec)
@@ -340,3 +307,22 @@ def _template(spec: JobSpec) -> jinja2.Template:
     except jinja2.TemplateSyntaxError as error:
         where = f"sbatch template {_template_name(spec)}, line {error.lineno}"
         raise UserError(f"{where}: {error.message}") from None
+
+
+def write_job_files(spec: JobSpec, script_path: Path | None = None) -> tuple[Path, Path]:
+    """Write the resolved spec (and a sweep's run specs) and the sbatch script; returns the paths
+    of the spec and the script."""
+    paths = JobPaths.of(spec)
+    spec_file, script_path = paths.spec_file, script_path or paths.script
+    runs = expand(spec) if spec.sweep else []
+    # before writing anything: rendering may refuse
+    script = render_sbatch(spec, paths.task_spec(bool(runs)))
+    files = {spec_file: spec.to_yaml(), **{paths.run_spec(run.index): run.spec.to_yaml() for run in runs}, script_path: script}
+    for path, text in files.items():
+        try:
+            make_private_dirs(path.parent)  # also the log directory: SLURM cannot open logs in a missing one
+            write_private(path, text)
+        except OSError as error:
+            raise UserError(f"cannot write {path}: {error.strerror}\n"
+                            f"  fix: make {path.parent} a directory you can write, or set slurm.log_dir to one") from None
+    return spec_file, script_path

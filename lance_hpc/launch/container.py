@@ -1,7 +1,8 @@
 """Container runtimes: how srun starts a task inside ``slurm.container``.
 
 Each runtime is one function from the spec to the srun options it adds and the words that go
-before ``python3 -m lance_hpc.run``; :data:`RUNTIMES` is the only list of their names. Both the
+before ``python3 -m lance_hpc.run``; :data:`RUNTIMES` implements the names in
+:data:`lance_hpc.spec.choices.CONTAINER_RUNTIMES`. Both the
 sbatch script and submitit use them, so the two paths start the same container.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from lance_hpc.spec.choices import CONTAINER_RUNTIMES, check_registry
 from lance_hpc.spec.schema import ContainerSpec, SlurmSpec
 
 
@@ -43,6 +45,7 @@ def pyxis(container: ContainerSpec, slurm: SlurmSpec) -> ContainerLaunch:
 
 
 RUNTIMES: dict[str, Callable[[ContainerSpec, SlurmSpec], ContainerLaunch]] = {"apptainer": apptainer, "pyxis": pyxis}
+check_registry(RUNTIMES, CONTAINER_RUNTIMES, "slurm.container.runtime")
 
 
 def container_launch(slurm: SlurmSpec) -> ContainerLaunch:

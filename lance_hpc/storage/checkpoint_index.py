@@ -15,13 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from lance_hpc.checkpoint_store import Store
-
-# Temporary files of a checkpoint being written: ``.step-XXXXXXXX.pt.<pid>.tmp``.
-TEMP_SUFFIX = ".tmp"
+from lance_hpc.storage.checkpoint_store import TEMP_SUFFIX, Store, open_store
 
 CHECKPOINT_PATTERN = re.compile(r"^step-(\d+)\.pt$")
 MANIFEST_PATTERN = re.compile(r"^step-(\d+)\.json$")
@@ -79,10 +75,6 @@ class Saved:
 def latest(directory: str | Path) -> Saved | None:
     """The newest checkpoint in ``directory`` (local or object storage), from its name and manifest;
     None when there is none. Nothing is loaded: a damaged checkpoint is still reported by its name."""
-    # Imported here, not with this module: the stores come with lance_hpc.data, which imports torch,
-    # and status and cancel call this on login nodes, where that import costs seconds.
-    from lance_hpc.checkpoint_store import open_store
-
     store = open_store(directory)
     names = store.names()
     steps = checkpoint_steps(names)
@@ -95,7 +87,7 @@ def latest(directory: str | Path) -> Saved | None:
                  int(world_size) if isinstance(world_size, int) else None, fields.get("saved_at"))
 
 
-def read_manifest(store: "Store", step: int) -> dict[str, Any]:
+def read_manifest(store: Store, step: int) -> dict[str, Any]:
     """The manifest of ``step``'s checkpoint; empty when it cannot be parsed (the name still gives the step)."""
     try:
         fields = json.loads(store.read_bytes(manifest_name(step)))

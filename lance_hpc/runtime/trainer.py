@@ -25,11 +25,20 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from lance_hpc import checkpoint, data
-from lance_hpc.checkpoint import Checkpoint
+from lance_hpc import data
 from lance_hpc.data import TrainLoader
-from lance_hpc.env import DistEnv, configure_process
-from lance_hpc.metrics import MetricLogger, Stopwatch, TrainWindow, build_logger, flatten
+from lance_hpc.runtime import checkpoint
+from lance_hpc.runtime.checkpoint import Checkpoint
+from lance_hpc.runtime.context import Summary, precision_context, wrap_model
+from lance_hpc.runtime.environment import DistEnv, configure_process
+from lance_hpc.runtime.metrics import (
+    MetricLogger,
+    Stopwatch,
+    TrainWindow,
+    build_logger,
+    flatten,
+)
+from lance_hpc.runtime.preemption import Preemption
 from lance_hpc.spec import JobSpec, TrainSpec
 from lance_hpc.tasks import ROW_ID, Batch, Task
 
@@ -92,19 +101,7 @@ class TrainingRun:
         return precision_context(self.spec.train, self.device)
 
 
-@dataclass(frozen=True)
-class Summary:
-    """How a rank's training ended: completed, or preempted (a checkpoint holds the state);
-    ``metrics`` are the last validation values (``val/loss``, ...), empty without validation."""
-
-    status: str
-    step: int
-    epoch: int
-    checkpoint: str | None
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
-def train(spec: JobSpec, env: DistEnv, device: torch.device, preemption: checkpoint.Preemption, task: Task) -> Summary:
+def train(spec: JobSpec, env: DistEnv, device: torch.device, preemption: Preemption, task: Task) -> Summary:
     configure_process(spec.train.seed, spec.train.deterministic, env, device)
     run = build_run(spec, env, device, task, checkpoint.find_resume_point(spec))
     saved, metrics = None, None
@@ -154,23 +151,6 @@ def build_run(spec: JobSpec, env: DistEnv, device: torch.device, task: Task, res
     return run
 
 
-def wrap_model(model: nn.Module, device: torch.device, deterministic: bool) -> DistributedDataParallel:
-    """DDP over ``model`` (already on ``device``): one device per rank on GPU, gloo on CPU.
-
-    DDP regroups its gradient buckets after the first iteration, which changes the order in which
-    all-reduce sums each gradient; a resumed job would sum its first step differently from the
-    uninterrupted one. find_unused_parameters keeps the first grouping for good (at the cost of one
-    graph traversal per step), so deterministic runs resume bit for bit."""
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                   find_unused_parameters=deterministic)
-
-
-def precision_context(train_spec: TrainSpec, device: torch.device) -> torch.autocast:
-    """bf16 autocast on GPU when train.precision is bf16; fp32 otherwise (and always on CPU)."""
-    enabled = device.type == "cuda" and train_spec.precision == "bf16"
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
-
-
 def peak_lr(spec: JobSpec, world_size: int) -> float:
     """The linear scaling rule: lr grows with the global batch (Goyal et al., 2017)."""
     if spec.train.lr_scaling == "none":
@@ -198,7 +178,7 @@ def build_optimizer(model: nn.Module, train_spec: TrainSpec, lr: float) -> torch
     )
 
 
-def train_epoch(run: TrainingRun, preemption: checkpoint.Preemption) -> str:
+def train_epoch(run: TrainingRun, preemption: Preemption) -> str:
     """Steps until the end of the epoch, max_steps, or an agreed preemption; returns which.
     A resumed epoch starts where the checkpoint left it, at whatever world size wrote it."""
     run.loader.set_epoch(run.epoch)

@@ -27,7 +27,6 @@ unpickle what they need, never re-running a script's top level.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -37,15 +36,45 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lance_hpc import checkpoint, data
-from lance_hpc.checkpoint import Checkpoint, Preemption
+from lance_hpc import data
 from lance_hpc.data import EvalLoader, TrainLoader
-from lance_hpc.env import DistEnv, configure_process
 from lance_hpc.errors import UserError
-from lance_hpc.metrics import MetricLogger, build_logger, flatten
-from lance_hpc.spec import JobSpec
+from lance_hpc.runtime import checkpoint
+from lance_hpc.runtime.checkpoint import Checkpoint
+from lance_hpc.runtime.environment import DistEnv, configure_process
+from lance_hpc.runtime.metrics import MetricLogger, build_logger, flatten
+from lance_hpc.runtime.preemption import Preemption
+from lance_hpc.spec import JobSpec, TrainSpec
 from lance_hpc.tasks import Batch, Decoder, Task
-from lance_hpc.trainer import Summary, precision_context, wrap_model
+
+
+@dataclass(frozen=True)
+class Summary:
+    """How a rank's training ended: completed, or preempted (a checkpoint holds the state);
+    ``metrics`` are the last validation values (``val/loss``, ...), empty without validation."""
+
+    status: str
+    step: int
+    epoch: int
+    checkpoint: str | None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def wrap_model(model: nn.Module, device: torch.device, deterministic: bool) -> DistributedDataParallel:
+    """DDP over ``model`` (already on ``device``): one device per rank on GPU, gloo on CPU.
+
+    DDP regroups its gradient buckets after the first iteration, which changes the order in which
+    all-reduce sums each gradient; a resumed job would sum its first step differently from the
+    uninterrupted one. find_unused_parameters keeps the first grouping for good (at the cost of one
+    graph traversal per step), so deterministic runs resume bit for bit."""
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                   find_unused_parameters=deterministic)
+
+
+def precision_context(train_spec: TrainSpec, device: torch.device) -> torch.autocast:
+    """bf16 autocast on GPU when train.precision is bf16; fp32 otherwise (and always on CPU)."""
+    enabled = device.type == "cuda" and train_spec.precision == "bf16"
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
 
 
 class Stateful(Protocol):

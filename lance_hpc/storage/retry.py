@@ -12,7 +12,7 @@ object store runs in a helper thread and is abandoned at the deadline: the job s
 even then (the thread dies with the process, which is about to exit).
 
 Errors that retrying cannot mend are never retried: a data file missing or cut short becomes a
-:class:`~lance_hpc.data.integrity.DamagedDataset` that names the file; anything else unexpected
+:class:`~lance_hpc.storage.integrity.DamagedDataset` that names the file; anything else unexpected
 goes up unchanged.
 """
 
@@ -25,8 +25,8 @@ import threading
 import time
 from typing import Any, Callable, Mapping, TypeVar
 
-from lance_hpc.data.storage import is_remote, redact
 from lance_hpc.errors import worker_message
+from lance_hpc.storage.options import is_remote, redact
 
 log = logging.getLogger("lance_hpc.data")
 T = TypeVar("T")

@@ -25,13 +25,16 @@ from pathlib import Path
 from types import FrameType
 
 import lance_hpc
-from lance_hpc import data, lease
-from lance_hpc.checkpoint import INTERRUPT_SIGNAL, PREEMPTION_SIGNALS
-from lance_hpc.env import SLURM_VARS
+from lance_hpc import data
+from lance_hpc.data import load_task
 from lance_hpc.errors import ExitCode, UserError
-from lance_hpc.ports import free_port
-from lance_hpc.spec import load_spec
-from lance_hpc.tasks import load_task
+from lance_hpc.launch.paths import JobPaths
+from lance_hpc.launch.ports import free_port
+from lance_hpc.launch.render import write_job_files
+from lance_hpc.runtime import lease
+from lance_hpc.runtime.environment import SLURM_VARS
+from lance_hpc.runtime.preemption import INTERRUPT_SIGNAL, PREEMPTION_SIGNALS
+from lance_hpc.spec import JobSpec, SweepRun, expand, load_spec
 
 # After one rank fails, the others get this long to notice (a broken connection) and exit.
 GRACE_S = 15.0
@@ -100,6 +103,30 @@ def run_local(spec_file: str | Path, nproc: int) -> int:
                 process.wait()
 
 
+def run_sweep_locally(spec: JobSpec, nproc: int | None) -> int:
+    """Run a sweep's runs here one after another. A failed run does not stop the others (each is
+    its own experiment); an interrupted one (Ctrl-C) stops the sweep. Returns the first non-zero
+    exit code, or 0."""
+    runs = expand(spec)
+    write_job_files(spec)
+    results: list[tuple[SweepRun, int]] = []
+    for run in runs:
+        print(f"==== sweep run {run.index + 1}/{len(runs)}: {run.spec.name} ({run.describe()})", flush=True)
+        code = run_local(JobPaths.of(spec).run_spec(run.index), nproc or run.spec.slurm.world_size)
+        results.append((run, code))
+        if code in (ExitCode.STOPPED, ExitCode.INTERRUPTED):
+            break
+    print(f"==== sweep {spec.name}: {sum(code == 0 for _, code in results)} of {len(runs)} runs finished")
+    for run, code in results:
+        stopped = "stopped; run the same command again to continue"
+        outcome = {ExitCode.OK: "finished", ExitCode.STOPPED: stopped, ExitCode.INTERRUPTED: stopped}.get(
+            code, f"failed (exit {int(code)})")
+        print(f"  [{run.index}] {run.spec.name}: {outcome}")
+    for run in runs[len(results):]:
+        print(f"  [{run.index}] {run.spec.name}: not started")
+    return next((code for _, code in results if code != 0), 0)
+
+
 def die_with_parent() -> None:
     """In a rank, before it starts: SIGKILL when the launcher dies, so no rank outlives it (its
     own process group no longer hears the terminal)."""
@@ -119,7 +146,7 @@ def wait_for_ranks(ranks: Sequence[subprocess.Popen], stopped_at_once: Callable[
             failed = first_failure(ranks)
             if failed is not None:
                 rank, code = failed
-                print(f"lance_hpc.launch: rank {rank} (pid {ranks[rank].pid}) {describe_exit(code)}; "
+                print(f"lance_hpc.launch.local: rank {rank} (pid {ranks[rank].pid}) {describe_exit(code)}; "
                       "stopping the other ranks", file=sys.stderr, flush=True)
                 deadline = time.monotonic() + GRACE_S
         if time.monotonic() > deadline:
@@ -135,7 +162,7 @@ def wait_for_ranks(ranks: Sequence[subprocess.Popen], stopped_at_once: Callable[
                 return code
         return ExitCode.OK
     rank, code = failed
-    print(f"lance_hpc.launch: the job failed: rank {rank} (pid {ranks[rank].pid}) {describe_exit(code)}",
+    print(f"lance_hpc.launch.local: the job failed: rank {rank} (pid {ranks[rank].pid}) {describe_exit(code)}",
           file=sys.stderr, flush=True)
     return code if code > 0 else 128 - code
 
@@ -155,14 +182,14 @@ def describe_exit(code: int) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lance_hpc.launch", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m lance_hpc.launch.local", description=__doc__.splitlines()[0])
     parser.add_argument("spec_file", help="job spec (YAML)")
     parser.add_argument("--nproc", type=int, default=2, help="number of local ranks (default 2)")
     args = parser.parse_args(argv)
     try:
         return run_local(args.spec_file, args.nproc)
     except UserError as error:
-        print(f"lance_hpc.launch: {error}", file=sys.stderr)
+        print(f"lance_hpc.launch.local: {error}", file=sys.stderr)
         return ExitCode.USER_ERROR
 
 

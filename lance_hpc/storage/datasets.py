@@ -1,5 +1,5 @@
-"""Where a dataset lives: storage options from the spec plus credentials from the environment,
-opening datasets with errors a user can act on, and the preflight check before submission.
+"""Opening a dataset where it lives (local or object storage), with errors a user can act on, and
+the preflight check before submission; the options come from :mod:`lance_hpc.storage.options`.
 
 Credentials only ever travel inside the options dict handed to Lance (and pickled into DataLoader
 workers); they are never printed: every message that could echo an option is redacted first.
@@ -7,57 +7,18 @@ workers); they are never printed: every message that could echo an option is red
 
 from __future__ import annotations
 
-import os
 import socket
 from typing import Any, Mapping
 from urllib.parse import urlparse
 
 from lance_hpc.errors import UserError
-
-# Environment variable -> Lance (object_store) option, for s3:// URIs.
-S3_ENV_OPTIONS = (
-    ("AWS_ACCESS_KEY_ID", "access_key_id"),
-    ("AWS_SECRET_ACCESS_KEY", "secret_access_key"),
-    ("AWS_SESSION_TOKEN", "session_token"),
-    ("AWS_REGION", "region"),
-    ("AWS_DEFAULT_REGION", "region"),
-    ("AWS_ENDPOINT_URL_S3", "endpoint"),
-    ("AWS_ENDPOINT_URL", "endpoint"),
+from lance_hpc.storage.options import (
+    CREDENTIAL_FIX,
+    PREFLIGHT_OPTIONS,
+    is_remote,
+    redact,
 )
-SECRET_OPTIONS = ("access_key_id", "secret_access_key", "session_token")
-# A preflight should answer in seconds, not after object_store's default retries (minutes).
-PREFLIGHT_OPTIONS = {"client_max_retries": "1", "client_retry_timeout": "15", "connect_timeout": "5s"}
-CREDENTIAL_FIX = (
-    "export valid AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN for temporary "
-    "credentials) for this endpoint in the environment that runs lance-hpc and the job"
-)
-
-
-def is_remote(uri: str) -> bool:
-    return "://" in uri and not uri.startswith("file://")
-
-
-def storage_options(uri: str, options: Mapping[str, str] | None = None, environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Lance storage options for ``uri``: the spec's options, then credentials and region/endpoint
-    from AWS-style environment variables for anything the spec does not set."""
-    environ = os.environ if environ is None else environ
-    result = {str(key): str(value) for key, value in (options or {}).items()}
-    if uri.startswith("s3://"):
-        for variable, option in S3_ENV_OPTIONS:
-            if environ.get(variable) and option not in result:
-                result[option] = environ[variable]
-        if result.get("endpoint", "").startswith("http://") and "allow_http" not in result:
-            result["allow_http"] = "true"
-    return result
-
-
-def redact(text: str, options: Mapping[str, str]) -> str:
-    """``text`` with every credential value in ``options`` replaced by ***."""
-    for key in SECRET_OPTIONS:
-        value = options.get(key)
-        if value:
-            text = text.replace(value, "***")
-    return text
+from lance_hpc.storage.retry import retrying
 
 
 def dataset_error(error: Exception, uri: str, options: Mapping[str, str], version: int | None = None) -> UserError:
@@ -105,8 +66,6 @@ def open_dataset(uri: str, version: int | None = None, options: Mapping[str, str
     try:
         if timeout_s is None:
             return attempt()
-        from lance_hpc.data.retry import retrying  # retry imports this module
-
         return retrying(attempt, what=f"opening {uri}", uri=uri, options=options, timeout_s=timeout_s,
                         on_retry=lambda: None, rank=rank)
     except (OSError, ValueError, RuntimeError) as error:

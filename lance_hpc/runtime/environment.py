@@ -3,7 +3,7 @@
 :func:`detect` reads a mapping of environment variables (default ``os.environ``) and returns a
 :class:`DistEnv`, for one of three launchers:
 
-- ``torchrun``: ``RANK`` and ``WORLD_SIZE`` are set (torchrun, or :mod:`lance_hpc.launch`, which
+- ``torchrun``: ``RANK`` and ``WORLD_SIZE`` are set (torchrun, or :mod:`lance_hpc.launch.local`, which
   sets the same variables); they win even inside a SLURM allocation.
 - ``slurm``: a task started by ``srun`` (``SLURM_STEP_ID`` is set). The master is the first host
   of the node list and the port is derived from the job id, so every rank computes the same

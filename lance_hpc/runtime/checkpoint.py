@@ -1,23 +1,20 @@
 """Checkpoints: atomic save by rank 0, resume from the latest, and preemption (save, then requeue).
 
 A checkpoint is one file ``step-XXXXXXXX.pt`` in checkpoint.dir, a local directory or an
-``s3://bucket/prefix`` (see :mod:`lance_hpc.checkpoint_store`), with a small JSON manifest beside it
-(:mod:`lance_hpc.checkpoint_index`). Either way a crash at any moment leaves either the new
+``s3://bucket/prefix`` (see :mod:`lance_hpc.storage.checkpoint_store`), with a small JSON manifest beside it
+(:mod:`lance_hpc.storage.checkpoint_index`). Either way a crash at any moment leaves either the new
 checkpoint or none: the previous checkpoint stays loadable. One run writes to a directory at a time:
-rank 0 holds its lease (:mod:`lance_hpc.lease`, taken by :func:`writer_lease`).
+rank 0 holds its lease (:mod:`lance_hpc.runtime.lease`, taken by :func:`writer_lease`).
 """
 
 from __future__ import annotations
 
 import random
-import signal
-import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -26,8 +23,12 @@ import torch.distributed as dist
 from pydantic import BaseModel, ValidationError
 from torch import nn
 
-from lance_hpc import early_signals, lease
-from lance_hpc.checkpoint_index import (
+from lance_hpc.errors import UserError
+from lance_hpc.runtime import lease
+from lance_hpc.runtime.environment import DistEnv
+from lance_hpc.runtime.metrics import flatten
+from lance_hpc.spec import DataSpec, JobSpec
+from lance_hpc.storage.checkpoint_index import (
     checkpoint_name,
     checkpoint_names,
     checkpoint_steps,
@@ -35,18 +36,7 @@ from lance_hpc.checkpoint_index import (
     manifest,
     manifest_name,
 )
-from lance_hpc.checkpoint_store import Location, NoSpace, locate, open_store
-from lance_hpc.env import DistEnv
-from lance_hpc.errors import UserError
-from lance_hpc.metrics import flatten
-from lance_hpc.spec import DataSpec, JobSpec
-# USR2: SLURM's --signal before the time limit, or submitit's preemption signal: save and requeue.
-REQUEUE_SIGNAL = signal.SIGUSR2
-# SIGTERM: scancel, or a preemption that SLURM requeues by itself: save and stop.
-STOP_SIGNAL = signal.SIGTERM
-# SIGINT: Ctrl-C on a local run: save and stop, like SIGTERM.
-INTERRUPT_SIGNAL = signal.SIGINT
-PREEMPTION_SIGNALS = (INTERRUPT_SIGNAL, STOP_SIGNAL, REQUEUE_SIGNAL)  # in rising precedence
+from lance_hpc.storage.checkpoint_store import Location, NoSpace, locate, open_store
 
 
 def checkpoint_path(directory: str | Path, step: int) -> Location:
@@ -144,7 +134,7 @@ def writer_lease(directory: str | Path, env: DistEnv) -> Iterator[lease.Lease | 
     """Collective: rank 0 takes the lease of checkpoint.dir before any rank writes there, and
     yields it (other ranks get None); when another run holds it, every rank raises the same
     UserError, so none waits for the others. On leaving, the lease is released, unless it was
-    kept for a requeue (:meth:`lance_hpc.lease.Lease.keep`)."""
+    kept for a requeue (:meth:`lance_hpc.runtime.lease.Lease.keep`)."""
     held: lease.Lease | None = None
     refusal: list[Any] = [None]  # (message, whether it is a UserError) when rank 0 did not get the lease
     if env.rank == 0:
@@ -377,68 +367,3 @@ def restore_rng(states: dict[str, Any]) -> None:
     torch.set_rng_state(states["torch"])
     if states["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
-
-
-class Preemption:
-    """Remembers that SLURM asked the job to stop; the trainer acts on it at a step boundary.
-
-    The handler only sets a flag: saving from inside a signal handler would race the step in
-    progress, and the ranks must agree before anyone saves. Use as a context manager; the
-    previous handlers (submitit's, in a submitit job) are kept in :attr:`previous`.
-    """
-
-    def __init__(self, signals: tuple[int, ...] = PREEMPTION_SIGNALS) -> None:
-        self.signals = signals
-        self.received: int | None = None  # the strongest signal this rank got
-        self.agreed_signal: int | None = None  # after agreed(): the strongest any rank got
-        self.previous: dict[int, Any] = {}
-
-    def __enter__(self) -> Preemption:
-        for signum in self.signals:
-            previous = signal.signal(signum, self._on_signal)
-            if early_signals.is_holding(previous):  # held while the rank started: act on them now
-                previous = signal.SIG_DFL
-                if signum in early_signals.received:
-                    self._on_signal(signum, None)
-            self.previous[signum] = previous
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if self.received is None or PREEMPTION_SIGNALS.index(signum) > PREEMPTION_SIGNALS.index(self.received):
-            self.received = signum
-
-    def agreed(self, device: torch.device) -> bool:
-        """Collective: True on every rank when any rank received a signal (then see agreed_signal)."""
-        code = 0 if self.received is None else PREEMPTION_SIGNALS.index(self.received) + 1
-        flag = torch.tensor(code, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        self.agreed_signal = PREEMPTION_SIGNALS[int(flag.item()) - 1] if flag.item() else None
-        return self.agreed_signal is not None
-
-
-def requeue_sbatch(env: DistEnv, max_requeues: int, request_file: str | None = None) -> tuple[bool, str]:
-    """Rank 0 of an sbatch job puts it (or its run of a job array) back in the queue; returns
-    (requeued, message). In a container, where scontrol is rarely installed, it creates
-    ``request_file`` instead, and the batch script requeues the job once srun has ended."""
-    job = env.job_ref
-    if env.restart_count >= max_requeues:
-        return False, (
-            f"not requeued: job {job} has been requeued {env.restart_count} times already "
-            f"(slurm.max_requeues: {max_requeues}); submit it again to continue from the checkpoint"
-        )
-    which = f"requeue {env.restart_count + 1} of at most {max_requeues}"
-    if request_file:
-        try:
-            Path(request_file).write_text(f"{job}\n")
-        except OSError as error:
-            return False, (f"cannot ask the batch script to requeue job {job}: {request_file}: {error.strerror}; "
-                           "mount slurm.log_dir in the container at the same path")
-        return True, f"asked the batch script to requeue job {job} ({which})"
-    result = subprocess.run(["scontrol", "requeue", str(job)], capture_output=True, text=True, timeout=60)
-    if result.returncode != 0:
-        return False, f"scontrol requeue {job} failed: {result.stderr.strip() or result.stdout.strip()}"
-    return True, f"requeued job {job} ({which})"

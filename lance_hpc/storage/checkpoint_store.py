@@ -14,7 +14,7 @@ Besides checkpoints, a store keeps small files by name (a checkpoint's JSON mani
 same way. A local write that fills the file system raises :class:`NoSpace`, the partial file removed.
 
 Object storage takes its endpoint, region and credentials from the same AWS_* environment
-variables as s3:// datasets (:func:`lance_hpc.data.storage.storage_options`).
+variables as s3:// datasets (:func:`lance_hpc.storage.options.storage_options`).
 """
 
 from __future__ import annotations
@@ -30,10 +30,12 @@ from urllib.parse import urlparse
 
 from pyarrow import fs
 
-from lance_hpc.checkpoint_index import TEMP_SUFFIX
-from lance_hpc.data.storage import CREDENTIAL_FIX, redact, storage_options
 from lance_hpc.errors import UserError
-from lance_hpc.files import replaced_atomically
+from lance_hpc.storage.files import replaced_atomically
+from lance_hpc.storage.options import CREDENTIAL_FIX, redact, storage_options
+
+# Temporary files of a checkpoint being written: ``.step-XXXXXXXX.pt.<pid>.tmp``.
+TEMP_SUFFIX = ".tmp"
 
 # object_store (and so Lance) assumes this region when none is configured; so do checkpoints.
 DEFAULT_REGION = "us-east-1"

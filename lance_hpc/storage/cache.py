@@ -57,7 +57,8 @@ import pyarrow as pa
 from pyarrow import fs
 
 from lance_hpc.errors import UserError
-from lance_hpc.files import replaced_atomically
+from lance_hpc.storage.checkpoint_store import filesystem_arguments
+from lance_hpc.storage.files import replaced_atomically
 
 log = logging.getLogger("lance_hpc.data")
 
@@ -130,8 +131,6 @@ class Source:
         elif scheme == "file":
             self.filesystem, self.root = fs.LocalFileSystem(), rest
         elif scheme == "s3":
-            from lance_hpc.checkpoint_store import filesystem_arguments
-
             self.filesystem, self.root = fs.S3FileSystem(**filesystem_arguments(options)), rest
         else:
             raise UserError(f"data.cache: {uri}: only local and s3:// datasets can be cached; remove data.cache")

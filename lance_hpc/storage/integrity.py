@@ -13,8 +13,11 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 from urllib.parse import urlparse
 
-from lance_hpc.data.storage import is_remote, open_dataset
 from lance_hpc.errors import UserError
+from lance_hpc.storage.checkpoint_store import filesystem_arguments
+from lance_hpc.storage.datasets import open_dataset
+from lance_hpc.storage.options import is_remote
+from lance_hpc.storage.retry import is_damage, short_error
 
 FIX = ("the dataset was modified or partly deleted outside Lance: restore the file from a copy of the "
        "dataset, or re-create the dataset (delete it and run with data.ingest set, or write it again)")
@@ -43,8 +46,6 @@ def _filesystem(uri: str, options: Mapping[str, str]) -> tuple[Any, str]:
 
     if not is_remote(uri):
         return fs.LocalFileSystem(), uri.removeprefix("file://").rstrip("/")
-    from lance_hpc.checkpoint_store import filesystem_arguments
-
     parsed = urlparse(uri)
     return fs.S3FileSystem(**filesystem_arguments(options)), f"{parsed.netloc}{parsed.path}".rstrip("/")
 
@@ -83,8 +84,6 @@ def explain_read_error(error: BaseException, dataset: Any | None, uri: str, opti
     size; for a missing-file or short-file error without such a file (the store may have lost it
     between the read and the listing), a :class:`DamagedDataset` with the error's own text;
     otherwise ``error`` itself (also when the dataset never opened)."""
-    from lance_hpc.data.retry import is_damage, short_error
-
     if dataset is None:
         return error
     try:

@@ -1,0 +1,200 @@
+"""Preemption, from the signal to the requeue, in one place.
+
+- SLURM sends USR2 ``signal_delay_s`` before the time limit (submitit uses the same signal); scancel
+  and a preemption that SLURM requeues itself send SIGTERM; Ctrl-C on a local run sends SIGINT.
+- ``python -m lance_hpc.run`` holds USR2 from its first line (:func:`hold`: this module imports
+  nothing heavy), since its default action would kill a rank that is still importing torch.
+- :class:`Preemption` takes over what was held and only remembers the signal; the ranks agree on it
+  at a step boundary (:meth:`Preemption.agreed`), save, and stop together.
+- Rank 0 then decides (:func:`after_preemption`): only USR2 asks for a requeue, done with ``scontrol
+  requeue`` (:func:`requeue_sbatch`), by submitit's own handler, or, in a container, by the batch
+  script's handler (:func:`requeue_handler`) once srun has ended.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from lance_hpc.runtime.environment import DistEnv
+    from lance_hpc.spec import JobSpec
+
+# USR2: SLURM's --signal before the time limit, or submitit's preemption signal: save and requeue.
+REQUEUE_SIGNAL = signal.SIGUSR2
+# SIGTERM: scancel, or a preemption that SLURM requeues by itself: save and stop.
+STOP_SIGNAL = signal.SIGTERM
+# SIGINT: Ctrl-C on a local run: save and stop, like SIGTERM.
+INTERRUPT_SIGNAL = signal.SIGINT
+PREEMPTION_SIGNALS = (INTERRUPT_SIGNAL, STOP_SIGNAL, REQUEUE_SIGNAL)  # in rising precedence
+
+# Set by the script for a job in a container: the file whose existence asks the script to requeue.
+REQUEUE_REQUEST_VARIABLE = "LANCE_HPC_REQUEUE_REQUEST"
+# The shell function that acts on that request; a site template must include requeue_handler.
+REQUEUE_FUNCTION = "requeue_if_asked"
+# Held by hold() until Preemption takes over.
+HELD_SIGNALS = (signal.SIGUSR2,)
+received: list[int] = []
+
+
+def hold() -> None:
+    for signum in HELD_SIGNALS:
+        signal.signal(signum, _remember)
+
+
+def _remember(signum: int, frame: FrameType | None) -> None:
+    received.append(signum)
+
+
+def is_holding(handler: object) -> bool:
+    """Whether ``handler`` (as signal.signal returned it) is this module's."""
+    return handler is _remember
+
+
+class Preemption:
+    """Remembers that SLURM asked the job to stop; the trainer acts on it at a step boundary.
+
+    The handler only sets a flag: saving from inside a signal handler would race the step in
+    progress, and the ranks must agree before anyone saves. Use as a context manager; the
+    previous handlers (submitit's, in a submitit job) are kept in :attr:`previous`.
+    """
+
+    def __init__(self, signals: tuple[int, ...] = PREEMPTION_SIGNALS) -> None:
+        self.signals = signals
+        self.received: int | None = None  # the strongest signal this rank got
+        self.agreed_signal: int | None = None  # after agreed(): the strongest any rank got
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self) -> Preemption:
+        for signum in self.signals:
+            previous = signal.signal(signum, self._on_signal)
+            if is_holding(previous):  # held while the rank started: act on them now
+                previous = signal.SIG_DFL
+                if signum in received:
+                    self._on_signal(signum, None)
+            self.previous[signum] = previous
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is None or PREEMPTION_SIGNALS.index(signum) > PREEMPTION_SIGNALS.index(self.received):
+            self.received = signum
+
+    def agreed(self, device: torch.device) -> bool:
+        """Collective: True on every rank when any rank received a signal (then see agreed_signal)."""
+        import torch  # here, not at the top: hold() must be importable before torch is
+        import torch.distributed as dist
+
+        code = 0 if self.received is None else PREEMPTION_SIGNALS.index(self.received) + 1
+        flag = torch.tensor(code, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.agreed_signal = PREEMPTION_SIGNALS[int(flag.item()) - 1] if flag.item() else None
+        return self.agreed_signal is not None
+
+
+def requeue_sbatch(env: DistEnv, max_requeues: int, request_file: str | None = None) -> tuple[bool, str]:
+    """Rank 0 of an sbatch job puts it (or its run of a job array) back in the queue; returns
+    (requeued, message). In a container, where scontrol is rarely installed, it creates
+    ``request_file`` instead, and the batch script requeues the job once srun has ended."""
+    job = env.job_ref
+    if env.restart_count >= max_requeues:
+        return False, (
+            f"not requeued: job {job} has been requeued {env.restart_count} times already "
+            f"(slurm.max_requeues: {max_requeues}); submit it again to continue from the checkpoint"
+        )
+    which = f"requeue {env.restart_count + 1} of at most {max_requeues}"
+    if request_file:
+        try:
+            Path(request_file).write_text(f"{job}\n")
+        except OSError as error:
+            return False, (f"cannot ask the batch script to requeue job {job}: {request_file}: {error.strerror}; "
+                           "mount slurm.log_dir in the container at the same path")
+        return True, f"asked the batch script to requeue job {job} ({which})"
+    result = subprocess.run(["scontrol", "requeue", str(job)], capture_output=True, text=True, timeout=60)
+    if result.returncode != 0:
+        return False, f"scontrol requeue {job} failed: {result.stderr.strip() or result.stdout.strip()}"
+    return True, f"requeued job {job} ({which})"
+
+
+# How a preempted job gets back into the queue: (env, spec, preemption) -> (requeued, message).
+Requeue = Callable[["DistEnv", "JobSpec", "Preemption"], tuple[bool, str]]
+
+
+def after_preemption(
+    env: DistEnv, spec: JobSpec, preemption: Preemption, requeue: Requeue
+) -> tuple[bool, str]:
+    """Rank 0's decision once the ranks stopped on a signal: only USR2 asks for a requeue."""
+    if preemption.agreed_signal == INTERRUPT_SIGNAL:
+        return False, "run the same command again to continue"
+    if preemption.agreed_signal != REQUEUE_SIGNAL:
+        return False, ("not requeued: a cancelled job ends here and SLURM requeues a preempted one itself; "
+                       "run or submit it again to resume from the checkpoint")
+    return requeue(env, spec, preemption)
+
+
+def requeue_with_scontrol(env: DistEnv, spec: JobSpec, preemption: Preemption) -> tuple[bool, str]:
+    """sbatch jobs: ``scontrol requeue`` up to slurm.max_requeues (in a container: a request the
+    batch script carries out, see render.requeue_handler); other launchers just stop."""
+    if env.launcher != "slurm":
+        return False, "run the same command again to resume from the checkpoint"
+    request_file = os.environ.get(REQUEUE_REQUEST_VARIABLE) if spec.slurm.container else None
+    return requeue_sbatch(env, spec.slurm.max_requeues, request_file)
+
+
+def requeue_with_submitit(env: DistEnv, spec: JobSpec, preemption: Preemption) -> tuple[bool, str]:
+    """submitit jobs: run submitit's own USR2 handler now, at the step boundary. It calls
+    SubmititJob.checkpoint, requeues within the executor's max_num_timeout, then exits.
+
+    In a container submitit's handler would need scontrol there; the batch script requeues instead,
+    and the spec path submitit pickled is all a resumed task needs."""
+    import submitit
+
+    handler = preemption.previous.get(signal.SIGUSR2)
+    if not callable(handler) or spec.slurm.container:
+        return requeue_with_scontrol(env, spec, preemption)
+    try:
+        handler(signal.SIGUSR2, None)
+    except SystemExit:  # submitit requeued the job and ends this task; the other ranks hear it first
+        return True, "requeued by submitit"
+    except submitit.core.utils.UncompletedJobError as error:
+        return False, str(error)
+    return False, "submitit did not requeue the job"
+
+
+def requeue_handler(spec: JobSpec) -> list[str]:
+    """For a job in a container: shell that requeues the job after srun when rank 0 asked for it.
+
+    Rank 0 checked slurm.max_requeues before asking. An array task is requeued as
+    ARRAYID_TASKID: the bare array job id would requeue every run of the sweep.
+    """
+    if spec.slurm.container is None:
+        return []
+    request = f"{shlex.quote(spec.slurm.log_dir)}/requeue-\"$SLURM_JOB_ID\""
+    return [
+        f"export {REQUEUE_REQUEST_VARIABLE}={request}",
+        f'rm -f "${REQUEUE_REQUEST_VARIABLE}"',
+        f"{REQUEUE_FUNCTION}() {{",
+        f'    [ -e "${REQUEUE_REQUEST_VARIABLE}" ] || return 0',
+        f'    rm -f "${REQUEUE_REQUEST_VARIABLE}"',
+        "    local job=${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}",
+        "    job=${job:-$SLURM_JOB_ID}",
+        f'    echo "requeueing job $job (requeue $((${{SLURM_RESTART_COUNT:-0}} + 1)) of at most {spec.slurm.max_requeues})"',
+        '    if scontrol requeue "$job"; then',
+        "        sleep 300  # SLURM ends this script as it requeues the job; exiting first would race the requeue",
+        "    else",
+        '        echo "scontrol requeue $job failed; submit the job again to resume from its checkpoint" >&2',
+        "    fi",
+        "}",
+        f"trap {REQUEUE_FUNCTION} EXIT",
+    ]

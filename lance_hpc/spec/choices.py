@@ -1,0 +1,34 @@
+"""The names a spec may choose from where the code behind them lives in another layer.
+
+The spec is the contract of the job file, so the names are written here, and the spec checks a job
+against them without importing the layers that implement them. Each of those layers keys its
+registry by these names and checks, when it is imported, that it implements every one of them and
+nothing else (:func:`check_registry`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+# data.sampler: how the rows of an epoch are split between ranks (lance_hpc.data.sampling.STRATEGIES)
+SAMPLERS = ("distributed", "sharded_batch", "sharded_fragment", "full_scan")
+# data.style, and the samplers each style runs; full_scan gives every rank every row (evaluation only)
+STYLES: dict[str, tuple[str, ...]] = {
+    "map": ("distributed",),
+    "iterable": ("sharded_batch", "sharded_fragment", "full_scan"),
+}
+# data.uneven: what a rank does with the rows left over when they do not split evenly
+UNEVEN_MODES = ("drop", "pad")
+# data.val_sampler
+EVAL_MODES = ("sharded", "full_scan")
+# data.on_corrupt: a row that cannot be decoded (lance_hpc.data.reader)
+ON_CORRUPT = ("skip", "fail")
+# slurm.container.runtime (lance_hpc.launch.container.RUNTIMES)
+CONTAINER_RUNTIMES = ("apptainer", "pyxis")
+
+
+def check_registry(registry: Iterable[str], names: Iterable[str], what: str) -> None:
+    """Raise unless ``registry`` implements exactly ``names``: a name the spec accepts must run."""
+    implemented, accepted = set(registry), set(names)
+    if implemented != accepted:
+        raise RuntimeError(f"{what}: the spec accepts {sorted(accepted)} but {sorted(implemented)} are implemented")
