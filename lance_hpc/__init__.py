@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _PUBLIC: dict[str, tuple[str, ...]] = {
-    "lance_hpc.runtime.context": ("Context", "Preempted", "Summary"),
+    "lance_hpc.runtime.context": ("Context", "Preempted", "Summary", "run_entry"),
     "lance_hpc.tasks": ("ROW_ID", "TASKS", "Batch", "DatasetInfo", "Decoder", "FieldSpec", "Task", "TaskError",
                         "TaskOptions", "column_problems", "task_class"),
     "lance_hpc.data": ("EvalLoader", "TrainLoader", "build_eval_loader", "build_train_loader", "dataset_info",
@@ -50,6 +50,7 @@ __all__ = [
     "load_task",
     "plan_data",
     "preflight",
+    "run_entry",
     "task_class",
     "validate_spec",
 ]
@@ -67,7 +68,7 @@ if TYPE_CHECKING:
         preflight,
     )
     from lance_hpc.errors import ExitCode, UserError
-    from lance_hpc.runtime.context import Context, Preempted, Summary
+    from lance_hpc.runtime.context import Context, Preempted, Summary, run_entry
     from lance_hpc.spec import JobSpec, SpecError, load_spec, validate_spec
     from lance_hpc.tasks import (
         ROW_ID,

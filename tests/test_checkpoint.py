@@ -254,7 +254,7 @@ def test_a_checkpoint_of_another_model_is_one_message_naming_both(tmp_path: Path
                                     {"model": {}, "spec": written_for.redacted_dict()})
     spec = digits_spec("resnet18")
     with pytest.raises(UserError) as refused:
-        checkpoint.restore_model(torch.nn.Linear(2, 2), resumed, spec, ImageOptions(model="resnet18"))
+        checkpoint.check_same_model(resumed, spec, ImageOptions(model="resnet18"))
     assert str(refused.value) == (
         f"checkpoint {tmp_path}/step-00000010.pt was written for model small_cnn (task image_classification), but "
         "this job trains model resnet18 (task image_classification)\n"
@@ -266,7 +266,8 @@ def test_a_checkpoint_of_another_model_is_one_message_naming_both(tmp_path: Path
     model = torch.nn.Linear(2, 2)
     same = checkpoint.Checkpoint(resumed.path, {"model": torch.nn.Linear(2, 2).state_dict(),
                                                 "spec": default.redacted_dict()})
-    checkpoint.restore_model(model, same, spec, ImageOptions(model="resnet18"))
+    checkpoint.check_same_model(same, spec, ImageOptions(model="resnet18"))
+    checkpoint.restore_object(model, same.objects["model"], same, spec, "model")
     assert torch.equal(model.weight, same.state["model"]["weight"])
 
 

@@ -14,7 +14,10 @@ import torch
 from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.runtime.checkpoint import Checkpoint, load_latest
 from lance_hpc.runtime.context import Context
-from lance_hpc.spec import load_spec
+from lance_hpc.runtime.environment import detect
+from lance_hpc.runtime.metrics import NullLogger
+from lance_hpc.runtime.preemption import Preemption
+from lance_hpc.spec import JobSpec, load_spec, load_spec_text
 from tests.support.jobs import REPO_ROOT, final_state, same_weights, write_spec
 from tests.test_trainer import launch, read_until
 
@@ -31,9 +34,13 @@ def test_the_example_job_validates_and_names_its_entry() -> None:
     assert spec.entry == EXAMPLE and spec.task.name == "image_classification"
 
 
+def a_context(spec: JobSpec, resumed: Checkpoint | None) -> Context:
+    """A rank-0-of-1 context that never trains: enough to register objects with."""
+    return Context(spec, detect({}), torch.device("cpu"), None, NullLogger(), Preemption(), resumed)  # type: ignore[arg-type]
+
+
 def test_register_refuses_what_it_cannot_checkpoint() -> None:
-    context = Context.__new__(Context)
-    context.registered, context.resumed = {}, None
+    context = a_context(load_spec_text("name: job\ndata: {uri: /d}\n").spec, None)
     with pytest.raises(UserError, match=r"ctx.register\(step=...\): a int has no state_dict"):
         context.register(step=3)
 
@@ -41,10 +48,8 @@ def test_register_refuses_what_it_cannot_checkpoint() -> None:
 def test_register_refuses_a_checkpoint_of_another_model_naming_a_few_keys(tmp_path: Path, digits) -> None:
     spec = load_spec(script_spec(tmp_path, digits)).spec
     written = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-    context = Context.__new__(Context)
-    context.registered, context.spec = {}, spec
-    context.resumed = Checkpoint(tmp_path / "step-00000009.pt", {"objects": {"model": written.state_dict()},
-                                                                 "spec": spec.redacted_dict()})
+    context = a_context(spec, Checkpoint(tmp_path / "step-00000009.pt", {"objects": {"model": written.state_dict()},
+                                                                         "step": 9, "epoch": 0, "spec": spec.redacted_dict()}))
     with pytest.raises(UserError) as refused:
         context.register(model=torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2), torch.nn.Linear(2, 2)))
     assert str(refused.value).startswith(

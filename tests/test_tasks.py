@@ -115,7 +115,7 @@ def test_a_task_from_a_test_module_trains_on_two_local_ranks(tmp_path: Path, dig
     accuracy = float(re.search(r"final validation accuracy: ([0-9.]+)", output).group(1))
     assert accuracy >= 0.8, output
     state = final_state(tmp_path)
-    assert set(state["model"]) == {"0.weight", "0.bias", "2.weight", "2.bias"} and state["model"]["0.weight"].shape == (32, 64)
+    assert set(state["objects"]["model"]) == {"0.weight", "0.bias", "2.weight", "2.bias"} and state["objects"]["model"]["0.weight"].shape == (32, 64)
 
 
 @pytest.mark.slow

@@ -155,7 +155,7 @@ def test_usr2_mid_epoch_requeues_and_resumes_to_the_same_weights(
     assert f"resuming from {path} at step {step}" in output
     stopped = torch.load(path, map_location="cpu", weights_only=True)
     assert stopped["mid_epoch"] and steps_per_epoch(spec) < stopped["step"] < 2 * steps_per_epoch(spec)
-    assert same_weights(final_state(tmp_path)["model"], final_state(Path(reference.spec.checkpoint.dir).parent)["model"]) == []
+    assert same_weights(final_state(tmp_path)["objects"]["model"], final_state(Path(reference.spec.checkpoint.dir).parent)["objects"]["model"]) == []
     assert_epoch_resumes_in_place(spec, stopped["ranks"])
 
 
@@ -190,7 +190,7 @@ def test_a_task_from_a_test_module_requeues_and_resumes_to_the_same_weights(
     assert "final validation accuracy" in output_of(reference, reference_id)
     final, expected = final_state(tmp_path / "interrupted"), final_state(tmp_path / "reference")
     assert final["step"] == expected["step"] == 2 * steps_per_epoch(spec)
-    assert same_weights(final["model"], expected["model"]) == []
+    assert same_weights(final["objects"]["model"], expected["objects"]["model"]) == []
 
 
 def test_script_mode_example_requeues_and_resumes_on_the_cluster(
@@ -221,7 +221,7 @@ def test_submitit_preemption_checkpoints_requeues_and_resumes(
     result = job.task(0).result()
     assert result["status"] == "completed" and result["metrics"]["val/accuracy"] >= 0.90
     assert "by SIGUSR2; checkpoint" in Path(job.paths.stdout).read_text() and "requeued by submitit" in Path(job.paths.stdout).read_text()
-    assert same_weights(final_state(tmp_path)["model"], final_state(Path(reference.spec.checkpoint.dir).parent)["model"]) == []
+    assert same_weights(final_state(tmp_path)["objects"]["model"], final_state(Path(reference.spec.checkpoint.dir).parent)["objects"]["model"]) == []
 
 
 def test_scancel_saves_a_checkpoint_and_ends_without_requeue(

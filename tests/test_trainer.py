@@ -32,6 +32,7 @@ from lance_hpc.runtime.checkpoint import (
     pinned_data,
     write_atomically,
 )
+from lance_hpc.runtime.context import run_entry
 from lance_hpc.runtime.environment import DistEnv, detect, process_group
 from lance_hpc.runtime.metrics import TAGS
 from lance_hpc.runtime.preemption import Preemption, after_preemption
@@ -87,7 +88,7 @@ def test_one_rank_with_grad_accumulation_and_max_steps(tmp_path: Path, digits) -
     """In-process, world size 1: 3 micro-batches per step, stop after 5 optimizer steps."""
     spec = load_spec(write_spec(tmp_path, digits, train={"grad_accum": 3, "max_steps": 5, "warmup_epochs": 0.1})).spec
     with Preemption() as preemption, process_group(detect({}), spec.train.collective_timeout_s) as device:
-        summary = trainer.train(spec, detect({}), device, preemption, load_task(spec))
+        summary = run_entry(trainer.train, spec, detect({}), device, preemption, load_task(spec))
     assert summary.status == "completed" and summary.step == 5 and "val/accuracy" in summary.metrics
     state = final_state(tmp_path)
     loader = data.build_train_loader(spec.data, load_task(spec).decoder(train=True), 0, 1)
@@ -118,7 +119,7 @@ def test_the_checkpoint_and_hparams_hold_the_spec_redacted(tmp_path: Path, digit
                            train={"max_steps": 2})
     spec = load_spec(spec_file).spec
     with Preemption() as preemption, process_group(detect({}), spec.train.collective_timeout_s) as device:
-        assert trainer.train(spec, detect({}), device, preemption, load_task(spec)).status == "completed"
+        assert run_entry(trainer.train, spec, detect({}), device, preemption, load_task(spec)).status == "completed"
     saved = final_state(tmp_path)["spec"]["task"]["options"]
     assert saved["hub_api_token"] == REDACTED and saved["pad_token_id"] == 7  # an id, not a credential
     hparams = hparams_logged(tmp_path / "runs")
@@ -267,7 +268,7 @@ def test_interrupted_run_resumes_to_the_same_weights(reference_run: FinishedRun,
     assert f"resuming from {stopped_path} at step {stopped['step']}" in output
     final, reference = final_state(tmp_path), final_state(reference_run.directory)
     assert final["step"] == reference["step"] == spec.train.epochs * steps_per_epoch
-    assert same_weights(final["model"], reference["model"]) == []
+    assert same_weights(final["objects"]["model"], reference["objects"]["model"]) == []
 
     assert_epoch_resumes_in_place(spec, stopped["ranks"])
 

@@ -2,7 +2,8 @@
 
 lance_hpc starts the ranks, joins the process group, and hands ``main`` a context: loaders with
 the spec's strategy, DDP wrapping, checkpoints of what you register, and a step iterator that
-resumes mid-epoch and stops every rank together when SLURM preempts the job.
+resumes mid-epoch, shows progress, logs throughput, and stops every rank together when SLURM
+preempts the job. The built-in trainer is written on the same context.
 
     lance-hpc submit examples/script_mode/job.yaml --local
 """
@@ -29,19 +30,23 @@ def main(ctx: Context) -> dict[str, float]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=ctx.spec.train.lr)
     ctx.register(model=model, optimizer=optimizer, loader=loader)  # restored here on resume
 
-    total = ctx.spec.train.epochs * loader.steps_per_epoch
-    for step, batch in ctx.steps(loader):
+    losses: list[float] = []
+
+    def log_loss() -> None:  # after every step, on every rank
+        if ctx.log_due:  # every logging.log_every_steps, and at epoch ends
+            ctx.log(ctx.all_reduce({"train/loss": sum(losses) / len(losses)}))
+            losses.clear()
+
+    ctx.on_step_end(log_loss)
+    for _step, batch in ctx.steps(loader):  # a step is train.grad_accum batches
         batch = ctx.to_device(batch)  # normalised images on this rank's device
-        with ctx.autocast():
+        with ctx.no_sync(model), ctx.autocast():
             loss = nn.functional.cross_entropy(model(batch["image"]), batch["label"])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if (step + 1) % ctx.spec.logging.log_every_steps == 0:
-            reduced = ctx.all_reduce({"train/loss": loss.item()})
-            ctx.log(reduced, step + 1)
-            if ctx.is_main:
-                print(f"step {step + 1}/{total}: loss {reduced['train/loss']:.4f}", flush=True)
+        (loss / ctx.micro_batches).backward()
+        losses.append(loss.item())
+        if not ctx.accumulating:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
 
     correct, count = 0.0, 0.0
     model.eval()
@@ -53,6 +58,4 @@ def main(ctx: Context) -> dict[str, float]:
     totals = ctx.all_reduce({"correct": correct, "count": count}, op="sum")
     accuracy = totals["correct"] / totals["count"]
     ctx.log({"val/accuracy": accuracy})
-    if ctx.is_main:
-        print(f"final validation accuracy: {accuracy:.4f} after {ctx.step} steps", flush=True)
-    return {"val/accuracy": accuracy}
+    return {"val/accuracy": accuracy}  # printed as the job's final line

@@ -19,7 +19,7 @@ import threading
 from dataclasses import replace
 from multiprocessing import forkserver
 from multiprocessing.context import BaseContext, ForkServerProcess
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -225,6 +225,8 @@ class TrainLoader:
         self.consumed = 0  # batches of self.epoch handed to the trainer
         self._resume_at = 0
         self.stats = ReadStats()  # corrupt rows replaced, store requests retried: so far
+        # called before each batch is handed out: the runtime's check on a loop that bypasses its steps
+        self.watch: Callable[[], None] | None = None
         self.resumed: ResumedEpoch | None = None  # an epoch begun at another layout, continued here
         self._resumed_steps = 0
         self._shape: tuple[int, tuple[int, int, np.ndarray, int, bool]] | None = None
@@ -316,6 +318,8 @@ class TrainLoader:
                 raise
             self.consumed += 1
             self.stats.add(stats)
+            if self.watch is not None:
+                self.watch()
             yield fields
 
     def state_dict(self) -> dict[str, Any]:

@@ -38,6 +38,11 @@ from lance_hpc.storage.checkpoint_index import (
 )
 from lance_hpc.storage.checkpoint_store import Location, NoSpace, locate, open_store
 
+# The checkpoint layout Context.save writes: named objects, named loaders per rank.
+FORMAT = 2
+# What the built-in trainer kept at the top of a checkpoint before FORMAT 2.
+EARLIER_TRAINER_OBJECTS = ("model", "optimizer")
+
 
 def checkpoint_path(directory: str | Path, step: int) -> Location:
     """Where the checkpoint of ``step`` goes: a Path, or an s3:// URI for a directory on object storage."""
@@ -163,7 +168,11 @@ def writer_lease(directory: str | Path, env: DistEnv) -> Iterator[lease.Lease | 
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A loaded checkpoint: what rank 0 saved, plus every rank's own part in ``state["ranks"]``."""
+    """A loaded checkpoint: what rank 0 saved, plus every rank's own part in ``state["ranks"]``.
+
+    One layout (:data:`FORMAT`): ``objects`` maps each registered name to its ``state_dict`` and each
+    rank's part maps loader names to their positions (``loaders``). Checkpoints of the earlier built-in
+    trainer, with ``model`` and ``optimizer`` at the top and one ``loader`` per rank, read the same way."""
 
     path: Location  # a Path, or an s3:// URI
     state: dict[str, Any]
@@ -186,6 +195,21 @@ class Checkpoint:
         """What ``rank`` saved (its RNG states, its data position, ...)."""
         return self.state["ranks"][rank]
 
+    @property
+    def objects(self) -> dict[str, Any]:
+        """The saved ``state_dict`` of each registered object, by name."""
+        if "objects" in self.state:
+            return self.state["objects"]
+        return {name: self.state[name] for name in EARLIER_TRAINER_OBJECTS if name in self.state}
+
+    def loader_position(self, name: str, env: DistEnv) -> dict[str, Any] | None:
+        """Where the loader registered as ``name`` stopped, for this rank (None at an epoch boundary)."""
+        saved = saved_position(self, env)
+        loaders = saved.get("loaders")
+        if loaders is None and saved.get("loader") is not None:  # the earlier built-in trainer's one loader
+            loaders = {"loader": saved["loader"]}
+        return (loaders or {}).get(name)
+
 
 def load_latest(directory: str | Path) -> Checkpoint | None:
     """The newest checkpoint that loads; None when there is none."""
@@ -201,9 +225,9 @@ def load_latest(directory: str | Path) -> Checkpoint | None:
     return None
 
 
-def restore_model(model: nn.Module, resumed: Checkpoint, spec: JobSpec, options: BaseModel) -> None:
-    """The built-in trainer's model from ``resumed``, refused with one message naming both when the
-    checkpoint was written for another task or model (``options``: this job's validated task options)."""
+def check_same_model(resumed: Checkpoint, spec: JobSpec, options: BaseModel) -> None:
+    """Refuse, with one message naming both, a checkpoint written for another task or model than the
+    task's model this job builds (``options``: this job's validated task options)."""
     saved_task = resumed.state.get("spec", {}).get("task", {})
     saved_name, saved_options = saved_task.get("name", spec.task.name), saved_task.get("options", {})
     saved_model = saved_options.get("model")
@@ -217,7 +241,6 @@ def restore_model(model: nn.Module, resumed: Checkpoint, spec: JobSpec, options:
         back = f"task.options.model: {saved_model}" if saved_name == spec.task.name else f"task.name: {saved_name}"
         raise UserError(f"checkpoint {resumed.path} was written for {theirs}, but this job trains {ours}\n"
                         f"  fix: {_OTHER_DIRECTORY}, or set {back} to continue that run; {_START_OVER}")
-    restore_object(model, resumed.state["model"], resumed, spec, "model")
 
 
 def restore_object(item: Any, saved: Any, resumed: Checkpoint, spec: JobSpec, name: str) -> None:
@@ -295,24 +318,18 @@ def pinned_data(data_spec: DataSpec, resumed: Checkpoint | None) -> DataSpec:
     return data_spec.model_copy(update={"version": version})
 
 
-def restore_rank(resumed: Checkpoint, env: DistEnv, seed: int, loader: Any | None) -> None:
-    """This rank's RNG states and data position.
+def restore_rank(resumed: Checkpoint, env: DistEnv, seed: int) -> None:
+    """This rank's RNG states.
 
     At the world size that wrote the checkpoint, each rank gets back its own. At another, the
     saved RNG states belong to ranks that no longer exist (or are missing for new ones): every
-    rank reseeds from (seed, step, rank) instead, and the loader continues from the position all
-    ranks shared (they save at the same step), splitting the rest of the epoch over the new ranks.
+    rank reseeds from (seed, step, rank) instead (its loader continues from the position all ranks
+    shared, see :meth:`Checkpoint.loader_position`, splitting the rest of the epoch over the new ranks).
     """
-    same_world = resumed.world_size == env.world_size
-    if same_world:
+    if resumed.world_size == env.world_size:
         restore_rng(resumed.rank_state(env.rank)["rng"])
     else:
         reseed(seed, resumed.step, env.rank)
-    if loader is None:
-        return
-    position = saved_position(resumed, env).get("loader")
-    if position is not None:
-        loader.load_state_dict(position)
 
 
 def saved_position(resumed: Checkpoint, env: DistEnv) -> dict[str, Any]:
@@ -329,8 +346,7 @@ def reseed(seed: int, step: int, rank: int) -> None:
     torch.manual_seed(value)
 
 
-def resume_message(resumed: Checkpoint, progress: float, world_size: int, batch_size: int, grad_accum: int,
-                   peak_lr: float | None = None) -> str:
+def resume_message(resumed: Checkpoint, progress: float, world_size: int, batch_size: int, grad_accum: int) -> str:
     """What a resumed job continues from; at a new world size, what changed and what did not."""
     where = f"epoch {resumed.epoch + 1}" + (f" ({progress - int(progress):.0%} read)" if resumed.state["mid_epoch"] else "")
     text = f"resuming from {resumed.path} at step {resumed.step}, {where}"
@@ -339,8 +355,7 @@ def resume_message(resumed: Checkpoint, progress: float, world_size: int, batch_
         text += (
             f"\n  written by {resumed.world_size} ranks, continued by {world_size}: the per-rank batch stays "
             f"{batch_size} (was {before}), so the global batch is now {batch_size * world_size * grad_accum}"
-            + (f" and the peak learning rate {peak_lr:.4g}" if peak_lr is not None else "")
-            + "; epochs, warmup and decay are counted in samples"
+            + "; epochs are counted in samples"
             + ("; the rest of the interrupted epoch is split over the new ranks, no row read twice" if resumed.state["mid_epoch"] else "")
         )
     return text

@@ -116,6 +116,9 @@ class TrainWindow:
         self.sums += sums.detach().double()
         self.samples += samples
 
+    def add_samples(self, samples: int) -> None:
+        self.samples += samples
+
     def add_step(self, step_time: float, data_wait: float) -> None:
         self.steps += 1
         self.step_time += step_time

@@ -62,7 +62,7 @@ def run_job(
         raise UserError(f"{spec_file} is a sweep, not one run: submit it with "
                         "lance-hpc submit, which runs each combination with its own spec")
     env = detect()
-    entry = load_callable(spec.entry, "entry") if spec.entry else None
+    entry = load_callable(spec.entry, "entry") if spec.entry else trainer.train
     if spec.data.num_workers > 0:
         data.worker_context()  # the DataLoader worker server imports torch while the process group forms
     try:
@@ -71,10 +71,7 @@ def run_job(
                 checkpoint.writer_lease(spec.checkpoint.dir, env) as lease:
             on_main_rank(lambda: data.ensure_dataset(spec.data), "prepare the dataset")
             task = load_task(spec)
-            if entry is not None:
-                summary = context.run_script(entry, spec, env, device, preemption, task)
-            else:
-                summary = trainer.train(spec, env, device, preemption, task)
+            summary = context.run_entry(entry, spec, env, device, preemption, task)
             if summary.status == "preempted":
                 outcome: list[Any] = [None]
                 if env.is_main:
@@ -134,6 +131,8 @@ class SubmititJob(submitit.helpers.Checkpointable):
     def __call__(self) -> dict[str, Any]:
         # submitit's protocol: USR2 checkpoints and requeues; SIGTERM keeps submitit's handler (it logs it)
         summary = run_job(self.spec_file, requeue_with_submitit, signals=(REQUEUE_SIGNAL,))
+        if summary.status == "unsaved":
+            exit_process(ExitCode.FAILED)
         if summary.status == "requeued":
             exit_process(255)  # as submitit's handler does (sys.exit(-1)): a requeued task leaves no result behind
         return dataclasses.asdict(summary)
@@ -158,6 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return ExitCode.FAILED
     except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save yet
         return ExitCode.INTERRUPTED
+    if summary.status == "unsaved":  # a stop signal the loop could not honour: it said so
+        return ExitCode.FAILED
     return ExitCode.STOPPED if summary.status == "stopped" else ExitCode.OK
 
 

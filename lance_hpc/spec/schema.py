@@ -240,6 +240,9 @@ class TrainSpec(_Section):
     weight_decay: float = Field(5e-5, ge=0, description="Weight decay.")
     precision: str = Field("bf16", description="bf16 autocast on GPU; CPU runs fp32.")
     grad_accum: int = Field(1, ge=1, le=MAX_INT, description="Micro-batches per optimizer step.")
+    grad_clip: float | None = Field(
+        None, gt=0, description="Clip the gradients' global norm to this before each optimizer step (none: no clipping)."
+    )
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of model init and augmentation.")
     deterministic: bool = Field(False, description="Deterministic kernels (slower), for exact resume checks.")
     collective_timeout_s: int = Field(

@@ -111,7 +111,7 @@ def assert_epoch_resumes_in_place(spec: JobSpec, ranks: list[dict[str, Any]]) ->
     world_size = len(ranks)
     decoder = load_task(spec).decoder(train=True)
     for rank, saved in enumerate(ranks):
-        position = saved["loader"]
+        position = saved["loaders"]["loader"]
         full = build_train_loader(spec.data, decoder, rank, world_size)
         full.set_epoch(position["epoch"])
         expected = list(full)[position["batches_consumed"]:]
