@@ -20,4 +20,9 @@ fi
 # torch/torchvision come as a matched pair from the package registry (setup.cfg pins the range).
 python3 -m pip install -q --upgrade-strategy only-if-needed -e '.[test]'
 
+# Style and types before the tests (configured in pyproject.toml): the formatter, the linter, mypy.
+python3 -m ruff format --check --quiet lance_hpc tests examples
+python3 -m ruff check --quiet lance_hpc tests examples
+python3 -m mypy
+
 python3 -m pytest -q -p no:cacheprovider "$@"

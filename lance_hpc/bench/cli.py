@@ -22,7 +22,7 @@ import textwrap
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from lance_hpc.bench import gpu, local, object_storage, peer_loaders, report
 from lance_hpc.bench.configs import Measurement
@@ -204,7 +204,7 @@ def run_job_benchmark(args: argparse.Namespace) -> int:
     runs = args.runs or 3
     seconds = args.seconds or 5.0
     world_size = spec.slurm.world_size
-    common = dict(dataset="job", lance_uri=data.uri, image_size=image.image_size, image_column=image.image_column,
+    common: dict[str, Any] = dict(dataset="job", lance_uri=data.uri, image_size=image.image_size, image_column=image.image_column,
                   label_column=image.label_column, augment=image.augment, seconds=seconds, data_world_size=world_size)
     configs = [Measurement(report.DECODE_LIMIT, "decode_limit", cores=cores,
                            data=data.model_dump(mode="json"), **common)]

@@ -41,7 +41,7 @@ class Measurement:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> "Measurement":
+    def from_json(cls, text: str) -> Measurement:
         return cls(**json.loads(text))
 
 
@@ -72,5 +72,5 @@ class Result:
     error: str = ""
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "Result":
+    def from_dict(cls, values: dict[str, Any]) -> Result:
         return cls(**values)

@@ -131,9 +131,9 @@ class TrainStep:
         self.torch = torch
         self.device = torch.device(config.device)
         cuda = self.device.type == "cuda"
-        torch.backends.cudnn.benchmark = cuda  # as env.py sets it for a job that is not deterministic
+        torch.backends.cudnn.benchmark = cuda  # as runtime/environment.py sets it for a job that is not deterministic
         self.memory_format = torch.channels_last if cuda else torch.contiguous_format
-        self.model = build_model(config.train_model, CLASSES).to(self.device, memory_format=self.memory_format).train()
+        self.model = build_model(config.train_model, CLASSES).to(self.device).to(memory_format=self.memory_format).train()
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cuda)
         self.device_name = torch.cuda.get_device_name(self.device) if cuda else "CPU"

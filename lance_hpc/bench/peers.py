@@ -20,7 +20,7 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, cast
 
 from lance_hpc.bench.datasets import DataSet
 
@@ -108,7 +108,7 @@ def _write_lancedb(data: DataSet, out: Path) -> None:
     table = source.to_table(columns=["image", "label"]).replace_schema_metadata(None)
     rows_per_fragment = max(fragment.count_rows() for fragment in source.get_fragments())
     lance.write_dataset(table, str(out / f"{LANCEDB_TABLE}.lance"), max_rows_per_file=rows_per_fragment,
-                        data_storage_version=source.data_storage_version)
+                        data_storage_version=cast(Any, source.data_storage_version))
 
 
 WRITERS: dict[str, Callable[[DataSet, Path], None]] = {

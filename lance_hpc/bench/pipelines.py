@@ -11,7 +11,7 @@ not settings.
 from __future__ import annotations
 
 import io
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, cast
 
 from torch.utils.data import IterableDataset
 
@@ -34,7 +34,7 @@ class PilCollate:
 
     def __init__(self, image_size: int) -> None:
         self.image_size = image_size
-        self._transform = None
+        self._transform: Any = None
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         import torch
@@ -63,7 +63,7 @@ def reference_map_style(config: Measurement) -> Iterable[Any]:
     from torch.utils.data.distributed import DistributedSampler
 
     dataset = SafeLanceDataset(config.lance_uri)
-    sampler = DistributedSampler(dataset, num_replicas=config.world_size, rank=config.rank, shuffle=True, seed=0)
+    sampler: Any = DistributedSampler(dataset, num_replicas=config.world_size, rank=config.rank, shuffle=True, seed=0)
     return get_safe_loader(
         dataset,
         batch_size=config.batch_size,
@@ -158,7 +158,7 @@ class PilDecode:
 
     def __init__(self, image_size: int) -> None:
         self.image_size = image_size
-        self._transform = None
+        self._transform: Any = None
 
     def __call__(self, image: Any) -> Any:
         from PIL import Image
@@ -176,7 +176,7 @@ class TensorResize:
 
     def __init__(self, image_size: int) -> None:
         self.image_size = image_size
-        self._transform = None
+        self._transform: Any = None
 
     def __call__(self, image: Any) -> Any:
         import torch
@@ -296,12 +296,13 @@ def lancedb_permutation(config: Measurement) -> Iterable[Any]:
     from torch.utils.data import DataLoader
 
     permutation = Permutation.identity(_lancedb_table(config)).select_columns(["image", "label"])
+    collate: Any
     if config.data.get("decode", "peer") == "lance_hpc":
         permutation, collate = permutation.with_format("arrow"), ArrowBatchDecode(config.image_size)
     else:
         collate = PilCollate(config.image_size)
     return DataLoader(
-        permutation, batch_size=config.batch_size, shuffle=True, num_workers=config.num_workers,
+        cast(Any, permutation), batch_size=config.batch_size, shuffle=True, num_workers=config.num_workers,
         collate_fn=collate, multiprocessing_context="spawn" if config.num_workers else None,
         persistent_workers=config.num_workers > 0, pin_memory=torch.cuda.is_available(),
         generator=torch.Generator().manual_seed(0),

@@ -8,7 +8,7 @@ import platform
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from lance_hpc.bench.runner import ExactlyOnce, Summary
 
@@ -165,7 +165,7 @@ def chart(path: Path, draw: Callable[[], None]) -> bool:
     return True
 
 
-def bar_chart(tables: dict[str, Sequence[Summary]], path: Path, title: str) -> None:
+def bar_chart(tables: Mapping[str, Sequence[Summary]], path: Path, title: str) -> None:
     """Horizontal bars of images/s per configuration, one panel per data set; the decode limit is a line."""
     import matplotlib
 

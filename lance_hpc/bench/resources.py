@@ -12,6 +12,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 try:
     import psutil
@@ -87,7 +88,7 @@ def usage_tree(pid: int) -> tuple[Usage | None, dict[int, Usage]]:
         children = {child: _proc_usage(child) for child in leaves}
         return _proc_usage(pid), {child: usage for child, usage in children.items() if usage is not None}
 
-    def usage(process: "psutil.Process") -> Usage | None:
+    def usage(process: psutil.Process) -> Usage | None:
         try:
             with process.oneshot():
                 times = process.cpu_times()
@@ -124,7 +125,7 @@ class ResourceSampler:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _thread: threading.Thread | None = None
 
-    def __enter__(self) -> "ResourceSampler":
+    def __enter__(self) -> ResourceSampler:
         self.started_at = time.perf_counter()
         self._thread = threading.Thread(target=self._run, name="bench-resources", daemon=True)
         self._thread.start()
@@ -146,7 +147,7 @@ class ResourceSampler:
             self.samples.append(sample)
         return sample
 
-    def summary(self, first: Sample, last: Sample, images: int) -> dict[str, float]:
+    def summary(self, first: Sample, last: Sample, images: int) -> dict[str, Any]:
         """Peak RSS of the main process and of the largest worker (MiB); how much the workers grew
         from a quarter into the window to its end (MiB, summed); CPU ms per image over the window
         (main process and workers)."""

@@ -189,12 +189,12 @@ def list_objects(store: Store, bucket: str, query: dict[str, str]) -> bytes:
     if truncated:
         parts.append(f"<NextContinuationToken>{escape(page[-1])}</NextContinuationToken>")
     for name in page:
-        stat = entries[name]
-        if stat is None:
+        entry = entries[name]
+        if entry is None:
             parts.append(f"<CommonPrefixes><Prefix>{escape(name)}</Prefix></CommonPrefixes>")
         else:
-            parts.append(f"<Contents><Key>{escape(name)}</Key><LastModified>{iso_time(stat)}</LastModified>"
-                         f"<ETag>{escape(etag(stat))}</ETag><Size>{stat.st_size}</Size>"
+            parts.append(f"<Contents><Key>{escape(name)}</Key><LastModified>{iso_time(entry)}</LastModified>"
+                         f"<ETag>{escape(etag(entry))}</ETag><Size>{entry.st_size}</Size>"
                          "<StorageClass>STANDARD</StorageClass></Contents>")
     parts.append("</ListBucketResult>")
     return "".join(parts).encode()
@@ -278,8 +278,8 @@ class Server:
             if "list-type" not in query and method == "GET":
                 raise S3Error(400, "NotImplemented", "only ListObjectsV2 (list-type=2) is served")
             self.counts["lists"] += 1
-            xml = list_objects(self.store, self.bucket, query)
-            send(writer, 200, {"Content-Type": "application/xml"}, xml if method == "GET" else b"", len(xml))
+            listing = list_objects(self.store, self.bucket, query)
+            send(writer, 200, {"Content-Type": "application/xml"}, listing if method == "GET" else b"", len(listing))
         elif method in ("GET", "HEAD"):
             await self.read(method, key, headers, writer)
         elif method == "PUT" and "uploadId" in query:
@@ -294,9 +294,9 @@ class Server:
             if source:
                 _, _, source_key = unquote(source).lstrip("/").partition("/")
                 stat = self.store.write(key, self.store.path(source_key), headers.get("if-none-match") == "*")
-                xml = (f"<CopyObjectResult><LastModified>{iso_time(stat)}</LastModified>"
-                       f"<ETag>{escape(etag(stat))}</ETag></CopyObjectResult>").encode()
-                send(writer, 200, {"Content-Type": "application/xml"}, xml)
+                copied = (f"<CopyObjectResult><LastModified>{iso_time(stat)}</LastModified>"
+                          f"<ETag>{escape(etag(stat))}</ETag></CopyObjectResult>").encode()
+                send(writer, 200, {"Content-Type": "application/xml"}, copied)
             else:
                 self.counts["put_bytes"] += len(body)
                 stat = self.store.write(key, body, headers.get("if-none-match") == "*")
@@ -494,7 +494,7 @@ class S3BenchServer:
             if stream:
                 stream.close()
 
-    def __enter__(self) -> "S3BenchServer":
+    def __enter__(self) -> S3BenchServer:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -510,6 +510,7 @@ def start_server(root: Path, latency_ms: float = 0.0, port: int = 0, bucket: str
     package_root = str(Path(__file__).resolve().parents[2])
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, environment.get("PYTHONPATH")]))
     process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=environment, text=True)
+    assert process.stdout is not None  # stdout=PIPE
     line = process.stdout.readline()
     match = READY_PATTERN.search(line)
     if not match:

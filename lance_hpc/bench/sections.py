@@ -40,7 +40,7 @@ def strategy_fields(data: DataSet, style: str, sampler: str, workers: int, uri: 
     return fields
 
 
-def common_fields(data: DataSet, context: "Context") -> dict[str, Any]:
+def common_fields(data: DataSet, context: Context) -> dict[str, Any]:
     """Measurement fields every pipeline on ``data`` shares: same images, size, batch, workers, window."""
     spec = data.spec
     return dict(dataset=spec.name, lance_uri=data.lance_uri, folder=data.folder, image_size=spec.image_size,

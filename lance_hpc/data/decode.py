@@ -136,7 +136,7 @@ def decode_pixels(data: np.ndarray | bytes) -> torch.Tensor:
     from PIL import Image
 
     try:
-        image = Image.open(io.BytesIO(data))  # reads the header only
+        image = Image.open(io.BytesIO(data if isinstance(data, bytes) else data.data))  # reads the header only
     except Exception as error:  # PIL raises many types for bad bytes
         raise ValueError(f"{jpeg_error}PIL: {error}") from None
     with image:
@@ -161,6 +161,7 @@ def binary_values(column: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.nd
     """One buffer holding every value of a binary column, with start/end offsets and validity."""
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks()
+    offset_type: type[np.signedinteger]
     if pa.types.is_large_binary(column.type):
         offset_type = np.int64
     elif pa.types.is_binary(column.type):
@@ -168,7 +169,7 @@ def binary_values(column: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.nd
     else:
         raise TypeError(f"image column has type {column.type}, expected binary")
     _, offsets_buffer, data_buffer = column.buffers()[:3]
-    offsets = np.frombuffer(offsets_buffer, dtype=offset_type)[column.offset : column.offset + len(column) + 1]
+    offsets: np.ndarray = np.frombuffer(offsets_buffer, dtype=offset_type)[column.offset : column.offset + len(column) + 1]
     valid = column.is_valid().to_numpy(zero_copy_only=False)
     start, stop = int(offsets[0]), int(offsets[-1])
     raw = np.frombuffer(data_buffer, dtype=np.uint8)[start:stop] if data_buffer is not None else np.zeros(0, np.uint8)

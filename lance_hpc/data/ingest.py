@@ -69,8 +69,8 @@ WRITE_CHUNK_ROWS = 256
 log = logging.getLogger("lance_hpc.data")
 
 
-def _parse_options(text: str) -> dict[str, int]:
-    options = {}
+def _parse_options(text: str) -> dict[str, Any]:
+    options: dict[str, Any] = {}
     for pair in filter(None, text.split(",")):
         key, sep, value = pair.partition("=")
         if not sep or not value.strip().lstrip("-").isdigit():

@@ -14,7 +14,7 @@ from typing import Iterator
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from lance_hpc.data.reader import BatchReader
+from lance_hpc.data.reader import BatchReader, ReadStats
 from lance_hpc.data.sampling import EpochPlanner, worker_steps
 from lance_hpc.data.transport import SharedBatch
 from lance_hpc.tasks.base import Batch
@@ -32,7 +32,7 @@ class LanceIterableDataset(IterableDataset):
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         self.position[0], self.position[1] = epoch, start
 
-    def __iter__(self) -> Iterator[tuple[Batch, int] | SharedBatch]:
+    def __iter__(self) -> Iterator[tuple[Batch, ReadStats] | SharedBatch]:
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         epoch, start = (int(value) for value in self.position.tolist())

@@ -139,7 +139,7 @@ def release_forkserver() -> None:
     rank process and the workers follow it."""
     server = getattr(forkserver, "_forkserver", None)
     descriptor = getattr(server, "_forkserver_alive_fd", None)
-    if descriptor is not None:
+    if server is not None and descriptor is not None:
         with contextlib.suppress(OSError):
             os.close(descriptor)
         server._forkserver_alive_fd = None

@@ -44,7 +44,9 @@ class LanceMapDataset(Dataset):
         return self.reader.read(row_ids, epoch, batch_index, ahead=ahead)
 
     def __getitem__(self, row_id: int) -> Batch:
-        fields, _ = self.reader.read(np.array([row_id]), 0, int(row_id), shared=False)
+        read = self.reader.read(np.array([row_id]), 0, int(row_id), shared=False)
+        assert not isinstance(read, SharedBatch)  # shared=False
+        fields, _ = read
         return {name: values[0] for name, values in fields.items()}
 
 

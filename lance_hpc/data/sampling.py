@@ -41,7 +41,7 @@ class FragmentTable:
     rows: tuple[int, ...]
 
     @classmethod
-    def from_rows(cls, rows: Sequence[int], ids: Sequence[int] | None = None) -> "FragmentTable":
+    def from_rows(cls, rows: Sequence[int], ids: Sequence[int] | None = None) -> FragmentTable:
         ids = tuple(range(len(rows))) if ids is None else tuple(int(i) for i in ids)
         if len(ids) != len(rows):
             raise ValueError("one id per fragment")
@@ -422,12 +422,13 @@ def remaining_rows(table: FragmentTable, origin: EpochOrigin, segments: Sequence
         for rank in range(segment.world_size):
             if index == 0:
                 batches = strategy_function(origin.sampler)(_origin_request(table, origin, segment, rank))
-            elif len(rest) * (rank + 1) // segment.world_size > len(rest) * rank // segment.world_size:
+            elif rest is not None and len(rest) * (rank + 1) // segment.world_size > len(rest) * rank // segment.world_size:
                 batches = _remainder_share(rest, segment.world_size, segment.batch_size, rank)
             else:  # a rank with no share of its own only repeated rows
                 continue
             per_rank.extend(batches[segment.consumed :])
         rest = np.concatenate(per_rank).astype(np.int64) if per_rank else np.zeros(0, dtype=np.int64)
+    assert rest is not None  # the loop ran: there is a first segment
     return rest
 
 

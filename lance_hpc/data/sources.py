@@ -73,7 +73,7 @@ def encode_image(pixels: np.ndarray | Image.Image, image_format: str = "jpeg", q
     return buffer.getvalue()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_photo(name: str) -> Image.Image:
     """One scikit-image sample photo as an RGB PIL image (cached per process)."""
     import skimage.data

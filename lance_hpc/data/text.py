@@ -327,7 +327,7 @@ class TokenInfo:
     source: str
 
     @classmethod
-    def from_metadata(cls, metadata: Mapping[bytes, bytes] | None, uri: str) -> "TokenInfo":
+    def from_metadata(cls, metadata: Mapping[bytes, bytes] | None, uri: str) -> TokenInfo:
         """Read it from a dataset's schema metadata; a UserError when ``uri`` holds no token sequences."""
         metadata = metadata or {}
         if metadata.get(KIND_KEY) != TOKEN_SEQUENCES_KIND:

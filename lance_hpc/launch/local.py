@@ -119,7 +119,8 @@ def run_sweep_locally(spec: JobSpec, nproc: int | None) -> int:
     print(f"==== sweep {spec.name}: {sum(code == 0 for _, code in results)} of {len(runs)} runs finished")
     for run, code in results:
         stopped = "stopped; run the same command again to continue"
-        outcome = {ExitCode.OK: "finished", ExitCode.STOPPED: stopped, ExitCode.INTERRUPTED: stopped}.get(
+        outcomes: dict[int, str] = {ExitCode.OK: "finished", ExitCode.STOPPED: stopped, ExitCode.INTERRUPTED: stopped}
+        outcome = outcomes.get(
             code, f"failed (exit {int(code)})")
         print(f"  [{run.index}] {run.spec.name}: {outcome}")
     for run in runs[len(results):]:

@@ -26,7 +26,7 @@ import re
 import shlex
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import jinja2
 
@@ -237,7 +237,7 @@ def sbatch_directives(script: str) -> Iterator[tuple[str, str | bool]]:
                 yield name, value if sep else True
 
 
-def _refuse_unreadable(flags: dict[str, str | int | bool], problems: list[Problem]) -> None:
+def _refuse_unreadable(flags: Mapping[str, str | int | bool], problems: list[Problem]) -> None:
     """Raise every problem so far, plus each flag value sbatch could not read back as written."""
     for flag, value in flags.items():
         if isinstance(value, str) and UNSAFE_IN_FLAG.search(value):

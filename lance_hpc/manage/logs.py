@@ -155,6 +155,7 @@ def show(logs: JobLogs, rank: int | None, follow_job: str | None) -> None:
             return
         time.sleep(POLL_S)
         if time.monotonic() - checked_at >= STATE_EVERY_S:
+            assert follow_job is not None  # ended from the start otherwise
             job = queue.show_job(follow_job)
             ended, checked_at = job is None or job.ended, time.monotonic()  # then read what is left once more
 

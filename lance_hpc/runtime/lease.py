@@ -31,6 +31,7 @@ still holds the lease before each checkpoint it writes (:func:`held`).
 
 from __future__ import annotations
 
+import functools
 import getpass
 import hashlib
 import json
@@ -459,7 +460,7 @@ def acquire(directory: str | Path, me: Holder) -> tuple[Lease, str | None]:
             time.sleep(CLAIM_WAIT_S)
         seen = _read(store)
         note = None if seen is None else verdict(seen, me, str(directory), store.where)
-        if _file_errors(store, lambda: store.claim(seen, me.encode())):
+        if _file_errors(store, functools.partial(store.claim, seen, me.encode())):
             lease = Lease(directory, store, me)
             lease.start()
             return lease, note

@@ -70,8 +70,10 @@ class TensorBoardLogger:
         plain = (int, float, str, bool)
         values = {key: value if isinstance(value, plain) else str(value) for key, value in hparams.items()}
         # into this run's own event file (SummaryWriter.add_hparams would start a separate run)
+        events = self.writer.file_writer
+        assert events is not None  # a SummaryWriter opens its file writer when created
         for summary in hparams_summaries(values, dict.fromkeys(metrics, 0.0)):
-            self.writer.file_writer.add_summary(summary)
+            events.add_summary(summary)
         self.writer.flush()
 
     def close(self) -> None:

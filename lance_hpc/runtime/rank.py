@@ -84,6 +84,7 @@ def run_job(
                     print(f"interrupted at step {summary.step}, checkpoint saved ({summary.checkpoint}); {message}",
                           flush=True)
                 elif env.is_main:
+                    assert preemption.agreed_signal is not None  # the ranks agreed on it to stop
                     name = signal.Signals(preemption.agreed_signal).name
                     print(f"stopped at step {summary.step} by {name}; checkpoint {summary.checkpoint}; {message}",
                           flush=True)
@@ -96,7 +97,7 @@ def run_job(
         raise TrainingFailed(explain_failure(error, env), show_traceback=not lost_peer(error, env)) from error
 
 
-def on_main_rank(action: Callable[[], None], what: str) -> None:
+def on_main_rank(action: Callable[[], object], what: str) -> None:
     """Run ``action`` on rank 0 while the others wait; an error on rank 0 is raised on every rank."""
     outcome: list[str | None] = [None]
     if dist.get_rank() == 0:

@@ -213,7 +213,8 @@ def validate_spec(
     runs the code they name. ``imports=False`` checks only their form, for reading the spec of a
     job that may not be yours to run; lance_hpc's own modules are still imported.
     """
-    raw = yaml.safe_load(yaml.safe_dump(dict(raw), sort_keys=False))  # deep copy through plain YAML types, in order
+    copied: dict[str, Any] = yaml.safe_load(yaml.safe_dump(dict(raw), sort_keys=False))  # a deep copy in plain YAML types, in order
+    raw = copied
     problems = apply_overrides(raw, overrides)
     problems += merge_sweep_options(raw, sweeps)
     malformed_sweep = sweep_problems(raw)
@@ -244,7 +245,7 @@ def validate_spec(
 
 def _resolve_paths(raw: dict[str, Any], base_dir: Path) -> tuple[list[Resolution], list[Problem]]:
     name = raw.get("name") if isinstance(raw.get("name"), str) else None
-    values = {"name": name}
+    values: dict[str, str | None] = {"name": name}
     resolutions, problems = [], []
     for section, key in PATH_FIELDS:
         node = raw if section is None else raw.get(section)
@@ -269,10 +270,10 @@ def _resolve_paths(raw: dict[str, Any], base_dir: Path) -> tuple[list[Resolution
                 problems.append(
                     Problem(dotted, f"unknown placeholder {{{placeholder}}}", "valid placeholders: {name}")
                 )
-            elif values[placeholder] is None:
+            elif (value_of := values[placeholder]) is None:
                 problems.append(Problem(dotted, "uses {name} but the spec has no valid name", "set name: ..."))
             else:
-                resolved = resolved.replace(f"{{{placeholder}}}", values[placeholder])
+                resolved = resolved.replace(f"{{{placeholder}}}", value_of)
         if (section, key) in IMPORT_PATH_FIELDS:
             resolved = _resolve_import_path(resolved, base_dir)
         elif "://" not in resolved and not Path(resolved).is_absolute():
@@ -283,7 +284,7 @@ def _resolve_paths(raw: dict[str, Any], base_dir: Path) -> tuple[list[Resolution
     return resolutions, problems
 
 
-_FIELD_DEFAULTS = {
+_FIELD_DEFAULTS: dict[tuple[str | None, str], Any] = {
     ("checkpoint", "dir"): CheckpointSpec.model_fields["dir"].default,
     ("logging", "tensorboard_dir"): LoggingSpec.model_fields["tensorboard_dir"].default,
     ("slurm", "log_dir"): SlurmSpec.model_fields["log_dir"].default,

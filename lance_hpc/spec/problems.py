@@ -36,6 +36,12 @@ class SpecError(UserError):
         super().__init__("\n".join([header, *map(str, self.problems)]))
 
 
+def section_of(raw: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """``raw[name]`` when it is a mapping, else empty: rules over a raw spec run even when a section is malformed."""
+    value = raw.get(name)
+    return value if isinstance(value, dict) else {}
+
+
 def unique(problems: Sequence[Problem]) -> list[Problem]:
     seen, result = set(), []
     for problem in problems:

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 from lance_hpc.errors import UserError
 from lance_hpc.imports import is_import_path, load_callable
 from lance_hpc.spec.choices import SAMPLERS, STYLES
-from lance_hpc.spec.problems import Problem, from_pydantic
+from lance_hpc.spec.problems import Problem, from_pydantic, section_of
 from lance_hpc.spec.schema import SlurmSpec, TrainSpec, parse_time_limit
 from lance_hpc.storage.checkpoint_store import unsupported
 
@@ -106,8 +106,8 @@ def _problem_from_user_error(path: str, error: UserError) -> Problem:
 def cross_field_problems(raw: Mapping[str, Any]) -> list[Problem]:
     """Rules that span fields; read from the raw mapping so they run even when fields are wrong."""
     problems = []
-    data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
-    slurm = raw.get("slurm") if isinstance(raw.get("slurm"), dict) else {}
+    data = section_of(raw, "data")
+    slurm = section_of(raw, "slurm")
     style = data.get("style", "map")
     sampler = data.get("sampler", "distributed" if style == "map" else "sharded_batch")
     if style == "iterable" and "sampler" not in data:
@@ -155,13 +155,13 @@ def cross_field_problems(raw: Mapping[str, Any]) -> list[Problem]:
     template = slurm.get("template")
     if isinstance(template, str) and not Path(template).is_file():
         problems.append(Problem("slurm.template", f"template file {template} does not exist", "fix the path or remove the key"))
-    checkpoint = raw.get("checkpoint") if isinstance(raw.get("checkpoint"), dict) else {}
+    checkpoint = section_of(raw, "checkpoint")
     if isinstance(checkpoint.get("dir"), str):
         problem = unsupported(checkpoint["dir"])
         if problem:
             message, _, fix = problem.partition("\n  fix: ")
             problems.append(Problem("checkpoint.dir", message, fix))
-    problems += io_timeout_problems(data, raw.get("train") if isinstance(raw.get("train"), dict) else {})
+    problems += io_timeout_problems(data, section_of(raw, "train"))
     return problems
 
 

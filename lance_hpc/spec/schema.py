@@ -285,7 +285,7 @@ class JobSpec(_Section):
     )
 
     @model_validator(mode="after")
-    def default_io_timeout(self) -> "JobSpec":
+    def default_io_timeout(self) -> JobSpec:
         """data.io_timeout_s follows the collective timeout unless set: a rank retrying a read
         must give up before the others, waiting for it in a collective, time out."""
         if self.data.io_timeout_s is None:

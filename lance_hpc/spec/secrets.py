@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from typing import Any, Iterator, Mapping
 
-from lance_hpc.spec.problems import Problem
+from lance_hpc.spec.problems import Problem, section_of
 
 REDACTED = "<redacted>"
 # Words that make a key a credential wherever they appear in it ...
@@ -83,8 +83,8 @@ def credential_fix(key: str) -> str:
 def secret_problems(raw: Mapping[str, Any]) -> list[Problem]:
     """Every credential written into the spec ``raw``, each with where it should live instead."""
     problems = []
-    data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
-    slurm = raw.get("slurm") if isinstance(raw.get("slurm"), dict) else {}
+    data = section_of(raw, "data")
+    slurm = section_of(raw, "slurm")
     options = data.get("storage_options")
     if isinstance(options, dict):
         for key in options:

@@ -314,7 +314,9 @@ def _cached_files(directory: Path) -> Iterator[tuple[Path, Path, os.stat_result]
 
 
 def _remove_abandoned(root: Path, partial: Path) -> None:
-    final_name = PARTIAL_NAME.fullmatch(partial.name)["final"]
+    named = PARTIAL_NAME.fullmatch(partial.name)
+    assert named is not None, partial  # only partial directories come here
+    final_name = named["final"]
     lock = FileLock(lock_path(root, f"{partial.parent.name}/{final_name}", "fill"), wait=False)
     try:
         if not lock.acquire():
@@ -415,11 +417,11 @@ def _is_marked(root: Path) -> bool:
 
 
 _opening = threading.Lock()
-_open: dict[tuple, "NodeCache"] = {}
+_open: dict[tuple, NodeCache] = {}
 
 
 def open_cache(directory: str, max_gb: float, uri: str, version: int, options: Mapping[str, str],
-               dataset: Callable[[], Any]) -> "NodeCache":
+               dataset: Callable[[], Any]) -> NodeCache:
     """This process's :class:`NodeCache` of ``uri`` at ``version`` (opened on first use; threads
     share it). ``dataset``: the dataset opened on the store, asked for only on first use."""
     key = (os.getpid(), directory, max_gb, uri, version, options.get("endpoint"))
@@ -484,7 +486,7 @@ class NodeCache:
         self.in_use = FileLock(lock_path(self.root, name, "use"), shared=True)
         try:
             self.in_use.acquire()
-            for attempt in range(2):
+            for _attempt in range(2):
                 fetch(self.source, self.root, manifest, wait=True)
                 local = lance.dataset(str(self.root), version=self.version)
                 if [(f.fragment_id, fragment_files(f)) for f in local.get_fragments()] == self.signature:

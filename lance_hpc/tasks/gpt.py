@@ -4,6 +4,7 @@ causal attention through PyTorch's fused kernel, and an output head tied to the 
 from __future__ import annotations
 
 import math
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -66,9 +67,10 @@ class GPT(nn.Module):
         self.head.weight = self.token_embedding.weight  # tied: fewer parameters, and rare tokens learn from both ends
         self.apply(self._init_weights)
         for block in self.blocks:
+            assert isinstance(block, Block)
             # every block adds two projections to the residual stream; scaling them keeps its variance
             # independent of depth at initialisation (GPT-2)
-            for projection in (block.attention.projection, block.mlp[2]):
+            for projection in (block.attention.projection, cast(nn.Linear, block.mlp[2])):
                 nn.init.normal_(projection.weight, mean=0.0, std=0.02 / math.sqrt(2 * layers))
 
     @staticmethod
@@ -92,6 +94,6 @@ class GPT(nn.Module):
         return self.head(self.final_norm(hidden))
 
 
-def gpt(vocab_size: int, sequence_length: int, **options: int | float) -> nn.Module:
+def gpt(vocab_size: int, sequence_length: int, **options: Any) -> nn.Module:
     """A freshly initialised :class:`GPT`; options are its keyword arguments (layers, width, heads, dropout)."""
     return GPT(vocab_size, sequence_length, **options)

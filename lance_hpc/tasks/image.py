@@ -139,7 +139,7 @@ class ImageClassification(Task[ImageOptions]):
         return torch.channels_last if channels_last else torch.contiguous_format
 
     def prepare_model(self, model: nn.Module, device: torch.device) -> nn.Module:
-        return model.to(device, memory_format=self._memory_format(device))
+        return model.to(device).to(memory_format=self._memory_format(device))
 
     def to_device(self, batch: Batch, device: torch.device) -> Batch:
         images = normalize(batch["image"].to(device, non_blocking=True))

@@ -103,6 +103,7 @@ class LanguageModel(Task[LanguageModelOptions]):
                             "      fix: set task.options.vocab_size")
         if problems:
             raise TaskError("language_model", problems)
+        assert vocab is not None  # a problem above otherwise
         self.vocab_size = int(vocab)
         self.sequence_length = self.row_tokens - 1
         if options.model == "gpt" and options.width % options.heads:
@@ -144,7 +145,9 @@ class LanguageModel(Task[LanguageModelOptions]):
 
 def _token_info(info: DatasetInfo | None) -> TokenInfo | None:
     """What text ingest recorded about the tokens of ``info``; None for token datasets made elsewhere."""
-    metadata = info.schema.metadata if info is not None else None
+    if info is None:
+        return None
+    metadata = info.schema.metadata
     if not metadata or metadata.get(KIND_KEY) != TOKEN_SEQUENCES_KIND:
         return None
     return TokenInfo.from_metadata(metadata, info.uri)

@@ -79,7 +79,7 @@ class SlurmCluster:
     env: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def at(cls, workdir: Path) -> "SlurmCluster":
+    def at(cls, workdir: Path) -> SlurmCluster:
         workdir = Path(workdir).resolve()
         return cls(workdir=workdir, env={"SLURM_CONF": str(workdir / "slurm.conf")})
 
