@@ -64,6 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def validate(argv: list[str]) -> int:
     """``lance-hpc validate job.yaml [--set KEY=VALUE ...]``."""
     from lance_hpc.spec import load_spec
+    from lance_hpc.spec.schema import entry_note
 
     parser = argparse.ArgumentParser(prog="lance-hpc validate", description="Check a job spec; list every problem.")
     parser.add_argument("spec", help="job spec YAML file")
@@ -79,6 +80,9 @@ def validate(argv: list[str]) -> int:
           f"{loaded.spec.data.style}/{loaded.spec.data.sampler}, {describe_task(loaded.spec)})")
     for item in loaded.resolutions:
         print(f"  {item.path}: {item.before} -> {item.after}")
+    note = entry_note(loaded.spec)
+    if note:
+        print(f"  {note}")
     return 0
 
 

@@ -5,6 +5,8 @@ that bypasses ctx.steps() is warned and, stopped by a signal, says that nothing 
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,12 +14,13 @@ import pytest
 import torch
 
 from lance_hpc.data import load_task
+from lance_hpc.imports import load_callable
 from lance_hpc.runtime import checkpoint, trainer
 from lance_hpc.runtime.checkpoint import Checkpoint
 from lance_hpc.runtime.context import run_entry
 from lance_hpc.runtime.environment import detect, process_group
 from lance_hpc.runtime.preemption import Preemption
-from lance_hpc.spec import load_spec
+from lance_hpc.spec import SpecError, load_spec
 from tests.support.jobs import final_state, same_weights, scalars, write_spec
 from tests.test_trainer import launch, read_until
 
@@ -130,3 +133,46 @@ def test_a_loop_that_bypasses_steps_is_warned_and_a_stop_ends_it_saying_nothing_
     assert "stopped by SIGINT, and nothing was saved: the loop reads its loader directly" in output
     assert not list((tmp_path / "checkpoints").glob("step-*.pt"))
     assert "checkpoint saved" not in output
+
+
+ENTRY_WITH_OPTIONS = """
+from pydantic import BaseModel, ConfigDict
+
+class Options(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    hidden: int = 8
+    dropout: float = 0.1
+
+def main(ctx) -> dict:
+    return {"hidden": float(ctx.options.hidden), "dropout": ctx.options.dropout}
+
+main.Options = Options
+"""
+
+
+def test_an_entrys_options_are_validated_by_its_model_and_reach_it(tmp_path: Path, digits) -> None:
+    (tmp_path / "entry.py").write_text(ENTRY_WITH_OPTIONS)
+    entry = f"{tmp_path}/entry.py:main"
+    with pytest.raises(SpecError) as refused:
+        load_spec(write_spec(tmp_path, digits, entry=entry, entry_options={"hidden": "wide", "widht": 3}))
+    paths = {problem.path for problem in refused.value.problems}
+    assert paths == {"entry_options.hidden", "entry_options.widht"}, refused.value
+    with pytest.raises(SpecError, match="entry_options: set, but there is no entry to take them"):
+        load_spec(write_spec(tmp_path, digits, entry_options={"hidden": 3}))
+
+    spec_file = write_spec(tmp_path, digits, entry=entry, entry_options={"hidden": 32}, train={"optimizer": "sgd"})
+    assert load_spec(spec_file).spec.entry_options == {"hidden": 32, "dropout": 0.1}  # defaults filled in
+    summary = train_here_with(spec_file)
+    assert summary.status == "completed" and summary.metrics == {"hidden": 32.0, "dropout": 0.1}
+    validated = subprocess.run([sys.executable, "-m", "lance_hpc", "validate", str(spec_file)], capture_output=True,
+                               text=True, check=True).stdout
+    note = next(line for line in validated.splitlines() if "runs instead of the built-in trainer" in line)
+    assert "train.optimizer" in note and note.endswith("take effect only if it reads them from ctx.spec (the trainer's own fields)")
+
+
+def train_here_with(spec_file: Path) -> Any:
+    """The spec's own entry in this process, as rank 0 of 1."""
+    spec = load_spec(spec_file).spec
+    entry = load_callable(spec.entry or "", "entry")
+    with Preemption() as preemption, process_group(detect({}), spec.train.collective_timeout_s) as device:
+        return run_entry(entry, spec, detect({}), device, preemption, load_task(spec))

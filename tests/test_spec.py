@@ -457,11 +457,11 @@ def test_redaction_hides_text_under_credential_keys_but_keeps_numbers() -> None:
         "api_token": REDACTED, "tokens": {"auth_token": [REDACTED, 7]}, "credentials": {"user": REDACTED, "n": 1}}}}
 
 
-# Float fields with an upper bound; lr and weight_decay have none that holds for every optimizer.
+# Float fields with an upper bound; lr, weight_decay and grad_clip (a gradient norm) have none that holds for every model.
 BOUNDED_FLOATS = ["data.cache.max_gb", "data.io_timeout_s", "data.ingest.val_fraction", "train.momentum", "train.warmup_epochs"]
 
 
 @pytest.mark.parametrize("path", BOUNDED_FLOATS)
 def test_float_fields_with_an_obvious_limit_refuse_huge_values(path: str) -> None:
     assert f"{path}: must be <" in problems_of(with_value(path, 1e300))
-    assert {path for path, kind in NUMERIC_FIELDS if kind is float} - set(BOUNDED_FLOATS) == {"train.lr", "train.weight_decay"}
+    assert {path for path, kind in NUMERIC_FIELDS if kind is float} - set(BOUNDED_FLOATS) == {"train.lr", "train.weight_decay", "train.grad_clip"}

@@ -6,6 +6,7 @@ from lance_hpc.data import plan_data
 from lance_hpc.launch import render
 from lance_hpc.launch.paths import JobPaths
 from lance_hpc.spec import JobSpec, LoadedSpec, expand
+from lance_hpc.spec.schema import entry_note
 
 
 def dry_run(loaded: LoadedSpec) -> None:
@@ -18,6 +19,9 @@ def dry_run(loaded: LoadedSpec) -> None:
     print("# placeholders and relative paths resolved:")
     for item in loaded.resolutions or ():
         print(f"#   {item.path}: {item.before} -> {item.after}")
+    note = entry_note(spec)
+    if note:
+        print(f"# {note}")
     if spec.sweep:
         print(describe_sweep(spec))
     print(f"\n# ---- resolved spec (would be written to {spec_file}) ----")

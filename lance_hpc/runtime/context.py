@@ -61,6 +61,7 @@ from lance_hpc.runtime.metrics import (
 )
 from lance_hpc.runtime.preemption import Preemption
 from lance_hpc.spec import JobSpec, TrainSpec
+from lance_hpc.spec.rules import entry_options_model
 from lance_hpc.tasks import ROW_ID, Batch, Decoder, Task
 
 
@@ -128,8 +129,9 @@ class Context:
     properties and methods, and the context's own bookkeeping stays private."""
 
     def __init__(self, spec: JobSpec, env: DistEnv, device: torch.device, task: Task, logger: MetricLogger,
-                 preemption: Preemption, resumed: Checkpoint | None = None) -> None:
+                 preemption: Preemption, resumed: Checkpoint | None = None, options: Any = None) -> None:
         self.spec, self.task, self.device = spec, task, device
+        self._options = dict(spec.entry_options) if options is None else options
         self._env, self._logger, self._preemption, self._resumed = env, logger, preemption, resumed
         self._step = resumed.step if resumed else 0  # optimizer steps taken, counting those before a resume
         self._epoch = resumed.epoch if resumed else 0  # the epoch being read
@@ -167,6 +169,12 @@ class Context:
     @property
     def is_main(self) -> bool:
         return self._env.is_main
+
+    @property
+    def options(self) -> Any:
+        """The spec's ``entry_options``: an instance of the entry's ``Options`` model when it declares
+        one (``main.Options = MyOptions``, validated with the spec), else the plain mapping."""
+        return self._options
 
     # ---- how far the job is ----------------------------------------------------------------------
 
@@ -502,7 +510,9 @@ def run_entry(entry: Callable[[Context], Any], spec: JobSpec, env: DistEnv, devi
     logger = build_logger(spec.logging.tensorboard_dir, env.is_main, purge_step=resumed.step if resumed else None)
     logger.log_hparams({**flatten(spec.redacted_dict()), "world_size": env.world_size},
                        (f"val/{task.headline_metric}", "val/loss"))
-    context = Context(spec, env, device, task, logger, preemption, resumed)
+    model = entry_options_model(entry)
+    options = model.model_validate(spec.entry_options) if model is not None else None
+    context = Context(spec, env, device, task, logger, preemption, resumed, options)
     try:
         result = entry(context)
     except Preempted as stop:

@@ -8,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
+from pydantic import BaseModel, ValidationError
+
 from lance_hpc.errors import UserError
 from lance_hpc.imports import is_import_path, load_callable
 from lance_hpc.spec.choices import SAMPLERS, STYLES
@@ -80,21 +82,39 @@ def task_problems(raw: dict[str, Any], imports: bool = True) -> list[Problem]:
     return []
 
 
-def entry_problems(raw: Mapping[str, Any], imports: bool = True) -> list[Problem]:
-    """Script mode: the entry must import and be callable; without ``imports``, only have the
-    form of an import path."""
+def entry_problems(raw: dict[str, Any], imports: bool = True) -> list[Problem]:
+    """Script mode: the entry must import and be callable, and ``entry_options`` fit its ``Options``
+    model when it declares one (on success they are replaced by the validated ones, defaults filled
+    in); without ``imports``, the entry need only have the form of an import path."""
     entry = raw.get("entry")
+    options = raw.get("entry_options")
     if not isinstance(entry, str):
+        if options and entry is None:
+            return [Problem("entry_options", "set, but there is no entry to take them (the built-in trainer has none)",
+                            "name your function in entry: my_pkg.train:main, or remove entry_options")]
         return []
     if not imports:
         if is_import_path(entry):
             return []
         return [Problem("entry", f"{entry!r} is not an import path", "write package.module:Name or path/to/file.py:Name")]
     try:
-        load_callable(entry, "entry")
+        function = load_callable(entry, "entry")
     except UserError as error:
         return [_problem_from_user_error("entry", error)]
+    model = entry_options_model(function)
+    if model is None or not isinstance(options, dict):
+        return []  # any mapping is the entry's to read (the schema reports one that is not a mapping)
+    try:
+        raw["entry_options"] = model.model_validate(options).model_dump(mode="json")
+    except ValidationError as error:
+        return [from_pydantic(item, model, ("entry_options",)) for item in error.errors()]
     return []
+
+
+def entry_options_model(function: Any) -> type[BaseModel] | None:
+    """The pydantic model an entry declares for its options (``main.Options = MyOptions``), if any."""
+    model = getattr(function, "Options", None)
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
 
 
 def _problem_from_user_error(path: str, error: UserError) -> Problem:

@@ -268,6 +268,24 @@ class LoggingSpec(_Section):
     progress: bool = Field(True, description="Show a progress bar on rank 0.")
 
 
+# The train fields only the built-in trainer reads: an entry of your own uses them only if it reads
+# them from ctx.spec (its context does read epochs, max_steps, precision, grad_accum, seed,
+# deterministic and collective_timeout_s).
+TRAINER_FIELDS = ("lr", "lr_scaling", "base_batch_size", "warmup_epochs", "optimizer", "momentum", "weight_decay",
+                  "grad_clip", "eval_every_epochs")
+
+
+def entry_note(spec: JobSpec) -> str | None:
+    """For a spec with an ``entry``: which of the fields only the built-in trainer reads it sets."""
+    if spec.entry is None:
+        return None
+    set_here = [f"train.{name}" for name in TRAINER_FIELDS if name in spec.train.model_fields_set]
+    if not set_here:
+        return f"entry {spec.entry} runs instead of the built-in trainer"
+    return (f"entry {spec.entry} runs instead of the built-in trainer: {', '.join(set_here)} "
+            f"take effect only if it reads them from ctx.spec (the trainer's own fields)")
+
+
 class JobSpec(_Section):
     name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="Job name.")
     slurm: SlurmSpec = Field(default_factory=SlurmSpec, description="Resources and submission.")
@@ -275,6 +293,10 @@ class JobSpec(_Section):
     task: TaskSpec = Field(default_factory=TaskSpec, description="What is trained: columns, model, loss, metrics.")
     entry: str | None = Field(
         None, description="Script mode: your training function (my_pkg.train:main or file.py:main) instead of the built-in loop."
+    )
+    entry_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Script mode: your entry's own settings (ctx.options), checked against its Options model when it has one.",
     )
     train: TrainSpec = Field(default_factory=TrainSpec, description="Optimisation.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoints.")
