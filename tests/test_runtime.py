@@ -15,21 +15,14 @@ import torch
 
 from lance_hpc.data import load_task
 from lance_hpc.imports import load_callable
-from lance_hpc.runtime import checkpoint, trainer
+from lance_hpc.runtime import checkpoint
 from lance_hpc.runtime.checkpoint import Checkpoint
 from lance_hpc.runtime.context import run_entry
 from lance_hpc.runtime.environment import detect, process_group
 from lance_hpc.runtime.preemption import Preemption
 from lance_hpc.spec import SpecError, load_spec
-from tests.support.jobs import final_state, same_weights, scalars, write_spec
+from tests.support.jobs import final_state, same_weights, scalars, train_here, write_spec
 from tests.test_trainer import launch, read_until
-
-
-def train_here(spec_file: Path) -> Any:
-    """The built-in trainer in this process, as rank 0 of 1."""
-    spec = load_spec(spec_file).spec
-    with Preemption() as preemption, process_group(detect({}), spec.train.collective_timeout_s) as device:
-        return run_entry(trainer.train, spec, detect({}), device, preemption, load_task(spec))
 
 
 def to_earlier_layout(state: dict[str, Any]) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from lance_hpc.data import build_train_loader, dataset_info, ensure_dataset, load_task
 from lance_hpc.errors import UserError
@@ -21,7 +22,7 @@ from lance_hpc.spec import DataSpec, IngestSpec, SpecError, load_spec, validate_
 from lance_hpc.spec.choices import STYLES
 from lance_hpc.tasks import ROW_ID, TaskError, build_task
 from lance_hpc.tasks.language import LanguageModel
-from tests.support.jobs import Digits, final_state, hparams_logged, scalars, write_spec
+from tests.support.jobs import Digits, final_state, hparams_logged, same_weights, scalars, train_here, write_spec
 from tests.test_trainer import launch
 
 TRAIN_SAMPLERS = [(style, sampler) for style, samplers in STYLES.items() for sampler in samplers if sampler != "full_scan"]
@@ -182,3 +183,48 @@ def test_task_option_bounds_are_inclusive_and_named_in_the_fix() -> None:
     options = validate_spec({"name": "bounds", "data": {"uri": "/d"},
                              "task": {"name": "language_model", "options": {"layers": 1024, "vocab_size": 2**24}}}).spec.task.options
     assert options["layers"] == 1024 and options["vocab_size"] == 2**24
+
+
+def test_a_grey_level_task_trains_from_weights_in_a_local_file(tmp_path: Path, digits) -> None:
+    """channels: 1 decodes grey levels ([B, 1, S, S] uint8, BT.601 luma), normalises with its own
+    mean and std, builds small_cnn for one channel, and starts from task.options.weights."""
+    grey = {"model": "small_cnn", "image_size": 16, "augment": "none", "channels": 1, "mean": [0.25], "std": [0.5]}
+    first = load_spec(write_spec(tmp_path / "first", digits, task={"options": grey})).spec
+    task = load_task(first)
+    batch = next(iter(build_train_loader(first.data, task.decoder(train=True), 0, 1)))
+    assert batch["image"].shape == (first.data.batch_size, 1, 16, 16) and batch["image"].dtype == torch.uint8
+    on_device = task.to_device(batch, torch.device("cpu"))["image"]
+    assert torch.allclose(on_device, (batch["image"].float() / 255 - 0.25) / 0.5, atol=1e-5)
+    model = task.build_model()
+    assert next(model.parameters()).shape[1] == 1  # the first convolution takes one channel
+    weights = tmp_path / "grey.pt"
+    torch.save(model.state_dict(), weights)
+
+    spec_file = write_spec(tmp_path / "second", digits, task={"options": {**grey, "weights": str(weights)}},
+                           train={"max_steps": 2}, logging={"progress": False})
+    started = load_task(load_spec(spec_file).spec)
+    fresh = started.build_model()
+    started.load_weights(fresh)
+    assert same_weights(fresh.state_dict(), model.state_dict()) == []
+    summary = train_here(spec_file)
+    assert summary.status == "completed" and "val/accuracy" in summary.metrics
+
+
+def test_image_options_that_do_not_fit_are_refused_with_their_path(tmp_path: Path, digits) -> None:
+    def problems(options: dict) -> str:
+        with pytest.raises(SpecError) as refused:
+            load_spec(write_spec(tmp_path, digits, task={"options": options}))
+        return str(refused.value)
+
+    assert "task.options.channels" in problems({"channels": 2})
+    assert "mean has 3 value(s) for 1 channel(s)" in problems({"model": "small_cnn", "channels": 1, "mean": [0.5, 0.5, 0.5]})
+    assert "model resnet18 (torchvision) takes 3 channels, not 1" in problems({"model": "resnet18", "channels": 1})
+    assert "std values must be greater than 0" in problems({"std": [0.2, 0.0, 0.2]})
+    spec = load_spec(write_spec(tmp_path, digits, task={"options": {"model": "small_cnn", "weights": str(tmp_path / "none.pt")}})).spec
+    with pytest.raises(UserError, match=r"task.options.weights: .*none.pt does not exist"):
+        load_task(spec).load_weights(load_task(spec).build_model())
+    other = tmp_path / "other.pt"
+    torch.save(torch.nn.Linear(2, 2).state_dict(), other)
+    spec = load_spec(write_spec(tmp_path, digits, task={"options": {"model": "small_cnn", "weights": str(other)}})).spec
+    with pytest.raises(UserError, match=r"other.pt does not fit this model"):
+        load_task(spec).load_weights(load_task(spec).build_model())

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,11 +38,23 @@ EVAL_CROP_FRACTION = 0.875
 AUGMENTS = ("crop_flip", "crop", "none")
 
 
-def normalize(images: torch.Tensor) -> torch.Tensor:
-    """uint8 [B, 3, H, W] on any device -> float32 normalised with the ImageNet mean and std."""
-    mean = torch.tensor(IMAGENET_MEAN, device=images.device, dtype=torch.float32).view(1, 3, 1, 1) * 255
-    std = torch.tensor(IMAGENET_STD, device=images.device, dtype=torch.float32).view(1, 3, 1, 1) * 255
-    return (images.float() - mean) / std
+def normalize(images: torch.Tensor, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD) -> torch.Tensor:
+    """uint8 [B, C, H, W] on any device -> float32 normalised per channel (``mean`` and ``std`` of
+    pixels in [0, 1], one value per channel; ImageNet's by default)."""
+    channels = images.shape[1]
+    mean_t = torch.tensor(mean, device=images.device, dtype=torch.float32).view(1, channels, 1, 1) * 255
+    std_t = torch.tensor(std, device=images.device, dtype=torch.float32).view(1, channels, 1, 1) * 255
+    return (images.float() - mean_t) / std_t
+
+
+# ITU-R BT.601 luma, as PIL's convert("L") weighs red, green and blue.
+LUMA = (0.299, 0.587, 0.114)
+
+
+def to_grey(image: torch.Tensor) -> torch.Tensor:
+    """uint8 [3, H, W] -> uint8 [1, H, W] grey levels."""
+    red, green, blue = image.float()
+    return (red * LUMA[0] + green * LUMA[1] + blue * LUMA[2]).round_().clamp_(0, 255).to(torch.uint8).unsqueeze(0)
 
 
 @dataclass(frozen=True)

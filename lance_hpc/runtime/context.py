@@ -268,11 +268,15 @@ class Context:
                                       self.world_size, pin_memory=self.device.type == "cuda")
 
     def build_model(self) -> nn.Module:
-        """The task's model on this rank's device, as the task prepares it. A resumed job checks first
-        that its checkpoint was written for the same task and model (register it to restore it)."""
+        """The task's model on this rank's device, as the task prepares it, with the initial weights
+        its options name. A resumed job checks instead that its checkpoint was written for the same
+        task and model (register the model to restore it)."""
+        model = self.task.build_model()
         if self._resumed is not None:
             checkpoint.check_same_model(self._resumed, self.spec, self.task.options)
-        return self.task.prepare_model(self.task.build_model(), self.device)
+        else:
+            self.task.load_weights(model)
+        return self.task.prepare_model(model, self.device)
 
     def wrap(self, model: nn.Module) -> DistributedDataParallel:
         """``model`` on this rank's device, wrapped for DDP (call it before building the optimizer)."""

@@ -132,6 +132,10 @@ class Task(ABC, Generic[OptionsT]):
     def build_model(self) -> nn.Module:
         """A freshly initialised model (every rank seeds the same, so all start equal)."""
 
+    def load_weights(self, model: nn.Module) -> None:
+        """Give a fresh model its initial weights when the options name a file (a resumed job's
+        checkpoint replaces them); by default nothing."""
+
     def to_device(self, batch: Batch, device: torch.device) -> Batch:
         """Move (and normalise) a batch on the device; uint8 data crosses as uint8."""
         return {name: value.to(device, non_blocking=True) for name, value in batch.items()}

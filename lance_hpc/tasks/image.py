@@ -9,19 +9,23 @@ normalises on the device (4x fewer bytes cross to it than float pixels would).
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import numpy as np
 import pyarrow as pa
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from torch import nn
 
 from lance_hpc.data.decode import (
     AUGMENTS,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
     Transform,
     binary_values,
     decode_pixels,
     normalize,
+    to_grey,
 )
 from lance_hpc.data.ingest import CLASS_NAMES_KEY
 from lance_hpc.tasks.base import (
@@ -34,7 +38,7 @@ from lance_hpc.tasks.base import (
     TaskOptions,
     column_problems,
 )
-from lance_hpc.tasks.models import build_model, model_problem
+from lance_hpc.tasks.models import build_model, channels_problem, load_weights_file, model_problem
 
 # Upper bounds of the options: past them a spec would pass validation and then fail on every rank
 # allocating its batches or its model. 4096 px a side is 48 MiB per uint8 image, well past any
@@ -51,6 +55,35 @@ class ImageOptions(TaskOptions):
     model: str = Field("resnet18", description="small_cnn, a torchvision classification model, or my_pkg.models:build.")
     num_classes: int | None = Field(None, ge=2, le=MAX_CLASSES, description="Classes; null reads them from the dataset.")
     channels_last: bool = Field(True, description="Channels-last memory format on GPU (faster convolutions).")
+    channels: Literal[1, 3] = Field(3, description="3 (RGB) or 1 (grey levels, BT.601 luma): the channels the model sees.")
+    mean: list[float] | None = Field(
+        None, description="Per-channel mean of pixels in [0, 1] subtracted on the device; null: ImageNet's (3 channels) or 0.5."
+    )
+    std: list[float] | None = Field(
+        None, description="Per-channel standard deviation the pixels are divided by; null: ImageNet's (3 channels) or 0.5."
+    )
+    weights: str | None = Field(
+        None, description="Initial weights from a local file (a state_dict saved with torch.save, or a lance_hpc checkpoint); "
+        "never downloaded; a resumed job takes its checkpoint's instead."
+    )
+
+    @model_validator(mode="after")
+    def _fits_the_channels(self) -> ImageOptions:
+        for name in ("mean", "std"):
+            values = getattr(self, name)
+            if values is not None and len(values) != self.channels:
+                raise ValueError(f"{name} has {len(values)} value(s) for {self.channels} channel(s): give one per channel")
+        if self.std is not None and any(value <= 0 for value in self.std):
+            raise ValueError("std values must be greater than 0")
+        problem = channels_problem(self.model, self.channels)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    def normalization(self) -> tuple[list[float], list[float]]:
+        """(mean, std) per channel, defaults filled in."""
+        default_mean, default_std = (list(IMAGENET_MEAN), list(IMAGENET_STD)) if self.channels == 3 else ([0.5], [0.5])
+        return self.mean or default_mean, self.std or default_std
 
     @field_validator("augment")
     @classmethod
@@ -71,13 +104,16 @@ class ImageOptions(TaskOptions):
 class ImageDecoder(Decoder):
     """Worker half: decode, crop/resize (seeded per batch), label as int64."""
 
-    def __init__(self, image_column: str, label_column: str, transform: Transform) -> None:
+    def __init__(self, image_column: str, label_column: str, transform: Transform, channels: int = 3) -> None:
         self.image_column, self.label_column, self.transform = image_column, label_column, transform
         self.columns = (image_column, label_column)
+        self.channels = channels
 
     def fields(self) -> dict[str, FieldSpec]:
         size = self.transform.image_size
-        return {"image": FieldSpec((3, size, size), torch.uint8, memory_order=(1, 2, 0)),
+        # channels-last lets a decoded H x W x 3 image be copied as it is; one channel has no such order
+        order = (1, 2, 0) if self.channels == 3 else None
+        return {"image": FieldSpec((self.channels, size, size), torch.uint8, memory_order=order),
                 "label": FieldSpec((), torch.int64)}
 
     def decode(self, table: pa.Table, out: Batch, rng: np.random.Generator) -> dict[int, str]:
@@ -89,7 +125,8 @@ class ImageDecoder(Decoder):
             try:
                 if not valid[index]:
                     raise ValueError("null image")
-                images[index].copy_(self.transform(decode_pixels(values[offsets[index] : offsets[index + 1]]), rng))
+                image = self.transform(decode_pixels(values[offsets[index] : offsets[index + 1]]), rng)
+                images[index].copy_(to_grey(image) if self.channels == 1 else image)
             except ValueError as error:
                 bad[index] = str(error)
         return bad
@@ -129,10 +166,14 @@ class ImageClassification(Task[ImageOptions]):
 
     def decoder(self, train: bool) -> ImageDecoder:
         transform = Transform(self.options.image_size, train=train, augment=self.options.augment)
-        return ImageDecoder(self.options.image_column, self.options.label_column, transform)
+        return ImageDecoder(self.options.image_column, self.options.label_column, transform, self.options.channels)
 
     def build_model(self) -> nn.Module:
-        return build_model(self.options.model, self.num_classes)
+        return build_model(self.options.model, self.num_classes, self.options.channels)
+
+    def load_weights(self, model: nn.Module) -> None:
+        if self.options.weights is not None:
+            load_weights_file(model, self.options.weights)
 
     def _memory_format(self, device: torch.device) -> torch.memory_format:
         channels_last = device.type == "cuda" and self.options.channels_last
@@ -142,7 +183,8 @@ class ImageClassification(Task[ImageOptions]):
         return model.to(device).to(memory_format=self._memory_format(device))
 
     def to_device(self, batch: Batch, device: torch.device) -> Batch:
-        images = normalize(batch["image"].to(device, non_blocking=True))
+        mean, std = self.options.normalization()
+        images = normalize(batch["image"].to(device, non_blocking=True), mean, std)
         return {"image": images.contiguous(memory_format=self._memory_format(device)),
                 "label": batch["label"].to(device, non_blocking=True)}
 

@@ -1,6 +1,6 @@
 """Image classifiers by name: the built-in ``small_cnn``, any torchvision classification model
 (``resnet50``, ``convnext_tiny``, ``vit_b_16``, ...; never pretrained), or a factory by import path
-(``my_pkg.models:build``, called with ``num_classes``)."""
+(``my_pkg.models:build``, called with ``num_classes``, and ``channels`` when they are not 3)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from lance_hpc.errors import UserError
 from lance_hpc.imports import is_import_path, load_callable
 
 
-def small_cnn(num_classes: int) -> nn.Module:
+def small_cnn(num_classes: int, channels: int = 3) -> nn.Module:
     """Three conv-BN-ReLU blocks and a linear head: trains on small images in seconds on a CPU."""
 
     def block(inputs: int, outputs: int) -> list[nn.Module]:
         return [nn.Conv2d(inputs, outputs, 3, padding=1, bias=False), nn.BatchNorm2d(outputs), nn.ReLU(inplace=True)]
 
     return nn.Sequential(
-        *block(3, 32),
+        *block(channels, 32),
         nn.MaxPool2d(2),
         *block(32, 64),
         nn.MaxPool2d(2),
@@ -30,7 +30,7 @@ def small_cnn(num_classes: int) -> nn.Module:
     )
 
 
-BUILT_IN: dict[str, Callable[[int], nn.Module]] = {"small_cnn": small_cnn}
+BUILT_IN: dict[str, Callable[..., nn.Module]] = {"small_cnn": small_cnn}
 
 
 def torchvision_models() -> list[str]:
@@ -52,12 +52,29 @@ def model_problem(name: str) -> str | None:
             f"({', '.join(known[:6])}, ... {len(known)} in all), or a factory by import path (my_pkg.models:build)")
 
 
-def build_model(name: str, num_classes: int) -> nn.Module:
-    """A freshly initialised classifier with ``num_classes`` outputs."""
+def channels_problem(name: str, channels: int) -> str | None:
+    """Why model ``name`` cannot take ``channels`` input channels, or None."""
+    if channels == 3 or name in BUILT_IN or is_import_path(name):
+        return None
+    return (f"model {name} (torchvision) takes 3 channels, not {channels}; use small_cnn or your own factory "
+            f"(my_pkg.models:build, called with channels={channels}), or set channels: 3")
+
+
+def build_model(name: str, num_classes: int, channels: int = 3) -> nn.Module:
+    """A freshly initialised classifier of ``channels``-channel images with ``num_classes`` outputs."""
+    extra = {} if channels == 3 else {"channels": channels}
     if name in BUILT_IN:
-        return BUILT_IN[name](num_classes)
+        return BUILT_IN[name](num_classes, **extra)
     if is_import_path(name):
-        model = load_callable(name, "task.options.model")(num_classes=num_classes)
+        factory = load_callable(name, "task.options.model")
+        try:
+            model = factory(num_classes=num_classes, **extra)
+        except TypeError as error:
+            if not extra or "channels" not in str(error):
+                raise
+            raise UserError(f"task.options.model: {name} takes no channels argument ({error})\n"
+                            "  fix: give it a channels parameter (def build(num_classes, channels=3)), or set "
+                            "task.options.channels: 3") from None
         if not isinstance(model, nn.Module):
             raise UserError(f"task.options.model: {name} returned a {type(model).__name__}, not a torch.nn.Module")
         return model
@@ -67,3 +84,29 @@ def build_model(name: str, num_classes: int) -> nn.Module:
     import torchvision
 
     return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+
+
+def load_weights_file(model: nn.Module, path: str) -> None:
+    """Load ``path`` into ``model``: a state_dict saved with torch.save, or a lance_hpc checkpoint
+    (its registered ``model``). Read with weights_only, so the file runs no code."""
+    import torch
+
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise UserError(f"task.options.weights: {path} does not exist\n  fix: give the path of a file every node "
+                        "can read (a shared file system), or remove task.options.weights") from None
+    except Exception as error:
+        raise UserError(f"task.options.weights: cannot read {path}: {type(error).__name__}: {error}\n"
+                        "  fix: save the weights with torch.save(model.state_dict(), path)") from None
+    if isinstance(saved, dict) and isinstance(saved.get("objects"), dict) and "model" in saved["objects"]:
+        saved = saved["objects"]["model"]  # a lance_hpc checkpoint
+    elif isinstance(saved, dict) and isinstance(saved.get("model"), dict):
+        saved = saved["model"]  # a checkpoint of the earlier built-in trainer
+    try:
+        model.load_state_dict(saved)
+    except (RuntimeError, TypeError, AttributeError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UserError(f"task.options.weights: {path} does not fit this model: {first}\n"
+                        "  fix: point it at weights saved from the same model (task.options.model, channels, "
+                        "num_classes)") from None

@@ -14,8 +14,11 @@ import torch
 import yaml
 
 from lance_hpc.data import build_train_loader, ensure_dataset, load_task
-from lance_hpc.runtime import checkpoint
-from lance_hpc.spec import DataSpec, IngestSpec, JobSpec
+from lance_hpc.runtime import checkpoint, trainer
+from lance_hpc.runtime.context import Summary, run_entry
+from lance_hpc.runtime.environment import detect, process_group
+from lance_hpc.runtime.preemption import Preemption
+from lance_hpc.spec import DataSpec, IngestSpec, JobSpec, load_spec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FINAL_ACCURACY = re.compile(r"final validation accuracy: ([0-9.]+)")
@@ -123,3 +126,10 @@ def assert_epoch_resumes_in_place(spec: JobSpec, ranks: list[dict[str, Any]]) ->
         for batch, expected_batch in zip(rest, expected):
             assert batch.keys() == expected_batch.keys()
             assert all(torch.equal(batch[name], expected_batch[name]) for name in batch)
+
+
+def train_here(spec_file: Path) -> Summary:
+    """The built-in trainer in this process, as rank 0 of 1."""
+    spec = load_spec(spec_file).spec
+    with Preemption() as preemption, process_group(detect({}), spec.train.collective_timeout_s) as device:
+        return run_entry(trainer.train, spec, detect({}), device, preemption, load_task(spec))
