@@ -22,7 +22,6 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from lance_hpc.data.reader import ReadStats
 from lance_hpc.errors import UserError
 from lance_hpc.spec import CacheSpec, SpecError, load_spec_text
 from lance_hpc.storage import cache
@@ -42,6 +41,7 @@ from lance_hpc.storage.cache import (
     open_cache,
     user_directory,
 )
+from lance_hpc.storage.datasets import ReadStats
 from lance_hpc.storage.files import replaced_atomically
 from lance_hpc.storage.options import storage_options
 from tests.test_data_loader import spec, train_loader, write_dataset

@@ -11,9 +11,10 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 
 from lance_hpc.bench.resources import descendants
-from lance_hpc.data.reader import ROW_ID_FIELD, ReadStats
+from lance_hpc.data.reader import ROW_ID_FIELD
 from lance_hpc.data.transport import BufferPool
 from lance_hpc.spec import DataSpec
+from lance_hpc.storage.datasets import ReadStats
 from lance_hpc.tasks.base import ROW_ID
 from tests.test_data_loader import image_decoder, train_loader, write_dataset
 

@@ -14,9 +14,10 @@ from typing import Iterator
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from lance_hpc.data.reader import BatchReader, ReadStats
+from lance_hpc.data.reader import BatchReader
 from lance_hpc.data.sampling import EpochPlanner, worker_steps
 from lance_hpc.data.transport import SharedBatch
+from lance_hpc.storage.datasets import ReadStats
 from lance_hpc.tasks.base import Batch
 
 

@@ -32,7 +32,7 @@ from lance_hpc.data.mapstyle import (
     PlanBatchSampler,
     ahead_of,
 )
-from lance_hpc.data.reader import BatchReader, ReadStats, fragment_table, keep_batch
+from lance_hpc.data.reader import BatchReader, fragment_table, keep_batch
 from lance_hpc.data.sampling import (
     DataPlan,
     EpochOrigin,
@@ -48,7 +48,7 @@ from lance_hpc.data.sampling import (
 from lance_hpc.errors import UserError
 from lance_hpc.runtime.preemption import PREEMPTION_SIGNALS
 from lance_hpc.spec import DataSpec, JobSpec
-from lance_hpc.storage.datasets import open_dataset
+from lance_hpc.storage.datasets import ReadStats, open_dataset
 from lance_hpc.storage.options import storage_options
 from lance_hpc.tasks import Task, build_task
 from lance_hpc.tasks.base import Batch, DatasetInfo, Decoder

@@ -14,8 +14,9 @@ from typing import Callable, Iterator
 import numpy as np
 from torch.utils.data import Dataset, Sampler
 
-from lance_hpc.data.reader import BatchReader, ReadStats
+from lance_hpc.data.reader import BatchReader
 from lance_hpc.data.transport import SharedBatch
+from lance_hpc.storage.datasets import ReadStats
 from lance_hpc.tasks.base import Batch
 
 # (epoch, batch index in the epoch, row ids, row ids of the batches the same worker reads next)

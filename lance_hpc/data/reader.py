@@ -29,7 +29,7 @@ from lance_hpc.data.sampling import FragmentTable
 from lance_hpc.data.transport import SharedBatch, worker_pool
 from lance_hpc.errors import UserError
 from lance_hpc.storage.cache import open_cache
-from lance_hpc.storage.datasets import open_dataset
+from lance_hpc.storage.datasets import Dataset, ReadStats, open_dataset
 from lance_hpc.storage.integrity import explain_read_error
 from lance_hpc.storage.retry import retrying
 from lance_hpc.tasks.base import ROW_ID, Batch, Decoder, FieldSpec
@@ -46,24 +46,6 @@ class CorruptRowError(UserError):
 
 
 @dataclass
-class ReadStats:
-    """What reading batches took besides the rows, summed over batches: corrupt rows replaced
-    (``on_corrupt: skip``), requests to the store that were retried, and rows read from the
-    node-local cache (hits) or, with a cache, from the store (misses)."""
-
-    skipped: int = 0
-    retries: int = 0
-    cache_hits: int = 0
-    cache_misses: int = 0
-
-    def add(self, other: ReadStats) -> None:
-        self.skipped += other.skipped
-        self.retries += other.retries
-        self.cache_hits += other.cache_hits
-        self.cache_misses += other.cache_misses
-
-
-@dataclass
 class BatchReader:
     """Reads and decodes batches of row ids; holds an open dataset only after first use."""
 
@@ -77,7 +59,7 @@ class BatchReader:
     io_depth: int = 0  # batches read ahead on background threads
     cache: CacheSpec | None = None  # the node-local cache, opened per process on first take
     io_timeout_s: float = 120.0  # how long a take keeps retrying a failing store
-    _dataset: Any = field(default=None, repr=False, compare=False)
+    _dataset: Dataset | None = field(default=None, repr=False, compare=False)
     _ahead: Any = field(default=None, repr=False, compare=False)  # ReadAhead, per process
 
     def __getstate__(self) -> dict[str, Any]:
@@ -87,7 +69,7 @@ class BatchReader:
         return state
 
     @property
-    def dataset(self) -> Any:
+    def dataset(self) -> Dataset:
         if self._dataset is None:
             self._dataset = open_dataset(self.uri, self.version, self.options, self.io_timeout_s, self.rank)
         return self._dataset
@@ -216,7 +198,7 @@ def apply_corrupt_policy(batch: Batch, bad: dict[int, str], on_corrupt: str, dat
     return len(bad)
 
 
-def fragment_table(dataset: Any) -> FragmentTable:
+def fragment_table(dataset: Dataset) -> FragmentTable:
     """Fragment ids and live row counts from the manifest (no data files read)."""
     fragments = dataset.get_fragments()
     rows = []

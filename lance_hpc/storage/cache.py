@@ -58,6 +58,7 @@ from pyarrow import fs
 
 from lance_hpc.errors import UserError
 from lance_hpc.storage.checkpoint_store import filesystem_arguments
+from lance_hpc.storage.datasets import Dataset, ReadStats
 from lance_hpc.storage.files import replaced_atomically
 
 log = logging.getLogger("lance_hpc.data")
@@ -421,7 +422,7 @@ _open: dict[tuple, NodeCache] = {}
 
 
 def open_cache(directory: str, max_gb: float, uri: str, version: int, options: Mapping[str, str],
-               dataset: Callable[[], Any]) -> NodeCache:
+               dataset: Callable[[], Dataset]) -> NodeCache:
     """This process's :class:`NodeCache` of ``uri`` at ``version`` (opened on first use; threads
     share it). ``dataset``: the dataset opened on the store, asked for only on first use."""
     key = (os.getpid(), directory, max_gb, uri, version, options.get("endpoint"))
@@ -516,7 +517,7 @@ class NodeCache:
         """Wait until every fetch asked for so far has ended."""
         self.todo.join()
 
-    def take(self, row_ids: np.ndarray, columns: list[str], stats: Any, from_store: Callable[[np.ndarray], Any]) -> Any:
+    def take(self, row_ids: np.ndarray, columns: list[str], stats: ReadStats, from_store: Callable[[np.ndarray], Any]) -> Any:
         """``columns`` of ``row_ids`` (sorted, unique): rows of cached fragments from local disk,
         the others through ``from_store``; counts rows in ``stats.cache_hits`` / ``cache_misses``."""
         if self.local is None:

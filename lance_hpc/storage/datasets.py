@@ -8,8 +8,11 @@ workers); they are never printed: every message that could echo an option is red
 from __future__ import annotations
 
 import socket
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, Mapping, Protocol
 from urllib.parse import urlparse
+
+import pyarrow as pa
 
 from lance_hpc.errors import UserError
 from lance_hpc.storage.options import (
@@ -19,6 +22,65 @@ from lance_hpc.storage.options import (
     redact,
 )
 from lance_hpc.storage.retry import retrying
+
+
+class Fragment(Protocol):
+    """The part of a Lance fragment that lance_hpc reads through."""
+
+    @property
+    def fragment_id(self) -> int: ...
+
+    @property
+    def metadata(self) -> Any: ...
+
+    def count_rows(self, filter: Any = None) -> int: ...
+
+    def take(self, indices: Any, columns: Any = None) -> pa.Table: ...
+
+
+class Dataset(Protocol):
+    """The part of ``lance.LanceDataset`` that lance_hpc reads through (a version of a dataset)."""
+
+    @property
+    def uri(self) -> str: ...
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def latest_version(self) -> int: ...
+
+    @property
+    def schema(self) -> pa.Schema: ...
+
+    def count_rows(self, filter: Any = None) -> int: ...
+
+    def get_fragments(self, filter: Any = None) -> list[Any]: ...
+
+    def get_fragment(self, fragment_id: int) -> Any: ...
+
+    def take(self, indices: Any, columns: Any = None) -> pa.Table: ...
+
+    def to_table(self, columns: Any = None) -> pa.Table: ...
+
+
+@dataclass
+class ReadStats:
+    """What reading batches took besides the rows, summed over batches: corrupt rows replaced
+    (``on_corrupt: skip``), requests to the store that were retried, and rows read from the
+    node-local cache (hits) or, with a cache, from the store (misses)."""
+
+    skipped: int = 0
+    retries: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+
+    def add(self, other: ReadStats) -> None:
+        self.skipped += other.skipped
+        self.retries += other.retries
+        self.cache_hits += other.cache_hits
+        self.cache_misses += other.cache_misses
+
 
 
 def dataset_error(error: Exception, uri: str, options: Mapping[str, str], version: int | None = None) -> UserError:
@@ -52,7 +114,7 @@ def _code(text: str) -> str:
 
 
 def open_dataset(uri: str, version: int | None = None, options: Mapping[str, str] | None = None,
-                 timeout_s: float | None = None, rank: int = 0) -> Any:
+                 timeout_s: float | None = None, rank: int = 0) -> Dataset:
     """``lance.dataset`` with errors turned into UserErrors that say how to fix them. With
     ``timeout_s`` (a rank opening its data: data.io_timeout_s), transient store errors are retried
     and a store that fails or hangs for that long raises StoreUnavailable, as a failing read does."""

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict
 from torch import nn
 
 from lance_hpc.errors import UserError
+from lance_hpc.storage.datasets import Dataset
 
 Batch = dict[str, torch.Tensor]
 ROW_ID = "row_id"  # the field the reader adds to every batch: the dataset row each sample came from
@@ -84,7 +85,7 @@ class DatasetInfo:
     uri: str
     schema: pa.Schema
     rows: int
-    dataset: Any = field(repr=False, default=None)  # the open lance.LanceDataset, to read a column
+    dataset: Dataset | None = field(repr=False, default=None)  # the open dataset, to read a column
 
     @property
     def metadata(self) -> dict[str, str]:

@@ -205,6 +205,8 @@ def class_names(info: DatasetInfo, label_column: str) -> list[str]:
     names = info.metadata.get(CLASS_NAMES_KEY.decode())
     if names is not None:
         return [str(name) for name in json.loads(names)]
+    if info.dataset is None:
+        raise TaskError("image_classification", [f"{info.uri} records no class names and is not open to count its labels"])
     labels = info.dataset.to_table(columns=[label_column]).column(label_column)
     top = labels.to_numpy().max() if len(labels) else -1
     return [str(label) for label in range(int(top) + 1)]
