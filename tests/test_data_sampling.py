@@ -14,19 +14,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from lance_hpc.data.sampling import (
-    EpochOrigin,
-    FragmentTable,
-    ResumedEpoch,
-    Segment,
-    epoch_batches,
-    eval_batches,
-    plan_from_table,
-    rank_share,
-    remainder_share_rows,
-    rows_read,
-    worker_steps,
-)
+from lance_hpc.data.resume import EpochOrigin, ResumedEpoch, Segment, remainder_share_rows, rows_read
+from lance_hpc.data.sampling import FragmentTable, epoch_batches, eval_batches, plan_from_table, rank_share, worker_steps
 
 TRAIN_SAMPLERS = ("distributed", "sharded_batch", "sharded_fragment")
 REFERENCE_LAYOUT = [12_500] * 6 + [750]  # the reference example's Food101 train set

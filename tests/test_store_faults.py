@@ -23,7 +23,7 @@ import pytest
 
 from lance_hpc.data import ensure_dataset, preflight
 from lance_hpc.data.ingest import schema_for
-from lance_hpc.data.loader import kill_workers
+from lance_hpc.data.workers import kill_workers
 from lance_hpc.errors import UserError, worker_message
 from lance_hpc.runtime import checkpoint
 from lance_hpc.spec import DataSpec, IngestSpec, SpecError, validate_spec

@@ -13,10 +13,10 @@ from lance_hpc.data.loader import (
     build_train_loader,
     dataset_info,
     load_task,
-    worker_context,
 )
 from lance_hpc.data.plan import plan_data, preflight
 from lance_hpc.data.sampling import DataPlan
+from lance_hpc.data.workers import worker_context
 
 __all__ = [
     "DataPlan",

@@ -1,6 +1,6 @@
 """The loaders the trainer uses: :func:`build_train_loader` and :func:`build_eval_loader`.
 
-Workers fork from a server process that imported torch once (:func:`worker_context`), open the
+Workers fork from a server process that imported torch once (:mod:`lance_hpc.data.workers`), open the
 dataset lazily with the full options, run one intra-op thread each, and persist across epochs.
 Both take the task's worker half (a :class:`~lance_hpc.tasks.base.Decoder`) and yield batches as
 dicts of tensors, each with a ``row_id`` field. The train loader yields exactly
@@ -9,21 +9,12 @@ dicts of tensors, each with a ``row_id`` field. The train loader yields exactly
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import logging
-import multiprocessing
-import os
-import signal
-import threading
 from dataclasses import replace
-from multiprocessing import forkserver
-from multiprocessing.context import BaseContext, ForkServerProcess
 from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
 
 from lance_hpc.data.iterable import LanceIterableDataset
 from lance_hpc.data.mapstyle import (
@@ -32,21 +23,11 @@ from lance_hpc.data.mapstyle import (
     PlanBatchSampler,
     ahead_of,
 )
-from lance_hpc.data.reader import BatchReader, fragment_table, keep_batch
-from lance_hpc.data.sampling import (
-    DataPlan,
-    EpochOrigin,
-    EpochPlanner,
-    ResumedEpoch,
-    Segment,
-    epoch_planner,
-    eval_batches,
-    plan_from_table,
-    remainder_share_rows,
-    rows_read,
-)
+from lance_hpc.data.reader import BatchReader, fragment_table
+from lance_hpc.data.resume import EpochOrigin, ResumedEpoch, Segment, remainder_share_rows, rows_read
+from lance_hpc.data.sampling import DataPlan, EpochPlanner, epoch_planner, eval_batches, plan_from_table
+from lance_hpc.data.workers import data_loader, stop_workers_after_failure, worker_context
 from lance_hpc.errors import UserError
-from lance_hpc.runtime.preemption import PREEMPTION_SIGNALS
 from lance_hpc.spec import DataSpec, JobSpec
 from lance_hpc.storage.datasets import ReadStats, open_dataset
 from lance_hpc.storage.options import storage_options
@@ -55,107 +36,6 @@ from lance_hpc.tasks.base import Batch, DatasetInfo, Decoder
 
 log = logging.getLogger("lance_hpc.data")
 STATE_VERSION = 2
-# What the worker server imports before any worker forks from it. Not Lance: a process that has
-# used Lance must not fork, so each worker imports it after the fork.
-WORKER_PRELOAD = ("torch", "numpy", "simplejpeg", "PIL.Image", "pydantic")
-# SLURM sends its preemption warning (USR2) and SIGTERM (scancel, time limit) to every process of a
-# job step. The rank process turns them into a checkpoint at the next step boundary; the worker
-# server and the workers must not die of them first, which would fail the epoch instead (and lose
-# the batches they already prepared). SIGKILL, which follows SIGTERM, still ends them. The same
-# holds for SIGINT (Ctrl-C), which a terminal sends to every process of its foreground group.
-RANK_SIGNALS = PREEMPTION_SIGNALS
-
-
-def worker_context() -> BaseContext:
-    """Where DataLoader workers come from: forked from a server process ("forkserver") that has
-    already imported torch, so a worker is ready in a fraction of a second rather than the seconds
-    a fresh interpreter takes to import torch (which "spawn" pays in every worker, every job).
-
-    The server starts on the first call and imports in the background, so calling this early
-    (before building the model) overlaps that import with other setup. It serves every loader of
-    the process; workers get the environment of the moment it started, and ignore USR2 and
-    SIGTERM (:data:`RANK_SIGNALS`), which are the rank process's to handle.
-    """
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(WORKER_PRELOAD))
-    atexit.unregister(kill_workers)  # registered once, and after multiprocessing's own exit hook,
-    atexit.register(kill_workers)  # so that it runs first
-    if threading.current_thread() is not threading.main_thread():
-        forkserver.ensure_running()  # signal dispositions can only be set from the main thread
-        return context
-    previous = {number: signal.signal(number, signal.SIG_IGN) for number in RANK_SIGNALS}
-    try:
-        forkserver.ensure_running()  # an ignored signal stays ignored in the server and its forks
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
-    return context
-
-
-def kill_workers() -> None:
-    """SIGKILL this process's DataLoader workers that are still alive: its daemonic children from
-    the worker server, which multiprocessing would only SIGTERM at exit. Workers ignore SIGTERM
-    (the rank's to handle), so a loader that never told them to stop (one held by a traceback, or
-    still iterating when the program ends) would make multiprocessing's exit hook, which
-    terminates and then joins every child, wait for them forever. Runs at interpreter exit (see
-    :func:`worker_context`), after a failed run too; the workers hold nothing to save."""
-    for child in multiprocessing.active_children():
-        if isinstance(child, ForkServerProcess) and child.daemon:
-            child.kill()
-            child.join(timeout=10)
-
-
-def stop_workers_after_failure(loader: DataLoader, batches: Iterator[Any]) -> None:
-    """Kill the workers of ``batches`` (an iterator of ``loader``) after a read failed for good.
-
-    Workers ignore SIGTERM (the rank's to handle), so the DataLoader's own shutdown, which joins
-    each worker for seconds and then sends SIGTERM, would hold a program that goes on after the
-    error for 10 s per loader. The workers hold nothing to save; a later pass starts new ones."""
-    for worker in getattr(batches, "_workers", ()):
-        if worker.is_alive():
-            worker.kill()
-    shutdown = getattr(batches, "_shutdown_workers", None)
-    if shutdown is not None:
-        shutdown()
-    if getattr(loader, "_iterator", None) is batches:  # persistent workers: the next pass must not reuse them
-        loader._iterator = None
-
-
-def init_worker(_worker_id: int) -> None:
-    """DataLoader worker setup: one intra-op thread per worker, so workers do not oversubscribe;
-    :data:`RANK_SIGNALS` ignored (torch's worker setup makes SIGTERM fatal); and no hold on the
-    worker server's life (see :func:`release_forkserver`)."""
-    torch.set_num_threads(1)
-    for number in RANK_SIGNALS:
-        signal.signal(number, signal.SIG_IGN)
-    release_forkserver()
-
-
-def release_forkserver() -> None:
-    """A process forked by multiprocessing's forkserver inherits the write end of the pipe whose
-    closing tells the server that the rank process is gone. Held by a worker, it keeps the server
-    (the worker's parent) alive after the rank process dies, so torch's parent watchdog never
-    stops the worker: orphans holding memory and data. Closed here, the server exits with the
-    rank process and the workers follow it."""
-    server = getattr(forkserver, "_forkserver", None)
-    descriptor = getattr(server, "_forkserver_alive_fd", None)
-    if server is not None and descriptor is not None:
-        with contextlib.suppress(OSError):
-            os.close(descriptor)
-        server._forkserver_alive_fd = None
-
-
-def _data_loader(dataset: Any, data: DataSpec, pin_memory: bool, persistent: bool, **kwargs: Any) -> DataLoader:
-    workers = data.num_workers
-    extra: dict[str, Any] = {}
-    if workers > 0:
-        extra = dict(
-            multiprocessing_context=worker_context(),
-            persistent_workers=persistent,
-            prefetch_factor=data.prefetch_factor,
-            worker_init_fn=init_worker,
-        )
-    return DataLoader(dataset, num_workers=workers, pin_memory=pin_memory, collate_fn=keep_batch, **extra, **kwargs)
 
 
 def _open(data: DataSpec, uri: str) -> tuple[Any, dict[str, str]]:
@@ -181,7 +61,7 @@ class TrainLoader:
     Every rank yields exactly :attr:`steps_per_epoch` batches per epoch (computed from fragment
     metadata, the same on every rank); a short read is an error, never a silent early stop.
     Restored from a position saved at another world size or batch size, it reads the rest of the
-    interrupted epoch exactly once (:class:`~lance_hpc.data.sampling.ResumedEpoch`), then plans
+    interrupted epoch exactly once (:class:`~lance_hpc.data.resume.ResumedEpoch`), then plans
     the following epochs for its own layout.
     """
 
@@ -217,10 +97,10 @@ class TrainLoader:
         if data.style == "map":
             self._epoch_source = PlanBatchSampler(planner, self.plan.steps_per_rank, data.num_workers, data.io_depth)
             dataset_object = LanceMapDataset(reader, self.plan.rows)
-            self._loader = _data_loader(dataset_object, data, pin_memory, True, batch_sampler=self._epoch_source)
+            self._loader = data_loader(dataset_object, data, pin_memory, True, batch_sampler=self._epoch_source)
         else:
             self._epoch_source = LanceIterableDataset(reader, planner)
-            self._loader = _data_loader(self._epoch_source, data, pin_memory, True, batch_size=None)
+            self._loader = data_loader(self._epoch_source, data, pin_memory, True, batch_size=None)
         self.epoch = 0
         self.consumed = 0  # batches of self.epoch handed to the trainer
         self._resume_at = 0
@@ -391,7 +271,7 @@ class EvalLoader:
         self.rows = sum(len(batch) for batch in self.batches)
         reader = BatchReader(data.val_uri, self.dataset_version, options, decoder, data.on_corrupt, data.seed, rank,
                              data.io_depth, data.cache, io_timeout(data))
-        self._loader = _data_loader(
+        self._loader = data_loader(
             LanceMapDataset(reader, rows), data, pin_memory, True,
             batch_sampler=_FixedBatches(self.batches, data.num_workers, data.io_depth),
         )
