@@ -328,7 +328,7 @@ def test_an_outage_longer_than_io_timeout_stops_every_rank_with_one_message(s3_d
     assert f"rows of {s3_digits.train} was tried" in messages[0] and f"data.io_timeout_s ({io_timeout_s} s)" in messages[0]
     assert "Traceback" not in output and "StoreUnavailable" not in output and "Caught " not in output
     latest = checkpoint.load_latest(tmp_path / "checkpoints")
-    assert latest is not None and latest.state["step"] >= 10 and "model" in latest.state
+    assert latest is not None and latest.state["step"] >= 10 and "model" in latest.objects
 
 
 # ---------------------------------------------------------------------------------------------
