@@ -55,8 +55,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         function: Callable[[list[str]], int] = getattr(importlib.import_module(module_name), function_name)
     except ImportError as error:
-        print(f"lance-hpc {name}: not available, {module_name} cannot be loaded: {error}\n"
-              "  fix: reinstall lance-hpc with its dependencies (pip install -e .)", file=sys.stderr)
+        print(
+            f"lance-hpc {name}: not available, {module_name} cannot be loaded: {error}\n"
+            "  fix: reinstall lance-hpc with its dependencies (pip install -e .)",
+            file=sys.stderr,
+        )
         return ExitCode.USER_ERROR
     return int(function(rest) or 0)
 
@@ -76,8 +79,10 @@ def validate(argv: list[str]) -> int:
         print(f"error: {error}", file=sys.stderr)
         return ExitCode.USER_ERROR
     slurm = loaded.spec.slurm
-    print(f"{args.spec}: valid ({loaded.spec.name}: {slurm.nodes} node(s) x {slurm.ntasks_per_node} task(s), "
-          f"{loaded.spec.data.style}/{loaded.spec.data.sampler}, {describe_task(loaded.spec)})")
+    print(
+        f"{args.spec}: valid ({loaded.spec.name}: {slurm.nodes} node(s) x {slurm.ntasks_per_node} task(s), "
+        f"{loaded.spec.data.style}/{loaded.spec.data.sampler}, {describe_task(loaded.spec)})"
+    )
     for item in loaded.resolutions:
         print(f"  {item.path}: {item.before} -> {item.after}")
     note = entry_note(loaded.spec)

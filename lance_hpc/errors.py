@@ -47,4 +47,4 @@ def worker_message(message: str, name: str) -> str:
         return message
     marker = f"{name}: "
     position = message.rfind(marker)
-    return message[position + len(marker):].strip() if position >= 0 else message
+    return message[position + len(marker) :].strip() if position >= 0 else message

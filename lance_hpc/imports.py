@@ -61,8 +61,9 @@ def load_callable(path: str, what: str) -> Any:
     """Like :func:`load_object`, and the object must be callable (a class or a function)."""
     found = load_object(path, what)
     if not callable(found):
-        raise UserError(f"{what}: {path!r} names a {type(found).__name__}, not something callable\n"
-                        "  fix: name a class or a function")
+        raise UserError(
+            f"{what}: {path!r} names a {type(found).__name__}, not something callable\n  fix: name a class or a function"
+        )
     return found
 
 
@@ -71,7 +72,9 @@ def _import(module_name: str) -> Any:
         return importlib.import_module(module_name)
     file = Path(module_name).resolve()
     if not file.is_file():
-        raise UserError(f"{module_name}: no such file\n  fix: give the file's path, absolute or relative to the directory you run lance-hpc from")
+        raise UserError(
+            f"{module_name}: no such file\n  fix: give the file's path, absolute or relative to the directory you run lance-hpc from"
+        )
     if not file.stem.isidentifier():
         raise UserError(f"{file}: {file.stem!r} is not a valid module name\n  fix: rename the file, e.g. my_task.py")
     directory = str(file.parent)
@@ -79,6 +82,5 @@ def _import(module_name: str) -> Any:
         sys.path.insert(0, directory)
     module = importlib.import_module(file.stem)
     if Path(getattr(module, "__file__", "") or "").resolve() != file:
-        raise UserError(f"{file}: the module name {file.stem!r} is already taken by {module.__file__}\n"
-                        "  fix: rename the file")
+        raise UserError(f"{file}: the module name {file.stem!r} is already taken by {module.__file__}\n  fix: rename the file")
     return module

@@ -39,25 +39,43 @@ def build_parser(prog: str = "python -m lance_hpc.submit") -> argparse.ArgumentP
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("spec", help="job spec YAML file")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a spec field, e.g. --set train.lr=0.05 (repeatable)")
-    parser.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
-                        help="sweep a spec field over values, e.g. --sweep train.lr=0.1,0.05 (repeatable: every "
-                        "combination is one run of one job array; adds to the spec's sweep section)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a spec field, e.g. --set train.lr=0.05 (repeatable)",
+    )
+    parser.add_argument(
+        "--sweep",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="sweep a spec field over values, e.g. --sweep train.lr=0.1,0.05 (repeatable: every "
+        "combination is one run of one job array; adds to the spec's sweep section)",
+    )
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--render-only", action="store_true",
-                      help="write the sbatch script and the resolved spec; submit nothing")
-    mode.add_argument("--dry-run", action="store_true",
-                      help="print the resolved spec, the script and the data plan; write and submit nothing")
-    mode.add_argument("--local", action="store_true", help="run the job on this machine without SLURM "
-                      "(a sweep's runs one after another; a failed run does not stop the rest)")
-    parser.add_argument("-o", "--output", type=Path, metavar="FILE",
-                        help="with --render-only: script path [<log_dir>/<name>.sbatch]")
+    mode.add_argument("--render-only", action="store_true", help="write the sbatch script and the resolved spec; submit nothing")
+    mode.add_argument(
+        "--dry-run", action="store_true", help="print the resolved spec, the script and the data plan; write and submit nothing"
+    )
+    mode.add_argument(
+        "--local",
+        action="store_true",
+        help="run the job on this machine without SLURM (a sweep's runs one after another; a failed run does not stop the rest)",
+    )
+    parser.add_argument(
+        "-o", "--output", type=Path, metavar="FILE", help="with --render-only: script path [<log_dir>/<name>.sbatch]"
+    )
     parser.add_argument("--nproc", type=int, metavar="N", help="with --local: processes [the spec's world size]")
-    parser.add_argument("--no-preflight", action="store_true",
-                        help="submit without first checking that the dataset (and bucket, credentials) can be opened")
-    parser.add_argument("--wait", action="store_true",
-                        help="after submitting, wait for the job and report how it ended (exit 1 if it failed)")
+    parser.add_argument(
+        "--no-preflight",
+        action="store_true",
+        help="submit without first checking that the dataset (and bucket, credentials) can be opened",
+    )
+    parser.add_argument(
+        "--wait", action="store_true", help="after submitting, wait for the job and report how it ended (exit 1 if it failed)"
+    )
     return parser
 
 

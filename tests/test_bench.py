@@ -35,10 +35,31 @@ TINY_LABELS = (
 )
 
 
-def _result(label: str, rate: float, fingerprints: list[str] = (), batches: int = 1, rank: int = 0,
-            cpu_ms: float = 0.0, store: dict | None = None) -> Result:
-    return Result(label, "photos", rate, 1.0, int(rate), batches, 1.0, 500.0, 400.0, 1.0, rank=rank,
-                  fingerprints=list(fingerprints), cpu_ms_per_image=cpu_ms, store=store or {})
+def _result(
+    label: str,
+    rate: float,
+    fingerprints: list[str] = (),
+    batches: int = 1,
+    rank: int = 0,
+    cpu_ms: float = 0.0,
+    store: dict | None = None,
+) -> Result:
+    return Result(
+        label,
+        "photos",
+        rate,
+        1.0,
+        int(rate),
+        batches,
+        1.0,
+        500.0,
+        400.0,
+        1.0,
+        rank=rank,
+        fingerprints=list(fingerprints),
+        cpu_ms_per_image=cpu_ms,
+        store=store or {},
+    )
 
 
 def test_exactly_once_compares_multisets_so_identical_images_still_count():
@@ -70,8 +91,7 @@ def test_table_and_targets_report_ratios_against_the_decode_limit_and_each_peer(
     assert default[header.index("x ref map")] == "3.80x"
     assert default[header.index("x ImageFolder")] == "3.17x"
     assert "| lance_hpc map/distributed |" in format_markdown(header, rows)
-    verdicts = {t.name: t.met for t in targets(summaries, "lance_hpc map/distributed", None, None,
-                                               ["lance_hpc map/distributed"])}
+    verdicts = {t.name: t.met for t in targets(summaries, "lance_hpc map/distributed", None, None, ["lance_hpc map/distributed"])}
     assert verdicts["default strategy vs decode limit"] and verdicts["default strategy vs reference map-style"]
     assert verdicts["time to first batch < 3 s"] and verdicts["worker memory flat over the run"]
 
@@ -80,13 +100,33 @@ def test_object_storage_table_bills_gets_and_bytes_per_image_and_judges_the_late
     label = "lance_hpc map/distributed"
 
     def summary(rates: list[float], cpu_ms: float, gets_per_image: float = 0.0) -> Summary:
-        return Summary(label, "photos", runs=[[_result(label, rate, cpu_ms=cpu_ms, store={
-            "gets": gets_per_image * rate, "get_bytes": 40_000 * rate, "cpu_s": 0.0002 * rate, "max_in_flight": 64,
-        } if gets_per_image else None)] for rate in rates])
+        return Summary(
+            label,
+            "photos",
+            runs=[
+                [
+                    _result(
+                        label,
+                        rate,
+                        cpu_ms=cpu_ms,
+                        store={
+                            "gets": gets_per_image * rate,
+                            "get_bytes": 40_000 * rate,
+                            "cpu_s": 0.0002 * rate,
+                            "max_in_flight": 64,
+                        }
+                        if gets_per_image
+                        else None,
+                    )
+                ]
+                for rate in rates
+            ],
+        )
 
     local = {label: summary([1000, 1000], 1.0)}
-    grid = {label: {0.0: summary([900, 800], 1.05, 1.5), 25.0: summary([880, 860], 1.2, 1.25),
-                    50.0: summary([700, 700], 1.0, 1.0)}}
+    grid = {
+        label: {0.0: summary([900, 800], 1.05, 1.5), 25.0: summary([880, 860], 1.2, 1.25), 50.0: summary([700, 700], 1.0, 1.0)}
+    }
     header, rows = object_storage_rows(local, grid)
     column = {name: index for index, name in enumerate(header)}
     assert [row[column["storage"]] for row in rows] == ["local disk", "S3 0 ms", "S3 25 ms", "S3 50 ms"]
@@ -132,13 +172,19 @@ def test_sections_are_chosen_by_name_and_configurations_run_as_often_as_asked(tm
     assert all(name in help_text for name in SECTIONS) and "first-byte latency" in help_text
 
     calls: list[str] = []
-    configs = [Measurement("a", "decode_limit", "photos"), Measurement("b", "decode_limit", "photos"),
-               Measurement("a", "decode_limit", "photos-s3-0ms")]
+    configs = [
+        Measurement("a", "decode_limit", "photos"),
+        Measurement("b", "decode_limit", "photos"),
+        Measurement("a", "decode_limit", "photos-s3-0ms"),
+    ]
     runs = {("photos", "a"): 3, ("photos", "b"): 1, ("photos-s3-0ms", "a"): 2}
     from lance_hpc.bench import runner
 
-    monkeypatch.setattr(runner, "run_measurement", lambda config, work_dir: calls.append(
-        f"{config.dataset}/{config.label}") or [_result(config.label, 10.0)])
+    monkeypatch.setattr(
+        runner,
+        "run_measurement",
+        lambda config, work_dir: calls.append(f"{config.dataset}/{config.label}") or [_result(config.label, 10.0)],
+    )
     summaries = run_rounds(configs, runs, tmp_path, log=lambda line: None)
     assert [len(summary.runs) for summary in summaries] == [3, 1, 2]
     assert calls.count("photos/a") == 3 and calls.count("photos/b") == 1 and calls.count("photos-s3-0ms/a") == 2
@@ -207,14 +253,19 @@ def test_tiny_benchmark_runs_end_to_end_reads_every_row_once_and_bills_the_s3_se
 
 @pytest.mark.slow
 def test_job_spec_mode_measures_that_jobs_pipeline(tmp_path, capsys):
-    data = prepare(DataSetSpec("small", count=128, image_size=32, batch_size=16, size=48, rows_per_fragment=50),
-                   tmp_path / "data")
+    data = prepare(
+        DataSetSpec("small", count=128, image_size=32, batch_size=16, size=48, rows_per_fragment=50), tmp_path / "data"
+    )
     job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump({
-        "name": "bench-job",
-        "data": {"uri": data.lance_uri, "batch_size": 16, "num_workers": 1},
-        "task": {"name": "image_classification", "options": {"image_size": 32}},
-    }))
+    job.write_text(
+        yaml.safe_dump(
+            {
+                "name": "bench-job",
+                "data": {"uri": data.lance_uri, "batch_size": 16, "num_workers": 1},
+                "task": {"name": "image_classification", "options": {"image_size": 32}},
+            }
+        )
+    )
     code = main([str(job), "--out", str(tmp_path / "out"), "--runs", "1", "--seconds", "0.5", "--batch-size", "8,16"])
     printed = capsys.readouterr().out
     assert code == 0, printed
@@ -224,9 +275,15 @@ def test_job_spec_mode_measures_that_jobs_pipeline(tmp_path, capsys):
 
 def test_job_spec_mode_says_it_measures_image_classification_jobs(tmp_path, capsys):
     job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump({
-        "name": "bench-text", "data": {"uri": str(tmp_path / "tokens.lance")}, "task": {"name": "language_model"},
-    }))
+    job.write_text(
+        yaml.safe_dump(
+            {
+                "name": "bench-text",
+                "data": {"uri": str(tmp_path / "tokens.lance")},
+                "task": {"name": "language_model"},
+            }
+        )
+    )
     assert main([str(job), "--out", str(tmp_path / "out")]) == 2
     printed = capsys.readouterr()
     assert "task.name is 'language_model'" in printed.err and "image_classification jobs only" in printed.err

@@ -16,10 +16,21 @@ from lance_hpc.bench.sections import Context
 
 @pytest.mark.slow
 def test_a_model_trains_on_every_batch_and_the_wait_for_data_is_measured(tmp_path):
-    data = prepare(DataSetSpec("small", count=96, image_size=32, batch_size=16, size=32, rows_per_fragment=50),
-                   tmp_path / "data", log=lambda line: None)
-    common = dict(dataset="small-gpu", lance_uri=data.lance_uri, image_size=32, batch_size=16, num_workers=1,
-                  seconds=3.0, train_model="resnet18", device="cpu")
+    data = prepare(
+        DataSetSpec("small", count=96, image_size=32, batch_size=16, size=32, rows_per_fragment=50),
+        tmp_path / "data",
+        log=lambda line: None,
+    )
+    common = dict(
+        dataset="small-gpu",
+        lance_uri=data.lance_uri,
+        image_size=32,
+        batch_size=16,
+        num_workers=1,
+        seconds=3.0,
+        train_model="resnet18",
+        device="cpu",
+    )
     loader = dict(uri=data.lance_uri, style="map", sampler="distributed", batch_size=16, num_workers=1, seed=0)
     fed = Measurement("fed by lance_hpc", "lance_hpc", data=loader, full_epoch=True, **common)
     synthetic = Measurement("synthetic", "synthetic", **common)
@@ -50,8 +61,7 @@ def test_synthetic_batches_are_one_channels_last_batch_on_the_device():
 
 
 def test_a_train_step_updates_the_model_from_a_loader_batch_of_uint8_pixels():
-    config = Measurement("fed", "lance_hpc", "small-gpu", image_size=16, batch_size=4, train_model="resnet18",
-                         device="cpu")
+    config = Measurement("fed", "lance_hpc", "small-gpu", image_size=16, batch_size=4, train_model="resnet18", device="cpu")
     step = gpu.TrainStep(config)
     before = step.model.fc.weight.detach().clone()
     images = torch.randint(0, 256, (4, 16, 16, 3), dtype=torch.uint8).permute(0, 3, 1, 2)  # as workers hand it over

@@ -41,8 +41,9 @@ def _digest(image) -> str:
 
 
 def _read_all(kind: str, data_fields: dict) -> list:
-    config = Measurement("peer", kind, "small", image_size=SPEC.image_size, batch_size=SPEC.batch_size,
-                         num_workers=2, data=data_fields)
+    config = Measurement(
+        "peer", kind, "small", image_size=SPEC.image_size, batch_size=SPEC.batch_size, num_workers=2, data=data_fields
+    )
     return [image for batch in build_pipeline(config) for image in batch_images(batch)]
 
 
@@ -74,8 +75,9 @@ def test_peer_formats_hold_the_lance_rows_bytes_and_are_written_once(tiny):
 @pytest.mark.parametrize("kind", KINDS)
 def test_peer_fed_lance_hpc_decode_reads_every_row_once_with_its_pixels(tiny, kind):
     root, data, paths = tiny
-    images = _read_all(kind, {"uri": _location(paths, kind, "lance_hpc"), "decode": "lance_hpc",
-                              "cache_dir": str(root / "cache" / kind)})
+    images = _read_all(
+        kind, {"uri": _location(paths, kind, "lance_hpc"), "decode": "lance_hpc", "cache_dir": str(root / "cache" / kind)}
+    )
     assert {(tuple(image.shape), image.dtype) for image in images} == {((3, 32, 32), torch.uint8)}
     assert Counter(_digest(image) for image in images) == _expected(data)
 
@@ -84,8 +86,7 @@ def test_peer_fed_lance_hpc_decode_reads_every_row_once_with_its_pixels(tiny, ki
 @pytest.mark.parametrize("kind", KINDS)
 def test_peer_out_of_the_box_reads_every_row_as_float_images(tiny, kind):
     root, _, paths = tiny
-    images = _read_all(kind, {"uri": _location(paths, kind, "peer"), "decode": "peer",
-                              "cache_dir": str(root / "cache" / kind)})
+    images = _read_all(kind, {"uri": _location(paths, kind, "peer"), "decode": "peer", "cache_dir": str(root / "cache" / kind)})
     assert len(images) == SPEC.count
     assert {(tuple(image.shape), image.dtype) for image in images} == {((3, 32, 32), torch.float32)}
     assert all(0.0 <= float(image.min()) and float(image.max()) <= 1.0 for image in images)
@@ -104,8 +105,9 @@ def test_peer_reads_every_row_over_the_s3_server_from_a_cold_cache(tiny, kind):
     with start_server(root / "data", latency_ms=5) as server:
         local = Path(_location(paths, kind, "lance_hpc")).resolve()
         uri = server.uri(local.relative_to((root / "data").resolve()).as_posix())
-        images = _read_all(kind, {"uri": uri, "decode": "lance_hpc", "cache_dir": str(cache),
-                                  "storage_options": server.storage_options()})
+        images = _read_all(
+            kind, {"uri": uri, "decode": "lance_hpc", "cache_dir": str(cache), "storage_options": server.storage_options()}
+        )
         assert server.counters()["gets"] > 0  # read from the server, not from a local path
     assert Counter(_digest(image) for image in images) == _expected(data)
     if kind in ("mosaic_streaming", "litdata"):  # the peers that keep a local copy of what they fetched

@@ -21,11 +21,13 @@ ROWS = 3000
 
 def _table(rows: int, seed: int = 0) -> pa.Table:
     rng = np.random.default_rng(seed)
-    return pa.table({
-        "id": np.arange(rows),
-        "label": rng.integers(0, 10, rows),
-        "blob": [rng.bytes(int(size)) for size in rng.integers(200, 3000, rows)],
-    })
+    return pa.table(
+        {
+            "id": np.arange(rows),
+            "label": rng.integers(0, 10, rows),
+            "blob": [rng.bytes(int(size)) for size in rng.integers(200, 3000, rows)],
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +77,17 @@ def test_lance_reads_through_the_server_match_the_local_dataset(served):
     assert counts["requests"] == counts["gets"] + counts["heads"] + counts["lists"]
     server.reset_counters()
     assert {k: v for k, v in server.counters().items() if k != "cpu_s"} == {
-        "requests": 0, "gets": 0, "get_bytes": 0, "heads": 0, "lists": 0, "puts": 0, "put_bytes": 0,
-        "deletes": 0, "errors": 0, "max_in_flight": 0}
+        "requests": 0,
+        "gets": 0,
+        "get_bytes": 0,
+        "heads": 0,
+        "lists": 0,
+        "puts": 0,
+        "put_bytes": 0,
+        "deletes": 0,
+        "errors": 0,
+        "max_in_flight": 0,
+    }
 
 
 def test_lance_writes_and_appends_through_the_server(served):
@@ -94,14 +105,17 @@ def test_lance_writes_and_appends_through_the_server(served):
     assert not list(root.rglob(".s3-bench-*"))  # no staging file left behind
 
 
-@pytest.mark.parametrize("header, status, expected", [
-    ("bytes=0-9", 206, slice(0, 10)),
-    ("bytes=250-260", 206, slice(250, 261)),
-    ("bytes=10000-", 206, slice(10000, 10240)),
-    ("bytes=-5", 206, slice(10235, 10240)),
-    ("bytes=10230-99999", 206, slice(10230, 10240)),
-    (None, 200, slice(0, 10240)),
-])
+@pytest.mark.parametrize(
+    "header, status, expected",
+    [
+        ("bytes=0-9", 206, slice(0, 10)),
+        ("bytes=250-260", 206, slice(250, 261)),
+        ("bytes=10000-", 206, slice(10000, 10240)),
+        ("bytes=-5", 206, slice(10235, 10240)),
+        ("bytes=10230-99999", 206, slice(10230, 10240)),
+        (None, 200, slice(0, 10240)),
+    ],
+)
 def test_get_answers_one_byte_range_with_its_content_range(served, header, status, expected):
     server, root = served
     content = (root / "flat" / "bytes.bin").read_bytes()
@@ -132,14 +146,19 @@ def test_list_objects_v2_with_prefix_delimiter_and_continuation_as_boto3_reads_i
     import boto3
 
     server, _ = served
-    client = boto3.client("s3", endpoint_url=server.endpoint, region_name="us-east-1",
-                          aws_access_key_id="any", aws_secret_access_key="any")
+    client = boto3.client(
+        "s3", endpoint_url=server.endpoint, region_name="us-east-1", aws_access_key_id="any", aws_secret_access_key="any"
+    )
     pages = client.get_paginator("list_objects_v2").paginate(
-        Bucket=server.bucket, Prefix="keys/", PaginationConfig={"PageSize": 2})
+        Bucket=server.bucket, Prefix="keys/", PaginationConfig={"PageSize": 2}
+    )
     keys = [item["Key"] for page in pages for item in page.get("Contents", [])]
     assert keys == ["keys/a/1", "keys/a/2", "keys/a/b/3", "keys/a/b/4", "keys/a/c/5", "keys/a0", "keys/z"]
-    pages = list(client.get_paginator("list_objects_v2").paginate(
-        Bucket=server.bucket, Prefix="keys/a", Delimiter="/", PaginationConfig={"PageSize": 1}))
+    pages = list(
+        client.get_paginator("list_objects_v2").paginate(
+            Bucket=server.bucket, Prefix="keys/a", Delimiter="/", PaginationConfig={"PageSize": 1}
+        )
+    )
     assert len(pages) == 2 and pages[0]["IsTruncated"]
     assert [p["Prefix"] for page in pages for p in page.get("CommonPrefixes", [])] == ["keys/a/"]
     assert [item["Key"] for page in pages for item in page.get("Contents", [])] == ["keys/a0"]
@@ -154,19 +173,27 @@ def test_put_copy_multipart_upload_and_delete_change_the_files_under_the_root(se
     import boto3
 
     server, root = served
-    client = boto3.client("s3", endpoint_url=server.endpoint, region_name="us-east-1",
-                          aws_access_key_id="any", aws_secret_access_key="any")
+    client = boto3.client(
+        "s3", endpoint_url=server.endpoint, region_name="us-east-1", aws_access_key_id="any", aws_secret_access_key="any"
+    )
     client.put_object(Bucket=server.bucket, Key="uploads/one.bin", Body=b"first")
     assert (root / "uploads" / "one.bin").read_bytes() == b"first"
-    client.copy_object(Bucket=server.bucket, Key="uploads/two.bin",
-                       CopySource={"Bucket": server.bucket, "Key": "uploads/one.bin"})
+    client.copy_object(
+        Bucket=server.bucket, Key="uploads/two.bin", CopySource={"Bucket": server.bucket, "Key": "uploads/one.bin"}
+    )
     assert (root / "uploads" / "two.bin").read_bytes() == b"first"
     parts = [bytes([index]) * (5 * 2**20 if index < 3 else 1000) for index in (1, 2, 3)]
     upload = client.create_multipart_upload(Bucket=server.bucket, Key="uploads/big.bin")["UploadId"]
-    etags = [client.upload_part(Bucket=server.bucket, Key="uploads/big.bin", UploadId=upload, PartNumber=number,
-                                Body=part)["ETag"] for number, part in enumerate(parts, start=1)]
-    client.complete_multipart_upload(Bucket=server.bucket, Key="uploads/big.bin", UploadId=upload, MultipartUpload={
-        "Parts": [{"PartNumber": number, "ETag": etag} for number, etag in enumerate(etags, start=1)]})
+    etags = [
+        client.upload_part(Bucket=server.bucket, Key="uploads/big.bin", UploadId=upload, PartNumber=number, Body=part)["ETag"]
+        for number, part in enumerate(parts, start=1)
+    ]
+    client.complete_multipart_upload(
+        Bucket=server.bucket,
+        Key="uploads/big.bin",
+        UploadId=upload,
+        MultipartUpload={"Parts": [{"PartNumber": number, "ETag": etag} for number, etag in enumerate(etags, start=1)]},
+    )
     assert (root / "uploads" / "big.bin").read_bytes() == b"".join(parts)
     # The server keeps the files it read open; one replaced since is read anew.
     assert client.get_object(Bucket=server.bucket, Key="uploads/one.bin")["Body"].read() == b"first"

@@ -46,7 +46,10 @@ def test_atomic_write_lists_and_prunes(tmp_path: Path) -> None:
         checkpoint.write_atomically(state(step), checkpoint.checkpoint_path(tmp_path, step))
     (tmp_path / ".step-00000025.pt.999.tmp").write_bytes(b"half a checkpoint")
     assert [path.name for path in checkpoint.list_checkpoints(tmp_path)] == [
-        "step-00000005.pt", "step-00000010.pt", "step-00000015.pt", "step-00000020.pt"
+        "step-00000005.pt",
+        "step-00000010.pt",
+        "step-00000015.pt",
+        "step-00000020.pt",
     ]
     checkpoint.prune(tmp_path, keep=2)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["step-00000015.pt", "step-00000020.pt"]
@@ -139,11 +142,22 @@ def test_each_checkpoint_has_a_manifest_pruned_with_it(tmp_path: Path, single_ra
     (tmp_path / ".step-00000004.json.77.tmp").write_text("{")
     checkpoint.prune(tmp_path, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "step-00000002.json", "step-00000002.pt", "step-00000003.json", "step-00000003.pt"]
+        "step-00000002.json",
+        "step-00000002.pt",
+        "step-00000003.json",
+        "step-00000003.pt",
+    ]
     manifest = json.loads((tmp_path / "step-00000003.json").read_text())
     assert manifest.pop("saved_at").endswith("+00:00")
-    assert manifest == {"step": 3, "epoch": 1, "progress": 0.75, "mid_epoch": True, "world_size": 1,
-                        "dataset_version": 3, "checkpoint": "step-00000003.pt"}
+    assert manifest == {
+        "step": 3,
+        "epoch": 1,
+        "progress": 0.75,
+        "mid_epoch": True,
+        "world_size": 1,
+        "dataset_version": 3,
+        "checkpoint": "step-00000003.pt",
+    }
 
 
 def test_the_newest_step_is_read_from_names_and_manifests_without_loading(tmp_path: Path, monkeypatch) -> None:
@@ -170,8 +184,9 @@ def small_tmpfs(mount_point: Path, size: str) -> Iterator[Path]:
     mount_point.mkdir(parents=True)
     if shutil.which("mount") is None:
         pytest.skip("no mount command")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)],
-                             capture_output=True, text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)], capture_output=True, text=True
+    )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip()}")
     try:
@@ -186,17 +201,18 @@ def small_filesystem(tmp_path: Path) -> Iterator[Path]:
         yield mount_point
 
 
-def test_a_full_disk_is_one_message_and_the_previous_checkpoint_stays(small_filesystem: Path,
-                                                                       single_rank: torch.device) -> None:
+def test_a_full_disk_is_one_message_and_the_previous_checkpoint_stays(small_filesystem: Path, single_rank: torch.device) -> None:
     checkpoint.save(small_filesystem, 1, state(1), {}, keep=3)
     too_big = {"step": 2, "model": {"weight": torch.zeros(1_000_000)}}  # 4 MB on a 1 MiB file system
     with pytest.raises(UserError) as full:
         checkpoint.save(small_filesystem, 2, too_big, {}, keep=3)
     lines = str(full.value).splitlines()
     free = shutil.disk_usage(small_filesystem).free
-    assert lines[0] == (f"cannot write {small_filesystem}/step-00000002.pt: the file system is full "
-                        f"({free / 1024:.1f} KiB free in {small_filesystem} after removing the partial file, which had "
-                        f"reached {lines[0].rsplit('reached ', 1)[1]}")
+    assert lines[0] == (
+        f"cannot write {small_filesystem}/step-00000002.pt: the file system is full "
+        f"({free / 1024:.1f} KiB free in {small_filesystem} after removing the partial file, which had "
+        f"reached {lines[0].rsplit('reached ', 1)[1]}"
+    )
     assert lines[1].startswith("  the newest complete checkpoint, step-00000001.pt, is intact")
     assert lines[2].startswith("  fix: free space there or point checkpoint.dir at a larger file system")
     assert "enforce fail" not in str(full.value)
@@ -210,8 +226,10 @@ def test_a_save_after_another_run_took_the_lease_writes_nothing(tmp_path: Path, 
         checkpoint.save(tmp_path, 1, state(1), {}, keep=3)
         other = lease.this_process("55", 0)
         (tmp_path / lease.LEASE_NAME).write_bytes(other.encode())  # what a run that judged this one dead leaves
-        with pytest.raises(UserError, match="this run no longer holds its lease .another run took it over: "
-                                            f"pid {os.getpid()} on .*, SLURM job 55"):
+        with pytest.raises(
+            UserError,
+            match=f"this run no longer holds its lease .another run took it over: pid {os.getpid()} on .*, SLURM job 55",
+        ):
             checkpoint.save(tmp_path, 2, state(2), {}, keep=3)
         assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step-00000001.pt"]
     finally:
@@ -250,8 +268,7 @@ def digits_spec(model: str) -> JobSpec:
 def test_a_checkpoint_of_another_model_is_one_message_naming_both(tmp_path: Path) -> None:
     """Written for small_cnn, resumed with --set task.options.model=resnet18."""
     written_for = digits_spec("small_cnn")
-    resumed = checkpoint.Checkpoint(tmp_path / "step-00000010.pt",
-                                    {"model": {}, "spec": written_for.redacted_dict()})
+    resumed = checkpoint.Checkpoint(tmp_path / "step-00000010.pt", {"model": {}, "spec": written_for.redacted_dict()})
     spec = digits_spec("resnet18")
     with pytest.raises(UserError) as refused:
         checkpoint.check_same_model(resumed, spec, ImageOptions(model="resnet18"))
@@ -259,13 +276,13 @@ def test_a_checkpoint_of_another_model_is_one_message_naming_both(tmp_path: Path
         f"checkpoint {tmp_path}/step-00000010.pt was written for model small_cnn (task image_classification), but "
         "this job trains model resnet18 (task image_classification)\n"
         "  fix: give this job another checkpoint.dir (--set checkpoint.dir=DIR), or set task.options.model: small_cnn "
-        "to continue that run; checkpoint.resume: false starts over, in a directory without checkpoints")
+        "to continue that run; checkpoint.resume: false starts over, in a directory without checkpoints"
+    )
 
     # a spec that left the model out meant the default (resnet18): the same model, so it loads
     default = load_spec_text("name: job\ndata: {uri: /data/train.lance}\n").spec
     model = torch.nn.Linear(2, 2)
-    same = checkpoint.Checkpoint(resumed.path, {"model": torch.nn.Linear(2, 2).state_dict(),
-                                                "spec": default.redacted_dict()})
+    same = checkpoint.Checkpoint(resumed.path, {"model": torch.nn.Linear(2, 2).state_dict(), "spec": default.redacted_dict()})
     checkpoint.check_same_model(same, spec, ImageOptions(model="resnet18"))
     checkpoint.restore_object(model, same.objects["model"], same, spec, "model")
     assert torch.equal(model.weight, same.state["model"]["weight"])
@@ -284,7 +301,8 @@ def test_a_users_model_that_does_not_match_lists_a_few_keys(tmp_path: Path) -> N
         "0.weight [8, 4] vs [16, 4], 0.bias [8] vs [16], 2.weight [3, 8] vs [3, 16])\n"
         "  the checkpoint was written with task.options.model: small_cnn (this job: resnet18)\n"
         "  fix: give this job another checkpoint.dir (--set checkpoint.dir=DIR), or build the model the checkpoint "
-        "was written for; checkpoint.resume: false starts over, in a directory without checkpoints")
+        "was written for; checkpoint.resume: false starts over, in a directory without checkpoints"
+    )
 
     optimizer = torch.optim.AdamW(now.parameters())
     saved = torch.optim.AdamW(written.parameters()).state_dict()

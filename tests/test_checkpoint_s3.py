@@ -55,8 +55,13 @@ def run_uri(s3_env: S3Server) -> str:
 
 
 def s3_client(server: S3Server):  # type: ignore[no-untyped-def]
-    return boto3.client("s3", endpoint_url=server.endpoint, region_name=server.region,
-                        aws_access_key_id=server.access_key_id, aws_secret_access_key=server.secret_access_key)
+    return boto3.client(
+        "s3",
+        endpoint_url=server.endpoint,
+        region_name=server.region,
+        aws_access_key_id=server.access_key_id,
+        aws_secret_access_key=server.secret_access_key,
+    )
 
 
 def key_prefix(server: S3Server, uri: str) -> str:
@@ -71,14 +76,14 @@ def stored(server: S3Server, uri: str) -> list[str]:
 
 
 @pytest.mark.s3
-def test_save_list_load_and_prune_on_s3(run_uri: str, s3_env: S3Server, single_rank: torch.device,
-                                        tmp_path: Path, digits, capsys: pytest.CaptureFixture[str]) -> None:
+def test_save_list_load_and_prune_on_s3(
+    run_uri: str, s3_env: S3Server, single_rank: torch.device, tmp_path: Path, digits, capsys: pytest.CaptureFixture[str]
+) -> None:
     for step in range(1, 5):
         path = checkpoint.save(run_uri, step, state(step), {"loader": {"batches_consumed": step}}, keep=2)
     assert path == f"{run_uri}step-00000004.pt"
     assert checkpoint.list_checkpoints(run_uri) == [checkpoint.checkpoint_path(run_uri, 3), path]
-    assert stored(s3_env, run_uri) == [
-        "step-00000003.json", "step-00000003.pt", "step-00000004.json", "step-00000004.pt"]
+    assert stored(s3_env, run_uri) == ["step-00000003.json", "step-00000003.pt", "step-00000004.json", "step-00000004.pt"]
     newest = checkpoint_index.latest(run_uri)  # what lance-hpc status reads: a listing and a manifest
     assert (newest.step, newest.location, newest.world_size) == (4, path, 1)
     found = checkpoint.load_latest(run_uri)
@@ -105,11 +110,16 @@ def test_save_list_load_and_prune_on_s3(run_uri: str, s3_env: S3Server, single_r
         checkpoint.find_resume_point(fresh)
 
 
-@pytest.mark.parametrize("directory, problem", [
-    ("gs://bucket/run",
-     "checkpoint.dir: gs:// is not a checkpoint store\n      fix: use a local directory or s3://bucket/prefix"),
-    ("s3:///run", "checkpoint.dir: s3:///run names no bucket\n      fix: write it as s3://bucket/prefix"),
-])
+@pytest.mark.parametrize(
+    "directory, problem",
+    [
+        (
+            "gs://bucket/run",
+            "checkpoint.dir: gs:// is not a checkpoint store\n      fix: use a local directory or s3://bucket/prefix",
+        ),
+        ("s3:///run", "checkpoint.dir: s3:///run names no bucket\n      fix: write it as s3://bucket/prefix"),
+    ],
+)
 def test_the_spec_accepts_s3_checkpoint_dirs_and_refuses_other_schemes(directory: str, problem: str) -> None:
     spec = "name: job\ndata: {{uri: /data/train.lance}}\ncheckpoint: {{dir: '{}'}}\n"
     assert load_spec_text(spec.format("s3://bucket/runs/{name}/")).spec.checkpoint.dir == "s3://bucket/runs/job/"
@@ -156,8 +166,9 @@ checkpoint.write_atomically({{"step": 2, "weight": torch.zeros(6_000_000)}}, che
 def test_an_upload_cut_short_leaves_the_previous_checkpoint_the_latest(run_uri: str, s3_env: S3Server) -> None:
     """A real crash mid-upload: the writer is SIGKILLed after half of a 40 MB checkpoint reached the server."""
     child = textwrap.dedent(HALF_UPLOAD.format(directory=run_uri))
-    process = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    process = subprocess.Popen(
+        [sys.executable, "-c", child], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    )
     try:
         assert process.stdout.readline().strip() == "uploading"
         uploads = s3_client(s3_env).list_multipart_uploads(Bucket=s3_env.bucket, Prefix=key_prefix(s3_env, run_uri))
@@ -177,8 +188,9 @@ def test_an_upload_cut_short_leaves_the_previous_checkpoint_the_latest(run_uri: 
 
 
 @pytest.mark.s3
-def test_failed_writes_name_the_uri_the_operation_and_the_fix(run_uri: str, s3_env: S3Server, single_rank: torch.device,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_writes_name_the_uri_the_operation_and_the_fix(
+    run_uri: str, s3_env: S3Server, single_rank: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
     checkpoint.save(run_uri, 1, state(1), {}, keep=3)
     errors = []
 
@@ -206,16 +218,22 @@ def test_failed_writes_name_the_uri_the_operation_and_the_fix(run_uri: str, s3_e
     assert stored(s3_env, run_uri) == ["step-00000001.json", "step-00000001.pt"]
 
     missing = "s3://no-such-bucket/run"
-    with pytest.raises(UserError, match=f"cannot write checkpoint {missing}/step-00000001.pt: bucket 'no-such-bucket' "
-                                        f"does not exist at {s3_env.endpoint}.*\n  fix: create the bucket"):
+    with pytest.raises(
+        UserError,
+        match=f"cannot write checkpoint {missing}/step-00000001.pt: bucket 'no-such-bucket' "
+        f"does not exist at {s3_env.endpoint}.*\n  fix: create the bucket",
+    ):
         checkpoint.save(missing, 1, state(1), {}, keep=3)
     with pytest.raises(UserError, match=f"cannot list checkpoints in {missing}: bucket 'no-such-bucket' does not"):
         checkpoint.load_latest(missing)
 
     down = f"http://127.0.0.1:{free_port()}"
     monkeypatch.setenv("AWS_ENDPOINT_URL", down)
-    with pytest.raises(UserError, match=f"cannot write checkpoint {run_uri}step-00000002.pt: cannot reach the object "
-                                        f"store at {down}.*\n  fix: check AWS_ENDPOINT_URL") as unreachable:
+    with pytest.raises(
+        UserError,
+        match=f"cannot write checkpoint {run_uri}step-00000002.pt: cannot reach the object "
+        f"store at {down}.*\n  fix: check AWS_ENDPOINT_URL",
+    ) as unreachable:
         checkpoint.save(run_uri, 2, state(2), {}, keep=3)
     errors.append(str(unreachable.value))
     for message in errors:
@@ -224,8 +242,7 @@ def test_failed_writes_name_the_uri_the_operation_and_the_fix(run_uri: str, s3_e
 
 
 def save_on_two_ranks(rank: int, store_file: str, uri: str, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2, timeout=timedelta(seconds=60))
     try:
         checkpoint.save(uri, 2, state(2), {}, keep=3)
         outcome = "saved"
@@ -238,11 +255,11 @@ def save_on_two_ranks(rank: int, store_file: str, uri: str, out_dir: str) -> Non
 
 @pytest.mark.s3
 @pytest.mark.slow
-def test_a_failed_write_raises_the_same_clear_error_on_every_rank(run_uri: str, s3_env: S3Server, tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_write_raises_the_same_clear_error_on_every_rank(
+    run_uri: str, s3_env: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")  # the spawned ranks inherit it
-    mp.start_processes(save_on_two_ranks, args=(str(tmp_path / "store"), run_uri, str(tmp_path)), nprocs=2,
-                       start_method="spawn")
+    mp.start_processes(save_on_two_ranks, args=(str(tmp_path / "store"), run_uri, str(tmp_path)), nprocs=2, start_method="spawn")
     outcomes = [(tmp_path / f"{rank}.txt").read_text() for rank in range(2)]
     assert outcomes[0] == outcomes[1]
     assert outcomes[0].startswith(f"UserError: cannot write checkpoint {run_uri}step-00000002.pt: the object store")
@@ -253,7 +270,10 @@ def submit_local(spec_file: Path, environ: dict[str, str] | None = None) -> subp
     """``python -m lance_hpc.submit SPEC --local --nproc 2`` in the background, its output piped."""
     return subprocess.Popen(
         [sys.executable, "-m", "lance_hpc.submit", str(spec_file), "--local", "--nproc", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO_ROOT,
         env={**os.environ, **(environ or {}), "PYTHONPATH": str(REPO_ROOT)},
     )
 
@@ -270,8 +290,9 @@ def read_until(process: subprocess.Popen, marker: str) -> str:
 
 @pytest.mark.s3
 @pytest.mark.slow
-def test_a_local_job_interrupted_mid_run_resumes_from_its_s3_checkpoint(run_uri: str, s3_env: S3Server,
-                                                                         tmp_path: Path, digits) -> None:
+def test_a_local_job_interrupted_mid_run_resumes_from_its_s3_checkpoint(
+    run_uri: str, s3_env: S3Server, tmp_path: Path, digits
+) -> None:
     spec_file = write_spec(tmp_path, digits, train={"epochs": 2}, checkpoint={"dir": run_uri})
     spec = load_spec(spec_file).spec
     steps_per_epoch = data.build_train_loader(spec.data, load_task(spec).decoder(train=True), 0, 2).steps_per_epoch
@@ -303,18 +324,19 @@ def test_a_local_job_interrupted_mid_run_resumes_from_its_s3_checkpoint(run_uri:
 
 @pytest.mark.s3
 @pytest.mark.slow
-def test_a_second_job_on_the_same_s3_checkpoint_dir_is_refused(run_uri: str, s3_env: S3Server, tmp_path: Path,
-                                                               digits) -> None:
-    spec_file = write_spec(tmp_path, digits, train={"epochs": 50}, checkpoint={"dir": run_uri},
-                           logging={"log_every_steps": 1, "progress": False})
+def test_a_second_job_on_the_same_s3_checkpoint_dir_is_refused(run_uri: str, s3_env: S3Server, tmp_path: Path, digits) -> None:
+    spec_file = write_spec(
+        tmp_path, digits, train={"epochs": 50}, checkpoint={"dir": run_uri}, logging={"log_every_steps": 1, "progress": False}
+    )
     first = submit_local(spec_file)
     try:
         read_until(first, "step 3/")
         second = submit_local(spec_file)  # the same job again, on the same checkpoint.dir
         output = second.communicate(timeout=300)[0]
         assert second.returncode == 2 and "Traceback" not in output, output
-        assert (f"checkpoint.dir {run_uri} is in use by another run: pid {rank_pid(first, 0)} on "
-                f"{socket.gethostname()}, a local run") in output
+        assert (
+            f"checkpoint.dir {run_uri} is in use by another run: pid {rank_pid(first, 0)} on {socket.gethostname()}, a local run"
+        ) in output
         assert lease.LEASE_NAME in stored(s3_env, run_uri)
         first.send_signal(signal.SIGUSR2)
         output = first.communicate(timeout=120)[0]

@@ -28,13 +28,19 @@ from tests.support.slurm import signal_steps
 from tests.support.slurm_cluster import SlurmCluster
 from tests.test_render import check_golden
 
-CONTAINER: dict[str, Any] = {"image": "/images/train.sif", "mounts": ["/scratch:/scratch", "/datasets:/data:ro"],
-                             "workdir": "/scratch/run"}
+CONTAINER: dict[str, Any] = {
+    "image": "/images/train.sif",
+    "mounts": ["/scratch:/scratch", "/datasets:/data:ro"],
+    "workdir": "/scratch/run",
+}
 
 
 def spec_with(container: dict[str, Any], **slurm: Any) -> JobSpec:
-    raw = {"name": "boxed", "data": {"uri": "/data/train.lance"},
-           "slurm": {"nodes": 2, "gpus_per_node": 4, "log_dir": "/scratch/logs", "container": container, **slurm}}
+    raw = {
+        "name": "boxed",
+        "data": {"uri": "/data/train.lance"},
+        "slurm": {"nodes": 2, "gpus_per_node": 4, "log_dir": "/scratch/logs", "container": container, **slurm},
+    }
     return validate_spec(raw, base_dir="/project").spec
 
 
@@ -59,18 +65,30 @@ def test_pyxis_passes_the_image_to_srun() -> None:
     script = render.render_sbatch(spec_with({**CONTAINER, "runtime": "pyxis"}), "/s.yaml")
     words = shlex.split(script.rstrip().split("\n")[-1])
     assert words[0] == "srun" and words[-4:] == ["python3", "-m", "lance_hpc.run", "/s.yaml"]
-    assert {"--container-image=/images/train.sif", "--container-mounts=/scratch:/scratch,/datasets:/data:ro",
-            "--container-workdir=/scratch/run"} <= set(words)
+    assert {
+        "--container-image=/images/train.sif",
+        "--container-mounts=/scratch:/scratch,/datasets:/data:ro",
+        "--container-workdir=/scratch/run",
+    } <= set(words)
 
 
 @pytest.mark.parametrize(
     ("container", "path", "message", "fix"),
     [
-        ({"image": "/i.sif", "runtime": "docker"}, "slurm.container.runtime", "'docker' is not a valid choice", "apptainer, pyxis"),
+        (
+            {"image": "/i.sif", "runtime": "docker"},
+            "slurm.container.runtime",
+            "'docker' is not a valid choice",
+            "apptainer, pyxis",
+        ),
         ({"runtime": "pyxis"}, "slurm.container.image", "required key is missing", "add 'image: ...'"),
         ({"image": ""}, "slurm.container.image", "must not be empty", "image"),
-        ({"image": "/i.sif", "mounts": ["data:/data"]}, "slurm.container.mounts", "mount 'data:/data' is not /host/path",
-         "absolute paths"),
+        (
+            {"image": "/i.sif", "mounts": ["data:/data"]},
+            "slurm.container.mounts",
+            "mount 'data:/data' is not /host/path",
+            "absolute paths",
+        ),
         ({"image": "/i.sif", "mounts": ["/a,/b"]}, "slurm.container.mounts", "is not /host/path", "without commas"),
         ({"image": "/i.sif", "mounts": ["/a:/b:rx"]}, "slurm.container.mounts", "is not /host/path", ":ro"),
         ({"image": "/i.sif", "mount": ["/a"]}, "slurm.container.mount", "unknown key 'mount'", "did you mean 'mounts'?"),
@@ -94,21 +112,25 @@ def test_a_site_template_without_the_requeue_handler_is_refused(tmp_path: Path) 
     template.write_text("#!/bin/bash\n{% for line in sbatch_lines %}\n{{ line }}\n{% endfor %}\n{{ launch }}\n")
     with pytest.raises(UserError, match="leaves out the requeue handler"):
         render.render_sbatch(spec_with(CONTAINER, template=str(template)), "/s.yaml")
-    template.write_text(template.read_text().replace("{{ launch }}", "{% for line in requeue_handler %}\n{{ line }}\n{% endfor %}\n{{ launch }}"))
+    template.write_text(
+        template.read_text().replace("{{ launch }}", "{% for line in requeue_handler %}\n{{ line }}\n{% endfor %}\n{{ launch }}")
+    )
     assert "trap requeue_if_asked EXIT" in render.render_sbatch(spec_with(CONTAINER, template=str(template)), "/s.yaml")
 
 
 # ---- the requeue handler, run with bash ---------------------------------------------------------
 
 
-def run_script_with_shims(spec: JobSpec, tmp_path: Path, srun_body: str, **variables: str) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+def run_script_with_shims(
+    spec: JobSpec, tmp_path: Path, srun_body: str, **variables: str
+) -> tuple[subprocess.CompletedProcess[str], list[str]]:
     """Run the rendered script for a job whose srun shim runs ``srun_body``; returns the result
     and the scontrol calls the script made."""
     shims = tmp_path / "shims"
     shims.mkdir(exist_ok=True)
     (shims / "srun").write_text(f"#!/bin/bash\n{srun_body}\n")
     (shims / "scontrol").write_text(f'#!/bin/bash\necho "$*" >> {shlex.quote(str(tmp_path / "scontrol.calls"))}\n')
-    (shims / "sleep").write_text("#!/bin/bash\necho \"sleep $*\"\n")  # the script waits for SLURM to end it
+    (shims / "sleep").write_text('#!/bin/bash\necho "sleep $*"\n')  # the script waits for SLURM to end it
     for shim in shims.iterdir():
         shim.chmod(0o755)
     script = tmp_path / "job.sbatch"
@@ -120,11 +142,18 @@ def run_script_with_shims(spec: JobSpec, tmp_path: Path, srun_body: str, **varia
 
 
 def test_the_script_requeues_a_run_of_an_array_when_rank_0_asks(tmp_path: Path) -> None:
-    spec = validate_spec({"name": "boxed", "data": {"uri": "/d"}, "sweep": {"train.lr": [0.1, 0.05]},
-                          "slurm": {"log_dir": str(tmp_path), "container": {"image": "/i.sif"}, "max_requeues": 2}}).spec
+    spec = validate_spec(
+        {
+            "name": "boxed",
+            "data": {"uri": "/d"},
+            "sweep": {"train.lr": [0.1, 0.05]},
+            "slurm": {"log_dir": str(tmp_path), "container": {"image": "/i.sif"}, "max_requeues": 2},
+        }
+    ).spec
     asks = f'touch "${preemption.REQUEUE_REQUEST_VARIABLE}"'  # what rank 0 does inside the container
-    result, calls = run_script_with_shims(spec, tmp_path, asks, SLURM_ARRAY_JOB_ID="70", SLURM_ARRAY_TASK_ID="1",
-                                          SLURM_RESTART_COUNT="1")
+    result, calls = run_script_with_shims(
+        spec, tmp_path, asks, SLURM_ARRAY_JOB_ID="70", SLURM_ARRAY_TASK_ID="1", SLURM_RESTART_COUNT="1"
+    )
     assert result.returncode == 0, result.stderr
     assert calls == ["requeue 70_1"]  # the run itself, not the array 70
     assert "requeueing job 70_1 (requeue 2 of at most 2)" in result.stdout
@@ -186,23 +215,45 @@ def test_apptainer_job_is_preempted_requeued_by_its_script_and_resumes(
     shims.mkdir()
     record = tmp_path / "apptainer.calls"
     apptainer = shims / "apptainer"
-    apptainer.write_text(FAKE_APPTAINER.format(record=shlex.quote(str(record)), python_dir=shlex.quote(str(Path(sys.executable).parent))))
+    apptainer.write_text(
+        FAKE_APPTAINER.format(record=shlex.quote(str(record)), python_dir=shlex.quote(str(Path(sys.executable).parent)))
+    )
     apptainer.chmod(0o755)
     assert not (Path(sys.executable).parent / "scontrol").exists()
 
     container = {"image": "/images/lance-hpc.sif", "mounts": [f"{tmp_path}:{tmp_path}"], "workdir": str(REPO_ROOT)}
-    slurm = {"partition": slurm_cluster.partition, "nodes": 1, "tasks_per_node": 2, "cpus_per_task": 1,
-             "time": "00:15:00", "max_requeues": 2, "container": container}
-    spec_path = write_spec(tmp_path, digits, name="boxed", slurm=slurm, train={"epochs": 8},
-                           logging={"log_every_steps": 1, "progress": False}, checkpoint={"every_steps": 200, "keep": 3})
+    slurm = {
+        "partition": slurm_cluster.partition,
+        "nodes": 1,
+        "tasks_per_node": 2,
+        "cpus_per_task": 1,
+        "time": "00:15:00",
+        "max_requeues": 2,
+        "container": container,
+    }
+    spec_path = write_spec(
+        tmp_path,
+        digits,
+        name="boxed",
+        slurm=slurm,
+        train={"epochs": 8},
+        logging={"log_every_steps": 1, "progress": False},
+        checkpoint={"every_steps": 200, "keep": 3},
+    )
     spec = load_spec(spec_path).spec
     spec_file, script = render.write_job_files(spec)
     # A port of our own: the port derived from the job id would be the same for job 1 of every
     # test cluster that other sessions run on this machine at the same time.
-    environ = {**os.environ, **slurm_cluster.env, "PYTHONPATH": str(REPO_ROOT), "PATH": f"{shims}:{os.environ['PATH']}",
-               "MASTER_PORT": str(free_port())}
-    submitted = subprocess.run(["sbatch", "--parsable", str(script)], env=environ, cwd=REPO_ROOT,
-                               capture_output=True, text=True, check=True)
+    environ = {
+        **os.environ,
+        **slurm_cluster.env,
+        "PYTHONPATH": str(REPO_ROOT),
+        "PATH": f"{shims}:{os.environ['PATH']}",
+        "MASTER_PORT": str(free_port()),
+    }
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", str(script)], env=environ, cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    )
     job_id = submitted.stdout.strip().split(";")[0]
     log = Path(spec.slurm.log_dir) / f"boxed-{job_id}.out"
     from tests.test_sweep import job_fields, wait_for_runs, wait_for_text
@@ -219,7 +270,15 @@ def test_apptainer_job_is_preempted_requeued_by_its_script_and_resumes(
     steps_per_epoch = build_train_loader(spec.data, load_task(spec).decoder(train=True), 0, 2).steps_per_epoch
     assert final_state(tmp_path)["step"] == 8 * steps_per_epoch
 
-    expected = ["exec", f"--bind={tmp_path}:{tmp_path}", f"--pwd={REPO_ROOT}", "/images/lance-hpc.sif",
-                "python3", "-m", "lance_hpc.run", str(spec_file)]
+    expected = [
+        "exec",
+        f"--bind={tmp_path}:{tmp_path}",
+        f"--pwd={REPO_ROOT}",
+        "/images/lance-hpc.sif",
+        "python3",
+        "-m",
+        "lance_hpc.run",
+        str(spec_file),
+    ]
     calls = [shlex.split(line) for line in record.read_text().splitlines()]
     assert calls == [expected] * 4  # 2 tasks, before and after the requeue

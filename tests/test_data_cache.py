@@ -131,7 +131,9 @@ def test_a_filler_killed_mid_download_leaves_no_file_a_reader_uses(tmp_path):
     node = node_cache(tmp_path / "cache", dataset)
     victim = fragment_files(dataset.get_fragments()[1])[0]
     marker = tmp_path / "started"
-    filler = subprocess.Popen([sys.executable, "-c", KILLED_FILLER, dataset.uri, str(node.root), str(marker), victim.path], cwd=ROOT)
+    filler = subprocess.Popen(
+        [sys.executable, "-c", KILLED_FILLER, dataset.uri, str(node.root), str(marker), victim.path], cwd=ROOT
+    )
     try:
         deadline = time.monotonic() + 120
         while not marker.exists():
@@ -168,8 +170,11 @@ def test_a_download_shorter_than_the_manifest_says_is_never_renamed_into_place(t
 
 
 def cached_fragments(node, dataset):
-    return [index for index, fragment in enumerate(dataset.get_fragments())
-            if all((node.root / file.path).exists() for file in fragment_files(fragment))]
+    return [
+        index
+        for index, fragment in enumerate(dataset.get_fragments())
+        if all((node.root / file.path).exists() for file in fragment_files(fragment))
+    ]
 
 
 def test_eviction_keeps_the_cache_under_its_limit_least_recently_used_first(tmp_path, monkeypatch):
@@ -272,8 +277,9 @@ def test_two_processes_share_one_cache_and_download_each_file_once(tmp_path):
     dataset = write(str(tmp_path / "d.lance"), fragments=6)
     context = multiprocessing.get_context("spawn")
     barrier, results = context.Barrier(2), context.Queue()
-    processes = [context.Process(target=share_one_cache, args=(dataset.uri, str(tmp_path / "cache"), barrier, results))
-                 for _ in range(2)]
+    processes = [
+        context.Process(target=share_one_cache, args=(dataset.uri, str(tmp_path / "cache"), barrier, results)) for _ in range(2)
+    ]
     for process in processes:
         process.start()
     reports = [results.get(timeout=300) for _ in processes]
@@ -344,7 +350,9 @@ def test_rows_through_the_cache_equal_the_store_over_s3(s3_server, monkeypatch, 
     table, stats = take(node, dataset, ids)
     assert table.equals(dataset.take(ids, columns=COLUMNS)) and stats.cache_hits == 60
     for file in node.fetched:
-        assert os.path.getsize(node.root / file) == len(node.source.filesystem.open_input_stream(f"{node.source.root}/{file}").read())
+        assert os.path.getsize(node.root / file) == len(
+            node.source.filesystem.open_input_stream(f"{node.source.root}/{file}").read()
+        )
     node.close()
 
 
@@ -419,11 +427,13 @@ def test_eviction_in_a_shared_directory_deletes_only_what_the_cache_wrote(store,
         drained(node)
     assert node.fetched_bytes > max_gb * GIB  # eviction ran, more than once
     assert snapshot(shared / "neighbour.lance", shared / "project", shared / "linked", elsewhere) == before
-    assert sorted(path.name for path in shared.iterdir()) == sorted(["neighbour.lance", "project", "linked",
-                                                                    node.directory.name])
+    assert sorted(path.name for path in shared.iterdir()) == sorted(["neighbour.lance", "project", "linked", node.directory.name])
     assert (node.root / "data" / "linked.lance").is_symlink()
-    cached = sum(path.stat().st_size for path in node.root.rglob("*")
-                 if path.is_file() and not path.is_symlink() and ".locks" not in path.parts)
+    cached = sum(
+        path.stat().st_size
+        for path in node.root.rglob("*")
+        if path.is_file() and not path.is_symlink() and ".locks" not in path.parts
+    )
     assert cached <= max_gb * GIB
     node.close()
 
@@ -446,13 +456,19 @@ def test_each_user_gets_a_directory_only_they_can_read_whatever_the_umask(tmp_pa
     node.close()
 
 
-@pytest.mark.parametrize("problem, message", [
-    pytest.param("foreign", r"belongs to uid 4242, not to you",
-                 marks=pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user needs root")),
-    ("world-writable", r"is open to other users \(mode drwxrwxrwx\).*run chmod 700"),
-    ("group-readable", r"is open to other users \(mode drwxr-x---\).*run chmod 700"),
-    ("symlink", r"is not a directory \(a symlink or a file\)"),
-])
+@pytest.mark.parametrize(
+    "problem, message",
+    [
+        pytest.param(
+            "foreign",
+            r"belongs to uid 4242, not to you",
+            marks=pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user needs root"),
+        ),
+        ("world-writable", r"is open to other users \(mode drwxrwxrwx\).*run chmod 700"),
+        ("group-readable", r"is open to other users \(mode drwxr-x---\).*run chmod 700"),
+        ("symlink", r"is not a directory \(a symlink or a file\)"),
+    ],
+)
 def test_a_user_directory_that_is_not_safely_theirs_is_refused(problem, message, tmp_path):
     dataset = write(str(tmp_path / "d.lance"))
     mine = tmp_path / "cache" / f"lance_hpc-{os.geteuid()}"
@@ -487,8 +503,11 @@ def test_a_shared_directory_others_may_write_without_the_sticky_bit_is_refused(m
     shared = tmp_path / "cache"
     shared.mkdir()
     os.chmod(shared, mode)
-    with pytest.raises(UserError, match=rf"{shared} is writable by other users without the sticky bit.*"
-                                        rf"\n  fix: have its owner run chmod \+t {shared}"):
+    with pytest.raises(
+        UserError,
+        match=rf"{shared} is writable by other users without the sticky bit.*"
+        rf"\n  fix: have its owner run chmod \+t {shared}",
+    ):
         user_directory(shared)
     assert not list(shared.iterdir())
     os.chmod(shared, mode | stat.S_ISVTX)
@@ -506,8 +525,11 @@ def test_a_shared_directory_this_user_cannot_write_is_a_user_error(tmp_path, mon
         return real_mkdir(path, *args, **kwargs)
 
     monkeypatch.setattr(os, "mkdir", refused)
-    with pytest.raises(UserError, match=rf"cannot create your cache directory .*: {shared} is not writable by you"
-                                        rf".*\n  fix: have its owner run chmod 1777 {shared}"):
+    with pytest.raises(
+        UserError,
+        match=rf"cannot create your cache directory .*: {shared} is not writable by you"
+        rf".*\n  fix: have its owner run chmod 1777 {shared}",
+    ):
         user_directory(shared)
     # A directory this user made there before is used as it is.
     real_mkdir(shared / f"lance_hpc-{os.geteuid()}", 0o700)
@@ -571,8 +593,7 @@ def test_a_truncated_cached_file_is_fetched_again(tmp_path):
 
 @pytest.mark.parametrize("lock", ["fill", "use", "evict"])
 @pytest.mark.parametrize("planted", ["dangling symlink", "directory"])
-def test_a_lock_file_that_cannot_be_opened_warns_once_and_rows_come_from_the_store(lock, planted, tmp_path,
-                                                                                   monkeypatch, caplog):
+def test_a_lock_file_that_cannot_be_opened_warns_once_and_rows_come_from_the_store(lock, planted, tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(cache, "RETRY_FETCH_S", 0.0)  # ask for the fragment again at every batch
     dataset = write(str(tmp_path / "d.lance"))
     directory = tmp_path / "cache"
@@ -580,8 +601,11 @@ def test_a_lock_file_that_cannot_be_opened_warns_once_and_rows_come_from_the_sto
     root = cache_root(mine, dataset_key(dataset.uri, {}), dataset.uri)
     blocked = fragment_files(dataset.get_fragments()[1])[0]
     manifest = next(name for name in manifest_names(dataset.version) if (Path(dataset.uri) / name).exists())
-    path = {"fill": lock_path(root, blocked.path, "fill"), "use": lock_path(root, manifest, "use"),
-            "evict": mine / ".evict.lock"}[lock]
+    path = {
+        "fill": lock_path(root, blocked.path, "fill"),
+        "use": lock_path(root, manifest, "use"),
+        "evict": mine / ".evict.lock",
+    }[lock]
     path.parent.mkdir(parents=True, exist_ok=True)
     target = tmp_path / "elsewhere" / "created-through-the-link"
     if planted == "directory":

@@ -28,11 +28,12 @@ RUNS = [
 
 
 def rank_main(rank: int, world_size: int, store: str, uri: str, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
+    )
     results = {}
     for style, sampler, uneven in RUNS:
-        data = DataSpec(uri=uri, val_uri=uri, style=style, sampler=sampler, uneven=uneven, batch_size=8,
-                        num_workers=1, seed=11)
+        data = DataSpec(uri=uri, val_uri=uri, style=style, sampler=sampler, uneven=uneven, batch_size=8, num_workers=1, seed=11)
         loader = train_loader(data, rank, world_size)
         loader.set_epoch(2)
         rows, steps = [], 0
@@ -45,8 +46,14 @@ def rank_main(rank: int, world_size: int, store: str, uri: str, out_dir: str) ->
             steps += 1
         step_counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
         dist.all_gather(step_counts, torch.tensor([steps]))
-        results[sampler] = {"steps": steps, "planned": loader.steps_per_epoch, "all_steps": [int(c) for c in step_counts],
-                            "rows": rows, "dropped": loader.plan.dropped, "padded": loader.plan.padded}
+        results[sampler] = {
+            "steps": steps,
+            "planned": loader.steps_per_epoch,
+            "all_steps": [int(c) for c in step_counts],
+            "rows": rows,
+            "dropped": loader.plan.dropped,
+            "padded": loader.plan.padded,
+        }
         del loader
     evaluated = [batch["label"].tolist() for batch in eval_loader(data, rank, world_size)]
     results["eval"] = {"rows": [row for batch in evaluated for row in batch]}
@@ -60,7 +67,11 @@ def rank_main(rank: int, world_size: int, store: str, uri: str, out_dir: str) ->
 def test_every_strategy_takes_equal_steps_on_every_rank_under_ddp(tmp_path):
     uri = write_dataset(str(tmp_path / "ddp.lance"), [50] * 6 + [13])
     context = mp.start_processes(
-        rank_main, args=(WORLD_SIZE, str(tmp_path / "store"), uri, str(tmp_path)), nprocs=WORLD_SIZE, join=False, start_method="spawn"
+        rank_main,
+        args=(WORLD_SIZE, str(tmp_path / "store"), uri, str(tmp_path)),
+        nprocs=WORLD_SIZE,
+        join=False,
+        start_method="spawn",
     )
     deadline = time.monotonic() + DEADLINE_S
     while not context.join(timeout=5):

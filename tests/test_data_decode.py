@@ -165,7 +165,9 @@ def test_skip_replaces_corrupt_rows_with_rows_of_the_same_batch_and_counts_them(
     images = pa.array([good[0], b"garbage", good[1], None, good[2]], pa.binary())
     labels = np.array([10, 11, 12, 13, 14])
     with caplog.at_level("WARNING", logger="lance_hpc.data"):
-        batch, skipped = decode_batch(images, labels, np.array([100, 101, 102, 103, 104]), Transform(16), rng(), dataset="/d.lance")
+        batch, skipped = decode_batch(
+            images, labels, np.array([100, 101, 102, 103, 104]), Transform(16), rng(), dataset="/d.lance"
+        )
     assert batch["image"].shape == (5, 3, 16, 16) and skipped == 2
     assert set(batch["label"].tolist()) <= {10, 12, 14}
     # A replaced row is a whole good row: its image, its label and the row it came from.
@@ -184,14 +186,18 @@ def test_a_batch_without_any_decodable_image_keeps_its_shape():
 def test_fail_names_the_row_and_the_dataset():
     images = pa.array([photo_bytes(1)[0], b"garbage"], pa.binary())
     with pytest.raises(CorruptRowError, match=r"row 42 of s3://b/train.lance.*on_corrupt: skip"):
-        decode_batch(images, np.array([0, 1]), np.array([41, 42]), Transform(8), rng(), on_corrupt="fail", dataset="s3://b/train.lance")
+        decode_batch(
+            images, np.array([0, 1]), np.array([41, 42]), Transform(8), rng(), on_corrupt="fail", dataset="s3://b/train.lance"
+        )
 
 
 def test_large_binary_and_sliced_columns_decode_too():
     data = photo_bytes(4, size=20)
     sliced = pa.array(data, pa.large_binary()).slice(1, 2)
     batch, _ = decode_batch(sliced, np.array([1, 2]), np.array([1, 2]), Transform(8, train=False), rng())
-    direct, _ = decode_batch(pa.array(data[1:3], pa.binary()), np.array([1, 2]), np.array([1, 2]), Transform(8, train=False), rng())
+    direct, _ = decode_batch(
+        pa.array(data[1:3], pa.binary()), np.array([1, 2]), np.array([1, 2]), Transform(8, train=False), rng()
+    )
     assert torch.equal(batch["image"], direct["image"])
     # The decoder's column view honours an array's offset itself (a table may hand it a slice).
     for got, want in zip(binary_values(sliced), binary_values(pa.array(data[1:3], pa.binary()))):
@@ -249,7 +255,9 @@ def test_a_jpeg_declaring_more_pixels_than_the_limit_is_a_corrupt_row_never_deco
         batch, skipped = decode_batch(images, np.array([0, 1, 2]), np.array([5, 6, 7]), Transform(8), rng(), dataset="/d.lance")
     assert skipped == 1 and batch["image"].shape == (3, 3, 8, 8) and batch[ROW_ID].tolist()[1] in (5, 7)
     assert "skipping corrupt row 6 of /d.lance: the image declares 30000x30000 pixels" in caplog.text
-    with pytest.raises(CorruptRowError, match=r"cannot decode row 6 of /d.lance: the image declares 30000x30000 .*on_corrupt: skip"):
+    with pytest.raises(
+        CorruptRowError, match=r"cannot decode row 6 of /d.lance: the image declares 30000x30000 .*on_corrupt: skip"
+    ):
         decode_batch(images, np.array([0, 1, 2]), np.array([5, 6, 7]), Transform(8), rng(), on_corrupt="fail", dataset="/d.lance")
 
 

@@ -167,9 +167,12 @@ def test_a_target_that_cannot_be_replaced_is_a_user_error_and_the_partial_copy_i
         return real_rename(source, destination, *args, **kwargs)
 
     monkeypatch.setattr(os, "rename", busy)
-    with pytest.raises(UserError, match=rf"URI {target}: cannot move it into place \(Device or resource busy: "
-                                        rf".*\.mnt\.partial-\w+\); its partial copy .* was removed\n"
-                                        rf"  fix: point URI at a new path inside it \(e\.g\. {target}/dataset\.lance\)"):
+    with pytest.raises(
+        UserError,
+        match=rf"URI {target}: cannot move it into place \(Device or resource busy: "
+        rf".*\.mnt\.partial-\w+\); its partial copy .* was removed\n"
+        rf"  fix: point URI at a new path inside it \(e\.g\. {target}/dataset\.lance\)",
+    ):
         ingest(SMALL_SOURCE, str(target))
     assert os.listdir(tmp_path) == ["mnt"] and os.listdir(target) == []
     # The command line prints it, without a traceback.
@@ -186,8 +189,11 @@ def test_a_failed_write_is_a_user_error_that_says_what_became_of_the_partial_cop
 
     monkeypatch.setattr(lance, "write_dataset", disk_full)
     target = tmp_path / "t.lance"
-    with pytest.raises(UserError, match=rf"URI {target}: cannot write it \(No space left on device\); its partial "
-                                        rf"copy {tmp_path}/\.t\.lance\.partial-\w+ was removed\n  fix: free space"):
+    with pytest.raises(
+        UserError,
+        match=rf"URI {target}: cannot write it \(No space left on device\); its partial "
+        rf"copy {tmp_path}/\.t\.lance\.partial-\w+ was removed\n  fix: free space",
+    ):
         ingest(SMALL_SOURCE, str(target))
     assert os.listdir(tmp_path) == []
 
@@ -213,7 +219,8 @@ def test_ensure_dataset_without_ingest_says_how_to_fix(tmp_path):
 
 def test_ensure_dataset_writes_validation_first_and_train_marks_completion(tmp_path):
     spec = DataSpec(
-        uri=str(tmp_path / "t.lance"), val_uri=str(tmp_path / "v.lance"),
+        uri=str(tmp_path / "t.lance"),
+        val_uri=str(tmp_path / "v.lance"),
         ingest=IngestSpec(source="skimage-photos:count=20,size=16", val_fraction=0.25),
     )
     (tmp_path / "v.lance").mkdir()  # an empty directory holds nothing to lose: the dataset goes there
@@ -223,8 +230,21 @@ def test_ensure_dataset_writes_validation_first_and_train_marks_completion(tmp_p
 
 
 def test_command_line(tmp_path, capsys):
-    assert main(["skimage-photos:count=12,size=16", str(tmp_path / "t.lance"), "--val-uri", str(tmp_path / "v.lance"),
-                 "--val-fraction", "0.25", "--rows-per-fragment", "4"]) == 0
+    assert (
+        main(
+            [
+                "skimage-photos:count=12,size=16",
+                str(tmp_path / "t.lance"),
+                "--val-uri",
+                str(tmp_path / "v.lance"),
+                "--val-fraction",
+                "0.25",
+                "--rows-per-fragment",
+                "4",
+            ]
+        )
+        == 0
+    )
     assert "wrote 9 training rows" in capsys.readouterr().out
     assert len(lance.dataset(str(tmp_path / "t.lance")).get_fragments()) == 3
     assert main(["nonsense", str(tmp_path / "x.lance")]) == 2
@@ -273,7 +293,8 @@ def test_a_path_holding_files_ingest_did_not_write_is_refused_and_left_alone(tmp
     assert "URI notes.lance exists and is not a Lance dataset (it is not a directory)" in capsys.readouterr().err
     assert main(["sklearn-digits", "t.lance", "--val-uri", "rv/important"]) == 2
     assert "--val-uri rv/important exists and is not a Lance dataset (it holds 0.txt, 1.txt, 2.txt, 3.txt, 4.txt and 3 more)" in (
-        capsys.readouterr().err)
+        capsys.readouterr().err
+    )
     assert (tmp_path / "notes.lance").read_text() == "not a dataset" and not (tmp_path / "t.lance").exists()
 
 
@@ -283,7 +304,8 @@ def test_a_dataset_already_there_is_kept_and_overwrite_writes_a_new_version_of_i
     assert main(["skimage-photos:count=12,size=16", *arguments]) == 0
     assert main(["sklearn-digits", *arguments]) == 0
     assert f"kept the Lance dataset already at {train}; to write the source over it as a new version, pass --overwrite" in (
-        capsys.readouterr().out)
+        capsys.readouterr().out
+    )
     assert lance.dataset(train).version == 1 and lance.dataset(train).count_rows() == 9
     assert main(["sklearn-digits", *arguments, "--overwrite"]) == 0
     assert "wrote 1,348 training rows" in capsys.readouterr().out
@@ -302,9 +324,12 @@ def test_a_validation_set_of_an_unfinished_ingest_is_kept_one_from_another_sourc
     assert lance.dataset(str(val)).version == 1 and lance.dataset(str(train)).count_rows() == 15
     assert ensure_dataset(spec) == Ingested(kept=(str(train),))  # complete: nothing to do
     digits = DataSpec(uri=str(tmp_path / "d.lance"), val_uri=str(val), ingest=IngestSpec(source="sklearn-digits"))
-    with pytest.raises(UserError, match=r"(?s)data.val_uri .*v.lance already holds a Lance dataset ingested from "
-                       r"skimage-photos, not from sklearn-digits.*fix: to write sklearn-digits over it as a new version, "
-                       r"set data.ingest.overwrite: true"):
+    with pytest.raises(
+        UserError,
+        match=r"(?s)data.val_uri .*v.lance already holds a Lance dataset ingested from "
+        r"skimage-photos, not from sklearn-digits.*fix: to write sklearn-digits over it as a new version, "
+        r"set data.ingest.overwrite: true",
+    ):
         ensure_dataset(digits)
     assert not (tmp_path / "d.lance").exists()
     overwriting = digits.model_copy(update={"ingest": IngestSpec(source="sklearn-digits", overwrite=True)})

@@ -39,10 +39,17 @@ def write_dataset(uri, fragment_rows, corrupt=(), mode="create"):
     schema = schema_for([str(i) for i in range(start + total)], "test")
     batches, offset = [], 0
     for rows in fragment_rows:
-        batches.append(pa.record_batch([pa.array(images[offset : offset + rows], pa.binary()), pa.array(ids[offset : offset + rows], pa.int64())], schema=schema))
+        batches.append(
+            pa.record_batch(
+                [pa.array(images[offset : offset + rows], pa.binary()), pa.array(ids[offset : offset + rows], pa.int64())],
+                schema=schema,
+            )
+        )
         offset += rows
     for batch in batches:  # one fragment per batch
-        lance.write_dataset(pa.Table.from_batches([batch]), uri, mode=mode if mode == "append" or batch is batches[0] else "append")
+        lance.write_dataset(
+            pa.Table.from_batches([batch]), uri, mode=mode if mode == "append" or batch is batches[0] else "append"
+        )
     return uri
 
 
@@ -79,7 +86,9 @@ def epoch_labels(loader, epoch):
 @pytest.mark.parametrize("uneven", ["drop", "pad"])
 def test_every_strategy_reads_the_planned_rows_with_equal_steps(layout_dataset, style, sampler, uneven):
     world_size = 3
-    loaders = [train_loader(spec(layout_dataset, style=style, sampler=sampler, uneven=uneven), r, world_size) for r in range(world_size)]
+    loaders = [
+        train_loader(spec(layout_dataset, style=style, sampler=sampler, uneven=uneven), r, world_size) for r in range(world_size)
+    ]
     plan = loaders[0].plan
     per_rank = [epoch_labels(loader, 1) for loader in loaders]
     assert [len(batches) for batches in per_rank] == [plan.steps_per_rank] * world_size
@@ -251,8 +260,11 @@ def test_plan_data_and_preflight_on_local_data(tmp_path, layout_dataset, capsys)
     with pytest.raises(UserError, match="version 99 does not exist"):
         preflight(spec(layout_dataset, version=99))
     # A dataset that ingest will create is planned from the source's size.
-    future = DataSpec(uri=str(tmp_path / "new.lance"), val_uri=str(tmp_path / "newval.lance"),
-                      ingest=IngestSpec(source="sklearn-digits", val_fraction=0.2, rows_per_fragment=500))
+    future = DataSpec(
+        uri=str(tmp_path / "new.lance"),
+        val_uri=str(tmp_path / "newval.lance"),
+        ingest=IngestSpec(source="sklearn-digits", val_fraction=0.2, rows_per_fragment=500),
+    )
     preflight(future)
     assert (plan_data(future, 2).rows, plan_data(future, 2).fragments) == (1438, 3)
     job = tmp_path / "job.yaml"

@@ -17,11 +17,20 @@ from tests.test_data_loader import eval_loader, train_loader
 
 
 def test_storage_options_take_credentials_from_the_environment_and_never_override_the_spec():
-    environ = {"AWS_ACCESS_KEY_ID": "AKID", "AWS_SECRET_ACCESS_KEY": "SECRET", "AWS_REGION": "auto",
-               "AWS_ENDPOINT_URL_S3": "http://127.0.0.1:9000"}
+    environ = {
+        "AWS_ACCESS_KEY_ID": "AKID",
+        "AWS_SECRET_ACCESS_KEY": "SECRET",
+        "AWS_REGION": "auto",
+        "AWS_ENDPOINT_URL_S3": "http://127.0.0.1:9000",
+    }
     options = storage_options("s3://b/x.lance", {"region": "eu-1"}, environ)
-    assert options == {"region": "eu-1", "access_key_id": "AKID", "secret_access_key": "SECRET",
-                       "endpoint": "http://127.0.0.1:9000", "allow_http": "true"}
+    assert options == {
+        "region": "eu-1",
+        "access_key_id": "AKID",
+        "secret_access_key": "SECRET",
+        "endpoint": "http://127.0.0.1:9000",
+        "allow_http": "true",
+    }
     assert storage_options("/local/x.lance", {}, environ) == {}
     assert redact("key AKID secret SECRET", options) == "key *** secret ***"
 
@@ -40,8 +49,13 @@ def s3_spec(server, name, **fields):
 
 @pytest.mark.s3
 def test_ingest_plan_and_read_on_s3(s3_env):
-    data = s3_spec(s3_env, "digits", style="iterable", sampler="sharded_fragment",
-                   ingest=IngestSpec(source="sklearn-digits", val_fraction=0.1, rows_per_fragment=400))
+    data = s3_spec(
+        s3_env,
+        "digits",
+        style="iterable",
+        sampler="sharded_fragment",
+        ingest=IngestSpec(source="sklearn-digits", val_fraction=0.1, rows_per_fragment=400),
+    )
     preflight(data)  # may_create: bucket and credentials are fine, dataset not there yet
     ensure_dataset(data)
     options = storage_options(data.uri, data.storage_options)
@@ -59,7 +73,9 @@ def test_ingest_plan_and_read_on_s3(s3_env):
 @pytest.mark.s3
 @pytest.mark.slow
 def test_workers_read_s3_with_the_full_options(s3_env):
-    data = s3_spec(s3_env, "photos", num_workers=1, ingest=IngestSpec(source="skimage-photos:count=64,size=24", rows_per_fragment=20))
+    data = s3_spec(
+        s3_env, "photos", num_workers=1, ingest=IngestSpec(source="skimage-photos:count=64,size=24", rows_per_fragment=20)
+    )
     ensure_dataset(data)
     loader = train_loader(data, 0, 1)
     batches = [batch["label"] for batch in loader]
@@ -88,7 +104,9 @@ def test_preflight_errors_are_clear_and_never_show_credentials(s3_env, monkeypat
     no_bucket = DataSpec(uri="s3://no-such-bucket/x.lance", storage_options=s3_env.storage_options)
     with pytest.raises(UserError, match="bucket 'no-such-bucket' does not exist") as bucket:
         preflight(no_bucket)
-    dead = DataSpec(uri=s3_env.uri("x.lance"), storage_options=dict(s3_env.storage_options, endpoint=f"http://127.0.0.1:{free_port()}"))
+    dead = DataSpec(
+        uri=s3_env.uri("x.lance"), storage_options=dict(s3_env.storage_options, endpoint=f"http://127.0.0.1:{free_port()}")
+    )
     with pytest.raises(UserError, match="cannot reach the object store endpoint"):
         preflight(dead)
 

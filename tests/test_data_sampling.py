@@ -156,7 +156,8 @@ def test_an_epoch_resumed_on_other_world_sizes_reads_every_planned_row_once(
     assume(rank_share(table.total_rows, world_size, batch_size, uneven).steps > 0)
     origin = EpochOrigin(sampler, uneven, shuffle, seed=11, epoch=4)
     planned = collections.Counter(
-        row for rank in range(world_size)
+        row
+        for rank in range(world_size)
         for batch in epoch_batches(table, sampler, rank, world_size, batch_size, uneven=uneven, shuffle=shuffle, seed=11, epoch=4)
         for row in batch.tolist()
     )
@@ -174,8 +175,7 @@ def test_an_epoch_resumed_on_other_world_sizes_reads_every_planned_row_once(
         last = index == len(layouts) - 1
         consumed = steps if last else data.draw(st.integers(0, steps))
         total, before = epoch.epoch_rows(table), epoch.rows_before(table)
-        shares = (np.full(world_size, total // world_size) if index == 0
-                  else remainder_share_rows(total - before, world_size))
+        shares = np.full(world_size, total // world_size) if index == 0 else remainder_share_rows(total - before, world_size)
         for rank, batches in enumerate(per_rank):
             # a rank with no share of its own (fewer rows left than ranks) repeats rows
             counter = read if shares[rank] else repeated
@@ -202,7 +202,9 @@ def test_reference_layout_never_gives_ranks_different_steps():
     for sampler in TRAIN_SAMPLERS:
         for uneven in ("drop", "pad"):
             plan = plan_from_table(FragmentTable.from_rows(REFERENCE_LAYOUT), 2, 128, sampler=sampler, uneven=uneven)
-            steps = {len(epoch_batches(FragmentTable.from_rows(REFERENCE_LAYOUT), sampler, r, 2, 128, uneven=uneven)) for r in (0, 1)}
+            steps = {
+                len(epoch_batches(FragmentTable.from_rows(REFERENCE_LAYOUT), sampler, r, 2, 128, uneven=uneven)) for r in (0, 1)
+            }
             assert steps == {plan.steps_per_rank}
     plan = plan_from_table(FragmentTable.from_rows(REFERENCE_LAYOUT), 2, 128, sampler="sharded_fragment")
     assert (plan.rows_per_rank, plan.steps_per_rank, plan.dropped) == (37_875, 296, 0)

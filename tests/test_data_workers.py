@@ -119,10 +119,13 @@ def test_rows_by_index_work_inside_a_worker(tmp_path):
     assert all(torch.equal(row["image"], dataset[index]["image"]) for index, row in enumerate(got))
 
 
-@pytest.mark.parametrize("device,channels_last,expected", [
-    ("cpu", True, torch.contiguous_format),
-    ("cpu", False, torch.contiguous_format),
-])
+@pytest.mark.parametrize(
+    "device,channels_last,expected",
+    [
+        ("cpu", True, torch.contiguous_format),
+        ("cpu", False, torch.contiguous_format),
+    ],
+)
 def test_batches_reach_the_model_in_its_memory_format(device, channels_last, expected):
     info = DatasetInfo("memory://train.lance", schema_for(["a", "b"], "test"), 0)
     task = ImageClassification(ImageOptions(image_size=8, model="small_cnn", channels_last=channels_last), info)
@@ -157,8 +160,7 @@ def test_a_program_that_ends_with_its_loader_mid_epoch_exits_and_takes_the_worke
     """)
     (tmp_path / "ends.py").write_text(script)
     for how in ("end", "error"):
-        ended = subprocess.run([sys.executable, str(tmp_path / "ends.py"), how], capture_output=True, text=True,
-                               timeout=300)
+        ended = subprocess.run([sys.executable, str(tmp_path / "ends.py"), how], capture_output=True, text=True, timeout=300)
         assert ended.returncode == (0 if how == "end" else 1), ended.stderr
         workers = [int(pid) for pid in ended.stdout.split()]
         assert workers and not [pid for pid in workers if alive(pid)]

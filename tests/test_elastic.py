@@ -44,15 +44,21 @@ def submit_local(spec_file: Path, nproc: int) -> subprocess.Popen:
     group of its own (the terminal's foreground group), stdout and stderr piped together."""
     return subprocess.Popen(
         [sys.executable, "-m", "lance_hpc.submit", str(spec_file), "--local", "--nproc", str(nproc)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT, start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO_ROOT,
+        start_new_session=True,
         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
     )
 
 
 def logged_rows(row_log: Path, world_size: int) -> list[list[list[int]]]:
     """Per rank, the row ids of every training batch, in order."""
-    return [[[int(row) for row in line.split()] for line in (row_log / f"rank-{rank}.txt").read_text().splitlines()]
-            for rank in range(world_size)]
+    return [
+        [[int(row) for row in line.split()] for line in (row_log / f"rank-{rank}.txt").read_text().splitlines()]
+        for rank in range(world_size)
+    ]
 
 
 def planned_rows(spec: JobSpec, world_size: int, epoch: int) -> collections.Counter:
@@ -60,9 +66,19 @@ def planned_rows(spec: JobSpec, world_size: int, epoch: int) -> collections.Coun
     table = fragment_table(open_dataset(spec.data.uri, None, {}))
     data = spec.data
     return collections.Counter(
-        row for rank in range(world_size)
-        for batch in epoch_batches(table, data.sampler, rank, world_size, data.batch_size, epoch=epoch,
-                                   uneven=data.uneven, shuffle=data.shuffle, seed=data.seed)
+        row
+        for rank in range(world_size)
+        for batch in epoch_batches(
+            table,
+            data.sampler,
+            rank,
+            world_size,
+            data.batch_size,
+            epoch=epoch,
+            uneven=data.uneven,
+            shuffle=data.shuffle,
+            seed=data.seed,
+        )
         for row in batch.tolist()
     )
 
@@ -71,12 +87,19 @@ def planned_rows(spec: JobSpec, world_size: int, epoch: int) -> collections.Coun
 def test_stopped_on_two_ranks_mid_epoch_finishes_on_three_reading_every_row_once(
     tmp_path: Path, digits, style: str, sampler: str
 ) -> None:
-    sections = dict(data={"style": style, "sampler": sampler, "num_workers": 1}, train={"epochs": 2, "lr": 0.01},
-                    logging={"log_every_steps": 1, "progress": False})
+    sections = dict(
+        data={"style": style, "sampler": sampler, "num_workers": 1},
+        train={"epochs": 2, "lr": 0.01},
+        logging={"log_every_steps": 1, "progress": False},
+    )
     spec_file = row_logging_spec(tmp_path, digits, tmp_path / "rows2", **sections)
     spec = load_spec(spec_file).spec
-    steps_per_epoch = sum(1 for _ in epoch_batches(fragment_table(open_dataset(spec.data.uri, None, {})),
-                                                   sampler, 0, 2, spec.data.batch_size, uneven=spec.data.uneven))
+    steps_per_epoch = sum(
+        1
+        for _ in epoch_batches(
+            fragment_table(open_dataset(spec.data.uri, None, {})), sampler, 0, 2, spec.data.batch_size, uneven=spec.data.uneven
+        )
+    )
     first = submit_local(spec_file, 2)
     read_until(first, f"step {steps_per_epoch + 4}/")  # early in epoch 2 of 2
     first.send_signal(signal.SIGUSR2)
@@ -132,7 +155,8 @@ def test_the_learning_rate_follows_the_rows_read_across_a_resume_on_three_ranks(
         for index, batches in enumerate(zip(*logged_rows(tmp_path / row_log, world_size))):
             epochs_read = rows_before / epoch_rows
             expected[first_step + index] = peaks[world_size] * lr_factor(
-                epochs_read * steps_per_epoch, train["warmup_epochs"] * steps_per_epoch, steps_per_epoch)
+                epochs_read * steps_per_epoch, train["warmup_epochs"] * steps_per_epoch, steps_per_epoch
+            )
             rows_before += sum(len(batch) for batch in batches)
     assert rows_before == epoch_rows and max(expected) == final_state(tmp_path)["step"]
     resumed = [expected[step] for step in sorted(expected) if step > stopped["step"]]
@@ -165,11 +189,17 @@ def test_an_epoch_end_checkpoint_resumes_on_three_ranks_with_more_epochs(tmp_pat
 
 def test_script_mode_stopped_on_two_ranks_finishes_on_three(tmp_path: Path, digits) -> None:
     """examples/script_mode (its own loop over ctx.steps) stopped mid-epoch on 2 ranks, rerun on 3."""
-    spec_file = write_spec(tmp_path, digits, entry=f"{REPO_ROOT}/examples/script_mode/train.py:main",
-                           train={"epochs": 3}, logging={"log_every_steps": 1, "progress": False})
+    spec_file = write_spec(
+        tmp_path,
+        digits,
+        entry=f"{REPO_ROOT}/examples/script_mode/train.py:main",
+        train={"epochs": 3},
+        logging={"log_every_steps": 1, "progress": False},
+    )
     spec = load_spec(spec_file).spec
-    steps_per_epoch = sum(1 for _ in epoch_batches(fragment_table(open_dataset(spec.data.uri, None, {})),
-                                                   "distributed", 0, 2, spec.data.batch_size))
+    steps_per_epoch = sum(
+        1 for _ in epoch_batches(fragment_table(open_dataset(spec.data.uri, None, {})), "distributed", 0, 2, spec.data.batch_size)
+    )
     first = submit_local(spec_file, 2)
     read_until(first, f"step {steps_per_epoch + 4}/")
     first.send_signal(signal.SIGUSR2)
@@ -186,8 +216,9 @@ def test_script_mode_stopped_on_two_ranks_finishes_on_three(tmp_path: Path, digi
 
 
 def test_ctrl_c_saves_stops_with_one_line_and_the_rerun_continues(tmp_path: Path, digits) -> None:
-    spec_file = write_spec(tmp_path, digits, data={"num_workers": 1}, train={"epochs": 50},
-                           logging={"log_every_steps": 1, "progress": False})
+    spec_file = write_spec(
+        tmp_path, digits, data={"num_workers": 1}, train={"epochs": 50}, logging={"log_every_steps": 1, "progress": False}
+    )
     run = submit_local(spec_file, 2)
     read_until(run, "step 4/")
     os.killpg(run.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
@@ -206,8 +237,9 @@ def test_ctrl_c_saves_stops_with_one_line_and_the_rerun_continues(tmp_path: Path
 
 
 def test_a_second_ctrl_c_stops_at_once_and_leaves_no_process(tmp_path: Path, digits) -> None:
-    spec_file = write_spec(tmp_path, digits, data={"num_workers": 2}, train={"epochs": 50},
-                           logging={"log_every_steps": 1, "progress": False})
+    spec_file = write_spec(
+        tmp_path, digits, data={"num_workers": 2}, train={"epochs": 50}, logging={"log_every_steps": 1, "progress": False}
+    )
     run = submit_local(spec_file, 2)
     read_until(run, "step 2/")
     sessions = {rank_pid(run, rank) for rank in range(2)}  # each rank leads a session: its workers are in it

@@ -59,8 +59,14 @@ def srun_task(**overrides: str) -> dict[str, str]:
 
 
 TORCHRUN = {
-    "RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
-    "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "abc",
+    "RANK": "5",
+    "LOCAL_RANK": "1",
+    "WORLD_SIZE": "8",
+    "LOCAL_WORLD_SIZE": "4",
+    "GROUP_RANK": "1",
+    "MASTER_ADDR": "10.0.0.7",
+    "MASTER_PORT": "29500",
+    "TORCHELASTIC_RUN_ID": "abc",
 }
 
 ENVIRONMENTS = [
@@ -81,17 +87,36 @@ ENVIRONMENTS = [
         id="srun-job-nodelist-only",
     ),
     pytest.param(
-        srun_task(SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0", SLURM_NTASKS="1", SLURM_STEP_NUM_TASKS="1",
-                  SLURM_JOB_NUM_NODES="1", SLURM_STEP_NUM_NODES="1", SLURM_JOB_NODELIST="a-[001-002]-b",
-                  SLURM_STEP_NODELIST="a-001-b", SLURM_NTASKS_PER_NODE=None, SLURM_TASKS_PER_NODE="1",
-                  SLURM_STEP_TASKS_PER_NODE="1"),
+        srun_task(
+            SLURM_PROCID="0",
+            SLURM_LOCALID="0",
+            SLURM_NODEID="0",
+            SLURM_NTASKS="1",
+            SLURM_STEP_NUM_TASKS="1",
+            SLURM_JOB_NUM_NODES="1",
+            SLURM_STEP_NUM_NODES="1",
+            SLURM_JOB_NODELIST="a-[001-002]-b",
+            SLURM_STEP_NODELIST="a-001-b",
+            SLURM_NTASKS_PER_NODE=None,
+            SLURM_TASKS_PER_NODE="1",
+            SLURM_STEP_TASKS_PER_NODE="1",
+        ),
         DistEnv("slurm", 0, 0, 1, 1, 0, 1, "a-001-b", port_for_job("4242"), job_id="4242"),
         id="srun-single-task",
     ),
     pytest.param(
-        srun_task(SLURM_PROCID="2", SLURM_LOCALID="2", SLURM_NODEID="0", SLURM_JOB_NUM_NODES="1",
-                  SLURM_STEP_NUM_NODES="1", SLURM_JOB_NODELIST="node7", SLURM_STEP_NODELIST="node7",
-                  SLURM_NTASKS_PER_NODE=None, SLURM_TASKS_PER_NODE="4", SLURM_STEP_TASKS_PER_NODE="4"),
+        srun_task(
+            SLURM_PROCID="2",
+            SLURM_LOCALID="2",
+            SLURM_NODEID="0",
+            SLURM_JOB_NUM_NODES="1",
+            SLURM_STEP_NUM_NODES="1",
+            SLURM_JOB_NODELIST="node7",
+            SLURM_STEP_NODELIST="node7",
+            SLURM_NTASKS_PER_NODE=None,
+            SLURM_TASKS_PER_NODE="4",
+            SLURM_STEP_TASKS_PER_NODE="4",
+        ),
         DistEnv("slurm", 2, 2, 4, 4, 0, 1, "node7", port_for_job("4242"), job_id="4242"),
         id="srun-ntasks-one-node",
     ),
@@ -101,9 +126,7 @@ ENVIRONMENTS = [
         DistEnv("torchrun", 5, 1, 8, 4, 1, 2, "10.0.0.7", 29500, job_id="4242"),
         id="torchrun-inside-srun",
     ),
-    pytest.param(
-        {"RANK": "0", "WORLD_SIZE": "1"}, DistEnv("torchrun", 0, 0, 1, 1, 0, 1, "127.0.0.1", 0), id="torchrun-single"
-    ),
+    pytest.param({"RANK": "0", "WORLD_SIZE": "1"}, DistEnv("torchrun", 0, 0, 1, 1, 0, 1, "127.0.0.1", 0), id="torchrun-single"),
     pytest.param(
         {"SLURM_JOB_ID": "77", "SLURM_JOB_NUM_NODES": "1", "SLURM_NTASKS": "1", "SLURM_JOB_NODELIST": "node1"},
         DistEnv("local", 0, 0, 1, 1, 0, 1, "127.0.0.1", 0),
@@ -124,8 +147,7 @@ def test_detect_reads_os_environ_by_default() -> None:
 
 def test_every_rank_of_a_job_agrees_on_the_master() -> None:
     ranks = [
-        detect(srun_task(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank % 2), SLURM_NODEID=str(rank // 2)))
-        for rank in range(4)
+        detect(srun_task(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank % 2), SLURM_NODEID=str(rank // 2))) for rank in range(4)
     ]
     assert {(env.master_addr, env.master_port) for env in ranks} == {("gpu01", port_for_job("4242"))}
     assert [env.rank for env in ranks] == [0, 1, 2, 3]
@@ -154,8 +176,11 @@ def test_node_lists_expand_like_scontrol(slurm_cluster) -> None:
     compared = 0
     for nodelist, expected in NODE_LISTS:
         printed = subprocess.run(
-            ["scontrol", "show", "hostnames", nodelist], env={**os.environ, **slurm_cluster.env},
-            capture_output=True, text=True, check=True,
+            ["scontrol", "show", "hostnames", nodelist],
+            env={**os.environ, **slurm_cluster.env},
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout.split()
         if printed:  # SLURM 22.05's scontrol rejects a suffix after brackets (a-[001-002]-b); newer ones expand it
             assert hostnames(nodelist) == printed == expected
@@ -163,25 +188,39 @@ def test_node_lists_expand_like_scontrol(slurm_cluster) -> None:
     assert compared >= len(NODE_LISTS) - 1
 
 
-@pytest.mark.parametrize(
-    "text, expected", [("2(x2)", [2, 2]), ("4", [4]), ("3,1", [3, 1]), ("2(x3),1", [2, 2, 2, 1])]
-)
+@pytest.mark.parametrize("text, expected", [("2(x2)", [2, 2]), ("4", [4]), ("3,1", [3, 1]), ("2(x3),1", [2, 2, 2, 1])])
 def test_tasks_per_node(text: str, expected: list[int]) -> None:
     assert tasks_per_node(text) == expected
 
 
 MISCONFIGURATIONS = [
-    pytest.param(srun_task(SLURM_NTASKS_PER_NODE=None, SLURM_TASKS_PER_NODE="3,1", SLURM_STEP_TASKS_PER_NODE="3,1"),
-                 r"--ntasks=4 on 2 nodes without --ntasks-per-node.*--nodes=2 --ntasks-per-node=2", id="ntasks-without-per-node"),
-    pytest.param(srun_task(SLURM_GPUS_ON_NODE="4"),
-                 r"2 task\(s\) per node but 4 GPU\(s\) per node.*--ntasks-per-node=4", id="tasks-not-gpus"),
-    pytest.param(srun_task(SLURM_NTASKS="1", SLURM_STEP_NUM_TASKS="1", SLURM_STEP_NUM_NODES="1", SLURM_PROCID="0",
-                           SLURM_NTASKS_PER_NODE=None),
-                 r"world size is 1 but the job holds 2 nodes.*--ntasks-per-node", id="world-1-multi-node-srun"),
-    pytest.param({"SLURM_JOB_ID": "9", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "node[1-2]"},
-                 r"world size is 1 but the job holds 2 nodes", id="world-1-multi-node-batch-shell"),
-    pytest.param({"SLURM_JOB_ID": "9", "SLURM_JOB_NUM_NODES": "1", "SLURM_NTASKS": "4"},
-                 r"4 tasks but the trainer was started without srun.*srun python -m lance_hpc.run", id="not-under-srun"),
+    pytest.param(
+        srun_task(SLURM_NTASKS_PER_NODE=None, SLURM_TASKS_PER_NODE="3,1", SLURM_STEP_TASKS_PER_NODE="3,1"),
+        r"--ntasks=4 on 2 nodes without --ntasks-per-node.*--nodes=2 --ntasks-per-node=2",
+        id="ntasks-without-per-node",
+    ),
+    pytest.param(
+        srun_task(SLURM_GPUS_ON_NODE="4"),
+        r"2 task\(s\) per node but 4 GPU\(s\) per node.*--ntasks-per-node=4",
+        id="tasks-not-gpus",
+    ),
+    pytest.param(
+        srun_task(
+            SLURM_NTASKS="1", SLURM_STEP_NUM_TASKS="1", SLURM_STEP_NUM_NODES="1", SLURM_PROCID="0", SLURM_NTASKS_PER_NODE=None
+        ),
+        r"world size is 1 but the job holds 2 nodes.*--ntasks-per-node",
+        id="world-1-multi-node-srun",
+    ),
+    pytest.param(
+        {"SLURM_JOB_ID": "9", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "node[1-2]"},
+        r"world size is 1 but the job holds 2 nodes",
+        id="world-1-multi-node-batch-shell",
+    ),
+    pytest.param(
+        {"SLURM_JOB_ID": "9", "SLURM_JOB_NUM_NODES": "1", "SLURM_NTASKS": "4"},
+        r"4 tasks but the trainer was started without srun.*srun python -m lance_hpc.run",
+        id="not-under-srun",
+    ),
     pytest.param({"RANK": "1", "WORLD_SIZE": "2"}, r"MASTER_ADDR/MASTER_PORT are not.*torchrun", id="torchrun-no-master"),
     pytest.param(srun_task(SLURM_PROCID="x"), r"SLURM_PROCID='x' is not an integer", id="garbage-rank"),
 ]

@@ -106,8 +106,10 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_the_graph_sees_imports_inside_functions_and_skips_type_checking_blocks(tmp_path: Path) -> None:
-    source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from lance_hpc import spec\n"
-              "def later():\n    from lance_hpc.runtime import checkpoint\n")
+    source = (
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from lance_hpc import spec\n"
+        "def later():\n    from lance_hpc.runtime import checkpoint\n"
+    )
     imports = _runtime_imports(ast.parse(source))
     assert [node.module for node in imports if isinstance(node, ast.ImportFrom)] == ["typing", "lance_hpc.runtime"]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
@@ -117,8 +119,10 @@ def test_no_import_cycles() -> None:
     graph = import_graph()
     assert len(graph) > 50 and graph["lance_hpc.runtime.rank"]  # the walk found the package
     found = cycles(graph)
-    described = ["; ".join(f"{module} -> {', '.join(sorted(graph[module] & set(component)))}" for module in component)
-                 for component in found]
+    described = [
+        "; ".join(f"{module} -> {', '.join(sorted(graph[module] & set(component)))}" for module in component)
+        for component in found
+    ]
     assert not found, "import cycles:\n" + "\n".join(described)
 
 

@@ -44,8 +44,18 @@ def take(directory: str | Path, me: lease.Holder, leases: list[lease.Lease]) -> 
 def elsewhere(heartbeat_age_s: float, job: str | None = "4711") -> lease.Holder:
     """A holder on another machine whose last heartbeat is ``heartbeat_age_s`` old."""
     now = float(int(time.time()))  # as a lease file records it
-    return lease.Holder(uuid.uuid4().hex, "node-elsewhere", "another-boot", 4242, 123, "ada", job, 0,
-                        now - heartbeat_age_s - 60, now - heartbeat_age_s)
+    return lease.Holder(
+        uuid.uuid4().hex,
+        "node-elsewhere",
+        "another-boot",
+        4242,
+        123,
+        "ada",
+        job,
+        0,
+        now - heartbeat_age_s - 60,
+        now - heartbeat_age_s,
+    )
 
 
 def dead_pid() -> int:
@@ -69,8 +79,9 @@ def test_a_second_run_refuses_naming_the_holder_and_the_lease_goes_at_release(tm
     with pytest.raises(UserError) as refused:
         lease.acquire(directory, lease.this_process(None, 0))  # a second run on this machine, while the first lives
     message = str(refused.value)
-    assert message.startswith(f"checkpoint.dir {directory} is in use by another run: pid {os.getpid()} on "
-                              f"{held.holder.host}, a local run")
+    assert message.startswith(
+        f"checkpoint.dir {directory} is in use by another run: pid {os.getpid()} on {held.holder.host}, a local run"
+    )
     assert "fix: wait for that run to end" in message and "--set checkpoint.dir=" in message
 
     held.release()
@@ -83,8 +94,10 @@ def test_a_lease_whose_pid_is_gone_is_taken_over_with_a_message(tmp_path: Path, 
     gone = dataclasses.replace(me, token="gone", pid=dead_pid())
     plant(tmp_path, gone)
     held, note = take(tmp_path, me, leases)
-    assert note.startswith(f"checkpoint.dir {tmp_path}: taking over the lease of a run that is gone "
-                           f"(pid {gone.pid} is no longer running on {me.host}); it was held by pid {gone.pid}")
+    assert note.startswith(
+        f"checkpoint.dir {tmp_path}: taking over the lease of a run that is gone "
+        f"(pid {gone.pid} is no longer running on {me.host}); it was held by pid {gone.pid}"
+    )
     assert lease.Holder.decode((tmp_path / lease.LEASE_NAME).read_bytes()).token == held.holder.token
     assert [path.name for path in tmp_path.iterdir()] == [lease.LEASE_NAME]  # the old lease is not left aside
 
@@ -98,8 +111,11 @@ def test_a_reused_pid_does_not_keep_a_dead_runs_lease(tmp_path: Path, leases) ->
 
 def test_another_machines_lease_holds_while_its_heartbeat_is_fresh(tmp_path: Path, leases) -> None:
     plant(tmp_path, elsewhere(heartbeat_age_s=20))
-    with pytest.raises(UserError, match="in use by another run: pid 4242 on node-elsewhere, SLURM job 4711, user ada, "
-                                        r"since .* UTC, last heartbeat 2\d s ago\n") as refused:
+    with pytest.raises(
+        UserError,
+        match="in use by another run: pid 4242 on node-elsewhere, SLURM job 4711, user ada, "
+        r"since .* UTC, last heartbeat 2\d s ago\n",
+    ) as refused:
         lease.acquire(tmp_path, lease.this_process(None, 0))
     assert "`lance-hpc cancel 4711` saves and stops it" in str(refused.value)
 
@@ -116,8 +132,9 @@ def test_a_lease_of_a_slurm_job_that_ended_is_taken_over_before_its_heartbeat_is
 ) -> None:
     """A job cancelled with --now (or killed) leaves its lease behind with a fresh heartbeat; a job
     submitted right after it must not wait five minutes for it when SLURM says the job is over."""
-    submitted = slurm_cluster.run("sbatch", "--parsable", f"--partition={slurm_cluster.partition}",
-                                  f"--output={tmp_path}/true-%j.out", "--wrap", "true")
+    submitted = slurm_cluster.run(
+        "sbatch", "--parsable", f"--partition={slurm_cluster.partition}", f"--output={tmp_path}/true-%j.out", "--wrap", "true"
+    )
     job = submitted.stdout.strip().split(";")[0]
     for key, value in slurm_cluster.env.items():
         monkeypatch.setenv(key, value)
@@ -130,8 +147,14 @@ def test_a_lease_of_a_slurm_job_that_ended_is_taken_over_before_its_heartbeat_is
     held, note = take(tmp_path / "ended", lease.this_process(None, 0), leases)
     assert f"taking over the lease of a run that is gone (SLURM job {job} ended COMPLETED)" in note
 
-    running = slurm_cluster.run("sbatch", "--parsable", f"--partition={slurm_cluster.partition}",
-                                f"--output={tmp_path}/sleep-%j.out", "--wrap", "sleep 120").stdout.strip()
+    running = slurm_cluster.run(
+        "sbatch",
+        "--parsable",
+        f"--partition={slurm_cluster.partition}",
+        f"--output={tmp_path}/sleep-%j.out",
+        "--wrap",
+        "sleep 120",
+    ).stdout.strip()
     try:
         plant(tmp_path / "running", elsewhere(heartbeat_age_s=5, job=running))
         with pytest.raises(UserError, match=f"in use by another run: pid 4242 on node-elsewhere, SLURM job {running}"):
@@ -172,10 +195,11 @@ def test_a_requeued_job_keeps_its_lease_after_its_process_is_gone(
         with pytest.raises(UserError) as refused:
             lease.acquire(tmp_path, other)
         message = str(refused.value)
-        assert message.startswith(f"checkpoint.dir {tmp_path} is kept by a requeued job: pid {requeued.pid} on "
-                                  f"{me.host}, SLURM job 900 requeued and waiting to run again")
-        assert "fix: let that job run again, or stop it for good with `lance-hpc cancel 900` (or `scancel 900`)" \
-            in message
+        assert message.startswith(
+            f"checkpoint.dir {tmp_path} is kept by a requeued job: pid {requeued.pid} on "
+            f"{me.host}, SLURM job 900 requeued and waiting to run again"
+        )
+        assert "fix: let that job run again, or stop it for good with `lance-hpc cancel 900` (or `scancel 900`)" in message
     assert take(tmp_path, lease.this_process("900", 1), leases)[1] is None  # its next run
 
 
@@ -183,11 +207,11 @@ def test_a_requeued_job_slurm_does_not_know_loses_its_lease_once_its_heartbeat_i
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, leases
 ) -> None:
     monkeypatch.delenv("SLURM_CONF", raising=False)
-    plant(tmp_path, dataclasses.replace(elsewhere(heartbeat_age_s=lease.STALE_AFTER_S + 60, job="902"),
-                                        requeued=True))
+    plant(tmp_path, dataclasses.replace(elsewhere(heartbeat_age_s=lease.STALE_AFTER_S + 60, job="902"), requeued=True))
     held, note = take(tmp_path, lease.this_process(None, 0), leases)
-    assert "taking over the lease of a run that is gone (SLURM job 902 was requeued 6 min ago and SLURM no " \
-           "longer knows it" in note
+    assert (
+        "taking over the lease of a run that is gone (SLURM job 902 was requeued 6 min ago and SLURM no longer knows it" in note
+    )
 
 
 def test_release_does_not_hang_on_a_store_that_stopped_answering(
@@ -228,8 +252,11 @@ def test_renewal_keeps_the_heartbeat_fresh_and_a_lost_lease_stops_the_writer(tmp
     plant(tmp_path, usurper)  # what a run that judged this one dead leaves
     held.renew()  # a renewal never writes over another run's lease
     assert lease.Holder.decode((tmp_path / lease.LEASE_NAME).read_bytes()) == usurper
-    with pytest.raises(UserError, match="this run no longer holds its lease .another run took it over: pid 4242 on "
-                                        "node-elsewhere.*it stops without writing"):
+    with pytest.raises(
+        UserError,
+        match="this run no longer holds its lease .another run took it over: pid 4242 on "
+        "node-elsewhere.*it stops without writing",
+    ):
         held.confirm()
     held.release()  # nor does a release delete it
     assert lease.Holder.decode((tmp_path / lease.LEASE_NAME).read_bytes()) == usurper
@@ -263,9 +290,17 @@ sys.stdin.readline()  # alive (and holding) until every racer has tried
 def test_of_several_processes_racing_for_a_stale_lease_exactly_one_wins(tmp_path: Path) -> None:
     directory = tmp_path / "checkpoints"
     plant(directory, dataclasses.replace(lease.this_process(None, 0), token="dead", pid=dead_pid()))
-    racers = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(RACER.format(directory=str(directory)))],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT,
-                               env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}) for _ in range(6)]
+    racers = [
+        subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(RACER.format(directory=str(directory)))],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=REPO_ROOT,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        )
+        for _ in range(6)
+    ]
     try:
         for racer in racers:
             assert racer.stdout.readline().strip() == "ready"
@@ -279,8 +314,11 @@ def test_of_several_processes_racing_for_a_stale_lease_exactly_one_wins(tmp_path
     winners = [index for index, outcome in enumerate(outcomes) if outcome == "won"]
     assert len(winners) == 1, outcomes
     winner_pid = racers[winners[0]].pid
-    assert all(outcome.startswith(f"refused checkpoint.dir {directory} is in use by another run: pid {winner_pid} ")
-               for index, outcome in enumerate(outcomes) if index != winners[0]), outcomes
+    assert all(
+        outcome.startswith(f"refused checkpoint.dir {directory} is in use by another run: pid {winner_pid} ")
+        for index, outcome in enumerate(outcomes)
+        if index != winners[0]
+    ), outcomes
     assert sorted(path.name for path in directory.iterdir()) == [lease.LEASE_NAME]
 
 
@@ -295,8 +333,9 @@ def s3_uri(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
 def test_on_s3_a_live_holder_refuses_and_a_dead_one_is_taken_over(s3_uri: str, leases) -> None:
     held, note = take(s3_uri, lease.this_process("900", 0), leases)
     assert note is None
-    with pytest.raises(UserError, match=f"checkpoint.dir {s3_uri} is in use by another run: pid {os.getpid()} on .*"
-                                        "SLURM job 900"):
+    with pytest.raises(
+        UserError, match=f"checkpoint.dir {s3_uri} is in use by another run: pid {os.getpid()} on .*SLURM job 900"
+    ):
         lease.acquire(s3_uri, lease.this_process("901", 0))
     held.confirm()
     held.release()
@@ -332,5 +371,8 @@ def test_on_s3_of_several_runs_starting_at_once_exactly_one_wins(s3_uri: str, le
         racer.join()
     winners = [index for index, outcome in outcomes.items() if outcome == "won"]
     assert len(winners) == 1, outcomes
-    assert all(f"in use by another run: pid {os.getpid()} on node{winners[0]}," in outcome
-               for index, outcome in outcomes.items() if index != winners[0])
+    assert all(
+        f"in use by another run: pid {os.getpid()} on node{winners[0]}," in outcome
+        for index, outcome in outcomes.items()
+        if index != winners[0]
+    )

@@ -36,11 +36,14 @@ RUNNING_LINE = (
     "NodeList=node[1-2] NumTasks=4 Command=/home/me/my runs/digits.sbatch WorkDir=/home/me/my runs "
     "StdErr=/home/me/my runs/logs/digits-42.err StdIn=/dev/null StdOut=/home/me/my runs/logs/digits-42.out Power="
 )
-ARRAY_LINE = ("JobId=57 ArrayJobId=55 ArrayTaskId=2 JobName=sweep JobState=PENDING Reason=Resources Restarts=0 "
-              "ExitCode=0:0 StartTime=Unknown NodeList=(null) StdOut=/l/sweep-55_2.out")
+ARRAY_LINE = (
+    "JobId=57 ArrayJobId=55 ArrayTaskId=2 JobName=sweep JobState=PENDING Reason=Resources Restarts=0 "
+    "ExitCode=0:0 StartTime=Unknown NodeList=(null) StdOut=/l/sweep-55_2.out"
+)
 
 
 # ---- units: what SLURM prints ------------------------------------------------------------------
+
 
 def test_scontrol_fields_keep_values_with_spaces() -> None:
     (fields,) = queue.parse_scontrol(RUNNING_LINE + "\n")
@@ -72,9 +75,11 @@ def test_exit_codes_say_what_lance_hpc_meant(state: str, exit_code: str, describ
 
 
 def test_sacct_runs_of_a_requeued_job_count_its_restarts() -> None:
-    text = ("77|digits|PREEMPTED|0:0|2026-01-01T10:00:00|2026-01-01T11:00:00|01:00:00|node1\n"
-            "77|digits|REQUEUED|0:0|2026-01-01T11:01:00|2026-01-01T11:30:00|00:29:00|node2\n"
-            "77|digits|CANCELLED by 1000|0:15|2026-01-01T11:32:00|2026-01-01T11:40:00|00:08:00|node2\n")
+    text = (
+        "77|digits|PREEMPTED|0:0|2026-01-01T10:00:00|2026-01-01T11:00:00|01:00:00|node1\n"
+        "77|digits|REQUEUED|0:0|2026-01-01T11:01:00|2026-01-01T11:30:00|00:29:00|node2\n"
+        "77|digits|CANCELLED by 1000|0:15|2026-01-01T11:32:00|2026-01-01T11:40:00|00:08:00|node2\n"
+    )
     job = queue.parse_sacct(text, "77")
     assert job is not None and (job.state, job.restarts, job.exit_code, job.source) == ("CANCELLED", 2, "0:15", "sacct")
     assert queue.parse_sacct(text, "78") is None and queue.parse_sacct("", "77") is None
@@ -86,6 +91,7 @@ def test_squeue_ids_sort_as_numbers_with_array_tasks_after_their_job() -> None:
 
 # ---- units: time left, outcomes, logs ----------------------------------------------------------
 
+
 @pytest.mark.parametrize(("step", "total", "per_step", "left"), [
     (0, 100, 0.5, 50.0),
     (60, 100, 2.0, 80.0),
@@ -93,8 +99,9 @@ def test_squeue_ids_sort_as_numbers_with_array_tasks_after_their_job() -> None:
     (120, 100, None, 0.0),  # past the end (max_steps lowered on resume): nothing left
     (10, 100, None, None),  # nothing logged yet: unknown, not zero
 ])  # fmt: skip
-def test_time_left_is_steps_left_times_recent_seconds_per_step(step: int, total: int, per_step: float | None,
-                                                               left: float | None) -> None:
+def test_time_left_is_steps_left_times_recent_seconds_per_step(
+    step: int, total: int, per_step: float | None, left: float | None
+) -> None:
     assert progress.seconds_left(step, total, per_step) == left
 
 
@@ -113,9 +120,11 @@ def test_durations_read_like_a_person_would_say_them(seconds: float, text: str) 
 
 
 def test_outcome_is_read_from_the_last_run_of_the_job() -> None:
-    requeued = ("job 7 (restart 0) on node1: 2 tasks\n0: step 30/90: train/loss 1.2\n"
-                "0: stopped at step 31 by SIGUSR2; checkpoint /c/step-00000031.pt; requeued job 7 (requeue 1 of at most 2)\n"
-                "job 7 (restart 1) on node2: 2 tasks\n0: resuming from /c/step-00000031.pt at step 31 (epoch 0)\n")
+    requeued = (
+        "job 7 (restart 0) on node1: 2 tasks\n0: step 30/90: train/loss 1.2\n"
+        "0: stopped at step 31 by SIGUSR2; checkpoint /c/step-00000031.pt; requeued job 7 (requeue 1 of at most 2)\n"
+        "job 7 (restart 1) on node2: 2 tasks\n0: resuming from /c/step-00000031.pt at step 31 (epoch 0)\n"
+    )
     assert progress.outcome_from_log(requeued) is None  # the restarted run has not ended yet
     finished = requeued + "0: final validation accuracy: 0.95 after 90 steps\n"
     assert progress.outcome_from_log(finished) == "finished after 90 steps, validation accuracy: 0.95"
@@ -123,9 +132,11 @@ def test_outcome_is_read_from_the_last_run_of_the_job() -> None:
     assert progress.outcome_from_log(stopped) == "stopped at step 40 by SIGTERM, checkpoint /c/step-00000040.pt"
     failed = "1: lance_hpc.run: rank 1 failed: out of memory\n"
     assert progress.outcome_from_log(requeued, failed) == "failed: rank 1 failed: out of memory"
-    traceback = ("0: Traceback (most recent call last):\n0:   File \"x.py\", line 1, in f\n"
-                 "0: lance_hpc.run.TrainingFailed: rank 0/2: lost contact with another rank\n"
-                 "srun: error: node1: task 0: Exited with exit code 1\n")
+    traceback = (
+        '0: Traceback (most recent call last):\n0:   File "x.py", line 1, in f\n'
+        "0: lance_hpc.run.TrainingFailed: rank 0/2: lost contact with another rank\n"
+        "srun: error: node1: task 0: Exited with exit code 1\n"
+    )
     assert progress.outcome_from_log("", traceback) == "failed: TrainingFailed: rank 0/2: lost contact with another rank"
 
 
@@ -175,8 +186,7 @@ def fake_slurm(directory: Path, monkeypatch: pytest.MonkeyPatch, scancel_stderr:
     """squeue lists two steps of job 77; scancel fails for each with ``scancel_stderr``. Only the
     handling of a failed scancel is under test here: the real cluster tests signal real steps."""
     directory.mkdir()
-    for name, body in (("squeue", "printf '77.batch\\n77.0\\n77.1\\n'"),
-                       ("scancel", f"echo '{scancel_stderr}' >&2; exit 1")):
+    for name, body in (("squeue", "printf '77.batch\\n77.0\\n77.1\\n'"), ("scancel", f"echo '{scancel_stderr}' >&2; exit 1")):
         script = directory / name
         script.write_text(f"#!/bin/sh\n{body}\n")
         script.chmod(0o755)
@@ -194,12 +204,14 @@ def test_signalling_a_job_whose_steps_all_refuse_is_a_clear_error(tmp_path: Path
 
 
 def test_signalling_steps_that_ended_meanwhile_is_no_error(tmp_path: Path, monkeypatch) -> None:
-    fake_slurm(tmp_path / "bin", monkeypatch,
-               "scancel: error: Kill job error on job id 77.0: Job/step already completing or completed")
+    fake_slurm(
+        tmp_path / "bin", monkeypatch, "scancel: error: Kill job error on job id 77.0: Job/step already completing or completed"
+    )
     assert queue.signal_steps("77", "TERM") == ["77.0", "77.1"]  # the job is ending: the caller waits for it
 
 
 # ---- the real cluster --------------------------------------------------------------------------
+
 
 def environ(cluster: SlurmCluster) -> dict[str, str]:
     # A port of our own for the jobs submitted with it: the one derived from the job id is the same
@@ -209,8 +221,14 @@ def environ(cluster: SlurmCluster) -> dict[str, str]:
 
 def lance_hpc(cluster: SlurmCluster, *args: str, check_rc: int | None = 0) -> subprocess.CompletedProcess[str]:
     """Run the real command line, as a user on the login node would."""
-    result = subprocess.run([sys.executable, "-m", "lance_hpc", *args], env=environ(cluster), cwd=REPO_ROOT,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "lance_hpc", *args],
+        env=environ(cluster),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if check_rc is not None:
         assert result.returncode == check_rc, f"rc {result.returncode}\n{result.stdout}\n{result.stderr}"
     return result
@@ -218,10 +236,24 @@ def lance_hpc(cluster: SlurmCluster, *args: str, check_rc: int | None = 0) -> su
 
 def long_job(directory: Path, dataset: Digits, cluster: SlurmCluster, name: str) -> tuple[Path, JobSpec]:
     """2 ranks on one node for 100 epochs (it only ends when cancelled); every step logged."""
-    slurm = {"partition": cluster.partition, "nodes": 1, "tasks_per_node": 2, "cpus_per_task": 1,
-             "time": "00:15:00", "max_requeues": 2, "log_dir": str(directory / "logs")}
-    path = write_spec(directory, dataset, name=name, slurm=slurm, train={"epochs": 100},
-                      logging={"log_every_steps": 1, "progress": False}, checkpoint={"every_steps": 1000})
+    slurm = {
+        "partition": cluster.partition,
+        "nodes": 1,
+        "tasks_per_node": 2,
+        "cpus_per_task": 1,
+        "time": "00:15:00",
+        "max_requeues": 2,
+        "log_dir": str(directory / "logs"),
+    }
+    path = write_spec(
+        directory,
+        dataset,
+        name=name,
+        slurm=slurm,
+        train={"epochs": 100},
+        logging={"log_every_steps": 1, "progress": False},
+        checkpoint={"every_steps": 1000},
+    )
     return path, load_spec(path).spec
 
 
@@ -247,8 +279,9 @@ def steps_per_epoch(spec: JobSpec) -> int:
 def sbatch(cluster: SlurmCluster, spec: JobSpec) -> str:
     """Render the job and submit it with the user's own sbatch (no record: found by name and log)."""
     _, script = write_job_files(spec)
-    submitted = subprocess.run(["sbatch", "--parsable", str(script)], env=environ(cluster), cwd=REPO_ROOT,
-                               capture_output=True, text=True, check=True)
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", str(script)], env=environ(cluster), cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    )
     return submitted.stdout.strip().split(";")[0]
 
 
@@ -279,10 +312,13 @@ def test_status_logs_and_cancel_an_sbatch_job(slurm_cluster: SlurmCluster, digit
         assert any(line.startswith("step 1/") for line in rank0), rank0
         assert "step 1/" not in lance_hpc(slurm_cluster, "logs", job_id, "--rank", "1").stdout  # rank 0 logs steps
 
-
-        follower = subprocess.Popen([sys.executable, "-m", "lance_hpc", "logs", str(spec_path), "-f", "--rank", "0",
-                                     "--stdout"],
-                                    env=environ(slurm_cluster), cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+        follower = subprocess.Popen(
+            [sys.executable, "-m", "lance_hpc", "logs", str(spec_path), "-f", "--rank", "0", "--stdout"],
+            env=environ(slurm_cluster),
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         cancelled = lance_hpc(slurm_cluster, "cancel", str(spec_path), "--timeout", "200").stdout
         followed, _ = follower.communicate(timeout=120)  # -f ends by itself once the job has ended
     finally:
@@ -297,8 +333,11 @@ def test_status_logs_and_cancel_an_sbatch_job(slurm_cluster: SlurmCluster, digit
 
     after = lance_hpc(slurm_cluster, "status", str(spec_path)).stdout
     # rank 0 exits 3 once saved; srun's --kill-on-bad-exit may end a rank still exiting with SIGTERM
-    assert re.search(rf"job {job_id} \(watched\): FAILED, exit (3 \(stopped by a signal, checkpoint saved\)|"
-                     r"143 \(a task ended by SIGTERM\)), restarts 0", after), after
+    assert re.search(
+        rf"job {job_id} \(watched\): FAILED, exit (3 \(stopped by a signal, checkpoint saved\)|"
+        r"143 \(a task ended by SIGTERM\)), restarts 0",
+        after,
+    ), after
     assert f"ended       stopped at step {stopped_at} by SIGTERM" in after
     assert f"checkpoint  step {stopped_at}, epoch {stopped_at // steps_per_epoch(spec)}:" in after
     assert "time left" not in after
@@ -334,15 +373,14 @@ def test_cancel_a_submitit_job_saves_through_submitits_protocol(
 
 @pytest.mark.slow
 @pytest.mark.slurm
-def test_a_job_slurm_forgot_is_reported_from_records_and_log(
-    slurm_cluster: SlurmCluster, digits: Digits, tmp_path: Path
-) -> None:
+def test_a_job_slurm_forgot_is_reported_from_records_and_log(slurm_cluster: SlurmCluster, digits: Digits, tmp_path: Path) -> None:
     spec_path, spec = long_job(tmp_path, digits, slurm_cluster, "forgotten")
     log_dir = Path(spec.slurm.log_dir)
     log_dir.mkdir(parents=True)
     (log_dir / "forgotten-987654.out").write_text(
         "job 987654 (restart 0) on node1: 2 tasks\n0: step 7/4500: train/loss 2.1\n"
-        f"0: stopped at step 7 by SIGTERM; checkpoint {spec.checkpoint.dir}/step-00000007.pt; not requeued: ...\n")
+        f"0: stopped at step 7 by SIGTERM; checkpoint {spec.checkpoint.dir}/step-00000007.pt; not requeued: ...\n"
+    )
     (log_dir / "jobs.jsonl").write_text(json.dumps({"job_id": "987654", "state": "FAILED", "exit_code": "3:0"}) + "\n")
     status = lance_hpc(slurm_cluster, "status", str(spec_path)).stdout
     assert "job 987654 (forgotten): gone from SLURM; it ended FAILED with exit code 3:0" in status, status
@@ -364,13 +402,20 @@ def test_a_sweep_is_reported_run_by_run_with_each_runs_own_checkpoints(
     (Path(spec.slurm.log_dir) / "swept-987610_1.out").write_text("job 987610 (restart 0)\n0: training finished after 5 steps\n")
     status = lance_hpc(slurm_cluster, "status", str(spec_path)).stdout
     headlines = [line for line in status.splitlines() if line.startswith("job ")]
-    assert headlines == [f"job 987610_{run.index} ({run.spec.name}): gone from SLURM (it forgot the job: no accounting, "
-                         "or long ended), final state not recorded" for run in runs], status
+    assert headlines == [
+        f"job 987610_{run.index} ({run.spec.name}): gone from SLURM (it forgot the job: no accounting, "
+        "or long ended), final state not recorded"
+        for run in runs
+    ], status
     assert f"checkpoint  none yet in {runs[1].spec.checkpoint.dir}" in status and "ended       finished after 5 steps" in status
     assert f"spec        {spec_path} (run 1: train.lr=0.003)" in status
     everything = lance_hpc(slurm_cluster, "status", str(spec_path), "--all").stdout
     assert [line.split(" (")[0] for line in everything.splitlines() if line.startswith("job ")] == [
-        "job 987600_0", "job 987600_1", "job 987610_0", "job 987610_1"]
+        "job 987600_0",
+        "job 987600_1",
+        "job 987610_0",
+        "job 987610_1",
+    ]
     one = lance_hpc(slurm_cluster, "logs", str(spec_path), "--job", "987610_1", "--stdout").stdout
     assert one == "job 987610 (restart 0)\n0: training finished after 5 steps\n"
 
@@ -387,8 +432,9 @@ def test_unknown_jobs_unsubmitted_specs_and_missing_slurm_are_clear_errors(
         never = lance_hpc(slurm_cluster, command, str(spec_path), check_rc=2).stderr
         assert "has no job that lance_hpc can find" in never and f"lance-hpc submit {spec_path}" in never
     no_slurm = {**environ(slurm_cluster), "PATH": str(Path(sys.executable).parent / "no-slurm-here")}
-    result = subprocess.run([sys.executable, "-m", "lance_hpc", "cancel", "12"], env=no_slurm, cwd=REPO_ROOT,
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "lance_hpc", "cancel", "12"], env=no_slurm, cwd=REPO_ROOT, capture_output=True, text=True
+    )
     assert result.returncode == 2 and "scancel not found on PATH" in result.stderr, result.stderr
 
 
@@ -407,8 +453,13 @@ def end_state(cluster: SlurmCluster, job_id: str) -> str:
 def follow(cluster: SlurmCluster, *args: str) -> tuple[subprocess.Popen, list[str]]:
     """``lance-hpc logs ARGS -f`` in the background, its lines gathered as they come (a reader
     thread, so the pipe never fills while the test waits for something else)."""
-    follower = subprocess.Popen([sys.executable, "-m", "lance_hpc", "logs", *args, "-f"], env=environ(cluster),
-                                cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "lance_hpc", "logs", *args, "-f"],
+        env=environ(cluster),
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     lines: list[str] = []
 
     def gather() -> None:
@@ -421,15 +472,28 @@ def follow(cluster: SlurmCluster, *args: str) -> tuple[subprocess.Popen, list[st
 
 @pytest.mark.slow
 @pytest.mark.slurm
-def test_logs_follow_a_job_through_its_requeue_until_it_ends(
-    slurm_cluster: SlurmCluster, digits: Digits, tmp_path: Path
-) -> None:
+def test_logs_follow_a_job_through_its_requeue_until_it_ends(slurm_cluster: SlurmCluster, digits: Digits, tmp_path: Path) -> None:
     """Each run takes both nodes whole (1 rank on each), so the requeued run starts only once the
     old one is gone (see test_four_run_sweep_on_the_cluster_each_run_on_its_own)."""
-    slurm = {"partition": slurm_cluster.partition, "nodes": 2, "tasks_per_node": 1, "cpus_per_task": 1,
-             "exclusive": True, "time": "00:15:00", "max_requeues": 2, "log_dir": str(tmp_path / "logs")}
-    spec_path = write_spec(tmp_path, digits, name="followed", slurm=slurm, train={"epochs": 100},
-                           logging={"log_every_steps": 1, "progress": False}, checkpoint={"every_steps": 1000})
+    slurm = {
+        "partition": slurm_cluster.partition,
+        "nodes": 2,
+        "tasks_per_node": 1,
+        "cpus_per_task": 1,
+        "exclusive": True,
+        "time": "00:15:00",
+        "max_requeues": 2,
+        "log_dir": str(tmp_path / "logs"),
+    }
+    spec_path = write_spec(
+        tmp_path,
+        digits,
+        name="followed",
+        slurm=slurm,
+        train={"epochs": 100},
+        logging={"log_every_steps": 1, "progress": False},
+        checkpoint={"every_steps": 1000},
+    )
     spec = load_spec(spec_path).spec
     job_id = sbatch(slurm_cluster, spec)
     follower, lines = follow(slurm_cluster, str(spec_path), "--stdout")  # most likely before the job starts

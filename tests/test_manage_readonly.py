@@ -28,23 +28,35 @@ def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setattr(sys, "path", list(sys.path))  # an imported file's directory is put on sys.path
     for module in ("evil_task", "evil_entry"):
         (tmp_path / f"{module}.py").write_text(
-            f"from pathlib import Path\nPath(__file__).with_name('{module}.imported').write_text('ran')\n")
+            f"from pathlib import Path\nPath(__file__).with_name('{module}.imported').write_text('ran')\n"
+        )
     log_dir = tmp_path / "logs"
     log_dir.mkdir()
     spec_file = log_dir / "evil.spec.yaml"
-    spec_file.write_text(yaml.safe_dump({
-        "name": "evil",
-        "data": {"uri": str(tmp_path / "train.lance")},
-        "task": {"name": f"{tmp_path}/evil_task.py:EvilTask"},
-        "entry": f"{tmp_path}/evil_entry.py:main",
-        "checkpoint": {"dir": str(tmp_path / "checkpoints")},
-        "logging": {"tensorboard_dir": str(tmp_path / "runs")},
-        "slurm": {"log_dir": str(log_dir)},
-    }))
+    spec_file.write_text(
+        yaml.safe_dump(
+            {
+                "name": "evil",
+                "data": {"uri": str(tmp_path / "train.lance")},
+                "task": {"name": f"{tmp_path}/evil_task.py:EvilTask"},
+                "entry": f"{tmp_path}/evil_entry.py:main",
+                "checkpoint": {"dir": str(tmp_path / "checkpoints")},
+                "logging": {"tensorboard_dir": str(tmp_path / "runs")},
+                "slurm": {"log_dir": str(log_dir)},
+            }
+        )
+    )
     (log_dir / f"evil-{JOB_ID}.out").write_text("0: hello from rank 0\n")
     (log_dir / f"evil-{JOB_ID}.err").write_text("")
-    shown = queue.SlurmJob(JOB_ID, "evil", "COMPLETED", "scontrol", exit_code="0:0",
-                           stdout=str(log_dir / f"evil-{JOB_ID}.out"), stderr=str(log_dir / f"evil-{JOB_ID}.err"))
+    shown = queue.SlurmJob(
+        JOB_ID,
+        "evil",
+        "COMPLETED",
+        "scontrol",
+        exit_code="0:0",
+        stdout=str(log_dir / f"evil-{JOB_ID}.out"),
+        stderr=str(log_dir / f"evil-{JOB_ID}.err"),
+    )
     monkeypatch.setattr(queue, "have_slurm", lambda: True)
     monkeypatch.setattr(queue, "require", lambda command: None)
     monkeypatch.setattr(queue, "show_job", lambda job_id: shown if job_id == JOB_ID else None)

@@ -102,7 +102,12 @@ def test_every_option_matches_golden() -> None:
 
 def test_shipped_jobs_exist() -> None:
     assert {path.name for path in JOBS} >= {
-        "quickstart.yaml", "lm_quickstart.yaml", "map_gpu.yaml", "iterable_gpu.yaml", "s3.yaml", "sweep_example.yaml"
+        "quickstart.yaml",
+        "lm_quickstart.yaml",
+        "map_gpu.yaml",
+        "iterable_gpu.yaml",
+        "s3.yaml",
+        "sweep_example.yaml",
     }
     assert {path.parent.name for path in EXAMPLES} >= {"script_mode"}
 
@@ -126,7 +131,7 @@ def test_script_requests_what_the_spec_says() -> None:
         "srun", "--unbuffered", "--label", "--kill-on-bad-exit=1", "--cpus-per-task=12",
         "python3", "-m", "lance_hpc.run", "/project/x.spec.yaml",
     ]  # fmt: skip
-    body = script[script.index("set -eo pipefail"):]
+    body = script[script.index("set -eo pipefail") :]
     assert body.index("module load cuda/12.4") < body.index("export OMP_NUM_THREADS=12") < body.index("srun ")
 
 
@@ -155,7 +160,8 @@ def test_secrets_in_the_environment_never_reach_the_script(monkeypatch: pytest.M
 
 def test_site_template_gets_the_same_variables(tmp_path: Path) -> None:
     template = tmp_path / "site.sbatch.j2"
-    template.write_text(textwrap.dedent("""\
+    template.write_text(
+        textwrap.dedent("""\
         #!/bin/bash
         {% for line in sbatch_lines %}
         {{ line }}
@@ -167,7 +173,8 @@ def test_site_template_gets_the_same_variables(tmp_path: Path) -> None:
         {% endfor %}
         echo {{ spec.slurm.partition }} {{ spec.name | quote }}
         {{ srun }} apptainer exec /images/train.sif {{ command }}
-        """))
+        """)
+    )
     spec = spec_from({"name": "site", "data": {"uri": "/d"}, "slurm": {"template": str(template), "partition": "a b"}})
     script = render.render_sbatch(spec, "/x.yaml")
     assert "#SBATCH --licenses=scratch" in script
@@ -178,13 +185,17 @@ def test_site_template_gets_the_same_variables(tmp_path: Path) -> None:
 def test_a_site_template_sees_the_spec_with_credentials_redacted(tmp_path: Path) -> None:
     """Validation refuses credentials in a spec; a spec built without it still renders none."""
     template = tmp_path / "site.sbatch.j2"
-    template.write_text("#!/bin/bash\n# {{ spec.data.storage_options.azure_storage_sas_token }} {{ spec.data.storage_options.region }}"
-                        " {{ spec.slurm.setup[0] }}\n{{ launch }}\n")
-    spec = JobSpec.model_validate({
-        "name": "site",
-        "data": {"uri": "/d", "storage_options": {"azure_storage_sas_token": "sv=1&sig=SECRET1", "region": "eu"}},
-        "slurm": {"template": str(template), "setup": ["export HF_TOKEN=SECRET2"]},
-    })
+    template.write_text(
+        "#!/bin/bash\n# {{ spec.data.storage_options.azure_storage_sas_token }} {{ spec.data.storage_options.region }}"
+        " {{ spec.slurm.setup[0] }}\n{{ launch }}\n"
+    )
+    spec = JobSpec.model_validate(
+        {
+            "name": "site",
+            "data": {"uri": "/d", "storage_options": {"azure_storage_sas_token": "sv=1&sig=SECRET1", "region": "eu"}},
+            "slurm": {"template": str(template), "setup": ["export HF_TOKEN=SECRET2"]},
+        }
+    )
     script = render.render_sbatch(spec, "/x.yaml")
     assert "SECRET" not in script
     assert f"# '{REDACTED}' eu 'export HF_TOKEN={REDACTED}'\n" in script
@@ -322,7 +333,18 @@ def test_default_template_ships_in_the_wheel(tmp_path: Path) -> None:
         return set(anywhere(directory, names)) | (outputs & set(names))
 
     shutil.copytree(ROOT, source, symlinks=True, ignore=ignored)
-    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(source), "-w", str(tmp_path / "wheel")]
+    build = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "-q",
+        str(source),
+        "-w",
+        str(tmp_path / "wheel"),
+    ]
     subprocess.run(build, check=True, capture_output=True, timeout=300)
     (wheel,) = (tmp_path / "wheel").glob("*.whl")
     assert f"lance_hpc/templates/{render.DEFAULT_TEMPLATE}" in zipfile.ZipFile(wheel).namelist()

@@ -36,14 +36,20 @@ def to_earlier_layout(state: dict[str, Any]) -> dict[str, Any]:
 
 def test_the_checkpoint_names_what_was_registered_and_reads_the_earlier_layout(tmp_path: Path) -> None:
     env = detect({})
-    current = Checkpoint(tmp_path / "step-00000004.pt", {
-        "objects": {"model": {"w": 1}, "optimizer": {"o": 2}, "scheduler": {"s": 3}},
-        "ranks": [{"rng": {}, "loaders": {"loader": {"batches_consumed": 4}}}]})
+    current = Checkpoint(
+        tmp_path / "step-00000004.pt",
+        {
+            "objects": {"model": {"w": 1}, "optimizer": {"o": 2}, "scheduler": {"s": 3}},
+            "ranks": [{"rng": {}, "loaders": {"loader": {"batches_consumed": 4}}}],
+        },
+    )
     assert set(current.objects) == {"model", "optimizer", "scheduler"}
     assert current.loader_position("loader", env) == {"batches_consumed": 4}
     assert current.loader_position("other", env) is None
-    earlier = Checkpoint(tmp_path / "step-00000004.pt", {"model": {"w": 1}, "optimizer": {"o": 2},
-                                                         "ranks": [{"rng": {}, "loader": {"batches_consumed": 4}}]})
+    earlier = Checkpoint(
+        tmp_path / "step-00000004.pt",
+        {"model": {"w": 1}, "optimizer": {"o": 2}, "ranks": [{"rng": {}, "loader": {"batches_consumed": 4}}]},
+    )
     assert earlier.objects == {"model": {"w": 1}, "optimizer": {"o": 2}}
     assert earlier.loader_position("loader", env) == {"batches_consumed": 4}
     at_epoch_end = Checkpoint(tmp_path / "step-00000008.pt", {"model": {}, "ranks": [{"rng": {}, "loader": None}]})
@@ -76,8 +82,9 @@ def test_grad_clip_bounds_every_step(tmp_path: Path, digits) -> None:
     sgd = {"optimizer": "sgd", "momentum": 0.0, "weight_decay": 0.0, "lr": 0.5, "lr_scaling": "none", "warmup_epochs": 0.0}
 
     def parameters_after(name: str, steps: int, clip: float | None) -> dict[str, torch.Tensor]:
-        spec_file = write_spec(tmp_path / name, digits, logging={"progress": False},
-                               train={**sgd, "max_steps": steps, "grad_clip": clip})
+        spec_file = write_spec(
+            tmp_path / name, digits, logging={"progress": False}, train={**sgd, "max_steps": steps, "grad_clip": clip}
+        )
         assert train_here(spec_file).step == steps
         names = {key for key, _ in load_task(load_spec(spec_file).spec).build_model().named_parameters()}
         return {key: value.double() for key, value in final_state(tmp_path / name)["objects"]["model"].items() if key in names}
@@ -157,10 +164,13 @@ def test_an_entrys_options_are_validated_by_its_model_and_reach_it(tmp_path: Pat
     assert load_spec(spec_file).spec.entry_options == {"hidden": 32, "dropout": 0.1}  # defaults filled in
     summary = train_here_with(spec_file)
     assert summary.status == "completed" and summary.metrics == {"hidden": 32.0, "dropout": 0.1}
-    validated = subprocess.run([sys.executable, "-m", "lance_hpc", "validate", str(spec_file)], capture_output=True,
-                               text=True, check=True).stdout
+    validated = subprocess.run(
+        [sys.executable, "-m", "lance_hpc", "validate", str(spec_file)], capture_output=True, text=True, check=True
+    ).stdout
     note = next(line for line in validated.splitlines() if "runs instead of the built-in trainer" in line)
-    assert "train.optimizer" in note and note.endswith("take effect only if it reads them from ctx.spec (the trainer's own fields)")
+    assert "train.optimizer" in note and note.endswith(
+        "take effect only if it reads them from ctx.spec (the trainer's own fields)"
+    )
 
 
 def train_here_with(spec_file: Path) -> Any:

@@ -25,8 +25,9 @@ EXAMPLE = f"{REPO_ROOT}/examples/script_mode/train.py:main"
 
 
 def script_spec(directory: Path, dataset) -> Path:
-    return write_spec(directory, dataset, entry=EXAMPLE, train={"epochs": 3, "lr": 0.01},
-                      logging={"log_every_steps": 1, "progress": False})
+    return write_spec(
+        directory, dataset, entry=EXAMPLE, train={"epochs": 3, "lr": 0.01}, logging={"log_every_steps": 1, "progress": False}
+    )
 
 
 def test_the_example_job_validates_and_names_its_entry() -> None:
@@ -48,13 +49,19 @@ def test_register_refuses_what_it_cannot_checkpoint() -> None:
 def test_register_refuses_a_checkpoint_of_another_model_naming_a_few_keys(tmp_path: Path, digits) -> None:
     spec = load_spec(script_spec(tmp_path, digits)).spec
     written = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-    context = a_context(spec, Checkpoint(tmp_path / "step-00000009.pt", {"objects": {"model": written.state_dict()},
-                                                                         "step": 9, "epoch": 0, "spec": spec.redacted_dict()}))
+    context = a_context(
+        spec,
+        Checkpoint(
+            tmp_path / "step-00000009.pt",
+            {"objects": {"model": written.state_dict()}, "step": 9, "epoch": 0, "spec": spec.redacted_dict()},
+        ),
+    )
     with pytest.raises(UserError) as refused:
         context.register(model=torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2), torch.nn.Linear(2, 2)))
     assert str(refused.value).startswith(
         f"checkpoint {tmp_path}/step-00000009.pt: its 'model' does not match this job's model (2 key(s) missing from "
-        "the checkpoint: 2.weight, 2.bias)\n  fix: give this job another checkpoint.dir")
+        "the checkpoint: 2.weight, 2.bias)\n  fix: give this job another checkpoint.dir"
+    )
     assert "Missing key" not in str(refused.value)
 
 

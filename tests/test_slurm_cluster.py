@@ -46,7 +46,9 @@ def sbatch(cluster: SlurmCluster, *args: str) -> subprocess.CompletedProcess[str
     return subprocess.run(["sbatch", *args], env=environ(cluster), capture_output=True, text=True, timeout=600)
 
 
-def lance_submit(cluster: SlurmCluster, cwd: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def lance_submit(
+    cluster: SlurmCluster, cwd: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "lance_hpc.submit", *args]
     return subprocess.run(command, env=env or environ(cluster), cwd=cwd, capture_output=True, text=True, timeout=600)
 
@@ -94,7 +96,9 @@ def test_rendered_script_runs_two_nodes_by_two_tasks(slurm_cluster: SlurmCluster
     }  # fmt: skip
     spec = load_spec(write_spec(tmp_path / "probe.yaml", raw)).spec
     (tmp_path / "logs").mkdir()
-    probe = render.render_sbatch(spec.model_copy(update={"slurm": spec.slurm.model_copy(update={"template": str(template)})}), "/x.yaml")
+    probe = render.render_sbatch(
+        spec.model_copy(update={"slurm": spec.slurm.model_copy(update={"template": str(template)})}), "/x.yaml"
+    )
     assert dict(render.sbatch_directives(probe)) == dict(render.sbatch_directives(render.render_sbatch(spec, "/x.yaml")))
     (tmp_path / "probe.sbatch").write_text(probe)
 
@@ -124,7 +128,12 @@ def test_submit_through_submitit_collects_the_result(slurm_cluster: SlurmCluster
 def test_failing_job_reports_exit_status_and_log(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     raw = {
         "name": "fails",
-        "slurm": {"partition": slurm_cluster.partition, "cpus_per_task": 1, "time": "00:05:00", "setup": ["echo setting up; false"]},
+        "slurm": {
+            "partition": slurm_cluster.partition,
+            "cpus_per_task": 1,
+            "time": "00:05:00",
+            "setup": ["echo setting up; false"],
+        },
         "data": {"uri": str(tmp_path / "missing.lance")},
     }
     spec_path = write_spec(tmp_path / "fails.yaml", raw)
@@ -173,7 +182,7 @@ def test_controller_down_is_a_clear_error(slurm_cluster: SlurmCluster, tmp_path:
 
 def test_quoted_values_reach_slurm_unchanged(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
-    comment = f"$(touch {marker}) `touch {marker}` it's \"quoted\"; & | > <"
+    comment = f'$(touch {marker}) `touch {marker}` it\'s "quoted"; & | > <'
     raw = {
         "name": "quoting",
         "slurm": {"partition": slurm_cluster.partition, "extra_flags": {"comment": comment}, "log_dir": str(tmp_path)},
@@ -195,7 +204,8 @@ def test_quoted_values_reach_slurm_unchanged(slurm_cluster: SlurmCluster, tmp_pa
 def test_requeued_job_runs_again(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     """What preemption relies on: a job that requeues itself starts again soon, with a restart count."""
     script = tmp_path / "requeue.sbatch"
-    script.write_text(textwrap.dedent(f"""\
+    script.write_text(
+        textwrap.dedent(f"""\
         #!/bin/bash
         #SBATCH --requeue
         #SBATCH --open-mode=append
@@ -203,7 +213,8 @@ def test_requeued_job_runs_again(slurm_cluster: SlurmCluster, tmp_path: Path) ->
         #SBATCH --partition={slurm_cluster.partition}
         echo "run ${{SLURM_RESTART_COUNT:-0}}"
         if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then scontrol requeue "$SLURM_JOB_ID"; sleep 60; fi
-        """))
+        """)
+    )
     result = sbatch(slurm_cluster, "--parsable", str(script))
     assert result.returncode == 0, result.stderr
     job_id = result.stdout.strip().split(";")[0]

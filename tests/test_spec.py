@@ -48,7 +48,10 @@ def problems_of(raw: dict[str, Any], overrides: tuple[str, ...] = ()) -> str:
     ("raw", "expected"),
     [
         # unknown keys name the closest valid key and list the valid ones
-        (with_fields(slurm={"partiton": "gpu"}), ["slurm.partiton: unknown key 'partiton'", "did you mean 'partition'?", "valid keys: account,"]),
+        (
+            with_fields(slurm={"partiton": "gpu"}),
+            ["slurm.partiton: unknown key 'partiton'", "did you mean 'partition'?", "valid keys: account,"],
+        ),
         ({**BASE, "trian": {}}, ["trian: unknown key 'trian'", "did you mean 'train'?"]),
         (with_fields(data={"batchsize": 8}), ["data.batchsize", "did you mean 'batch_size'?"]),
         # wrong types
@@ -61,32 +64,74 @@ def problems_of(raw: dict[str, Any], overrides: tuple[str, ...] = ()) -> str:
         (with_fields(train={"lr": 0}), ["train.lr: must be > 0"]),
         (with_fields(slurm={"signal_delay_s": 5}), ["slurm.signal_delay_s: must be >= 10"]),
         # unknown names list the valid ones
-        (with_fields(data={"sampler": "random"}), ["data.sampler: 'random' is not a valid choice", "use one of: distributed, sharded_batch, sharded_fragment, full_scan"]),
+        (
+            with_fields(data={"sampler": "random"}),
+            [
+                "data.sampler: 'random' is not a valid choice",
+                "use one of: distributed, sharded_batch, sharded_fragment, full_scan",
+            ],
+        ),
         (with_fields(data={"style": "stream"}), ["data.style: 'stream' is not a valid choice", "use one of: map, iterable"]),
         (with_fields(data={"uneven": "cut"}), ["data.uneven: 'cut' is not a valid choice", "use one of: drop, pad"]),
         (with_fields(train={"optimizer": "lion"}), ["train.optimizer: 'lion' is not a valid choice", "use one of: sgd, adamw"]),
         # tasks: unknown names, options checked with their YAML path, import paths that do not import
-        (with_fields(task={"name": "segmentation"}), ["task.name: unknown task 'segmentation'", "image_classification, language_model"]),
-        (with_fields(task={"options": {"model": "vitt_b_16"}}), ["task.options.model: unknown model 'vitt_b_16'", "small_cnn, a torchvision"]),
-        (with_fields(task={"options": {"augment": "mixup"}}), ["task.options.augment: unknown augment 'mixup'", "crop_flip, crop, none"]),
-        (with_fields(task={"options": {"image_sise": 64}}), ["task.options.image_sise: unknown key", "did you mean 'image_size'?"]),
+        (
+            with_fields(task={"name": "segmentation"}),
+            ["task.name: unknown task 'segmentation'", "image_classification, language_model"],
+        ),
+        (
+            with_fields(task={"options": {"model": "vitt_b_16"}}),
+            ["task.options.model: unknown model 'vitt_b_16'", "small_cnn, a torchvision"],
+        ),
+        (
+            with_fields(task={"options": {"augment": "mixup"}}),
+            ["task.options.augment: unknown augment 'mixup'", "crop_flip, crop, none"],
+        ),
+        (
+            with_fields(task={"options": {"image_sise": 64}}),
+            ["task.options.image_sise: unknown key", "did you mean 'image_size'?"],
+        ),
         (with_fields(task={"options": {"num_classes": 1}}), ["task.options.num_classes: must be >= 2"]),
         (with_fields(task={"name": "language_model", "options": {"layers": 0}}), ["task.options.layers: must be >= 1"]),
-        (with_fields(task={"name": "no_such_pkg.tasks:MyTask"}), ["task.name: cannot import 'no_such_pkg.tasks'", "ModuleNotFoundError", "PYTHONPATH"]),
-        (with_fields(task={"name": "lance_hpc.tasks.base:NoSuchTask"}), ["task.name: 'lance_hpc.tasks.base' has no 'NoSuchTask'", "it defines:"]),
-        (with_fields(task={"name": "lance_hpc.tasks.base:ROW_ID"}), ["task.name: 'lance_hpc.tasks.base:ROW_ID' names a str, not something callable"]),
-        (with_fields(task={"name": "lance_hpc.tasks.base:FieldSpec"}), ["task.name: 'lance_hpc.tasks.base:FieldSpec' is not a subclass of lance_hpc.tasks.Task"]),
+        (
+            with_fields(task={"name": "no_such_pkg.tasks:MyTask"}),
+            ["task.name: cannot import 'no_such_pkg.tasks'", "ModuleNotFoundError", "PYTHONPATH"],
+        ),
+        (
+            with_fields(task={"name": "lance_hpc.tasks.base:NoSuchTask"}),
+            ["task.name: 'lance_hpc.tasks.base' has no 'NoSuchTask'", "it defines:"],
+        ),
+        (
+            with_fields(task={"name": "lance_hpc.tasks.base:ROW_ID"}),
+            ["task.name: 'lance_hpc.tasks.base:ROW_ID' names a str, not something callable"],
+        ),
+        (
+            with_fields(task={"name": "lance_hpc.tasks.base:FieldSpec"}),
+            ["task.name: 'lance_hpc.tasks.base:FieldSpec' is not a subclass of lance_hpc.tasks.Task"],
+        ),
         ({**BASE, "entry": "no_such_pkg.train:main"}, ["entry: cannot import 'no_such_pkg.train'", "PYTHONPATH"]),
         ({**BASE, "entry": "missing_dir/train.py:main"}, ["entry: ", "missing_dir/train.py: no such file"]),
         # keys that moved into task.options say where they went
         (with_fields(model={"arch": "resnet50"}), ["model.arch: moved to task.options.model", "options: {model: resnet50}"]),
-        (with_fields(data={"image_size": 64, "label_column": "y"}), ["data.image_size: moved to task.options.image_size", "data.label_column: moved to task.options.label_column"]),
+        (
+            with_fields(data={"image_size": 64, "label_column": "y"}),
+            ["data.image_size: moved to task.options.image_size", "data.label_column: moved to task.options.label_column"],
+        ),
         # combinations that cannot work
-        (with_fields(data={"style": "map", "sampler": "sharded_batch"}), ["sampler 'sharded_batch' does not work with style 'map'", "with style 'map' use: distributed"]),
-        (with_fields(data={"style": "iterable"}), ["data.sampler: iterable style needs a sampler", "sharded_batch, sharded_fragment"]),
+        (
+            with_fields(data={"style": "map", "sampler": "sharded_batch"}),
+            ["sampler 'sharded_batch' does not work with style 'map'", "with style 'map' use: distributed"],
+        ),
+        (
+            with_fields(data={"style": "iterable"}),
+            ["data.sampler: iterable style needs a sampler", "sharded_batch, sharded_fragment"],
+        ),
         (with_fields(data={"style": "iterable", "sampler": "full_scan"}), ["all ranks would train on the same data"]),
         (with_fields(slurm={"gpus_per_node": 4, "tasks_per_node": 2}), ["DDP runs one task per GPU", "set tasks_per_node: 4"]),
-        (with_fields(slurm={"time": "00:01:00", "signal_delay_s": 120}), ["slurm.signal_delay_s: 120s is not shorter than the time limit (60s)"]),
+        (
+            with_fields(slurm={"time": "00:01:00", "signal_delay_s": 120}),
+            ["slurm.signal_delay_s: 120s is not shorter than the time limit (60s)"],
+        ),
         # malformed time limits
         (with_fields(slurm={"time": "1h"}), ["slurm.time: '1h' is not a SLURM time limit", "HH:MM:SS"]),
         (with_fields(slurm={"time": "0"}), ["slurm.time: time limit must be positive"]),
@@ -95,9 +140,15 @@ def problems_of(raw: dict[str, Any], overrides: tuple[str, ...] = ()) -> str:
         ({"name": "job"}, ["data: required key is missing", "add 'data: ...'"]),
         # shell metacharacters in the job name, credentials in the spec
         ({**BASE, "name": "$(touch x)"}, ["name: '$(touch x)' has characters that are not allowed"]),
-        (with_fields(data={"storage_options": {"aws_secret_access_key": "s"}}), ["credentials must not be written in the spec", "AWS_SECRET_ACCESS_KEY"]),
+        (
+            with_fields(data={"storage_options": {"aws_secret_access_key": "s"}}),
+            ["credentials must not be written in the spec", "AWS_SECRET_ACCESS_KEY"],
+        ),
         # placeholders
-        (with_fields(checkpoint={"dir": "ck/{job}"}), ["checkpoint.dir: unknown placeholder {job}", "valid placeholders: {name}"]),
+        (
+            with_fields(checkpoint={"dir": "ck/{job}"}),
+            ["checkpoint.dir: unknown placeholder {job}", "valid placeholders: {name}"],
+        ),
     ],
 )
 def test_each_mistake_has_its_message(raw: dict[str, Any], expected: list[str]) -> None:
@@ -125,7 +176,8 @@ def test_a_key_written_twice_is_an_error_with_both_lines() -> None:
 
 def test_a_task_file_path_resolves_against_the_spec_directory(tmp_path: Path) -> None:
     (tmp_path / "my_task_module.py").write_text(
-        "from lance_hpc.tasks.image import ImageClassification\n\nclass MyTask(ImageClassification):\n    pass\n")
+        "from lance_hpc.tasks.image import ImageClassification\n\nclass MyTask(ImageClassification):\n    pass\n"
+    )
     spec_file = tmp_path / "job.yaml"
     spec_file.write_text("name: a\ndata: {uri: d.lance}\ntask: {name: my_task_module.py:MyTask, options: {model: small_cnn}}\n")
     loaded = load_spec(spec_file, base_dir=tmp_path)
@@ -228,11 +280,20 @@ def raw_specs(draw: st.DrawFn) -> dict[str, Any]:
             "shuffle": draw(st.booleans()),
             "storage_options": draw(st.dictionaries(st.sampled_from(["endpoint", "region"]), plain_text, max_size=2)),
         },
-        "task": draw(st.sampled_from([
-            {"name": "image_classification", "options": {"model": draw(st.sampled_from(["small_cnn", "resnet18", "convnext_tiny"])),
-                                                         "image_size": draw(st.integers(8, 512))}},
-            {"name": "language_model", "options": {"layers": draw(st.integers(1, 8)), "width": 256}},
-        ])),
+        "task": draw(
+            st.sampled_from(
+                [
+                    {
+                        "name": "image_classification",
+                        "options": {
+                            "model": draw(st.sampled_from(["small_cnn", "resnet18", "convnext_tiny"])),
+                            "image_size": draw(st.integers(8, 512)),
+                        },
+                    },
+                    {"name": "language_model", "options": {"layers": draw(st.integers(1, 8)), "width": 256}},
+                ]
+            )
+        ),
         "train": {
             "epochs": draw(st.integers(1, 100)),
             "lr": draw(st.floats(1e-5, 10, allow_nan=False)),
@@ -285,13 +346,17 @@ def test_aliases_within_bounds_are_read_and_duplicate_keys_found_once() -> None:
     assert "task.options.a: written twice, on lines 4 and 4" in str(caught.value)
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    ("name: x\ndata: {uri: /d}\ntask:\n  options: &o {a: *o}\n", "anchor &o (line 4) contains an alias to itself"),
-    ("name: x\ndata: {uri: /d}\nsweep:\n  train.lr: &l [0.1, *l]\n", "anchor &l (line 4) contains an alias to itself"),
-    ("name: x\ndata: &d\n  uri: /d\n  more: {deeper: *d}\n", "anchor &d (line 2) contains an alias to itself"),
-    ("x: " + "[" * (MAX_DEPTH + 5) + "]" * (MAX_DEPTH + 5) + "\n", f"nested {MAX_DEPTH + 6} levels deep (line 1)"),
-    ("x: " + "[" * 5000 + "]" * 5000 + "\n", "nested too deeply to read"),
-], ids=["mapping", "list", "nested", "deep", "deeper than python recurses"])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("name: x\ndata: {uri: /d}\ntask:\n  options: &o {a: *o}\n", "anchor &o (line 4) contains an alias to itself"),
+        ("name: x\ndata: {uri: /d}\nsweep:\n  train.lr: &l [0.1, *l]\n", "anchor &l (line 4) contains an alias to itself"),
+        ("name: x\ndata: &d\n  uri: /d\n  more: {deeper: *d}\n", "anchor &d (line 2) contains an alias to itself"),
+        ("x: " + "[" * (MAX_DEPTH + 5) + "]" * (MAX_DEPTH + 5) + "\n", f"nested {MAX_DEPTH + 6} levels deep (line 1)"),
+        ("x: " + "[" * 5000 + "]" * 5000 + "\n", "nested too deeply to read"),
+    ],
+    ids=["mapping", "list", "nested", "deep", "deeper than python recurses"],
+)
 def test_recursive_anchors_and_deep_nesting_are_refused_without_a_traceback(text: str, expected: str) -> None:
     with pytest.raises(SpecError, match=re.escape(expected)):
         load_spec_text(text)
@@ -347,12 +412,15 @@ def test_every_numeric_field_refuses_nan_infinity_negatives_and_huge_values(path
         assert f"{path}: must be <=" in problems_of(with_value(path, 2**64))
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    ("train: {seed: -1}", "train.seed: must be >= 0, got -1"),
-    ("train: {seed: 4294967296}", "train.seed: must be <= 4294967295"),
-    ("data: {uri: /d, cache: {dir: /local, max_gb: .inf}}", "data.cache.max_gb: must be a finite number, got inf"),
-    ("train: {lr: .nan}", "train.lr: must be a finite number, got nan"),
-])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("train: {seed: -1}", "train.seed: must be >= 0, got -1"),
+        ("train: {seed: 4294967296}", "train.seed: must be <= 4294967295"),
+        ("data: {uri: /d, cache: {dir: /local, max_gb: .inf}}", "data.cache.max_gb: must be a finite number, got inf"),
+        ("train: {lr: .nan}", "train.lr: must be a finite number, got nan"),
+    ],
+)
 def test_values_that_would_fail_on_every_rank_fail_at_validation(text: str, expected: str) -> None:
     spec = "name: x\n" + ("" if text.startswith("data") else "data: {uri: /d}\n") + text + "\n"
     with pytest.raises(SpecError, match=re.escape(expected)):
@@ -366,82 +434,128 @@ def test_seed_bounds_are_inclusive() -> None:
 # ---- credentials never in the spec -------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("key", "fix"), [
-    ("aws_secret_access_key", "AWS_SECRET_ACCESS_KEY"),
-    ("secret_access_key", "AWS_SECRET_ACCESS_KEY"),
-    ("aws_session_token", "AWS_SESSION_TOKEN"),
-    ("azure_storage_account_key", "AZURE_STORAGE_ACCOUNT_KEY"),
-    ("account_key", "AZURE_STORAGE_ACCOUNT_KEY"),
-    ("azure_storage_sas_token", "AZURE_STORAGE_SAS_TOKEN"),
-    ("sas_key", "AZURE_STORAGE_SAS_KEY"),
-    ("azure_client_secret", "AZURE_CLIENT_SECRET"),
-    ("bearer_token", "AZURE_STORAGE_BEARER_TOKEN"),
-    ("google_service_account_key", "GOOGLE_APPLICATION_CREDENTIALS"),
-    ("service_account_key", "GOOGLE_APPLICATION_CREDENTIALS"),
-    ("aws_sse_customer_key_base64", "AWS_SSE_CUSTOMER_KEY_BASE64"),
-    ("proxy_password", "PROXY_PASSWORD"),
-])
+@pytest.mark.parametrize(
+    ("key", "fix"),
+    [
+        ("aws_secret_access_key", "AWS_SECRET_ACCESS_KEY"),
+        ("secret_access_key", "AWS_SECRET_ACCESS_KEY"),
+        ("aws_session_token", "AWS_SESSION_TOKEN"),
+        ("azure_storage_account_key", "AZURE_STORAGE_ACCOUNT_KEY"),
+        ("account_key", "AZURE_STORAGE_ACCOUNT_KEY"),
+        ("azure_storage_sas_token", "AZURE_STORAGE_SAS_TOKEN"),
+        ("sas_key", "AZURE_STORAGE_SAS_KEY"),
+        ("azure_client_secret", "AZURE_CLIENT_SECRET"),
+        ("bearer_token", "AZURE_STORAGE_BEARER_TOKEN"),
+        ("google_service_account_key", "GOOGLE_APPLICATION_CREDENTIALS"),
+        ("service_account_key", "GOOGLE_APPLICATION_CREDENTIALS"),
+        ("aws_sse_customer_key_base64", "AWS_SSE_CUSTOMER_KEY_BASE64"),
+        ("proxy_password", "PROXY_PASSWORD"),
+    ],
+)
 def test_credential_storage_options_are_refused_naming_where_they_go(key: str, fix: str) -> None:
     message = problems_of(with_fields(data={"storage_options": {key: "s3cr3t"}}))
     assert f"data.storage_options.{key}: credentials must not be written in the spec" in message
     assert fix in message.split("fix:")[1]
 
 
-@pytest.mark.parametrize("key", [
-    "region", "endpoint", "allow_http", "azure_storage_account_name", "google_application_credentials",
-    "google_service_account", "aws_sse_kms_key_id", "azure_federated_token_file", "aws_skip_signature",
-])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "region",
+        "endpoint",
+        "allow_http",
+        "azure_storage_account_name",
+        "google_application_credentials",
+        "google_service_account",
+        "aws_sse_kms_key_id",
+        "azure_federated_token_file",
+        "aws_skip_signature",
+    ],
+)
 def test_storage_options_that_are_not_credentials_pass(key: str) -> None:
     assert validate_spec(with_fields(data={"storage_options": {key: "value"}})).spec.data.storage_options == {key: "value"}
 
 
-@pytest.mark.parametrize(("slurm", "expected"), [
-    ({"setup": ["export AWS_SECRET_ACCESS_KEY=abc123"]}, "slurm.setup[0]: assigns AWS_SECRET_ACCESS_KEY a literal credential"),
-    ({"setup": ["module load x", "HF_TOKEN='hf_abc' python prep.py"]}, "slurm.setup[1]: assigns HF_TOKEN a literal credential"),
-    ({"setup": ["huggingface-cli login --token hf_abc"]}, "slurm.setup[0]: passes --token a literal credential"),
-    ({"setup": ["export AZURE_STORAGE_SAS_TOKEN=\"sv=1&sig=x\""]}, "AZURE_STORAGE_SAS_TOKEN a literal credential"),
-    ({"setup": ["export KEY_ID=AKIAABCDEFGHIJKLMNOP"]}, "slurm.setup[0]: holds what looks like an AWS access key id"),
-    ({"extra_flags": {"export": "ALL,AWS_SESSION_TOKEN=xyz"}}, "slurm.extra_flags.export: assigns AWS_SESSION_TOKEN"),
-    ({"extra_flags": {"password": "x"}}, "slurm.extra_flags.password: an sbatch flag must not carry a credential"),
-])
+@pytest.mark.parametrize(
+    ("slurm", "expected"),
+    [
+        (
+            {"setup": ["export AWS_SECRET_ACCESS_KEY=abc123"]},
+            "slurm.setup[0]: assigns AWS_SECRET_ACCESS_KEY a literal credential",
+        ),
+        (
+            {"setup": ["module load x", "HF_TOKEN='hf_abc' python prep.py"]},
+            "slurm.setup[1]: assigns HF_TOKEN a literal credential",
+        ),
+        ({"setup": ["huggingface-cli login --token hf_abc"]}, "slurm.setup[0]: passes --token a literal credential"),
+        ({"setup": ['export AZURE_STORAGE_SAS_TOKEN="sv=1&sig=x"']}, "AZURE_STORAGE_SAS_TOKEN a literal credential"),
+        ({"setup": ["export KEY_ID=AKIAABCDEFGHIJKLMNOP"]}, "slurm.setup[0]: holds what looks like an AWS access key id"),
+        ({"extra_flags": {"export": "ALL,AWS_SESSION_TOKEN=xyz"}}, "slurm.extra_flags.export: assigns AWS_SESSION_TOKEN"),
+        ({"extra_flags": {"password": "x"}}, "slurm.extra_flags.password: an sbatch flag must not carry a credential"),
+    ],
+)
 def test_credentials_in_setup_lines_and_flags_are_refused(slurm: dict[str, Any], expected: str) -> None:
     message = problems_of(with_fields(slurm=slurm))
     assert expected in message
     assert "fix: export" in message or "fix: keep it in the environment" in message
 
 
-@pytest.mark.parametrize("line", [
-    'export AWS_SECRET_ACCESS_KEY="$(cat ~/.secrets/aws)"', "export HF_TOKEN=$HF_TOKEN", "export TOKENIZERS_PARALLELISM=false",
-    "export AWS_PROFILE=research", "huggingface-cli login --token \"$HF_TOKEN\" --add-to-git-credential", "module load cuda",
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        'export AWS_SECRET_ACCESS_KEY="$(cat ~/.secrets/aws)"',
+        "export HF_TOKEN=$HF_TOKEN",
+        "export TOKENIZERS_PARALLELISM=false",
+        "export AWS_PROFILE=research",
+        'huggingface-cli login --token "$HF_TOKEN" --add-to-git-credential',
+        "module load cuda",
+    ],
+)
 def test_setup_lines_that_read_credentials_at_run_time_pass(line: str) -> None:
     assert validate_spec(with_fields(slurm={"setup": [line]})).spec.slurm.setup == [line]
 
 
-@pytest.mark.parametrize(("section", "fields", "expected"), [
-    ("data", {"uri": "az://c/train.lance?sv=2022-11-02&sig=abc"}, "data.uri: holds what looks like an Azure SAS token"),
-    ("data", {"storage_options": {"endpoint": "https://me:pw@minio:9000"}}, "data.storage_options.endpoint: holds what looks like a password in a URL"),
-])
+@pytest.mark.parametrize(
+    ("section", "fields", "expected"),
+    [
+        ("data", {"uri": "az://c/train.lance?sv=2022-11-02&sig=abc"}, "data.uri: holds what looks like an Azure SAS token"),
+        (
+            "data",
+            {"storage_options": {"endpoint": "https://me:pw@minio:9000"}},
+            "data.storage_options.endpoint: holds what looks like a password in a URL",
+        ),
+    ],
+)
 def test_credential_looking_values_are_refused_wherever_they_are(section: str, fields: dict[str, Any], expected: str) -> None:
     assert expected in problems_of(with_fields(**{section: fields}))
 
 
 def test_no_field_of_the_spec_looks_like_a_credential() -> None:
     """Redaction replaces the values of credential-looking keys: no field of the spec may be one."""
+
     def names(model: type[BaseModel]) -> Iterator[str]:
         for name, field in model.model_fields.items():
             yield name
             for candidate in typing.get_args(field.annotation) or (field.annotation,):
                 if isinstance(candidate, type) and issubclass(candidate, BaseModel):
                     yield from names(candidate)
+
     assert [name for name in names(JobSpec) if is_credential_key(name)] == []
 
 
 def test_redaction_replaces_credential_values_anywhere() -> None:
-    tree = {"a": {"azure_storage_sas_token": "sv=1", "region": "eu"}, "b": [{"apiKey": "k"}, "export TOKEN=abc && run"],
-            "c": "https://me:pw@host/x", "d": {"tokenizer": "bytes", "password": None}}
-    assert redacted(tree) == {"a": {"azure_storage_sas_token": REDACTED, "region": "eu"}, "b": [{"apiKey": REDACTED},
-                              f"export TOKEN={REDACTED} && run"], "c": f"{REDACTED}host/x", "d": {"tokenizer": "bytes", "password": None}}
+    tree = {
+        "a": {"azure_storage_sas_token": "sv=1", "region": "eu"},
+        "b": [{"apiKey": "k"}, "export TOKEN=abc && run"],
+        "c": "https://me:pw@host/x",
+        "d": {"tokenizer": "bytes", "password": None},
+    }
+    assert redacted(tree) == {
+        "a": {"azure_storage_sas_token": REDACTED, "region": "eu"},
+        "b": [{"apiKey": REDACTED}, f"export TOKEN={REDACTED} && run"],
+        "c": f"{REDACTED}host/x",
+        "d": {"tokenizer": "bytes", "password": None},
+    }
     spec = JobSpec.model_validate({"name": "x", "data": {"uri": "/d", "storage_options": {"aws_secret_access_key": "s3cr3t"}}})
     assert spec.redacted_dict()["data"]["storage_options"] == {"aws_secret_access_key": REDACTED}
     assert spec.to_dict()["data"]["storage_options"] == {"aws_secret_access_key": "s3cr3t"}  # the job's own copy keeps it
@@ -450,11 +564,32 @@ def test_redaction_replaces_credential_values_anywhere() -> None:
 def test_redaction_hides_text_under_credential_keys_but_keeps_numbers() -> None:
     """A tokenizer's ids are numbers under "token" keys; a credential is text, also inside a list
     or a section a credential key holds."""
-    tree = {"task": {"options": {"pad_token_id": 0, "eos_token_id": 2, "special_token_ids": [1, 3], "use_token": True,
-                                 "api_token": "abc", "tokens": {"auth_token": ["x", 7]}, "credentials": {"user": "me", "n": 1}}}}
-    assert redacted(tree) == {"task": {"options": {
-        "pad_token_id": 0, "eos_token_id": 2, "special_token_ids": [1, 3], "use_token": True,
-        "api_token": REDACTED, "tokens": {"auth_token": [REDACTED, 7]}, "credentials": {"user": REDACTED, "n": 1}}}}
+    tree = {
+        "task": {
+            "options": {
+                "pad_token_id": 0,
+                "eos_token_id": 2,
+                "special_token_ids": [1, 3],
+                "use_token": True,
+                "api_token": "abc",
+                "tokens": {"auth_token": ["x", 7]},
+                "credentials": {"user": "me", "n": 1},
+            }
+        }
+    }
+    assert redacted(tree) == {
+        "task": {
+            "options": {
+                "pad_token_id": 0,
+                "eos_token_id": 2,
+                "special_token_ids": [1, 3],
+                "use_token": True,
+                "api_token": REDACTED,
+                "tokens": {"auth_token": [REDACTED, 7]},
+                "credentials": {"user": REDACTED, "n": 1},
+            }
+        }
+    }
 
 
 # Float fields with an upper bound; lr, weight_decay and grad_clip (a gradient norm) have none that holds for every model.
@@ -464,4 +599,8 @@ BOUNDED_FLOATS = ["data.cache.max_gb", "data.io_timeout_s", "data.ingest.val_fra
 @pytest.mark.parametrize("path", BOUNDED_FLOATS)
 def test_float_fields_with_an_obvious_limit_refuse_huge_values(path: str) -> None:
     assert f"{path}: must be <" in problems_of(with_value(path, 1e300))
-    assert {path for path, kind in NUMERIC_FIELDS if kind is float} - set(BOUNDED_FLOATS) == {"train.lr", "train.weight_decay", "train.grad_clip"}
+    assert {path for path, kind in NUMERIC_FIELDS if kind is float} - set(BOUNDED_FLOATS) == {
+        "train.lr",
+        "train.weight_decay",
+        "train.grad_clip",
+    }

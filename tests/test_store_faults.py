@@ -37,7 +37,7 @@ from tests.test_data_loader import IMAGES, train_loader
 LANCE_503 = (
     "LanceError(IO): Generic N/A error: LanceError(IO): Generic S3 error: Error performing GET "
     "http://127.0.0.1:9/b/x.lance/data/0101.lance in 2.1ms, after 3 retries, max_retries: 3, retry_timeout: 180s  - "
-    "Server returned non-2xx status code: 503 Service Unavailable: <?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
+    'Server returned non-2xx status code: 503 Service Unavailable: <?xml version="1.0" encoding="UTF-8"?>\n'
     "<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>, "
     "/home/runner/work/lance/lance/rust/lance-io/src/object_reader.rs:335:56, /rustc/48a2/library/core/src/ops/function.rs:250:5"
 )
@@ -106,11 +106,16 @@ def test_proxy_passes_requests_through_and_injects_each_fault_on_command(proxy):
 @pytest.mark.s3
 def test_proxy_is_controlled_from_another_process(proxy):
     command = [sys.executable, "-m", "tests.support.fault_proxy"]
-    subprocess.run([*command, "inject", "--proxy", proxy.endpoint, "slowdown", "--count", "1"], check=True,
-                   cwd=REPO_ROOT, capture_output=True)
+    subprocess.run(
+        [*command, "inject", "--proxy", proxy.endpoint, "slowdown", "--count", "1"],
+        check=True,
+        cwd=REPO_ROOT,
+        capture_output=True,
+    )
     assert request(proxy)[0] == 503 and request(proxy)[0] == 200
-    printed = subprocess.run([*command, "stats", "--proxy", proxy.endpoint], check=True, cwd=REPO_ROOT,
-                             capture_output=True, text=True).stdout
+    printed = subprocess.run(
+        [*command, "stats", "--proxy", proxy.endpoint], check=True, cwd=REPO_ROOT, capture_output=True, text=True
+    ).stdout
     assert '"slowdown": 1' in printed
     control(proxy.endpoint, "POST", {"kind": "slowdown"})
     assert request(proxy)[0] == 503
@@ -139,8 +144,18 @@ def failing(errors: list[BaseException], result: str = "rows"):
 def test_transient_errors_are_retried_with_growing_jittered_backoff_and_counted():
     call, calls = failing([OSError(LANCE_503), OSError("HTTP error: error sending request"), OSError("timed out")])
     sleeps, retries = [], []
-    assert retrying(call, what="take of 2 rows of s3://b/x.lance", uri="s3://b/x.lance", options={}, timeout_s=300,
-                    on_retry=lambda: retries.append(1), sleep=sleeps.append) == "rows"
+    assert (
+        retrying(
+            call,
+            what="take of 2 rows of s3://b/x.lance",
+            uri="s3://b/x.lance",
+            options={},
+            timeout_s=300,
+            on_retry=lambda: retries.append(1),
+            sleep=sleeps.append,
+        )
+        == "rows"
+    )
     assert len(calls) == 4 and len(retries) == 3 and len(sleeps) == 3
     for retry, slept in enumerate(sleeps):
         ceiling = min(15.0, 0.5 * 2**retry)
@@ -155,26 +170,47 @@ def test_other_errors_are_not_retried_and_damage_goes_through_its_explanation():
     assert len(calls) == 1
     call, calls = failing([OSError("LanceError(IO): Generic N/A error: Not found: /d/x.lance/data/ab.lance, /x.rs:3:5")])
     with pytest.raises(UserError, match="explained"):
-        retrying(call, what="take", uri="/d/x.lance", options={}, timeout_s=300, on_retry=lambda: None,
-                 explain=lambda error: UserError(f"explained: {error}"))
+        retrying(
+            call,
+            what="take",
+            uri="/d/x.lance",
+            options={},
+            timeout_s=300,
+            on_retry=lambda: None,
+            explain=lambda error: UserError(f"explained: {error}"),
+        )
     assert len(calls) == 1
     call, calls = failing([KeyError("unexplained")])
     with pytest.raises(KeyError, match="unexplained"):
-        retrying(call, what="take", uri="/d/x.lance", options={}, timeout_s=300, on_retry=lambda: None,
-                 explain=lambda error: error)
+        retrying(
+            call, what="take", uri="/d/x.lance", options={}, timeout_s=300, on_retry=lambda: None, explain=lambda error: error
+        )
 
 
 def test_a_store_failing_past_the_timeout_stops_with_one_message_naming_endpoint_read_and_time():
     call, calls = failing([OSError(LANCE_503)] * 100)
     with pytest.raises(StoreUnavailable) as stopped:
-        retrying(call, what="take of 64 rows of s3://b/x.lance", uri="s3://b/x.lance",
-                 options={"endpoint": "http://store:9000", "secret_access_key": "SECRET"}, timeout_s=2,
-                 on_retry=lambda: None, rank=1)
+        retrying(
+            call,
+            what="take of 64 rows of s3://b/x.lance",
+            uri="s3://b/x.lance",
+            options={"endpoint": "http://store:9000", "secret_access_key": "SECRET"},
+            timeout_s=2,
+            on_retry=lambda: None,
+            rank=1,
+        )
     message = str(stopped.value)
     assert message.startswith("rank 1: the object store at http://store:9000 failed for ")
     assert "data.io_timeout_s (2 s): take of 64 rows of s3://b/x.lance was tried " in message
-    assert ("last error: GET http://127.0.0.1:9/b/x.lance/data/0101.lance: Server returned non-2xx status code: "
-            "503 Service Unavailable: SlowDown. Training stopped") in message and "rust" not in message and "\n" not in message
+    assert (
+        (
+            "last error: GET http://127.0.0.1:9/b/x.lance/data/0101.lance: Server returned non-2xx status code: "
+            "503 Service Unavailable: SlowDown. Training stopped"
+        )
+        in message
+        and "rust" not in message
+        and "\n" not in message
+    )
     assert "latest checkpoint is intact" in message and 2 <= len(calls) <= 10
 
 
@@ -186,8 +222,10 @@ def test_a_hung_read_is_abandoned_at_the_deadline():
 
 
 def test_messages_of_worker_exceptions_lose_the_traceback_torch_wraps_them_in():
-    wrapped = ("Caught StoreUnavailable in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
-               '  File "x.py", line 1, in <module>\nlance_hpc.data.retry.StoreUnavailable: rank 0: the store failed\n')
+    wrapped = (
+        "Caught StoreUnavailable in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
+        '  File "x.py", line 1, in <module>\nlance_hpc.data.retry.StoreUnavailable: rank 0: the store failed\n'
+    )
     assert str(StoreUnavailable(wrapped)) == "rank 0: the store failed"
     assert worker_message("plain", "UserError") == "plain"
     assert str(DamagedDataset(wrapped.replace("StoreUnavailable", "DamagedDataset"))) == "rank 0: the store failed"
@@ -212,10 +250,12 @@ def write_rows(uri: str, fragments: int, rows: int, options: dict[str, str] | No
     schema = schema_for([str(i) for i in range(total)], "test")
     for fragment in range(fragments):
         ids = np.arange(fragment * rows, (fragment + 1) * rows)
-        batch = pa.record_batch([pa.array([IMAGES[int(i) % len(IMAGES)] for i in ids], pa.binary()),
-                                 pa.array(ids, pa.int64())], schema=schema)
-        lance.write_dataset(pa.Table.from_batches([batch]), uri, mode="create" if fragment == 0 else "append",
-                            storage_options=options)
+        batch = pa.record_batch(
+            [pa.array([IMAGES[int(i) % len(IMAGES)] for i in ids], pa.binary()), pa.array(ids, pa.int64())], schema=schema
+        )
+        lance.write_dataset(
+            pa.Table.from_batches([batch]), uri, mode="create" if fragment == 0 else "append", storage_options=options
+        )
     return uri
 
 
@@ -294,14 +334,26 @@ def s3_digits(s3_env) -> Digits:
 def test_an_outage_longer_than_io_timeout_stops_every_rank_with_one_message(s3_digits, s3_env, proxy, tmp_path):
     io_timeout_s = 5
     spec_file = write_spec(
-        tmp_path, s3_digits, name="outage",
-        data={"storage_options": dict(s3_env.storage_options, endpoint=proxy.endpoint), "num_workers": 1,
-              "io_timeout_s": io_timeout_s},
-        train={"epochs": 50}, logging={"log_every_steps": 1, "progress": False}, checkpoint={"every_steps": 5},
+        tmp_path,
+        s3_digits,
+        name="outage",
+        data={
+            "storage_options": dict(s3_env.storage_options, endpoint=proxy.endpoint),
+            "num_workers": 1,
+            "io_timeout_s": io_timeout_s,
+        },
+        train={"epochs": 50},
+        logging={"log_every_steps": 1, "progress": False},
+        checkpoint={"every_steps": 5},
     )
-    job = subprocess.Popen([sys.executable, "-m", "lance_hpc.submit", str(spec_file), "--local", "--nproc", "2"], cwd=REPO_ROOT,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    job = subprocess.Popen(
+        [sys.executable, "-m", "lance_hpc.submit", str(spec_file), "--local", "--nproc", "2"],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
     lines = []
     try:
         for line in job.stdout:
@@ -341,8 +393,13 @@ def damage(uri: str, how: str, options: dict[str, str] | None = None) -> str:
     path = f"data/{dataset.get_fragments()[1].data_files()[0].path}"
     if uri.startswith("s3://"):
         bucket, key = uri.removeprefix("s3://").split("/", 1)
-        client = boto3.client("s3", endpoint_url=options["endpoint"], region_name=options["region"],
-                              aws_access_key_id=options["access_key_id"], aws_secret_access_key=options["secret_access_key"])
+        client = boto3.client(
+            "s3",
+            endpoint_url=options["endpoint"],
+            region_name=options["region"],
+            aws_access_key_id=options["access_key_id"],
+            aws_secret_access_key=options["secret_access_key"],
+        )
         whole = client.get_object(Bucket=bucket, Key=f"{key}/{path}")["Body"].read()
         if how == "delete":
             client.delete_object(Bucket=bucket, Key=f"{key}/{path}")

@@ -111,11 +111,19 @@ def test_files_that_hold_the_spec_are_private(tmp_path: Path) -> None:
         assert submit.main([str(write_spec(tmp_path, raw)), "--render-only"]) == 0
     finally:
         os.umask(old_umask)
-    written = [log_dir / "full.spec.yaml", log_dir / "full.sbatch", log_dir / "full.sweep" / "0.spec.yaml",
-               log_dir / "full.sweep" / "1.spec.yaml"]
+    written = [
+        log_dir / "full.spec.yaml",
+        log_dir / "full.sbatch",
+        log_dir / "full.sweep" / "0.spec.yaml",
+        log_dir / "full.sweep" / "1.spec.yaml",
+    ]
     assert {path.name: mode(path) for path in written} == {path.name: 0o600 for path in written}
     assert mode(log_dir) == mode(tmp_path / "new") == mode(log_dir / "full.sweep") == 0o700
-    assert sorted(path.name for path in log_dir.iterdir()) == ["full.sbatch", "full.spec.yaml", "full.sweep"]  # no temp files left
+    assert sorted(path.name for path in log_dir.iterdir()) == [
+        "full.sbatch",
+        "full.spec.yaml",
+        "full.sweep",
+    ]  # no temp files left
 
 
 def test_an_existing_log_directory_keeps_its_mode_and_links_there_are_replaced(tmp_path: Path) -> None:
@@ -166,7 +174,9 @@ def test_local_runs_the_written_spec_with_nproc(tmp_path: Path, monkeypatch: pyt
     import lance_hpc.launch.local
 
     started: list[tuple[str, int]] = []
-    monkeypatch.setattr(lance_hpc.launch.local, "run_local", lambda spec_file, nproc: started.append((str(spec_file), nproc)) or 0)
+    monkeypatch.setattr(
+        lance_hpc.launch.local, "run_local", lambda spec_file, nproc: started.append((str(spec_file), nproc)) or 0
+    )
     raw = {"name": "loc", "data": {"uri": "/d"}, "slurm": {"tasks_per_node": 3, "log_dir": str(tmp_path)}}
     spec_path = write_spec(tmp_path, raw)
     assert submit.main([str(spec_path), "--local"]) == 0
@@ -186,7 +196,12 @@ def test_option_combinations_are_checked(tmp_path: Path) -> None:
 
 
 def test_submit_prints_job_id_logs_and_tensorboard(shims: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    raw = {"name": "sub", "data": {"uri": "/d"}, "slurm": {"log_dir": str(tmp_path / "logs")}, "logging": {"tensorboard_dir": "/tb/sub"}}
+    raw = {
+        "name": "sub",
+        "data": {"uri": "/d"},
+        "slurm": {"log_dir": str(tmp_path / "logs")},
+        "logging": {"tensorboard_dir": "/tb/sub"},
+    }
     assert submit.main([str(write_spec(tmp_path, raw)), "--no-preflight"]) == 0
     out = capsys.readouterr().out
     assert "submitted job 4242" in out
@@ -198,9 +213,7 @@ def test_submit_prints_job_id_logs_and_tensorboard(shims: Path, tmp_path: Path, 
     assert submitted.function.spec_file == str(tmp_path / "logs" / "sub.spec.yaml")
 
 
-def test_preflight_stops_a_job_whose_dataset_is_missing(
-    shims: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_preflight_stops_a_job_whose_dataset_is_missing(shims: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     raw = {"name": "x", "data": {"uri": str(tmp_path / "missing.lance")}, "slurm": {"log_dir": str(tmp_path / "logs")}}
     assert submit.main([str(write_spec(tmp_path, raw))]) == 2
     err = capsys.readouterr().err
@@ -221,7 +234,9 @@ def test_preflight_passes_a_dataset_that_ingest_will_create(
     assert any(call.startswith("sbatch") for call in calls(shims))
 
 
-def test_missing_sbatch_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_missing_sbatch_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))  # no SLURM commands at all
     assert submit.main([str(write_spec(tmp_path, {"name": "x", "data": {"uri": "/d"}}))]) == 2
     err = capsys.readouterr().err
@@ -232,7 +247,10 @@ def test_missing_sbatch_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.Mon
     ("sbatch_error", "fix"),
     [
         (CONTROLLER_DOWN, "the SLURM controller is not reachable: check `scontrol ping` and SLURM_CONF"),
-        ("sbatch: error: Batch job submission failed: Invalid partition name specified", "set slurm.partition to one that `sinfo` lists"),
+        (
+            "sbatch: error: Batch job submission failed: Invalid partition name specified",
+            "set slurm.partition to one that `sinfo` lists",
+        ),
         ("sbatch: error: Batch job submission failed: Requested node configuration is not available", "ask for fewer nodes"),
     ],
 )
@@ -250,7 +268,9 @@ def test_sbatch_failures_are_explained(
 
 def test_user_errors_exit_without_traceback(tmp_path: Path) -> None:
     spec_path = write_spec(tmp_path, {"name": "x", "data": {"uri": "/d", "sampler": "random"}, "slurm": {"nodes": 0}})
-    result = subprocess.run([sys.executable, "-m", "lance_hpc.submit", str(spec_path), "--dry-run"], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "lance_hpc.submit", str(spec_path), "--dry-run"], capture_output=True, text=True
+    )
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert "2 problems in the job spec" in result.stderr and "data.sampler" in result.stderr
@@ -288,8 +308,11 @@ PARITY_CASES = {
     "full-options": FULL_SPEC,
     "apptainer": {**FULL_SPEC, "slurm": {**FULL_SPEC["slurm"], "container": CONTAINER}},
     "pyxis": {**FULL_SPEC, "slurm": {**FULL_SPEC["slurm"], "container": {**CONTAINER, "runtime": "pyxis"}}},
-    "sweep": {**FULL_SPEC, "sweep": {"train.lr": [0.1, 0.05], "data.batch_size": [64, 128, 256]},
-              "slurm": {**FULL_SPEC["slurm"], "array_parallelism": 2}},
+    "sweep": {
+        **FULL_SPEC,
+        "sweep": {"train.lr": [0.1, 0.05], "data.batch_size": [64, 128, 256]},
+        "slurm": {**FULL_SPEC["slurm"], "array_parallelism": 2},
+    },
 }
 
 

@@ -29,8 +29,13 @@ from tests.support.ports import free_port
 from tests.support.slurm import signal_steps
 from tests.support.slurm_cluster import SlurmCluster
 
-BASE: dict[str, Any] = {"name": "lr-sweep", "data": {"uri": "/d"}, "checkpoint": {"dir": "/ck/{name}"},
-                        "logging": {"tensorboard_dir": "/tb/{name}"}, "slurm": {"log_dir": "/logs/{name}"}}
+BASE: dict[str, Any] = {
+    "name": "lr-sweep",
+    "data": {"uri": "/d"},
+    "checkpoint": {"dir": "/ck/{name}"},
+    "logging": {"tensorboard_dir": "/tb/{name}"},
+    "slurm": {"log_dir": "/logs/{name}"},
+}
 
 
 def sweep_spec(sweep: dict[str, Any] | None = None, options: tuple[str, ...] = (), **extra: Any):
@@ -75,7 +80,15 @@ def test_runs_are_the_cartesian_product_first_key_slowest() -> None:
         assert run.spec.slurm.log_dir == "/logs/lr-sweep" and run.spec.sweep == {}
         # everything else is the sweep's own spec
         rest = {**run.spec.to_dict(), "name": None, "checkpoint": None, "logging": None, "train": None, "data": None}
-        assert rest == {**spec.to_dict(), "name": None, "checkpoint": None, "logging": None, "train": None, "data": None, "sweep": {}}
+        assert rest == {
+            **spec.to_dict(),
+            "name": None,
+            "checkpoint": None,
+            "logging": None,
+            "train": None,
+            "data": None,
+            "sweep": {},
+        }
 
 
 def test_an_option_replaces_the_same_key_of_the_spec_and_keeps_the_order() -> None:
@@ -107,10 +120,18 @@ def test_names_fall_back_to_indices_when_values_would_clash() -> None:
         ({"train.lr": [0.1, 0.1]}, "sweep.train.lr", "0.1 listed twice", "list each value once"),
         ({"data.batch_size": [64, 0]}, "sweep.data.batch_size", "value 0: must be >= 1, got 0", "set a value >= 1"),
         ({"train.optimizer": ["sgd", "lamb"]}, "sweep.train.optimizer", "value lamb: 'lamb' is not a valid choice", "sgd, adamw"),
-        ({"data.sampler": ["sharded_batch"]}, "sweep.data.sampler", "value sharded_batch: sampler 'sharded_batch' does not",
-         "with style 'map' use"),
-        ({"data.style": ["iterable"]}, "sweep", "run lr-sweep-styleiterable: data.sampler: sampler 'distributed' does not work",
-         "sharded_batch"),
+        (
+            {"data.sampler": ["sharded_batch"]},
+            "sweep.data.sampler",
+            "value sharded_batch: sampler 'sharded_batch' does not",
+            "with style 'map' use",
+        ),
+        (
+            {"data.style": ["iterable"]},
+            "sweep",
+            "run lr-sweep-styleiterable: data.sampler: sampler 'distributed' does not work",
+            "sharded_batch",
+        ),
         ([0.1], "sweep", "must map spec fields to lists of values", "sweep: {train.lr: [0.1, 0.05]}"),
     ],
 )
@@ -128,8 +149,13 @@ def test_every_sweep_problem_is_reported_at_once() -> None:
 
 def test_too_many_runs_for_a_job_array() -> None:
     found = problems_of({"train.seed": list(range(40)), "data.seed": list(range(30))})
-    assert found == [("sweep", "1200 runs are more than a SLURM job array holds by default (1001)",
-                      "sweep fewer values, or split the sweep into several specs")]
+    assert found == [
+        (
+            "sweep",
+            "1200 runs are more than a SLURM job array holds by default (1001)",
+            "sweep fewer values, or split the sweep into several specs",
+        )
+    ]
 
 
 def test_array_flag_is_not_an_extra_flag() -> None:
@@ -149,7 +175,9 @@ def test_array_range_respects_array_parallelism() -> None:
 
 def test_render_only_writes_one_spec_per_run_and_one_array_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     spec_path = tmp_path / "job.yaml"
-    spec_path.write_text(yaml.safe_dump({**BASE, "slurm": {"log_dir": str(tmp_path / "logs")}, "sweep": {"train.lr": [0.1, 0.05]}}))
+    spec_path.write_text(
+        yaml.safe_dump({**BASE, "slurm": {"log_dir": str(tmp_path / "logs")}, "sweep": {"train.lr": [0.1, 0.05]}})
+    )
     assert submit.main([str(spec_path), "--render-only", "--sweep", "train.seed=1,2"]) == 0
     logs = tmp_path / "logs"
     assert f"(its tasks read {logs}/lr-sweep.sweep/{{index}}.spec.yaml)" in capsys.readouterr().out
@@ -172,8 +200,13 @@ def test_the_script_starts_the_spec_of_its_array_task(tmp_path: Path) -> None:
     shims.mkdir()
     (shims / "srun").write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$SRUN_ARGS_FILE"\n')
     (shims / "srun").chmod(0o755)
-    environ = {"PATH": f"{shims}:{os.environ['PATH']}", "SRUN_ARGS_FILE": str(tmp_path / "srun.args"),
-               "SLURM_ARRAY_JOB_ID": "70", "SLURM_ARRAY_TASK_ID": "2", "SLURM_JOB_ID": "73"}
+    environ = {
+        "PATH": f"{shims}:{os.environ['PATH']}",
+        "SRUN_ARGS_FILE": str(tmp_path / "srun.args"),
+        "SLURM_ARRAY_JOB_ID": "70",
+        "SLURM_ARRAY_TASK_ID": "2",
+        "SLURM_JOB_ID": "73",
+    }
     result = subprocess.run(["bash", str(script_path)], env=environ, capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr
     assert "job 70_2 (restart 0)" in result.stdout
@@ -183,8 +216,15 @@ def test_the_script_starts_the_spec_of_its_array_task(tmp_path: Path) -> None:
 
 
 def test_an_array_run_is_requeued_by_its_own_id() -> None:
-    environ = {"SLURM_JOB_ID": "73", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "1",
-               "SLURM_JOB_NODELIST": "node1", "SLURM_ARRAY_JOB_ID": "70", "SLURM_ARRAY_TASK_ID": "2"}
+    environ = {
+        "SLURM_JOB_ID": "73",
+        "SLURM_STEP_ID": "0",
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "1",
+        "SLURM_JOB_NODELIST": "node1",
+        "SLURM_ARRAY_JOB_ID": "70",
+        "SLURM_ARRAY_TASK_ID": "2",
+    }
     assert detect(environ).job_ref == "70_2"
     assert detect({key: value for key, value in environ.items() if "ARRAY" not in key}).job_ref == "73"
 
@@ -232,7 +272,9 @@ def test_local_stops_the_sweep_when_a_run_is_interrupted(
     import lance_hpc.launch.local
 
     started: list[str] = []
-    monkeypatch.setattr(lance_hpc.launch.local, "run_local", lambda spec_file, nproc: started.append(str(spec_file)) or ExitCode.STOPPED)
+    monkeypatch.setattr(
+        lance_hpc.launch.local, "run_local", lambda spec_file, nproc: started.append(str(spec_file)) or ExitCode.STOPPED
+    )
     spec_path = tmp_path / "job.yaml"
     spec_path.write_text(yaml.safe_dump({"name": "s", "data": {"uri": "/d"}, "slurm": {"log_dir": str(tmp_path)}}))
     assert submit.main([str(spec_path), "--local", "--sweep", "train.seed=0,1"]) == ExitCode.STOPPED
@@ -246,7 +288,11 @@ def test_sweep_trains_locally(digits: Digits, tmp_path: Path) -> None:
     spec_path = write_spec(tmp_path, digits, name="tiny", train={"epochs": 1, "max_steps": 4}, sweep={"train.lr": [0.003, 0.001]})
     result = subprocess.run(
         ["python3", "-m", "lance_hpc.submit", str(spec_path), "--local", "--nproc", "1"],
-        cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, capture_output=True, text=True, timeout=600,
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "2 of 2 runs finished" in result.stdout
@@ -305,19 +351,39 @@ def test_four_run_sweep_on_the_cluster_each_run_on_its_own(slurm_cluster: SlurmC
     Each run takes both nodes whole (1 rank on each): SLURM 22.05 may start a requeued run on
     free CPUs while the old srun is still ending, and that srun's last signal then reaches the new
     step (same step id); with whole nodes the run restarts only once the old one is gone."""
-    slurm = {"partition": slurm_cluster.partition, "nodes": 2, "tasks_per_node": 1, "cpus_per_task": 1,
-             "exclusive": True, "time": "00:15:00", "max_requeues": 2, "array_parallelism": 2}
-    spec_path = write_spec(tmp_path, digits, name="sw", slurm=slurm, train={"epochs": 1},
-                           logging={"log_every_steps": 1, "progress": False},
-                           checkpoint={"every_steps": 50, "keep": 2},
-                           sweep={"train.lr": [0.003, 0.001], "train.epochs": [3, 1]})
+    slurm = {
+        "partition": slurm_cluster.partition,
+        "nodes": 2,
+        "tasks_per_node": 1,
+        "cpus_per_task": 1,
+        "exclusive": True,
+        "time": "00:15:00",
+        "max_requeues": 2,
+        "array_parallelism": 2,
+    }
+    spec_path = write_spec(
+        tmp_path,
+        digits,
+        name="sw",
+        slurm=slurm,
+        train={"epochs": 1},
+        logging={"log_every_steps": 1, "progress": False},
+        checkpoint={"every_steps": 50, "keep": 2},
+        sweep={"train.lr": [0.003, 0.001], "train.epochs": [3, 1]},
+    )
     spec = load_spec(spec_path).spec
     runs = expand(spec)
     _, script = render.write_job_files(spec)
     # A port of our own (the runs never overlap): one derived from the job id would be the same
     # for the same job id of other test clusters that other sessions run on this machine.
-    submitted = subprocess.run(["sbatch", "--parsable", str(script)], env={**environ(slurm_cluster), "MASTER_PORT": str(free_port())},
-                               cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", str(script)],
+        env={**environ(slurm_cluster), "MASTER_PORT": str(free_port())},
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     array_id = submitted.stdout.strip().split(";")[0]
     jobs = [f"{array_id}_{run.index}" for run in runs]
     logs = Path(spec.slurm.log_dir)
@@ -355,16 +421,27 @@ def test_a_sweep_submitted_through_submitit_trains_each_run_on_its_own(
 ) -> None:
     """The default path of ``lance-hpc submit --sweep``: one job array through submitit's
     executor.batch(), waited for with --wait. Two runs of one rank and 4 steps each, side by side."""
-    slurm = {"partition": slurm_cluster.partition, "nodes": 1, "tasks_per_node": 1, "cpus_per_task": 1,
-             "time": "00:15:00"}
+    slurm = {"partition": slurm_cluster.partition, "nodes": 1, "tasks_per_node": 1, "cpus_per_task": 1, "time": "00:15:00"}
     spec_path = write_spec(tmp_path, digits, name="viasubmitit", slurm=slurm, train={"epochs": 1, "max_steps": 4})
     sweep = "train.lr=0.003,0.001"
-    submitted = subprocess.run([sys.executable, "-m", "lance_hpc", "submit", str(spec_path), "--sweep", sweep, "--wait"],
-                               env=environ(slurm_cluster), cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    submitted = subprocess.run(
+        [sys.executable, "-m", "lance_hpc", "submit", str(spec_path), "--sweep", sweep, "--wait"],
+        env=environ(slurm_cluster),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
     array_id = re.search(r"submitted job array (\d+) \(viasubmitit: 2 runs", submitted.stdout).group(1)
-    status = subprocess.run([sys.executable, "-m", "lance_hpc", "status", array_id], env=environ(slurm_cluster),
-                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)  # by id: every run
+    status = subprocess.run(
+        [sys.executable, "-m", "lance_hpc", "status", array_id],
+        env=environ(slurm_cluster),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # by id: every run
     for run in expand(load_spec(spec_path, sweeps=[sweep]).spec):
         job = f"{array_id}_{run.index}"
         assert f"  {job:<12} {run.spec.name}  (train.lr={run.values['train.lr']})" in submitted.stdout
@@ -382,8 +459,14 @@ def test_a_sweep_spec_run_directly_is_refused_not_trained_as_its_base(tmp_path: 
     raw = yaml.safe_load(spec_file.read_text())
     raw["sweep"] = {"train.lr": [0.1, 0.01]}
     spec_file.write_text(yaml.safe_dump(raw, sort_keys=False))
-    finished = subprocess.run([sys.executable, "-m", module, str(spec_file)], capture_output=True, text=True,
-                              cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=120)
+    finished = subprocess.run(
+        [sys.executable, "-m", module, str(spec_file)],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        timeout=120,
+    )
     assert finished.returncode == 2 and "is a sweep, not one run" in finished.stderr, finished.stderr
     assert "lance-hpc submit" in finished.stderr and "Traceback" not in finished.stderr
     assert not (tmp_path / "checkpoints").exists()

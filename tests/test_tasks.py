@@ -33,15 +33,16 @@ def stdlib_tokens(tmp_path_factory: pytest.TempPathFactory) -> Digits:
     """A slice of the standard library's sources as 33-token sequences (train and validation)."""
     root = tmp_path_factory.mktemp("stdlib")
     dataset = Digits(str(root / "train.lance"), str(root / "val.lance"))
-    ingest = IngestSpec(source="python-stdlib:max_mb=0.2", val_fraction=0.1, rows_per_fragment=500, seed=0,
-                        sequence_length=32)
+    ingest = IngestSpec(source="python-stdlib:max_mb=0.2", val_fraction=0.1, rows_per_fragment=500, seed=0, sequence_length=32)
     ensure_dataset(DataSpec(uri=dataset.train, val_uri=dataset.val, ingest=ingest))
     return dataset
 
 
 def builtin_task(name: str, dataset: Digits):
-    options = {"image_classification": {"model": "small_cnn", "image_size": 16, "augment": "crop_flip"},
-               "language_model": {"layers": 1, "width": 32, "heads": 2}}[name]
+    options = {
+        "image_classification": {"model": "small_cnn", "image_size": 16, "augment": "crop_flip"},
+        "language_model": {"layers": 1, "width": 32, "heads": 2},
+    }[name]
     data = DataSpec(uri=dataset.train, val_uri=dataset.val)
     return build_task(name, options, dataset_info(data, dataset.train), dataset_info(data, dataset.val))
 
@@ -49,8 +50,9 @@ def builtin_task(name: str, dataset: Digits):
 @pytest.mark.parametrize("task_name", ["image_classification", "language_model"])
 @pytest.mark.parametrize("style,sampler", TRAIN_SAMPLERS)
 @pytest.mark.parametrize("uneven", ["drop", "pad"])
-def test_every_builtin_task_with_every_strategy_reads_rows_exactly_once(task_name, style, sampler, uneven, digits,
-                                                                         stdlib_tokens) -> None:
+def test_every_builtin_task_with_every_strategy_reads_rows_exactly_once(
+    task_name, style, sampler, uneven, digits, stdlib_tokens
+) -> None:
     dataset = digits if task_name == "image_classification" else stdlib_tokens
     task = builtin_task(task_name, dataset)
     world_size = 3
@@ -92,7 +94,10 @@ def test_a_task_checks_its_columns_and_classes_against_the_data(digits, stdlib_t
     with pytest.raises(TaskError) as caught:
         build_task("image_classification", {"label_column": "class", "image_column": "label"}, info, None)
     message = str(caught.value)
-    assert "task.options.label_column: column 'class' is not in" in message and "its columns: image (binary), label (int64)" in message
+    assert (
+        "task.options.label_column: column 'class' is not in" in message
+        and "its columns: image (binary), label (int64)" in message
+    )
     assert "task.options.image_column: column 'label' of" in message and "is int64, expected binary" in message
     with pytest.raises(TaskError, match=r"(?s)num_classes is 5, but .* has 10 classes .*at least 10"):
         build_task("image_classification", {"num_classes": 5}, info, None)
@@ -100,14 +105,20 @@ def test_a_task_checks_its_columns_and_classes_against_the_data(digits, stdlib_t
         build_task("language_model", {}, info, None)
     with pytest.raises(UserError, match=r"width \(30\) is not a multiple of task.options.heads \(4\)"):
         builtin_task("language_model", stdlib_tokens).__class__(
-            builtin_task("language_model", stdlib_tokens).Options(width=30, heads=4), dataset_info(data, stdlib_tokens.train))
+            builtin_task("language_model", stdlib_tokens).Options(width=30, heads=4), dataset_info(data, stdlib_tokens.train)
+        )
 
 
 @pytest.mark.slow
 def test_a_task_from_a_test_module_trains_on_two_local_ranks(tmp_path: Path, digits) -> None:
     """Named by import path; its decoder runs in a DataLoader worker of each rank."""
-    spec_file = write_spec(tmp_path, digits, task={"name": "tests.custom_task:PixelMLP", "options": {"hidden": 32}},
-                           data={"num_workers": 1}, train={"epochs": 3, "lr": 0.01})
+    spec_file = write_spec(
+        tmp_path,
+        digits,
+        task={"name": "tests.custom_task:PixelMLP", "options": {"hidden": 32}},
+        data={"num_workers": 1},
+        train={"epochs": 3, "lr": 0.01},
+    )
     spec = load_spec(spec_file).spec
     assert type(load_task(spec)).__name__ == "PixelMLP"
     process = launch(spec_file)
@@ -116,14 +127,20 @@ def test_a_task_from_a_test_module_trains_on_two_local_ranks(tmp_path: Path, dig
     accuracy = float(re.search(r"final validation accuracy: ([0-9.]+)", output).group(1))
     assert accuracy >= 0.8, output
     state = final_state(tmp_path)
-    assert set(state["objects"]["model"]) == {"0.weight", "0.bias", "2.weight", "2.bias"} and state["objects"]["model"]["0.weight"].shape == (32, 64)
+    assert set(state["objects"]["model"]) == {"0.weight", "0.bias", "2.weight", "2.bias"} and state["objects"]["model"][
+        "0.weight"
+    ].shape == (32, 64)
 
 
 @pytest.mark.slow
 def test_language_model_trains_on_two_local_ranks_and_logs_its_tags(tmp_path: Path, stdlib_tokens) -> None:
-    spec_file = write_spec(tmp_path, stdlib_tokens, task={"name": "language_model", "options": {"layers": 1, "width": 64, "heads": 2}},
-                           data={"num_workers": 1, "batch_size": 16},
-                           train={"epochs": 1, "max_steps": 60, "lr": 0.003, "warmup_epochs": 0.05})
+    spec_file = write_spec(
+        tmp_path,
+        stdlib_tokens,
+        task={"name": "language_model", "options": {"layers": 1, "width": 64, "heads": 2}},
+        data={"num_workers": 1, "batch_size": 16},
+        train={"epochs": 1, "max_steps": 60, "lr": 0.003, "warmup_epochs": 0.05},
+    )
     process = launch(spec_file)
     output = process.communicate(timeout=600)[0]
     assert process.returncode == 0, output
@@ -162,14 +179,21 @@ def option_problems(task_name: str, option: str, value: Any) -> str:
 
 
 def test_the_table_below_sees_every_numeric_task_option() -> None:
-    assert {("image_classification", "image_size", int), ("language_model", "dropout", float),
-            ("language_model", "vocab_size", int)} <= set(BUILTIN_NUMERIC_OPTIONS)
+    assert {
+        ("image_classification", "image_size", int),
+        ("language_model", "dropout", float),
+        ("language_model", "vocab_size", int),
+    } <= set(BUILTIN_NUMERIC_OPTIONS)
 
 
-@pytest.mark.parametrize(("task_name", "option", "kind"), BUILTIN_NUMERIC_OPTIONS,
-                         ids=[f"{name}.{option}" for name, option, _ in BUILTIN_NUMERIC_OPTIONS])
-def test_every_numeric_task_option_refuses_nan_infinity_negatives_and_huge_values(task_name: str, option: str,
-                                                                                   kind: type) -> None:
+@pytest.mark.parametrize(
+    ("task_name", "option", "kind"),
+    BUILTIN_NUMERIC_OPTIONS,
+    ids=[f"{name}.{option}" for name, option, _ in BUILTIN_NUMERIC_OPTIONS],
+)
+def test_every_numeric_task_option_refuses_nan_infinity_negatives_and_huge_values(
+    task_name: str, option: str, kind: type
+) -> None:
     path = f"task.options.{option}"
     for value in (math.nan, math.inf, -math.inf):
         assert f"{path}: must be a finite number, got {value!r}" in option_problems(task_name, option, value)
@@ -179,9 +203,15 @@ def test_every_numeric_task_option_refuses_nan_infinity_negatives_and_huge_value
 
 def test_task_option_bounds_are_inclusive_and_named_in_the_fix() -> None:
     assert "task.options.image_size: must be <= 4096, got 100000\n      fix: set a value <= 4096" in option_problems(
-        "image_classification", "image_size", 100000)
-    options = validate_spec({"name": "bounds", "data": {"uri": "/d"},
-                             "task": {"name": "language_model", "options": {"layers": 1024, "vocab_size": 2**24}}}).spec.task.options
+        "image_classification", "image_size", 100000
+    )
+    options = validate_spec(
+        {
+            "name": "bounds",
+            "data": {"uri": "/d"},
+            "task": {"name": "language_model", "options": {"layers": 1024, "vocab_size": 2**24}},
+        }
+    ).spec.task.options
     assert options["layers"] == 1024 and options["vocab_size"] == 2**24
 
 
@@ -200,8 +230,13 @@ def test_a_grey_level_task_trains_from_weights_in_a_local_file(tmp_path: Path, d
     weights = tmp_path / "grey.pt"
     torch.save(model.state_dict(), weights)
 
-    spec_file = write_spec(tmp_path / "second", digits, task={"options": {**grey, "weights": str(weights)}},
-                           train={"max_steps": 2}, logging={"progress": False})
+    spec_file = write_spec(
+        tmp_path / "second",
+        digits,
+        task={"options": {**grey, "weights": str(weights)}},
+        train={"max_steps": 2},
+        logging={"progress": False},
+    )
     started = load_task(load_spec(spec_file).spec)
     fresh = started.build_model()
     started.load_weights(fresh)
@@ -220,7 +255,9 @@ def test_image_options_that_do_not_fit_are_refused_with_their_path(tmp_path: Pat
     assert "mean has 3 value(s) for 1 channel(s)" in problems({"model": "small_cnn", "channels": 1, "mean": [0.5, 0.5, 0.5]})
     assert "model resnet18 (torchvision) takes 3 channels, not 1" in problems({"model": "resnet18", "channels": 1})
     assert "std values must be greater than 0" in problems({"std": [0.2, 0.0, 0.2]})
-    spec = load_spec(write_spec(tmp_path, digits, task={"options": {"model": "small_cnn", "weights": str(tmp_path / "none.pt")}})).spec
+    spec = load_spec(
+        write_spec(tmp_path, digits, task={"options": {"model": "small_cnn", "weights": str(tmp_path / "none.pt")}})
+    ).spec
     with pytest.raises(UserError, match=r"task.options.weights: .*none.pt does not exist"):
         load_task(spec).load_weights(load_task(spec).build_model())
     other = tmp_path / "other.pt"

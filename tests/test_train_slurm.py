@@ -56,10 +56,21 @@ class SlurmRun:
 
 def job_spec(directory: Path, dataset: Digits, cluster: SlurmCluster, **sections: Any) -> JobSpec:
     """2 nodes x 2 CPU tasks; 22 steps per epoch; every step logged so tests can follow along."""
-    slurm = {"partition": cluster.partition, "nodes": 2, "tasks_per_node": 2, "cpus_per_task": 1,
-             "time": "00:15:00", "max_requeues": 2, "log_dir": str(directory / "logs")}
-    base = {"slurm": slurm, "train": {"epochs": 5}, "logging": {"log_every_steps": 1, "progress": False},
-            "checkpoint": {"every_steps": 50, "keep": 10}}
+    slurm = {
+        "partition": cluster.partition,
+        "nodes": 2,
+        "tasks_per_node": 2,
+        "cpus_per_task": 1,
+        "time": "00:15:00",
+        "max_requeues": 2,
+        "log_dir": str(directory / "logs"),
+    }
+    base = {
+        "slurm": slurm,
+        "train": {"epochs": 5},
+        "logging": {"log_every_steps": 1, "progress": False},
+        "checkpoint": {"every_steps": 50, "keep": 10},
+    }
     for section, values in sections.items():
         if isinstance(values, dict):
             base.setdefault(section, {}).update(values)
@@ -75,15 +86,15 @@ def environ(cluster: SlurmCluster) -> dict[str, str]:
 def sbatch(cluster: SlurmCluster, spec: JobSpec) -> str:
     """Render and submit the job as a user's own sbatch would; returns the job id."""
     _, script = write_job_files(spec)
-    submitted = subprocess.run(["sbatch", "--parsable", str(script)], env=environ(cluster), cwd=REPO_ROOT,
-                               capture_output=True, text=True, check=True)
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", str(script)], env=environ(cluster), cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    )
     return submitted.stdout.strip().split(";")[0]
 
 
 def job_state(cluster: SlurmCluster, job_id: str) -> tuple[str, int]:
     """(JobState, restart count) as scontrol shows them."""
-    shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=environ(cluster),
-                           capture_output=True, text=True).stdout
+    shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=environ(cluster), capture_output=True, text=True).stdout
     fields = dict(word.split("=", 1) for word in shown.split() if "=" in word)
     return fields.get("JobState", "UNKNOWN"), int(fields.get("Restarts", 0))
 
@@ -155,7 +166,12 @@ def test_usr2_mid_epoch_requeues_and_resumes_to_the_same_weights(
     assert f"resuming from {path} at step {step}" in output
     stopped = torch.load(path, map_location="cpu", weights_only=True)
     assert stopped["mid_epoch"] and steps_per_epoch(spec) < stopped["step"] < 2 * steps_per_epoch(spec)
-    assert same_weights(final_state(tmp_path)["objects"]["model"], final_state(Path(reference.spec.checkpoint.dir).parent)["objects"]["model"]) == []
+    assert (
+        same_weights(
+            final_state(tmp_path)["objects"]["model"], final_state(Path(reference.spec.checkpoint.dir).parent)["objects"]["model"]
+        )
+        == []
+    )
     assert_epoch_resumes_in_place(spec, stopped["ranks"])
 
 
@@ -179,8 +195,11 @@ def test_a_task_from_a_test_module_requeues_and_resumes_to_the_same_weights(
     slurm_cluster: SlurmCluster, digits: Digits, tmp_path: Path
 ) -> None:
     """A task no lance_hpc module defines, named by file path, decoding in DataLoader workers."""
-    custom = {"task": {"name": f"{REPO_ROOT}/tests/custom_task.py:PixelMLP", "options": {"hidden": 32}},
-              "data": {"num_workers": 1}, "train": {"epochs": 2, "lr": 0.01}}
+    custom = {
+        "task": {"name": f"{REPO_ROOT}/tests/custom_task.py:PixelMLP", "options": {"hidden": 32}},
+        "data": {"num_workers": 1},
+        "train": {"epochs": 2, "lr": 0.01},
+    }
     # The uninterrupted reference runs beside the interrupted job (4 of the cluster's 16 CPUs each).
     reference = job_spec(tmp_path / "reference", digits, slurm_cluster, **custom)
     reference_id = sbatch(slurm_cluster, reference)
@@ -198,8 +217,7 @@ def test_script_mode_example_requeues_and_resumes_on_the_cluster(
 ) -> None:
     """examples/script_mode (its own loop) through sbatch, preempted mid-epoch: saves, requeues,
     resumes and finishes with every rank on the same step."""
-    spec = job_spec(tmp_path, digits, slurm_cluster, entry=f"{REPO_ROOT}/examples/script_mode/train.py:main",
-                    train={"epochs": 2})
+    spec = job_spec(tmp_path, digits, slurm_cluster, entry=f"{REPO_ROOT}/examples/script_mode/train.py:main", train={"epochs": 2})
     _, output, _ = interrupt_with_usr2(slurm_cluster, spec)
     assert "final validation accuracy" in output
     assert final_state(tmp_path)["step"] == 2 * steps_per_epoch(spec)
@@ -220,13 +238,19 @@ def test_submitit_preemption_checkpoints_requeues_and_resumes(
     assert job_state(slurm_cluster, job.job_id)[1] == 1
     result = job.task(0).result()
     assert result["status"] == "completed" and result["metrics"]["val/accuracy"] >= 0.90
-    assert "by SIGUSR2; checkpoint" in Path(job.paths.stdout).read_text() and "requeued by submitit" in Path(job.paths.stdout).read_text()
-    assert same_weights(final_state(tmp_path)["objects"]["model"], final_state(Path(reference.spec.checkpoint.dir).parent)["objects"]["model"]) == []
+    assert (
+        "by SIGUSR2; checkpoint" in Path(job.paths.stdout).read_text()
+        and "requeued by submitit" in Path(job.paths.stdout).read_text()
+    )
+    assert (
+        same_weights(
+            final_state(tmp_path)["objects"]["model"], final_state(Path(reference.spec.checkpoint.dir).parent)["objects"]["model"]
+        )
+        == []
+    )
 
 
-def test_scancel_saves_a_checkpoint_and_ends_without_requeue(
-    slurm_cluster: SlurmCluster, digits: Digits, tmp_path: Path
-) -> None:
+def test_scancel_saves_a_checkpoint_and_ends_without_requeue(slurm_cluster: SlurmCluster, digits: Digits, tmp_path: Path) -> None:
     spec = job_spec(tmp_path, digits, slurm_cluster, train={"epochs": 100})
     job_id = sbatch(slurm_cluster, spec)
     wait_for_output(lambda: output_of(spec, job_id), "step 3/")
@@ -270,18 +294,18 @@ def task_pid(job_id: str, rank: int) -> int:
     raise AssertionError(f"task {rank} of job {job_id} not found")
 
 
-
 def test_four_ranks_preempted_mid_epoch_continue_on_two_with_every_row_once(
     slurm_cluster: SlurmCluster, digits: Digits, tmp_path: Path
 ) -> None:
     """4 ranks on 2 nodes get USR2 mid-epoch (with no requeues left, so they save and stop); the
     job is resubmitted with --set slurm.nodes=1 and finishes on 2 ranks: the rows of the stopped
     epoch the first job trained on are not read again, the rest exactly once, with equal steps."""
-    task = {"name": f"{REPO_ROOT}/tests/custom_task.py:RowLoggingMLP",
-            "options": {"hidden": 16, "row_log": str(tmp_path / "rows4")}}
+    task = {
+        "name": f"{REPO_ROOT}/tests/custom_task.py:RowLoggingMLP",
+        "options": {"hidden": 16, "row_log": str(tmp_path / "rows4")},
+    }
     (tmp_path / "rows4").mkdir()
-    spec = job_spec(tmp_path, digits, slurm_cluster, task=task, train={"epochs": 2, "lr": 0.01},
-                    slurm={"max_requeues": 0})
+    spec = job_spec(tmp_path, digits, slurm_cluster, task=task, train={"epochs": 2, "lr": 0.01}, slurm={"max_requeues": 0})
     job_id = sbatch(slurm_cluster, spec)
     wait_for_output(lambda: output_of(spec, job_id), f"step {steps_per_epoch(spec) + 3}/")
     signal_steps(environ(slurm_cluster), job_id)
@@ -293,15 +317,35 @@ def test_four_ranks_preempted_mid_epoch_continue_on_two_with_every_row_once(
     (tmp_path / "rows2").mkdir()
     spec_file = Path(spec.slurm.log_dir) / f"{spec.name}.spec.yaml"
     rendered = subprocess.run(
-        [sys.executable, "-m", "lance_hpc.submit", str(spec_file), "--render-only", "--set", "slurm.nodes=1",
-         "--set", f"task.options.row_log={tmp_path / 'rows2'}"],
-        env=environ(slurm_cluster), cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+        [
+            sys.executable,
+            "-m",
+            "lance_hpc.submit",
+            str(spec_file),
+            "--render-only",
+            "--set",
+            "slurm.nodes=1",
+            "--set",
+            f"task.options.row_log={tmp_path / 'rows2'}",
+        ],
+        env=environ(slurm_cluster),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     script = Path(spec.slurm.log_dir) / f"{spec.name}.sbatch"
     assert str(script) in rendered.stdout + rendered.stderr
     resized = load_spec(spec_file).spec
     assert resized.slurm.world_size == 2
-    submitted = subprocess.run(["sbatch", "--parsable", str(script)], env=environ(slurm_cluster), cwd=REPO_ROOT,
-                               capture_output=True, text=True, check=True)
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", str(script)],
+        env=environ(slurm_cluster),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     second = submitted.stdout.strip().split(";")[0]
     assert wait_for_job(slurm_cluster, second, 600) == "COMPLETED", output_of(resized, second)
     assert "written by 4 ranks, continued by 2" in output_of(resized, second)

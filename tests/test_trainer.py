@@ -61,8 +61,9 @@ def test_lr_warms_up_linearly_then_decays_to_zero() -> None:
 
 
 def test_peak_lr_follows_the_linear_scaling_rule(tmp_path: Path, digits) -> None:
-    spec = load_spec(write_spec(tmp_path, digits, train={"lr": 0.1, "lr_scaling": "linear", "base_batch_size": 256,
-                                                         "grad_accum": 2})).spec
+    spec = load_spec(
+        write_spec(tmp_path, digits, train={"lr": 0.1, "lr_scaling": "linear", "base_batch_size": 256, "grad_accum": 2})
+    ).spec
     assert trainer.peak_lr(spec, world_size=8) == pytest.approx(0.1 * 16 * 8 * 2 / 256)
     unscaled = load_spec(write_spec(tmp_path, digits, train={"lr": 0.1, "lr_scaling": "none"})).spec
     assert trainer.peak_lr(unscaled, world_size=8) == 0.1
@@ -115,8 +116,9 @@ class TokenImage(ImageClassification):
 def test_the_checkpoint_and_hparams_hold_the_spec_redacted(tmp_path: Path, digits) -> None:
     (tmp_path / "token_task.py").write_text(TOKEN_TASK)
     options = {"model": "small_cnn", "image_size": 16, "augment": "none", "hub_api_token": "hf_s3cr3tvalue", "pad_token_id": 7}
-    spec_file = write_spec(tmp_path, digits, task={"name": f"{tmp_path}/token_task.py:TokenImage", "options": options},
-                           train={"max_steps": 2})
+    spec_file = write_spec(
+        tmp_path, digits, task={"name": f"{tmp_path}/token_task.py:TokenImage", "options": options}, train={"max_steps": 2}
+    )
     spec = load_spec(spec_file).spec
     with Preemption() as preemption, process_group(detect({}), spec.train.collective_timeout_s) as device:
         assert run_entry(trainer.train, spec, detect({}), device, preemption, load_task(spec)).status == "completed"
@@ -204,7 +206,7 @@ def test_two_ranks_train_to_the_bar_and_log_tensorboard(reference_run: FinishedR
     every, epoch_ends = spec.checkpoint.every_steps, [steps_per_epoch * (epoch + 1) for epoch in range(4)]
     saved_steps = sorted({step for step in range(every, total_steps, every) if step % steps_per_epoch} | set(epoch_ends))
     checkpoints = sorted(path.name for path in (reference_run.directory / "checkpoints").iterdir())
-    kept = saved_steps[-spec.checkpoint.keep:]  # each with its manifest; the lease is gone with the run
+    kept = saved_steps[-spec.checkpoint.keep :]  # each with its manifest; the lease is gone with the run
     assert checkpoints == sorted([f"step-{step:08d}.pt" for step in kept] + [f"step-{step:08d}.json" for step in kept])
 
 
@@ -213,7 +215,11 @@ def launch(spec_file: Path) -> subprocess.Popen:
     environ = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     return subprocess.Popen(
         [sys.executable, "-m", "lance_hpc.launch.local", str(spec_file), "--nproc", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environ, cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=environ,
+        cwd=REPO_ROOT,
     )
 
 
@@ -275,8 +281,7 @@ def test_interrupted_run_resumes_to_the_same_weights(reference_run: FinishedRun,
 
 @pytest.mark.slow
 def test_a_killed_rank_ends_the_local_job_with_a_clear_error(tmp_path: Path, digits) -> None:
-    spec_file = write_spec(tmp_path, digits, train={"epochs": 50},
-                           logging={"log_every_steps": 1, "progress": False})
+    spec_file = write_spec(tmp_path, digits, train={"epochs": 50}, logging={"log_every_steps": 1, "progress": False})
     launcher = launch(spec_file)
     read_until(launcher, "step 3/")
     rank_pid_killed = rank_pid(launcher, 1)
@@ -294,15 +299,19 @@ def test_a_killed_rank_ends_the_local_job_with_a_clear_error(tmp_path: Path, dig
 def test_quickstart_prints_a_validation_accuracy_of_at_least_90_percent(tmp_path: Path) -> None:
     """The README's main command, with its outputs moved under tmp_path."""
     overrides = {
-        "data.uri": tmp_path / "digits_train.lance", "data.val_uri": tmp_path / "digits_val.lance",
-        "checkpoint.dir": tmp_path / "checkpoints", "logging.tensorboard_dir": tmp_path / "runs",
-        "slurm.log_dir": tmp_path / "logs", "logging.progress": "false",
+        "data.uri": tmp_path / "digits_train.lance",
+        "data.val_uri": tmp_path / "digits_val.lance",
+        "checkpoint.dir": tmp_path / "checkpoints",
+        "logging.tensorboard_dir": tmp_path / "runs",
+        "slurm.log_dir": tmp_path / "logs",
+        "logging.progress": "false",
     }
     command = [sys.executable, "-m", "lance_hpc.submit", "jobs/quickstart.yaml", "--local"]
     for key, value in overrides.items():
         command += ["--set", f"{key}={value}"]
-    finished = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    finished = subprocess.run(
+        command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    )
     assert finished.returncode == 0, finished.stdout + finished.stderr
     assert float(FINAL_ACCURACY.search(finished.stdout).group(1)) >= 0.90, finished.stdout
 
@@ -351,13 +360,14 @@ def test_a_preemption_warning_while_a_rank_still_starts_is_held_and_honoured(tmp
 
 
 def long_job(directory: Path, dataset, **sections) -> Path:
-    return write_spec(directory, dataset, train={"epochs": 50}, logging={"log_every_steps": 1, "progress": False},
-                      **sections)
+    return write_spec(directory, dataset, train={"epochs": 50}, logging={"log_every_steps": 1, "progress": False}, **sections)
 
 
 # Starts the ranks of a local run without the launcher's look at the lease, as srun starts them.
-RANKS_ONLY = ("import sys; from lance_hpc.launch import local; local.lease.refuse_if_held = lambda *args: None; "
-              "sys.exit(local.main(sys.argv[1:]))")
+RANKS_ONLY = (
+    "import sys; from lance_hpc.launch import local; local.lease.refuse_if_held = lambda *args: None; "
+    "sys.exit(local.main(sys.argv[1:]))"
+)
 
 
 @pytest.mark.slow
@@ -380,14 +390,26 @@ def test_a_second_run_on_the_same_checkpoint_dir_refuses_naming_the_first(tmp_pa
         read_until(trainer_run, "step 3/")
 
         environ = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-        third = subprocess.run([sys.executable, "-m", "lance_hpc.launch.local", str(spec_file), "--nproc", "2"],
-                               capture_output=True, text=True, cwd=REPO_ROOT, timeout=120, env=environ)
+        third = subprocess.run(
+            [sys.executable, "-m", "lance_hpc.launch.local", str(spec_file), "--nproc", "2"],
+            capture_output=True,
+            text=True,
+            cwd=REPO_ROOT,
+            timeout=120,
+            env=environ,
+        )
         assert third.returncode == ExitCode.USER_ERROR and third.stdout == "", third.stdout + third.stderr
         assert third.stderr.startswith("lance_hpc.launch.local: checkpoint.dir") and third.stderr.count(holder) == 1
         assert "rank 0" not in third.stderr  # no rank started
 
-        ranks = subprocess.run([sys.executable, "-c", RANKS_ONLY, str(spec_file), "--nproc", "2"], capture_output=True,
-                               text=True, cwd=REPO_ROOT, timeout=300, env=environ)
+        ranks = subprocess.run(
+            [sys.executable, "-c", RANKS_ONLY, str(spec_file), "--nproc", "2"],
+            capture_output=True,
+            text=True,
+            cwd=REPO_ROOT,
+            timeout=300,
+            env=environ,
+        )
         assert ranks.returncode == ExitCode.USER_ERROR and "Traceback" not in ranks.stderr, ranks.stderr
         assert ranks.stderr.count(f"lance_hpc.run: checkpoint.dir {tmp_path / 'checkpoints'} {holder}") == 2
 
@@ -411,8 +433,10 @@ def test_the_lease_of_a_run_that_died_is_taken_over_with_a_message(tmp_path: Pat
     run = launch(write_spec(tmp_path, digits, train={"max_steps": 3}))
     output = run.communicate(timeout=300)[0]
     assert run.returncode == 0, output
-    assert (f"lance_hpc: checkpoint.dir {tmp_path / 'checkpoints'}: taking over the lease of a run that is gone "
-            f"(pid {dead.pid} is no longer running on {socket.gethostname()}); it was held by pid {dead.pid}") in output
+    assert (
+        f"lance_hpc: checkpoint.dir {tmp_path / 'checkpoints'}: taking over the lease of a run that is gone "
+        f"(pid {dead.pid} is no longer running on {socket.gethostname()}); it was held by pid {dead.pid}"
+    ) in output
     assert not (tmp_path / "checkpoints" / lease.LEASE_NAME).exists()
 
 
@@ -427,10 +451,12 @@ def test_resuming_a_checkpoint_of_another_model_is_one_message(tmp_path: Path, d
     assert other.returncode == ExitCode.USER_ERROR, output
     assert "Traceback" not in output and "Missing key" not in output and "Unexpected key" not in output, output
     written = tmp_path / "checkpoints" / "step-00000002.pt"
-    assert (f"lance_hpc.run: checkpoint {written} was written for model small_cnn (task image_classification), "
-            "but this job trains model resnet18 (task image_classification)\n"
-            "  fix: give this job another checkpoint.dir (--set checkpoint.dir=DIR), or set task.options.model: "
-            "small_cnn to continue that run") in output
+    assert (
+        f"lance_hpc.run: checkpoint {written} was written for model small_cnn (task image_classification), "
+        "but this job trains model resnet18 (task image_classification)\n"
+        "  fix: give this job another checkpoint.dir (--set checkpoint.dir=DIR), or set task.options.model: "
+        "small_cnn to continue that run"
+    ) in output
 
 
 @pytest.mark.slow

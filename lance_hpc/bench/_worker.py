@@ -116,9 +116,7 @@ class _Lockstep:
         self.dist = dist
         self.torch = torch
         if self.world_size > 1:
-            dist.init_process_group(
-                "gloo", rank=config.rank, world_size=config.world_size, timeout=timedelta(seconds=120)
-            )
+            dist.init_process_group("gloo", rank=config.rank, world_size=config.world_size, timeout=timedelta(seconds=120))
 
     def all_have_batch(self, have_batch: bool) -> bool:
         """True when every rank has a batch; raises when some do and some do not."""
@@ -261,8 +259,21 @@ def main(argv: list[str] | None = None) -> int:
         status = 0
     except Exception:  # the parent reports it in the table; the traceback goes to stderr
         traceback.print_exc()
-        result = Result(config.label, config.dataset, 0.0, 0.0, 0, 0, 0.0, 0.0, 0.0, 0.0,
-                        rank=config.rank, world_size=config.world_size, error=traceback.format_exc(limit=3))
+        result = Result(
+            config.label,
+            config.dataset,
+            0.0,
+            0.0,
+            0,
+            0,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            rank=config.rank,
+            world_size=config.world_size,
+            error=traceback.format_exc(limit=3),
+        )
         status = 1
     with open(config.result_path + ".tmp", "w") as handle:
         json.dump(asdict(result), handle)

@@ -43,26 +43,34 @@ SECTIONS: dict[str, Section] = {
         "every pipeline reading from local disk: the decode limit, pylance's reference map-style and iterable "
         "pipelines, torchvision ImageFolder and each lance_hpc strategy, on the photos and on 64x64 images, and a "
         "2-rank DDP run that checks every row is read exactly once",
-        local.configs, local.section_report, runs=2,
+        local.configs,
+        local.section_report,
+        runs=2,
     ),
     "object_storage": Section(
         "each lance_hpc strategy reading the photos over the S3 protocol from a loopback server with 0, 25 and "
         "50 ms first-byte latency, against the same strategy on local disk: images/s, GET requests and bytes per "
         "image (what a store bills), the loader's CPU per image and the server's apart; and the default strategy's "
         "second epoch at 25 ms from a node-local cache (data.cache) the first filled",
-        object_storage.configs, object_storage.section_report, runs=2,
+        object_storage.configs,
+        object_storage.section_report,
+        runs=2,
     ),
     "peers": Section(
         "the best peer loaders (LanceDB StreamingDataset and Permutation, MosaicML streaming, LitData) on the "
         "photos' very JPEG bytes in their own formats, out of the box and fed lance_hpc's decode, against the "
         "default strategy, on local disk and over the S3 server at 25 ms",
-        peer_loaders.configs, peer_loaders.section_report, runs=1,
+        peer_loaders.configs,
+        peer_loaders.section_report,
+        runs=1,
     ),
     "gpu": Section(
         "ResNet-50 training on one CUDA GPU (bf16, channels-last), fed by the default strategy from local disk "
         "and over the S3 server at 25 ms, against synthetic batches already on the GPU: images/s and the share "
         "of time spent waiting for data (measures nothing without a CUDA device)",
-        gpu.configs, gpu.section_report, runs=2,
+        gpu.configs,
+        gpu.section_report,
+        runs=2,
     ),
 }
 
@@ -80,8 +88,9 @@ def data_sets(tiny: bool) -> list[DataSetSpec]:
     ]
 
 
-def _gather(context: Context, sections: dict[str, Section], runs: int | None
-            ) -> tuple[list[Measurement], dict[tuple[str, str], int]]:
+def _gather(
+    context: Context, sections: dict[str, Section], runs: int | None
+) -> tuple[list[Measurement], dict[tuple[str, str], int]]:
     """Every section's configurations, each (data set, label) once (sections that share a baseline
     measure it once, as often as the section that runs it most), and its number of runs."""
     found: dict[tuple[str, str], Measurement] = {}
@@ -117,8 +126,10 @@ def run_benchmark(args: argparse.Namespace) -> int:
     sections = {name: SECTIONS[name] for name in args.sections}
     try:
         configs, runs = _gather(context, sections, args.runs or (1 if args.tiny else None))
-        print(f"sections {', '.join(sections)}: {len(configs)} configurations, {sum(runs.values())} measurements, "
-              f"each in a fresh process ({workers} workers, {seconds:g} s window) ...")
+        print(
+            f"sections {', '.join(sections)}: {len(configs)} configurations, {sum(runs.values())} measurements, "
+            f"each in a fresh process ({workers} workers, {seconds:g} s window) ..."
+        )
         load_before = os.getloadavg()[0]
         summaries = run_rounds(configs, runs, out / "work")
         load_after = os.getloadavg()[0]
@@ -128,19 +139,24 @@ def run_benchmark(args: argparse.Namespace) -> int:
     by_key = {(summary.dataset, summary.label): summary for summary in summaries}
     reports = {name: section.report(context, by_key) for name, section in sections.items()}
 
-    text, markdown = [], [
-        "# lance_hpc loader benchmark", "",
-        f"Machine: {machine}.", "",
-        f"Sections: {', '.join(sections)}. Each configuration ran {_runs_text(runs)} in a fresh process, "
-        f"interleaved; images/s is the median steady rate after the first batch ({seconds:g} s window; "
-        "lance_hpc's strategies, on local disk and over S3, and the DDP run read the whole epoch). "
-        f"{workers} DataLoader workers for every pipeline that has workers (the reference iterable pipeline has none). "
-        f"The decode limit is one core's decode + resize rate on the same bytes (lance_hpc's decoder and resize, with "
-        f"no loader around them), times {cores} cores. "
-        f"Load average (1 min) {load_before:.1f} before, {load_after:.1f} after: other work on the machine shows as "
-        "noise in images/s; CPU ms/img (main process and workers, per image read) moves less with the load and shows "
-        "the work each pipeline does per image, against the decode limit's floor.",
-    ]
+    text, markdown = (
+        [],
+        [
+            "# lance_hpc loader benchmark",
+            "",
+            f"Machine: {machine}.",
+            "",
+            f"Sections: {', '.join(sections)}. Each configuration ran {_runs_text(runs)} in a fresh process, "
+            f"interleaved; images/s is the median steady rate after the first batch ({seconds:g} s window; "
+            "lance_hpc's strategies, on local disk and over S3, and the DDP run read the whole epoch). "
+            f"{workers} DataLoader workers for every pipeline that has workers (the reference iterable pipeline has none). "
+            f"The decode limit is one core's decode + resize rate on the same bytes (lance_hpc's decoder and resize, with "
+            f"no loader around them), times {cores} cores. "
+            f"Load average (1 min) {load_before:.1f} before, {load_after:.1f} after: other work on the machine shows as "
+            "noise in images/s; CPU ms/img (main process and workers, per image read) moves less with the load and shows "
+            "the work each pipeline does per image, against the decode limit's floor.",
+        ],
+    )
     for section_report in reports.values():
         text += section_report.text
         markdown += section_report.markdown
@@ -149,14 +165,23 @@ def run_benchmark(args: argparse.Namespace) -> int:
         text += ["", "Failed runs (logs in " + str(out / "work") + "):", *("  " + line for line in failures)]
         markdown += ["", "## Failed runs", "", *(f"- {line}" for line in failures)]
     (out / "results.md").write_text("\n".join(markdown) + "\n")
-    (out / "results.json").write_text(json.dumps({
-        "machine": machine, "sections": list(sections), "runs": sorted(set(runs.values())), "workers": workers,
-        "seconds": seconds,
-        "load": [load_before, load_after], "data_sets": [asdict(data) for data in sets],
-        "summaries": [{**asdict(summary), "images_per_s": summary.images_per_s} for summary in summaries],
-        "targets": {name: [asdict(verdict) for verdict in found.targets] for name, found in reports.items()},
-        **{key: value for found in reports.values() for key, value in found.json.items()},
-    }, default=str))
+    (out / "results.json").write_text(
+        json.dumps(
+            {
+                "machine": machine,
+                "sections": list(sections),
+                "runs": sorted(set(runs.values())),
+                "workers": workers,
+                "seconds": seconds,
+                "load": [load_before, load_after],
+                "data_sets": [asdict(data) for data in sets],
+                "summaries": [{**asdict(summary), "images_per_s": summary.images_per_s} for summary in summaries],
+                "targets": {name: [asdict(verdict) for verdict in found.targets] for name, found in reports.items()},
+                **{key: value for found in reports.values() for key, value in found.json.items()},
+            },
+            default=str,
+        )
+    )
     print("\n".join(text))
     charts = [chart for found in reports.values() for chart in found.charts]
     written = [out / "results.md", *charts, out / "results.json"]
@@ -204,15 +229,30 @@ def run_job_benchmark(args: argparse.Namespace) -> int:
     runs = args.runs or 3
     seconds = args.seconds or 5.0
     world_size = spec.slurm.world_size
-    common: dict[str, Any] = dict(dataset="job", lance_uri=data.uri, image_size=image.image_size, image_column=image.image_column,
-                  label_column=image.label_column, augment=image.augment, seconds=seconds, data_world_size=world_size)
-    configs = [Measurement(report.DECODE_LIMIT, "decode_limit", cores=cores,
-                           data=data.model_dump(mode="json"), **common)]
+    common: dict[str, Any] = dict(
+        dataset="job",
+        lance_uri=data.uri,
+        image_size=image.image_size,
+        image_column=image.image_column,
+        label_column=image.label_column,
+        augment=image.augment,
+        seconds=seconds,
+        data_world_size=world_size,
+    )
+    configs = [Measurement(report.DECODE_LIMIT, "decode_limit", cores=cores, data=data.model_dump(mode="json"), **common)]
     for workers in args.workers or [data.num_workers]:
         for batch_size in args.batch_size or [data.batch_size]:
             fields = {**data.model_dump(mode="json"), "num_workers": workers, "batch_size": batch_size}
-            configs.append(Measurement(f"{data.style}/{data.sampler} workers={workers} batch={batch_size}",
-                                       "lance_hpc", batch_size=batch_size, num_workers=workers, data=fields, **common))
+            configs.append(
+                Measurement(
+                    f"{data.style}/{data.sampler} workers={workers} batch={batch_size}",
+                    "lance_hpc",
+                    batch_size=batch_size,
+                    num_workers=workers,
+                    data=fields,
+                    **common,
+                )
+            )
     print(f"measuring the data pipeline of {args.job} (rank 0 of {world_size}) on {report.machine_description()}")
     print(f"{len(configs)} configurations x {runs} runs, {seconds:g} s window each, no training")
     summaries = run_rounds(configs, runs, out / "job_work")
@@ -220,10 +260,12 @@ def run_job_benchmark(args: argparse.Namespace) -> int:
     keep = [0, 1, 2, 6, 7, 8, 9, 10]  # the peers' ratio columns do not apply here
     print()
     print(report.format_text([header[i] for i in keep], [[row[i] for i in keep] for row in rows]))
-    print(f"\nimages/s is one rank's loader on this machine's {cores} cores (the job asks for "
-          f"slurm.cpus_per_task: {spec.slurm.cpus_per_task}). A training step that consumes images faster than this "
-          "waits on data: raise data.num_workers up to the cores per task, or lower the decode cost "
-          "(task.options.image_size).")
+    print(
+        f"\nimages/s is one rank's loader on this machine's {cores} cores (the job asks for "
+        f"slurm.cpus_per_task: {spec.slurm.cpus_per_task}). A training step that consumes images faster than this "
+        "waits on data: raise data.num_workers up to the cores per task, or lower the decode cost "
+        "(task.options.image_size)."
+    )
     failures = [error for summary in summaries for error in summary.errors]
     for error in failures:
         print(f"failed: {error.strip().splitlines()[-1]}", file=sys.stderr)
@@ -235,13 +277,16 @@ def _sections(text: str) -> list[str]:
     unknown = [name for name in names if name not in SECTIONS]
     if unknown or not names:
         raise argparse.ArgumentTypeError(
-            f"unknown section {', '.join(unknown) or repr(text)}: give one or more of {', '.join(SECTIONS)}")
+            f"unknown section {', '.join(unknown) or repr(text)}: give one or more of {', '.join(SECTIONS)}"
+        )
     return [name for name in SECTIONS if name in names]  # report order, each once
 
 
 def parser() -> argparse.ArgumentParser:
-    sections = "\n".join(textwrap.fill(section.help, 100, initial_indent=f"  {name}: ", subsequent_indent="    ")
-                         for name, section in SECTIONS.items())
+    sections = "\n".join(
+        textwrap.fill(section.help, 100, initial_indent=f"  {name}: ", subsequent_indent="    ")
+        for name, section in SECTIONS.items()
+    )
     result = argparse.ArgumentParser(
         prog="python -m lance_hpc.bench",
         description="Benchmark lance_hpc's loaders against the peers, or measure a job spec's data pipeline.",
@@ -249,20 +294,38 @@ def parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     result.add_argument("job", nargs="?", help="job spec YAML: measure its data pipeline instead of the loader benchmark")
-    result.add_argument("--sections", type=_sections, default=list(SECTIONS), metavar="NAME[,NAME...]",
-                        help=f"loader benchmark: the sections to measure, of {', '.join(SECTIONS)} (default all; "
-                             "see below)")
+    result.add_argument(
+        "--sections",
+        type=_sections,
+        default=list(SECTIONS),
+        metavar="NAME[,NAME...]",
+        help=f"loader benchmark: the sections to measure, of {', '.join(SECTIONS)} (default all; see below)",
+    )
     result.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT}/)")
-    result.add_argument("--runs", type=int,
-                        help="runs per configuration (default: local and object_storage 2, peers 1; --tiny: 1)")
-    result.add_argument("--seconds", type=float, help="measuring window per run after the first batch "
-                        "(in the loader benchmark, lance_hpc's strategies read a whole epoch instead)")
+    result.add_argument(
+        "--runs", type=int, help="runs per configuration (default: local and object_storage 2, peers 1; --tiny: 1)"
+    )
+    result.add_argument(
+        "--seconds",
+        type=float,
+        help="measuring window per run after the first batch "
+        "(in the loader benchmark, lance_hpc's strategies read a whole epoch instead)",
+    )
     result.add_argument("--tiny", action="store_true", help="a few hundred small images, one run each (tests)")
-    result.add_argument("--workers", type=_int_list,
-                        help="loader benchmark: workers per pipeline (default: the cores); job: list to sweep, e.g. 2,4,8")
+    result.add_argument(
+        "--workers",
+        type=_int_list,
+        help="loader benchmark: workers per pipeline (default: the cores); job: list to sweep, e.g. 2,4,8",
+    )
     result.add_argument("--batch-size", type=_int_list, help="job: batch sizes to sweep, e.g. 64,128")
-    result.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="job: override a spec field, e.g. --set data.num_workers=8")
+    result.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="job: override a spec field, e.g. --set data.num_workers=8",
+    )
     return result
 
 

@@ -60,15 +60,21 @@ def configs(context: Context) -> list[Measurement]:
     if skipped(context):
         return []
     data = context.sets[0]
-    common = {**common_fields(data, context), "dataset": f"{data.spec.name}-gpu", "train_model": MODEL,
-              "seconds": max(context.seconds, WINDOW_S)}
+    common = {
+        **common_fields(data, context),
+        "dataset": f"{data.spec.name}-gpu",
+        "train_model": MODEL,
+        "seconds": max(context.seconds, WINDOW_S),
+    }
     server = context.server(LATENCY_MS)
-    over_s3 = strategy_fields(data, "map", "distributed", context.workers, context.s3_uri(server, data.lance_uri),
-                              server.storage_options())
+    over_s3 = strategy_fields(
+        data, "map", "distributed", context.workers, context.s3_uri(server, data.lance_uri), server.storage_options()
+    )
     return [  # the loader-fed rows read a whole epoch; the synthetic one, which has none, a window
         Measurement(SYNTHETIC, "synthetic", **common),
-        Measurement(LOCAL, "lance_hpc", data=strategy_fields(data, "map", "distributed", context.workers),
-                    full_epoch=True, **common),
+        Measurement(
+            LOCAL, "lance_hpc", data=strategy_fields(data, "map", "distributed", context.workers), full_epoch=True, **common
+        ),
         Measurement(OVER_S3, "lance_hpc", data=over_s3, store_counters=True, full_epoch=True, **common),
     ]
 
@@ -82,22 +88,40 @@ def section_report(context: Context, summaries: Summaries) -> SectionReport:
     synthetic = rows[SYNTHETIC].images_per_s
     device = next((run[0].device_name for summary in rows.values() for run in summary.ok_runs), "a CUDA GPU")
     header = ["input", "images/s (min-max)", "x synthetic", "data-wait share", "worker CPU ms/img"]
-    cells = [[label, report.rate_text(summary), report.ratio_text(summary.images_per_s, synthetic),
-              f"{summary.data_wait_share:.1%}" if summary.ok_runs else "-",
-              f"{summary.worker_cpu_ms_per_image:.2f}" if summary.ok_runs and label != SYNTHETIC else "-"]
-             for label, summary in rows.items()]
+    cells = [
+        [
+            label,
+            report.rate_text(summary),
+            report.ratio_text(summary.images_per_s, synthetic),
+            f"{summary.data_wait_share:.1%}" if summary.ok_runs else "-",
+            f"{summary.worker_cpu_ms_per_image:.2f}" if summary.ok_runs and label != SYNTHETIC else "-",
+        ]
+        for label, summary in rows.items()
+    ]
     verdicts = [
-        report.Target(f"{label} vs synthetic batches", synthetic > 0 and rows[label].images_per_s >= TARGET * synthetic,
-                      f"{rows[label].images_per_s / synthetic if synthetic else 0.0:.2f}x "
-                      f"({rows[label].images_per_s:,.0f} vs {synthetic:,.0f} img/s; wanted >= {TARGET}x)")
+        report.Target(
+            f"{label} vs synthetic batches",
+            synthetic > 0 and rows[label].images_per_s >= TARGET * synthetic,
+            f"{rows[label].images_per_s / synthetic if synthetic else 0.0:.2f}x "
+            f"({rows[label].images_per_s:,.0f} vs {synthetic:,.0f} img/s; wanted >= {TARGET}x)",
+        )
         for label in (LOCAL, OVER_S3)
     ]
-    title = (f"GPU: {MODEL} training (bf16, channels-last, batch {context.sets[0].spec.batch_size}) on {device}, "
-             f"{context.workers} DataLoader workers")
-    text = ["", title, report.format_text(header, cells), "", "Targets (GPU):",
-            *("  " + verdict.line() for verdict in verdicts)]
-    markdown = ["", f"## {title}", "", report.format_markdown(header, cells), "", "## Targets (GPU)", "",
-                *(f"- {verdict.line()}" for verdict in verdicts)]
+    title = (
+        f"GPU: {MODEL} training (bf16, channels-last, batch {context.sets[0].spec.batch_size}) on {device}, "
+        f"{context.workers} DataLoader workers"
+    )
+    text = ["", title, report.format_text(header, cells), "", "Targets (GPU):", *("  " + verdict.line() for verdict in verdicts)]
+    markdown = [
+        "",
+        f"## {title}",
+        "",
+        report.format_markdown(header, cells),
+        "",
+        "## Targets (GPU)",
+        "",
+        *(f"- {verdict.line()}" for verdict in verdicts),
+    ]
     return SectionReport(text, markdown, verdicts)
 
 
@@ -107,10 +131,13 @@ def synthetic_batches(config: Measurement) -> Iterator[dict[str, Any]]:
     import torch
 
     generator = torch.Generator().manual_seed(0)
-    images = torch.randint(0, 256, (config.batch_size, 3, config.image_size, config.image_size), dtype=torch.uint8,
-                           generator=generator)
-    batch = {"image": images.to(config.device).contiguous(memory_format=torch.channels_last),
-             "label": torch.randint(0, CLASSES, (config.batch_size,), generator=generator).to(config.device)}
+    images = torch.randint(
+        0, 256, (config.batch_size, 3, config.image_size, config.image_size), dtype=torch.uint8, generator=generator
+    )
+    batch = {
+        "image": images.to(config.device).contiguous(memory_format=torch.channels_last),
+        "label": torch.randint(0, CLASSES, (config.batch_size,), generator=generator).to(config.device),
+    }
     while True:
         yield batch
 

@@ -38,16 +38,29 @@ def set_configs(data: DataSet, context: Context, with_ddp: bool) -> list[Measure
     for label, style, sampler in STRATEGIES:
         # A whole epoch each, like the same strategy over S3 in the object-storage section: an epoch
         # takes a few seconds, and a window shorter than that is mostly the loader warming up.
-        configs.append(Measurement(
-            label, "lance_hpc", data=strategy_fields(data, style, sampler, context.workers), full_epoch=True,
-            fingerprint=label == DEFAULT_STRATEGY and with_ddp, **common,
-        ))
+        configs.append(
+            Measurement(
+                label,
+                "lance_hpc",
+                data=strategy_fields(data, style, sampler, context.workers),
+                full_epoch=True,
+                fingerprint=label == DEFAULT_STRATEGY and with_ddp,
+                **common,
+            )
+        )
     if with_ddp:
         per_rank = max(1, context.workers // DDP_RANKS)
-        configs.append(Measurement(
-            DDP_LABEL, "lance_hpc", world_size=DDP_RANKS, full_epoch=True, fingerprint=True,
-            data=strategy_fields(data, "map", "distributed", per_rank), **{**common, "num_workers": per_rank},
-        ))
+        configs.append(
+            Measurement(
+                DDP_LABEL,
+                "lance_hpc",
+                world_size=DDP_RANKS,
+                full_epoch=True,
+                fingerprint=True,
+                data=strategy_fields(data, "map", "distributed", per_rank),
+                **{**common, "num_workers": per_rank},
+            )
+        )
     return configs
 
 
@@ -72,8 +85,11 @@ def section_report(context: Context, summaries: Summaries) -> SectionReport:
     single = summaries[(main_set, DEFAULT_STRATEGY)]
     check = None
     if ddp is not None:
-        pairs = [(ddp_run, single_run) for ddp_run, single_run in zip(ddp.runs, single.runs)
-                 if not any(r.error for r in ddp_run + single_run)]
+        pairs = [
+            (ddp_run, single_run)
+            for ddp_run, single_run in zip(ddp.runs, single.runs)
+            if not any(r.error for r in ddp_run + single_run)
+        ]
         check = exactly_once(*pairs[-1]) if pairs else None
     verdicts = report.targets(tables[main_set], DEFAULT_STRATEGY, ddp, check, [label for label, _, _ in STRATEGIES])
     titles = {data.spec.name: f"{data.spec.name}: {data.describe()}" for data in context.sets}
@@ -85,10 +101,12 @@ def section_report(context: Context, summaries: Summaries) -> SectionReport:
     if ddp is not None and ddp.ok_runs:
         workers = context.workers
         runs_text = ", ".join(f"{rate:,.0f}" for rate in ddp.rates())
-        ddp_line = (f"2-rank DDP (gloo, {max(1, workers // DDP_RANKS)} worker(s) per rank, an all-reduce every step): "
-                    f"{ddp.images_per_s:,.0f} img/s (runs: {runs_text}) vs one process with {workers} workers "
-                    f"{single.images_per_s:,.0f} img/s (runs: {', '.join(f'{rate:,.0f}' for rate in single.rates())}); "
-                    f"DDP / one process in each round: {', '.join(f'{d / o:.2f}x' for d, o in _paired_rates(ddp, single))}")
+        ddp_line = (
+            f"2-rank DDP (gloo, {max(1, workers // DDP_RANKS)} worker(s) per rank, an all-reduce every step): "
+            f"{ddp.images_per_s:,.0f} img/s (runs: {runs_text}) vs one process with {workers} workers "
+            f"{single.images_per_s:,.0f} img/s (runs: {', '.join(f'{rate:,.0f}' for rate in single.rates())}); "
+            f"DDP / one process in each round: {', '.join(f'{d / o:.2f}x' for d, o in _paired_rates(ddp, single))}"
+        )
         text += ["", ddp_line]
         markdown += ["", "## DDP", "", ddp_line + "."]
     text += ["", "Targets (" + main_set + "):", *("  " + verdict.line() for verdict in verdicts)]

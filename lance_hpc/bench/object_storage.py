@@ -67,12 +67,14 @@ def configs(context: Context) -> list[Measurement]:
             fields = strategy_fields(data, style, sampler, context.workers, uri, server.storage_options())
             found.append(Measurement(label, "lance_hpc", data=fields, store_counters=True, full_epoch=True, **common))
     server = context.server(CACHE_LATENCY_MS)
-    fields = strategy_fields(data, "map", "distributed", context.workers, context.s3_uri(server, data.lance_uri),
-                             server.storage_options())
+    fields = strategy_fields(
+        data, "map", "distributed", context.workers, context.s3_uri(server, data.lance_uri), server.storage_options()
+    )
     fields["cache"] = {"dir": str(cache_parent(context)), "max_gb": 100}
     common = {**common_fields(data, context), "dataset": dataset_name(data.spec.name, CACHE_LATENCY_MS)}
-    found.append(Measurement(CACHE_LABEL, "lance_hpc", data=fields, store_counters=True, full_epoch=True,
-                             warmup_epochs=1, **common))
+    found.append(
+        Measurement(CACHE_LABEL, "lance_hpc", data=fields, store_counters=True, full_epoch=True, warmup_epochs=1, **common)
+    )
     return found
 
 
@@ -89,13 +91,30 @@ def section_report(context: Context, summaries: Summaries) -> SectionReport:
     if cached is not None:
         rows.append(report.cache_row(CACHE_LABEL, CACHE_STORAGE, cached, local[DEFAULT_STRATEGY]))
         verdicts.append(report.cache_target(cached, local[DEFAULT_STRATEGY], grid[DEFAULT_STRATEGY][CACHE_LATENCY_MS]))
-    title = (f"object storage: {name} over the S3 protocol from a server on loopback, by first-byte latency "
-             f"({context.workers} workers, batch {context.sets[0].spec.batch_size})")
-    text = ["", title, report.format_text(header, rows),
-            "", "Targets (object storage):", *("  " + verdict.line() for verdict in verdicts)]
-    markdown = ["", f"## {title[0].upper()}{title[1:]}", "", report.format_markdown(header, rows), "",
-                report.OBJECT_STORAGE_NOTE, "", "## Targets (object storage)", "",
-                *(f"- {verdict.line()}" for verdict in verdicts)]
+    title = (
+        f"object storage: {name} over the S3 protocol from a server on loopback, by first-byte latency "
+        f"({context.workers} workers, batch {context.sets[0].spec.batch_size})"
+    )
+    text = [
+        "",
+        title,
+        report.format_text(header, rows),
+        "",
+        "Targets (object storage):",
+        *("  " + verdict.line() for verdict in verdicts),
+    ]
+    markdown = [
+        "",
+        f"## {title[0].upper()}{title[1:]}",
+        "",
+        report.format_markdown(header, rows),
+        "",
+        report.OBJECT_STORAGE_NOTE,
+        "",
+        "## Targets (object storage)",
+        "",
+        *(f"- {verdict.line()}" for verdict in verdicts),
+    ]
     chart = context.out / "object_storage.png"
     charts = []
     chart_title = f"lance_hpc over S3 by first-byte latency - {context.machine.split(';')[0]}"

@@ -79,23 +79,52 @@ def configs(context: Context) -> list[Measurement]:
     missing = missing_packages()
     paths = prepare_peers(data) if not missing else peer_paths(data)
     common = common_fields(data, context)
-    found = [Measurement(DEFAULT_STRATEGY, "lance_hpc", full_epoch=True, **common,
-                         data=strategy_fields(data, "map", "distributed", context.workers))]
+    found = [
+        Measurement(
+            DEFAULT_STRATEGY,
+            "lance_hpc",
+            full_epoch=True,
+            **common,
+            data=strategy_fields(data, "map", "distributed", context.workers),
+        )
+    ]
     server = context.server(LATENCY_MS)
     s3 = {**common, "dataset": dataset_name(data.spec.name, LATENCY_MS)}
-    found.append(Measurement(DEFAULT_STRATEGY, "lance_hpc", store_counters=True, full_epoch=True, **s3, data=strategy_fields(
-        data, "map", "distributed", context.workers, context.s3_uri(server, data.lance_uri), server.storage_options())))
+    found.append(
+        Measurement(
+            DEFAULT_STRATEGY,
+            "lance_hpc",
+            store_counters=True,
+            full_epoch=True,
+            **s3,
+            data=strategy_fields(
+                data, "map", "distributed", context.workers, context.s3_uri(server, data.lance_uri), server.storage_options()
+            ),
+        )
+    )
     for peer, kind in PEERS:
         if kind in missing:
             continue
         for decode in DECODES:
             local_uri = _uri(paths, kind, decode)
             cache = str(context.out / "work" / "peer_cache" / f"{kind}-{decode}")
-            found.append(Measurement(label(peer, decode), kind, **common,
-                                     data={"uri": local_uri, "decode": decode, "cache_dir": cache}))
-            found.append(Measurement(label(peer, decode), kind, store_counters=True, **s3, data={
-                "uri": context.s3_uri(server, local_uri), "decode": decode, "cache_dir": cache,
-                "storage_options": server.storage_options()}))
+            found.append(
+                Measurement(label(peer, decode), kind, **common, data={"uri": local_uri, "decode": decode, "cache_dir": cache})
+            )
+            found.append(
+                Measurement(
+                    label(peer, decode),
+                    kind,
+                    store_counters=True,
+                    **s3,
+                    data={
+                        "uri": context.s3_uri(server, local_uri),
+                        "decode": decode,
+                        "cache_dir": cache,
+                        "storage_options": server.storage_options(),
+                    },
+                )
+            )
     return found
 
 
@@ -123,11 +152,15 @@ def rows(default: Summary, peers: list[Summary], over_s3: bool) -> tuple[list[st
     for summary in [default, *peers]:
         ok = bool(summary.ok_runs)
         ratio = default.images_per_s / summary.images_per_s if ok and summary.images_per_s else 0.0
-        row = [summary.label, _rate(summary), f"{ratio:.2f}x" if ratio else "-",
-               f"{summary.cpu_ms_per_image:.2f}" if ok else "-", f"{summary.first_batch_s:.2f}" if ok else "-"]
+        row = [
+            summary.label,
+            _rate(summary),
+            f"{ratio:.2f}x" if ratio else "-",
+            f"{summary.cpu_ms_per_image:.2f}" if ok else "-",
+            f"{summary.first_batch_s:.2f}" if ok else "-",
+        ]
         if over_s3:
-            row += [f"{_store(summary, 'gets'):.3f}" if ok else "-",
-                    f"{_store(summary, 'get_bytes') / 1e6:.3f}" if ok else "-"]
+            row += [f"{_store(summary, 'gets'):.3f}" if ok else "-", f"{_store(summary, 'get_bytes') / 1e6:.3f}" if ok else "-"]
         found.append(row)
     return header, found
 
@@ -140,18 +173,27 @@ def targets(default: Summary, peers: list[Summary], where: str) -> list[Target]:
         if summary.label.endswith(DECODES["peer"]):
             base = summary.images_per_s
             ratio = rate / base if base else 0.0
-            found.append(Target(
-                f"{where}: default strategy vs {summary.label.rsplit(',', 1)[0]} out of the box", ratio >= OUT_OF_BOX_FACTOR,
-                f"{ratio:.2f}x ({rate:,.0f} vs {base:,.0f} img/s; wanted >= {OUT_OF_BOX_FACTOR}x)"
-                if base else "the peer's runs failed (see Failed runs)"))
+            found.append(
+                Target(
+                    f"{where}: default strategy vs {summary.label.rsplit(',', 1)[0]} out of the box",
+                    ratio >= OUT_OF_BOX_FACTOR,
+                    f"{ratio:.2f}x ({rate:,.0f} vs {base:,.0f} img/s; wanted >= {OUT_OF_BOX_FACTOR}x)"
+                    if base
+                    else "the peer's runs failed (see Failed runs)",
+                )
+            )
     same = [summary for summary in peers if summary.label.endswith(DECODES["lance_hpc"]) and summary.ok_runs]
     if same:
         best = max(same, key=lambda summary: summary.images_per_s)
         ratio = rate / best.images_per_s if best.images_per_s else 0.0
-        found.append(Target(
-            f"{where}: default strategy vs the best peer with lance_hpc's decode", ratio >= SAME_DECODE_FACTOR,
-            f"{ratio:.2f}x ({rate:,.0f} vs {best.label.rsplit(',', 1)[0]} {best.images_per_s:,.0f} img/s; "
-            f"wanted >= {SAME_DECODE_FACTOR}x)"))
+        found.append(
+            Target(
+                f"{where}: default strategy vs the best peer with lance_hpc's decode",
+                ratio >= SAME_DECODE_FACTOR,
+                f"{ratio:.2f}x ({rate:,.0f} vs {best.label.rsplit(',', 1)[0]} {best.images_per_s:,.0f} img/s; "
+                f"wanted >= {SAME_DECODE_FACTOR}x)",
+            )
+        )
     return found
 
 
@@ -162,22 +204,28 @@ def section_report(context: Context, summaries: Summaries) -> SectionReport:
     markdown: list[str] = []
     verdicts: list[Target] = []
     tables: dict[str, Any] = {}
-    for where, dataset, over_s3 in (("local disk", name, False),
-                                    (f"S3 at {LATENCY_MS:g} ms", dataset_name(name, LATENCY_MS), True)):
+    for where, dataset, over_s3 in (
+        ("local disk", name, False),
+        (f"S3 at {LATENCY_MS:g} ms", dataset_name(name, LATENCY_MS), True),
+    ):
         default = summaries[(dataset, DEFAULT_STRATEGY)]
-        peers = [summaries[key] for key in summaries if key[0] == dataset and key[1] != DEFAULT_STRATEGY
-                 and any(key[1].startswith(peer + ",") for peer, _ in PEERS)]
+        peers = [
+            summaries[key]
+            for key in summaries
+            if key[0] == dataset and key[1] != DEFAULT_STRATEGY and any(key[1].startswith(peer + ",") for peer, _ in PEERS)
+        ]
         header, cells = rows(default, peers, over_s3)
-        title = (f"peer loaders, {where}: {name}, {context.workers} workers, batch {data.spec.batch_size}, "
-                 f"resized to {data.spec.image_size}")
+        title = (
+            f"peer loaders, {where}: {name}, {context.workers} workers, batch {data.spec.batch_size}, "
+            f"resized to {data.spec.image_size}"
+        )
         text += ["", title, report.format_text(header, cells)]
         markdown += ["", f"## Peer loaders, {where}", "", report.format_markdown(header, cells)]
         verdicts += targets(default, peers, where)
         tables[where] = {"header": header, "rows": cells}
     missing = missing_packages()
     if missing:
-        line = ("left out, package not installed: " + ", ".join(f"{kind} (pip install {pip})"
-                                                              for kind, pip in missing.items()))
+        line = "left out, package not installed: " + ", ".join(f"{kind} (pip install {pip})" for kind, pip in missing.items())
         text += ["", line]
         markdown += ["", line + "."]
     text += ["", "Targets (peer loaders):", *("  " + verdict.line() for verdict in verdicts)]

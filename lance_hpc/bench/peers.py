@@ -93,8 +93,17 @@ def _write_litdata(data: DataSet, out: Path) -> None:
     # One worker and the inputs in order: the chunks hold the rows in storage order, so equal data sets
     # give equal chunks. optimize prints progress; the benchmark says what it is doing itself.
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        optimize(fn=litdata_item, inputs=inputs, output_dir=str(out), chunk_bytes=LITDATA_CHUNK_BYTES,
-                 num_workers=1, reorder_files=False, keep_data_ordered=True, mode="overwrite", verbose=False)
+        optimize(
+            fn=litdata_item,
+            inputs=inputs,
+            output_dir=str(out),
+            chunk_bytes=LITDATA_CHUNK_BYTES,
+            num_workers=1,
+            reorder_files=False,
+            keep_data_ordered=True,
+            mode="overwrite",
+            verbose=False,
+        )
     index = json.loads((out / "index.json").read_text())
     written = sum(chunk["chunk_size"] for chunk in index["chunks"])
     if written != data.spec.count:  # optimize reports a failed worker by leaving rows out, not by raising
@@ -107,8 +116,12 @@ def _write_lancedb(data: DataSet, out: Path) -> None:
     source = lance.dataset(data.lance_uri)
     table = source.to_table(columns=["image", "label"]).replace_schema_metadata(None)
     rows_per_fragment = max(fragment.count_rows() for fragment in source.get_fragments())
-    lance.write_dataset(table, str(out / f"{LANCEDB_TABLE}.lance"), max_rows_per_file=rows_per_fragment,
-                        data_storage_version=cast(Any, source.data_storage_version))
+    lance.write_dataset(
+        table,
+        str(out / f"{LANCEDB_TABLE}.lance"),
+        max_rows_per_file=rows_per_fragment,
+        data_storage_version=cast(Any, source.data_storage_version),
+    )
 
 
 WRITERS: dict[str, Callable[[DataSet, Path], None]] = {

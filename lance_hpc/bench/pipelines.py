@@ -116,8 +116,9 @@ def lance_hpc_loader(config: Measurement) -> Iterable[Any]:
     from lance_hpc.tasks.image import ImageDecoder
 
     world_size = config.data_world_size or config.world_size
-    decoder = ImageDecoder(config.image_column, config.label_column,
-                           Transform(config.image_size, train=True, augment=config.augment))
+    decoder = ImageDecoder(
+        config.image_column, config.label_column, Transform(config.image_size, train=True, augment=config.augment)
+    )
     data = dict(config.data)
     if data.get("cache"):  # a node-local cache of its own, empty: the warm-up epochs fill it
         data["cache"] = {**data["cache"], "dir": _fresh_directory(data["cache"]["dir"])}
@@ -183,8 +184,9 @@ class TensorResize:
         from torchvision import transforms
 
         if self._transform is None:
-            self._transform = transforms.Compose([transforms.Resize((self.image_size, self.image_size)),
-                                                  transforms.ConvertImageDtype(torch.float32)])
+            self._transform = transforms.Compose(
+                [transforms.Resize((self.image_size, self.image_size)), transforms.ConvertImageDtype(torch.float32)]
+            )
         return self._transform(image)
 
 
@@ -225,8 +227,7 @@ class ArrowBatchDecode:
         from lance_hpc.tasks.image import ImageDecoder
 
         decoder = ImageDecoder("image", "label", Transform(self.image_size, augment="none"))
-        out = {name: torch.empty((batch.num_rows, *spec.shape), dtype=spec.dtype)
-               for name, spec in decoder.fields().items()}
+        out = {name: torch.empty((batch.num_rows, *spec.shape), dtype=spec.dtype) for name, spec in decoder.fields().items()}
         bad = decoder.decode(pa.Table.from_batches([batch]), out, np.random.default_rng(0))
         if bad:
             raise ValueError(f"undecodable rows in the batch: {bad}")
@@ -279,12 +280,21 @@ def lancedb_streaming(config: Measurement) -> Iterable[Any]:
 
     workers = max(1, config.num_workers)
     dataset = StreamingDataset(
-        _lancedb_table(config), num_splits=workers * config.world_size, shuffle_seed=0,
-        rank=config.rank, world_size=config.world_size, columns=["image", "label"],
-        transform=RecordBatchRows(_peer_image_function(config, PilDecode)), transform_parallelism=1,
+        _lancedb_table(config),
+        num_splits=workers * config.world_size,
+        shuffle_seed=0,
+        rank=config.rank,
+        world_size=config.world_size,
+        columns=["image", "label"],
+        transform=RecordBatchRows(_peer_image_function(config, PilDecode)),
+        transform_parallelism=1,
     )
-    return StreamingDataLoader(dataset, batch_size=config.batch_size, num_workers=config.num_workers,
-                               multiprocessing_context="spawn" if config.num_workers else None)
+    return StreamingDataLoader(
+        dataset,
+        batch_size=config.batch_size,
+        num_workers=config.num_workers,
+        multiprocessing_context="spawn" if config.num_workers else None,
+    )
 
 
 def lancedb_permutation(config: Measurement) -> Iterable[Any]:
@@ -302,9 +312,14 @@ def lancedb_permutation(config: Measurement) -> Iterable[Any]:
     else:
         collate = PilCollate(config.image_size)
     return DataLoader(
-        cast(Any, permutation), batch_size=config.batch_size, shuffle=True, num_workers=config.num_workers,
-        collate_fn=collate, multiprocessing_context="spawn" if config.num_workers else None,
-        persistent_workers=config.num_workers > 0, pin_memory=torch.cuda.is_available(),
+        cast(Any, permutation),
+        batch_size=config.batch_size,
+        shuffle=True,
+        num_workers=config.num_workers,
+        collate_fn=collate,
+        multiprocessing_context="spawn" if config.num_workers else None,
+        persistent_workers=config.num_workers > 0,
+        pin_memory=torch.cuda.is_available(),
         generator=torch.Generator().manual_seed(0),
     )
 
@@ -324,9 +339,14 @@ def mosaic_streaming(config: Measurement) -> Iterable[Any]:
     uri = config.data["uri"]
     if uri.startswith("s3://"):
         options = config.data["storage_options"]
-        os.environ.update({"S3_ENDPOINT_URL": options["endpoint"], "AWS_ACCESS_KEY_ID": options["access_key_id"],
-                           "AWS_SECRET_ACCESS_KEY": options["secret_access_key"],
-                           "AWS_DEFAULT_REGION": options.get("region", "us-east-1")})
+        os.environ.update(
+            {
+                "S3_ENDPOINT_URL": options["endpoint"],
+                "AWS_ACCESS_KEY_ID": options["access_key_id"],
+                "AWS_SECRET_ACCESS_KEY": options["secret_access_key"],
+                "AWS_DEFAULT_REGION": options.get("region", "us-east-1"),
+            }
+        )
         locations = {"remote": uri, "local": _fresh_directory(config.data["cache_dir"])}
     else:
         locations = {"local": uri}
@@ -339,9 +359,13 @@ def mosaic_streaming(config: Measurement) -> Iterable[Any]:
         for stream in dataset.streams:
             stream._downloader.clean_up()
     function = SampleImage(_peer_image_function(config, PilDecode))
-    return DataLoader(MappedIterable(dataset, function), batch_size=config.batch_size,
-                      num_workers=config.num_workers, pin_memory=torch.cuda.is_available(),
-                      persistent_workers=config.num_workers > 0)
+    return DataLoader(
+        MappedIterable(dataset, function),
+        batch_size=config.batch_size,
+        num_workers=config.num_workers,
+        pin_memory=torch.cuda.is_available(),
+        persistent_workers=config.num_workers > 0,
+    )
 
 
 class RawJpegSerializer:
@@ -386,15 +410,22 @@ def litdata_loader(config: Measurement) -> Iterable[Any]:
         extra["cache_dir"] = _fresh_directory(config.data["cache_dir"])
         loader_options["worker_init_fn"] = litdata_without_obstore
         extra["storage_options"] = {
-            "endpoint_url": options["endpoint"], "aws_access_key_id": options["access_key_id"],
-            "aws_secret_access_key": options["secret_access_key"], "region_name": options.get("region", "us-east-1"),
+            "endpoint_url": options["endpoint"],
+            "aws_access_key_id": options["access_key_id"],
+            "aws_secret_access_key": options["secret_access_key"],
+            "region_name": options.get("region", "us-east-1"),
         }
     if config.data.get("decode", "peer") == "lance_hpc":
         extra["serializers"] = {"jpeg": RawJpegSerializer()}
     function = SampleImage(_peer_image_function(config, TensorResize))
     dataset = StreamingDataset(uri, shuffle=True, seed=0, transform=function, **extra)
-    return StreamingDataLoader(dataset, batch_size=config.batch_size, num_workers=config.num_workers,
-                               pin_memory=torch.cuda.is_available(), **loader_options)
+    return StreamingDataLoader(
+        dataset,
+        batch_size=config.batch_size,
+        num_workers=config.num_workers,
+        pin_memory=torch.cuda.is_available(),
+        **loader_options,
+    )
 
 
 def synthetic(config: Measurement) -> Iterable[Any]:

@@ -62,23 +62,36 @@ def table_rows(summaries: Sequence[Summary]) -> tuple[list[str], list[list[str]]
     """Header and rows of one data set's table: rate, ratios, first batch, memory."""
     by_label = {summary.label: summary for summary in summaries}
     base = {label: by_label[label].images_per_s if label in by_label else 0.0 for label in (DECODE_LIMIT, *PEERS)}
-    header = ["configuration", "images/s (min-max)", "x decode limit", "x ref map", "x ref iterable",
-              "x ImageFolder", "CPU ms/img", "first batch s", "main RSS MiB", "worker RSS MiB", "worker growth MiB"]
+    header = [
+        "configuration",
+        "images/s (min-max)",
+        "x decode limit",
+        "x ref map",
+        "x ref iterable",
+        "x ImageFolder",
+        "CPU ms/img",
+        "first batch s",
+        "main RSS MiB",
+        "worker RSS MiB",
+        "worker growth MiB",
+    ]
     rows = []
     for summary in summaries:
         rate = summary.images_per_s
         is_limit = summary.label == DECODE_LIMIT
-        rows.append([
-            summary.label,
-            rate_text(summary),
-            ratio_text(rate, base[DECODE_LIMIT]),
-            *(ratio_text(rate, base[peer]) for peer in PEERS),
-            f"{summary.cpu_ms_per_image:.2f}" if summary.ok_runs else "-",
-            "-" if is_limit else f"{summary.first_batch_s:.2f}",
-            "-" if is_limit else f"{summary.main_rss_mib:,.0f}",
-            "-" if is_limit or not summary.worker_rss_mib else f"{summary.worker_rss_mib:,.0f}",
-            "-" if is_limit or not summary.worker_rss_mib else f"{summary.worker_growth_mib:+.0f}",
-        ])
+        rows.append(
+            [
+                summary.label,
+                rate_text(summary),
+                ratio_text(rate, base[DECODE_LIMIT]),
+                *(ratio_text(rate, base[peer]) for peer in PEERS),
+                f"{summary.cpu_ms_per_image:.2f}" if summary.ok_runs else "-",
+                "-" if is_limit else f"{summary.first_batch_s:.2f}",
+                "-" if is_limit else f"{summary.main_rss_mib:,.0f}",
+                "-" if is_limit or not summary.worker_rss_mib else f"{summary.worker_rss_mib:,.0f}",
+                "-" if is_limit or not summary.worker_rss_mib else f"{summary.worker_growth_mib:+.0f}",
+            ]
+        )
     return header, rows
 
 
@@ -105,8 +118,9 @@ class Target:
         return f"{'met   ' if self.met else 'MISSED'}  {self.name}: {self.detail}"
 
 
-def targets(summaries: Sequence[Summary], default: str, ddp: Summary | None, check: ExactlyOnce | None,
-            lance_labels: Sequence[str]) -> list[Target]:
+def targets(
+    summaries: Sequence[Summary], default: str, ddp: Summary | None, check: ExactlyOnce | None, lance_labels: Sequence[str]
+) -> list[Target]:
     """The issue's targets, judged on one data set's summaries (``default`` names lance_hpc's default)."""
     by_label = {summary.label: summary for summary in summaries}
     rate = by_label[default].images_per_s if default in by_label else 0.0
@@ -126,31 +140,46 @@ def targets(summaries: Sequence[Summary], default: str, ddp: Summary | None, che
     if ddp is not None and check is not None:
         single = rate
         ratio = ddp.images_per_s / single if single else 0.0
-        found.append(Target(
-            "2-rank DDP vs one process (same total workers)", ratio >= 0.9,
-            f"{ratio:.2f}x ({ddp.images_per_s:,.0f} vs {single:,.0f} img/s; wanted >= 0.9x)",
-        ))
-        found.append(Target(
-            "DDP reads every row exactly once", check.ok,
-            f"{check.rows_read:,} rows read of {check.rows_expected:,}, {check.duplicated} duplicated, "
-            f"{check.missing} missing, steps per rank {check.steps_per_rank}",
-        ))
+        found.append(
+            Target(
+                "2-rank DDP vs one process (same total workers)",
+                ratio >= 0.9,
+                f"{ratio:.2f}x ({ddp.images_per_s:,.0f} vs {single:,.0f} img/s; wanted >= 0.9x)",
+            )
+        )
+        found.append(
+            Target(
+                "DDP reads every row exactly once",
+                check.ok,
+                f"{check.rows_read:,} rows read of {check.rows_expected:,}, {check.duplicated} duplicated, "
+                f"{check.missing} missing, steps per rank {check.steps_per_rank}",
+            )
+        )
     lance = [by_label[label] for label in lance_labels if label in by_label and by_label[label].ok_runs]
     if not lance:
         found.append(Target("time to first batch < 3 s, flat worker memory", False, "no lance_hpc run succeeded"))
     else:
         slowest = max(lance, key=lambda summary: summary.first_batch_s)
-        found.append(Target(
-            "time to first batch < 3 s", slowest.first_batch_s < 3.0,
-            ", ".join(f"{summary.label} {summary.first_batch_s:.2f} s" for summary in lance),
-        ))
-        growing = [summary for summary in lance
-                   if summary.worker_growth_mib > max(FLAT_GROWTH_MIB, FLAT_GROWTH_SHARE * summary.worker_rss_mib)]
-        found.append(Target(
-            "worker memory flat over the run", not growing,
-            ", ".join(f"{summary.label} {summary.worker_growth_mib:+.0f} MiB" for summary in lance)
-            + f" (flat: < {FLAT_GROWTH_MIB:.0f} MiB or {FLAT_GROWTH_SHARE:.0%} of the worker's RSS)",
-        ))
+        found.append(
+            Target(
+                "time to first batch < 3 s",
+                slowest.first_batch_s < 3.0,
+                ", ".join(f"{summary.label} {summary.first_batch_s:.2f} s" for summary in lance),
+            )
+        )
+        growing = [
+            summary
+            for summary in lance
+            if summary.worker_growth_mib > max(FLAT_GROWTH_MIB, FLAT_GROWTH_SHARE * summary.worker_rss_mib)
+        ]
+        found.append(
+            Target(
+                "worker memory flat over the run",
+                not growing,
+                ", ".join(f"{summary.label} {summary.worker_growth_mib:+.0f} MiB" for summary in lance)
+                + f" (flat: < {FLAT_GROWTH_MIB:.0f} MiB or {FLAT_GROWTH_SHARE:.0%} of the worker's RSS)",
+            )
+        )
     return found
 
 
@@ -205,11 +234,21 @@ OBJECT_STORAGE_NOTE = (
 )
 
 
-def object_storage_rows(local: dict[str, Summary], grid: dict[str, dict[float, Summary]]
-                        ) -> tuple[list[str], list[list[str]]]:
+def object_storage_rows(local: dict[str, Summary], grid: dict[str, dict[float, Summary]]) -> tuple[list[str], list[list[str]]]:
     """Per strategy: its local-disk row, then one row per first-byte latency over S3."""
-    header = ["configuration", "storage", "images/s (min-max)", "x local disk", "x 0 ms", "GET/img", "KB/img",
-              "loader CPU ms/img", "x local CPU", "server CPU ms/img", "in flight (peak)"]
+    header = [
+        "configuration",
+        "storage",
+        "images/s (min-max)",
+        "x local disk",
+        "x 0 ms",
+        "GET/img",
+        "KB/img",
+        "loader CPU ms/img",
+        "x local CPU",
+        "server CPU ms/img",
+        "in flight (peak)",
+    ]
     rows = []
     for label, by_latency in grid.items():
         disk = local[label]
@@ -217,10 +256,16 @@ def object_storage_rows(local: dict[str, Summary], grid: dict[str, dict[float, S
         rows.append([label, "local disk", rate_text(disk), "1.00x", "-", "-", "-", cpu, "1.00x", "-", "-"])
         zero = by_latency.get(0.0)
         for latency, summary in by_latency.items():
-            rows.append([label, f"S3 {latency:g} ms", rate_text(summary),
-                         ratio_text(summary.images_per_s, disk.images_per_s),
-                         ratio_text(summary.images_per_s, zero.images_per_s) if zero else "-",
-                         *_store_cells(summary, disk)])
+            rows.append(
+                [
+                    label,
+                    f"S3 {latency:g} ms",
+                    rate_text(summary),
+                    ratio_text(summary.images_per_s, disk.images_per_s),
+                    ratio_text(summary.images_per_s, zero.images_per_s) if zero else "-",
+                    *_store_cells(summary, disk),
+                ]
+            )
     return header, rows
 
 
@@ -228,18 +273,27 @@ def _store_cells(summary: Summary, disk: Summary) -> list[str]:
     """The columns of an S3 row after its ratios: what the store billed, the loader's CPU against
     local disk, the server's CPU, the requests in flight."""
     ok = bool(summary.ok_runs)
-    return [f"{summary.store_per_image('gets'):.2f}" if ok else "-",
-            f"{summary.store_per_image('get_bytes') / 1000:,.1f}" if ok else "-",
-            f"{summary.cpu_ms_per_image:.2f}" if ok else "-", ratio_text(summary.cpu_ms_per_image, disk.cpu_ms_per_image),
-            f"{1000 * summary.store_per_image('cpu_s'):.2f}" if ok else "-",
-            f"{summary.store_in_flight:.0f}" if ok else "-"]
+    return [
+        f"{summary.store_per_image('gets'):.2f}" if ok else "-",
+        f"{summary.store_per_image('get_bytes') / 1000:,.1f}" if ok else "-",
+        f"{summary.cpu_ms_per_image:.2f}" if ok else "-",
+        ratio_text(summary.cpu_ms_per_image, disk.cpu_ms_per_image),
+        f"{1000 * summary.store_per_image('cpu_s'):.2f}" if ok else "-",
+        f"{summary.store_in_flight:.0f}" if ok else "-",
+    ]
 
 
 def cache_row(label: str, storage: str, cached: Summary, disk: Summary) -> list[str]:
     """The default strategy's epoch read after one that filled its node-local cache, in the columns
     of :func:`object_storage_rows` (the 0 ms column does not apply)."""
-    return [label, storage, rate_text(cached), ratio_text(cached.images_per_s, disk.images_per_s), "-",
-            *_store_cells(cached, disk)]
+    return [
+        label,
+        storage,
+        rate_text(cached),
+        ratio_text(cached.images_per_s, disk.images_per_s),
+        "-",
+        *_store_cells(cached, disk),
+    ]
 
 
 def cache_target(cached: Summary, disk: Summary, uncached: Summary) -> Target:
@@ -250,22 +304,29 @@ def cache_target(cached: Summary, disk: Summary, uncached: Summary) -> Target:
     share = gets / first if first else float("inf")
     counted = any(run[0].store for run in cached.ok_runs)  # no counters read: nothing shows the GETs were few
     met = counted and ratio >= 0.95 and share < 0.01
-    return Target("second epoch from the node-local cache vs local disk", met,
-                  f"{ratio:.2f}x ({cached.images_per_s:,.0f} vs {disk.images_per_s:,.0f} img/s; wanted >= 0.95x), "
-                  f"{100 * share:.2f}% of the GET requests of an epoch from the store ({gets:.3f} vs {first:.2f} "
-                  "per image; wanted < 1%)")
+    return Target(
+        "second epoch from the node-local cache vs local disk",
+        met,
+        f"{ratio:.2f}x ({cached.images_per_s:,.0f} vs {disk.images_per_s:,.0f} img/s; wanted >= 0.95x), "
+        f"{100 * share:.2f}% of the GET requests of an epoch from the store ({gets:.3f} vs {first:.2f} "
+        "per image; wanted < 1%)",
+    )
 
 
-def object_storage_targets(local: dict[str, Summary], grid: dict[str, dict[float, Summary]],
-                           default: str) -> list[Target]:
+def object_storage_targets(local: dict[str, Summary], grid: dict[str, dict[float, Summary]], default: str) -> list[Target]:
     """Issue 10's targets for reading over S3: the default strategy near local disk at 25 ms, every
     strategy as fast at 25 and 50 ms as at 0 ms, and no more loader CPU per image than locally."""
     found = []
     if 25.0 in grid[default]:
         rate, base = grid[default][25.0].images_per_s, local[default].images_per_s
         ratio = rate / base if base else 0.0
-        found.append(Target("default strategy at 25 ms vs local disk", ratio >= 0.85,
-                            f"{ratio:.2f}x ({rate:,.0f} vs {base:,.0f} img/s; wanted >= 0.85x)"))
+        found.append(
+            Target(
+                "default strategy at 25 ms vs local disk",
+                ratio >= 0.85,
+                f"{ratio:.2f}x ({rate:,.0f} vs {base:,.0f} img/s; wanted >= 0.85x)",
+            )
+        )
     latency_ratios, cpu_ratios = [], []
     for label, by_latency in grid.items():
         zero = by_latency[0.0].images_per_s if 0.0 in by_latency else 0.0
@@ -273,22 +334,30 @@ def object_storage_targets(local: dict[str, Summary], grid: dict[str, dict[float
             if latency > 0 and 0.0 in by_latency:  # --tiny measures no 0 ms to compare with
                 latency_ratios.append((summary.images_per_s / zero if zero else 0.0, f"{label} at {latency:g} ms"))
             disk_cpu = local[label].cpu_ms_per_image
-            cpu_ratios.append((summary.cpu_ms_per_image / disk_cpu if disk_cpu and summary.ok_runs else float("inf"),
-                               f"{label} at {latency:g} ms"))
+            cpu_ratios.append(
+                (
+                    summary.cpu_ms_per_image / disk_cpu if disk_cpu and summary.ok_runs else float("inf"),
+                    f"{label} at {latency:g} ms",
+                )
+            )
     if latency_ratios:
         worst, where = min(latency_ratios)
-        found.append(Target("every strategy with latency vs its own 0 ms", worst >= 0.95,
-                            f"lowest {worst:.2f}x ({where}; wanted >= 0.95x): "
-                            + ", ".join(f"{ratio:.2f}x" for ratio, _ in latency_ratios)))
+        found.append(
+            Target(
+                "every strategy with latency vs its own 0 ms",
+                worst >= 0.95,
+                f"lowest {worst:.2f}x ({where}; wanted >= 0.95x): " + ", ".join(f"{ratio:.2f}x" for ratio, _ in latency_ratios),
+            )
+        )
     if cpu_ratios:
         worst, where = max(cpu_ratios)
-        found.append(Target("loader CPU per image over S3 vs local disk", worst <= 1.1,
-                            f"highest {worst:.2f}x ({where}; wanted <= 1.1x)"))
+        found.append(
+            Target("loader CPU per image over S3 vs local disk", worst <= 1.1, f"highest {worst:.2f}x ({where}; wanted <= 1.1x)")
+        )
     return found
 
 
-def object_storage_chart(local: dict[str, Summary], grid: dict[str, dict[float, Summary]], path: Path,
-                         title: str) -> None:
+def object_storage_chart(local: dict[str, Summary], grid: dict[str, dict[float, Summary]], path: Path, title: str) -> None:
     """One group of bars per strategy: local disk, then S3 at each latency, with min-max spans."""
     import matplotlib
 

@@ -177,6 +177,5 @@ class ResourceSampler:
             samples = [s for s in sorted(self.samples, key=lambda s: s.seconds) if s.seconds >= first.seconds and s.workers]
         step = max(1, len(samples) // points)
         return [
-            (round(s.seconds - first.seconds, 2), round(sum(u.rss for u in s.workers.values()) / MIB, 1))
-            for s in samples[::step]
+            (round(s.seconds - first.seconds, 2), round(sum(u.rss for u in s.workers.values()) / MIB, 1)) for s in samples[::step]
         ]

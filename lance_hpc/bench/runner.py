@@ -41,8 +41,21 @@ def _read_result(config: Measurement, returncode: int | None, log_path: Path) ->
     if path.is_file():
         return Result.from_dict(json.loads(path.read_text()))
     reason = "timed out" if returncode is None else f"exited with {returncode}"
-    return Result(config.label, config.dataset, 0.0, 0.0, 0, 0, 0.0, 0.0, 0.0, 0.0, rank=config.rank,
-                  world_size=config.world_size, error=f"worker {reason}; see {log_path}")
+    return Result(
+        config.label,
+        config.dataset,
+        0.0,
+        0.0,
+        0,
+        0,
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+        rank=config.rank,
+        world_size=config.world_size,
+        error=f"worker {reason}; see {log_path}",
+    )
 
 
 def _start(config: Measurement, log_path: Path, environment: dict[str, str]) -> subprocess.Popen:
@@ -50,7 +63,9 @@ def _start(config: Measurement, log_path: Path, environment: dict[str, str]) -> 
     with open(log_path, "w") as log:
         return subprocess.Popen(
             [sys.executable, "-m", "lance_hpc.bench._worker", config.to_json()],
-            stdout=log, stderr=subprocess.STDOUT, env=environment,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=environment,
         )
 
 
@@ -71,8 +86,7 @@ def run_measurement(config: Measurement, work_dir: Path) -> list[Result]:
     if config.world_size > 1:
         environment = _environment({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
     ranks = [
-        replace(config, rank=rank, result_path=str(work_dir / f"{stem}.rank{rank}.json"))
-        for rank in range(config.world_size)
+        replace(config, rank=rank, result_path=str(work_dir / f"{stem}.rank{rank}.json")) for rank in range(config.world_size)
     ]
     logs = [work_dir / f"{stem}.rank{rank.rank}.log" for rank in ranks]
     processes = [_start(rank, log, environment) for rank, log in zip(ranks, logs)]
@@ -100,8 +114,7 @@ class Summary:
     def rates(self) -> list[float]:
         """Images/s of each good run; for DDP, all ranks' images over the slowest rank's time."""
         return [
-            sum(result.images for result in run) / max(result.seconds for result in run)
-            if len(run) > 1 else run[0].images_per_s
+            sum(result.images for result in run) / max(result.seconds for result in run) if len(run) > 1 else run[0].images_per_s
             for run in self.ok_runs
         ]
 
@@ -116,8 +129,10 @@ class Summary:
 
     def _per_image(self, value: Callable[[Result], float]) -> float:
         """Median over runs of a per-image figure, its ranks weighted by the images each read."""
-        values = [sum(value(r) * r.images for r in run) / max(1, sum(r.images for r in run)) if len(run) > 1
-                  else value(run[0]) for run in self.ok_runs]
+        values = [
+            sum(value(r) * r.images for r in run) / max(1, sum(r.images for r in run)) if len(run) > 1 else value(run[0])
+            for run in self.ok_runs
+        ]
         return statistics.median(values) if values else 0.0
 
     @property
@@ -156,8 +171,11 @@ class Summary:
 
     def store_per_image(self, counter: str) -> float:
         """Median over runs of an S3 server counter over the window (``Result.store``) per image read."""
-        values = [sum(result.store.get(counter, 0.0) for result in run) / max(1, sum(result.images for result in run))
-                  for run in self.ok_runs if run[0].store]
+        values = [
+            sum(result.store.get(counter, 0.0) for result in run) / max(1, sum(result.images for result in run))
+            for run in self.ok_runs
+            if run[0].store
+        ]
         return statistics.median(values) if values else 0.0
 
     @property
@@ -198,7 +216,9 @@ def exactly_once(ddp_run: list[Result], single_run: list[Result]) -> ExactlyOnce
 
 
 def run_rounds(
-    configs: list[Measurement], runs: int | dict[tuple[str, str], int], work_dir: Path,
+    configs: list[Measurement],
+    runs: int | dict[tuple[str, str], int],
+    work_dir: Path,
     log: Callable[[str], None] = print,
 ) -> list[Summary]:
     """Every configuration ``runs`` times (or as often as ``runs[(dataset, label)]`` says), interleaved;

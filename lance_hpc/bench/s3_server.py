@@ -60,9 +60,18 @@ LIST_MAX_KEYS = 1000
 READY_PATTERN = re.compile(r"serving .* at (http://\S+)")
 COUNTER_NAMES = ("requests", "gets", "get_bytes", "heads", "lists", "puts", "put_bytes", "deletes", "errors")
 S3_NAMESPACE = "http://s3.amazonaws.com/doc/2006-03-01/"
-REASONS = {200: "OK", 204: "No Content", 206: "Partial Content", 400: "Bad Request", 404: "Not Found",
-           405: "Method Not Allowed", 411: "Length Required", 412: "Precondition Failed",
-           416: "Range Not Satisfiable", 500: "Internal Server Error"}
+REASONS = {
+    200: "OK",
+    204: "No Content",
+    206: "Partial Content",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    411: "Length Required",
+    412: "Precondition Failed",
+    416: "Range Not Satisfiable",
+    500: "Internal Server Error",
+}
 
 
 class S3Error(Exception):
@@ -118,8 +127,10 @@ class Store:
         version = (stat.st_size, stat.st_mtime_ns)
         kept = self._fields.get(key)
         if kept is None or kept[0] != version:
-            lines = (f"ETag: {etag(stat)}\r\nLast-Modified: {formatdate(stat.st_mtime, usegmt=True)}\r\n"
-                     "Accept-Ranges: bytes\r\nContent-Type: application/octet-stream\r\n")
+            lines = (
+                f"ETag: {etag(stat)}\r\nLast-Modified: {formatdate(stat.st_mtime, usegmt=True)}\r\n"
+                "Accept-Ranges: bytes\r\nContent-Type: application/octet-stream\r\n"
+            )
             kept = self._fields[key] = (version, lines.encode("latin-1"))
         return kept[1]
 
@@ -176,14 +187,16 @@ def list_objects(store: Store, bucket: str, query: dict[str, str]) -> bytes:
     for key, stat in store.keys(prefix):
         cut = key.find(delimiter, len(prefix)) if delimiter else -1
         if cut >= 0:
-            entries[key[:cut + len(delimiter)]] = None
+            entries[key[: cut + len(delimiter)]] = None
         else:
             entries[key] = stat
     names = sorted(name for name in entries if name > after)
     page, truncated = names[:max_keys], len(names) > max_keys
-    parts = [f'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult xmlns="{S3_NAMESPACE}">',
-             f"<Name>{escape(bucket)}</Name><Prefix>{escape(prefix)}</Prefix><KeyCount>{len(page)}</KeyCount>",
-             f"<MaxKeys>{max_keys}</MaxKeys><IsTruncated>{'true' if truncated else 'false'}</IsTruncated>"]
+    parts = [
+        f'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult xmlns="{S3_NAMESPACE}">',
+        f"<Name>{escape(bucket)}</Name><Prefix>{escape(prefix)}</Prefix><KeyCount>{len(page)}</KeyCount>",
+        f"<MaxKeys>{max_keys}</MaxKeys><IsTruncated>{'true' if truncated else 'false'}</IsTruncated>",
+    ]
     if delimiter:
         parts.append(f"<Delimiter>{escape(delimiter)}</Delimiter>")
     if truncated:
@@ -193,9 +206,11 @@ def list_objects(store: Store, bucket: str, query: dict[str, str]) -> bytes:
         if entry is None:
             parts.append(f"<CommonPrefixes><Prefix>{escape(name)}</Prefix></CommonPrefixes>")
         else:
-            parts.append(f"<Contents><Key>{escape(name)}</Key><LastModified>{iso_time(entry)}</LastModified>"
-                         f"<ETag>{escape(etag(entry))}</ETag><Size>{entry.st_size}</Size>"
-                         "<StorageClass>STANDARD</StorageClass></Contents>")
+            parts.append(
+                f"<Contents><Key>{escape(name)}</Key><LastModified>{iso_time(entry)}</LastModified>"
+                f"<ETag>{escape(etag(entry))}</ETag><Size>{entry.st_size}</Size>"
+                "<StorageClass>STANDARD</StorageClass></Contents>"
+            )
     parts.append("</ListBucketResult>")
     return "".join(parts).encode()
 
@@ -243,11 +258,10 @@ class Server:
         finally:
             writer.close()
 
-    async def answer(self, method: str, target: str, headers: dict[str, str], body: bytes,
-                     writer: asyncio.StreamWriter) -> None:
+    async def answer(self, method: str, target: str, headers: dict[str, str], body: bytes, writer: asyncio.StreamWriter) -> None:
         url = urlsplit(target)
         if url.path.startswith(CONTROL_PREFIX):
-            await self.control(method, url.path[len(CONTROL_PREFIX):], writer)
+            await self.control(method, url.path[len(CONTROL_PREFIX) :], writer)
             return
         self.counts["requests"] += 1
         self.in_flight += 1
@@ -255,8 +269,7 @@ class Server:
         try:
             if self.latency_s:
                 await asyncio.sleep(self.latency_s)  # first-byte latency: waits without a thread or CPU
-            query = ({name: values[0] for name, values in parse_qs(url.query, keep_blank_values=True).items()}
-                     if url.query else {})
+            query = {name: values[0] for name, values in parse_qs(url.query, keep_blank_values=True).items()} if url.query else {}
             bucket, _, key = unquote(url.path).lstrip("/").partition("/")
             try:
                 if bucket != self.bucket:
@@ -264,16 +277,18 @@ class Server:
                 await self.object_request(method, key, query, headers, body, writer)
             except S3Error as error:
                 self.counts["errors"] += 1
-                xml = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{error.code}</Code>'
-                       f"<Message>{escape(error.message)}</Message></Error>").encode()
-                send(writer, error.status, {"Content-Type": "application/xml"}, b"" if method == "HEAD" else xml,
-                     len(xml))
+                xml = (
+                    f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{error.code}</Code>'
+                    f"<Message>{escape(error.message)}</Message></Error>"
+                ).encode()
+                send(writer, error.status, {"Content-Type": "application/xml"}, b"" if method == "HEAD" else xml, len(xml))
             await writer.drain()
         finally:
             self.in_flight -= 1
 
-    async def object_request(self, method: str, key: str, query: dict[str, str], headers: dict[str, str],
-                             body: bytes, writer: asyncio.StreamWriter) -> None:
+    async def object_request(
+        self, method: str, key: str, query: dict[str, str], headers: dict[str, str], body: bytes, writer: asyncio.StreamWriter
+    ) -> None:
         if method in ("GET", "HEAD") and not key:
             if "list-type" not in query and method == "GET":
                 raise S3Error(400, "NotImplemented", "only ListObjectsV2 (list-type=2) is served")
@@ -294,8 +309,10 @@ class Server:
             if source:
                 _, _, source_key = unquote(source).lstrip("/").partition("/")
                 stat = self.store.write(key, self.store.path(source_key), headers.get("if-none-match") == "*")
-                copied = (f"<CopyObjectResult><LastModified>{iso_time(stat)}</LastModified>"
-                          f"<ETag>{escape(etag(stat))}</ETag></CopyObjectResult>").encode()
+                copied = (
+                    f"<CopyObjectResult><LastModified>{iso_time(stat)}</LastModified>"
+                    f"<ETag>{escape(etag(stat))}</ETag></CopyObjectResult>"
+                ).encode()
                 send(writer, 200, {"Content-Type": "application/xml"}, copied)
             else:
                 self.counts["put_bytes"] += len(body)
@@ -304,13 +321,17 @@ class Server:
         elif method == "POST" and "uploads" in query:
             upload_id = uuid.uuid4().hex
             self.upload_dir(upload_id, create=True)
-            xml = (f'<InitiateMultipartUploadResult xmlns="{S3_NAMESPACE}"><Bucket>{self.bucket}</Bucket>'
-                   f"<Key>{escape(key)}</Key><UploadId>{upload_id}</UploadId></InitiateMultipartUploadResult>")
+            xml = (
+                f'<InitiateMultipartUploadResult xmlns="{S3_NAMESPACE}"><Bucket>{self.bucket}</Bucket>'
+                f"<Key>{escape(key)}</Key><UploadId>{upload_id}</UploadId></InitiateMultipartUploadResult>"
+            )
             send(writer, 200, {"Content-Type": "application/xml"}, xml.encode())
         elif method == "POST" and "uploadId" in query:
             stat = self.complete_upload(key, query["uploadId"], headers.get("if-none-match") == "*")
-            xml = (f'<CompleteMultipartUploadResult xmlns="{S3_NAMESPACE}"><Bucket>{self.bucket}</Bucket>'
-                   f"<Key>{escape(key)}</Key><ETag>{escape(etag(stat))}</ETag></CompleteMultipartUploadResult>")
+            xml = (
+                f'<CompleteMultipartUploadResult xmlns="{S3_NAMESPACE}"><Bucket>{self.bucket}</Bucket>'
+                f"<Key>{escape(key)}</Key><ETag>{escape(etag(stat))}</ETag></CompleteMultipartUploadResult>"
+            )
             send(writer, 200, {"Content-Type": "application/xml"}, xml.encode())
         elif method == "DELETE" and "uploadId" in query:
             shutil.rmtree(self.upload_dir(query["uploadId"]), ignore_errors=True)
@@ -383,12 +404,16 @@ class Server:
 def response_head(status: int, length: int, lines: bytes) -> bytes:
     """The status line, Content-Length, the request id and ``lines`` (header lines, each ending in
     CRLF), then the blank line."""
-    return (f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}\r\nContent-Length: {length}\r\n"
-            "x-amz-request-id: bench\r\n").encode("latin-1") + lines + b"\r\n"
+    return (
+        (f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}\r\nContent-Length: {length}\r\nx-amz-request-id: bench\r\n").encode(
+            "latin-1"
+        )
+        + lines
+        + b"\r\n"
+    )
 
 
-def send(writer: asyncio.StreamWriter, status: int, fields: dict[str, str], body: bytes,
-         length: int | None = None) -> None:
+def send(writer: asyncio.StreamWriter, status: int, fields: dict[str, str], body: bytes, length: int | None = None) -> None:
     """Writes the status line, the headers and the first part of the body (``length`` in all)."""
     lines = "".join(f"{name}: {value}\r\n" for name, value in fields.items()).encode("latin-1")
     writer.write(response_head(status, len(body) if length is None else length, lines) + body)
@@ -412,8 +437,10 @@ async def serve(root: Path, host: str, port: int, bucket: str, latency_ms: float
         loop.add_reader(stdin, parent_gone)
     listener = await asyncio.start_server(server.connection, host, port, backlog=1024, limit=1 << 16)
     bound = listener.sockets[0].getsockname()
-    print(f"serving {server.store.root} as s3://{bucket} at http://{bound[0]}:{bound[1]} "
-          f"(first-byte latency {latency_ms:g} ms)", flush=True)
+    print(
+        f"serving {server.store.root} as s3://{bucket} at http://{bound[0]}:{bound[1]} (first-byte latency {latency_ms:g} ms)",
+        flush=True,
+    )
     try:
         async with listener:
             await stop.wait()
@@ -463,8 +490,13 @@ class S3BenchServer:
 
     def storage_options(self) -> dict[str, str]:
         """Lance storage options for ``s3://{bucket}/...`` through this server (any key is accepted)."""
-        return {"endpoint": self.endpoint, "allow_http": "true", "region": "us-east-1",
-                "access_key_id": "bench", "secret_access_key": "bench"}
+        return {
+            "endpoint": self.endpoint,
+            "allow_http": "true",
+            "region": "us-east-1",
+            "access_key_id": "bench",
+            "secret_access_key": "bench",
+        }
 
     def uri(self, key: str) -> str:
         return f"s3://{self.bucket}/{key.strip('/')}"
@@ -501,11 +533,25 @@ class S3BenchServer:
         self.stop()
 
 
-def start_server(root: Path, latency_ms: float = 0.0, port: int = 0, bucket: str = BUCKET,
-                 host: str = "127.0.0.1") -> S3BenchServer:
+def start_server(
+    root: Path, latency_ms: float = 0.0, port: int = 0, bucket: str = BUCKET, host: str = "127.0.0.1"
+) -> S3BenchServer:
     """Serves ``root`` as ``s3://{bucket}`` from a new process; ``port`` 0 picks a free one."""
-    command = [sys.executable, "-m", "lance_hpc.bench.s3_server", str(root), "--port", str(port), "--host", host,
-               "--bucket", bucket, "--latency-ms", str(latency_ms), "--exit-with-parent"]
+    command = [
+        sys.executable,
+        "-m",
+        "lance_hpc.bench.s3_server",
+        str(root),
+        "--port",
+        str(port),
+        "--host",
+        host,
+        "--bucket",
+        bucket,
+        "--latency-ms",
+        str(latency_ms),
+        "--exit-with-parent",
+    ]
     environment = dict(os.environ)
     package_root = str(Path(__file__).resolve().parents[2])
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, environment.get("PYTHONPATH")]))
@@ -533,8 +579,9 @@ def run_event_loop(main_coroutine) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lance_hpc.bench.s3_server",
-                                     description="Serve a directory as one S3 bucket, with a first-byte latency.")
+    parser = argparse.ArgumentParser(
+        prog="python -m lance_hpc.bench.s3_server", description="Serve a directory as one S3 bucket, with a first-byte latency."
+    )
     parser.add_argument("root", type=Path, help="directory whose files are the bucket's objects")
     parser.add_argument("--port", type=int, default=9000, help="TCP port (0: a free one; default 9000)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")

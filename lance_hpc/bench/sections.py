@@ -29,12 +29,20 @@ STRATEGIES = (
 DEFAULT_STRATEGY = STRATEGIES[0][0]
 
 
-def strategy_fields(data: DataSet, style: str, sampler: str, workers: int, uri: str | None = None,
-                    storage_options: dict[str, str] | None = None) -> dict[str, Any]:
+def strategy_fields(
+    data: DataSet, style: str, sampler: str, workers: int, uri: str | None = None, storage_options: dict[str, str] | None = None
+) -> dict[str, Any]:
     """DataSpec fields for a lance_hpc strategy on ``data`` (or on ``uri``, the same rows elsewhere).
     The decoder resizes only, like the peers (``Measurement.augment`` "none")."""
-    fields = dict(uri=uri or data.lance_uri, style=style, sampler=sampler, batch_size=data.spec.batch_size,
-                  num_workers=workers, shuffle=True, seed=0)
+    fields = dict(
+        uri=uri or data.lance_uri,
+        style=style,
+        sampler=sampler,
+        batch_size=data.spec.batch_size,
+        num_workers=workers,
+        shuffle=True,
+        seed=0,
+    )
     if storage_options:
         fields["storage_options"] = storage_options
     return fields
@@ -43,8 +51,16 @@ def strategy_fields(data: DataSet, style: str, sampler: str, workers: int, uri: 
 def common_fields(data: DataSet, context: Context) -> dict[str, Any]:
     """Measurement fields every pipeline on ``data`` shares: same images, size, batch, workers, window."""
     spec = data.spec
-    return dict(dataset=spec.name, lance_uri=data.lance_uri, folder=data.folder, image_size=spec.image_size,
-                augment="none", batch_size=spec.batch_size, num_workers=context.workers, seconds=context.seconds)
+    return dict(
+        dataset=spec.name,
+        lance_uri=data.lance_uri,
+        folder=data.folder,
+        image_size=spec.image_size,
+        augment="none",
+        batch_size=spec.batch_size,
+        num_workers=context.workers,
+        seconds=context.seconds,
+    )
 
 
 @dataclass

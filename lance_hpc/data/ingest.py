@@ -88,11 +88,15 @@ def imagefolder_items(directory: str | Path) -> ImageSource:
     files: list[tuple[Path, int]] = []
     for label, name in enumerate(classes):
         files += [
-            (path, label) for path in sorted((root / name).rglob("*")) if path.suffix.lower() in IMAGE_EXTENSIONS and path.is_file()
+            (path, label)
+            for path in sorted((root / name).rglob("*"))
+            if path.suffix.lower() in IMAGE_EXTENSIONS and path.is_file()
         ]
     if not files:
         raise UserError(f"imagefolder source {root} has no images in class sub-directories (e.g. {root}/cat/1.jpg)")
-    return ImageSource(f"imagefolder:{root}", tuple(classes), len(files), lambda index: (files[index][0].read_bytes(), files[index][1]))
+    return ImageSource(
+        f"imagefolder:{root}", tuple(classes), len(files), lambda index: (files[index][0].read_bytes(), files[index][1])
+    )
 
 
 def torchvision_items(dataset: Any, name: str) -> ImageSource:
@@ -139,8 +143,7 @@ def open_torchvision(name: str, root: str) -> tuple[ImageSource, ImageSource | N
             opened.append(cls(root, **arguments))
         except (RuntimeError, OSError, ValueError) as error:
             raise UserError(
-                f"cannot open torchvision {name} at {root} ({error}): put the dataset there first "
-                "(lance-hpc never downloads it)"
+                f"cannot open torchvision {name} at {root} ({error}): put the dataset there first (lance-hpc never downloads it)"
             ) from None
     items = [torchvision_items(dataset, f"torchvision:{name}") for dataset in opened]
     return items[0], (items[1] if len(items) > 1 else None)
@@ -259,16 +262,24 @@ def ensure_dataset(data: Any, *, overwrite: bool = False) -> Ingested:
         raise UserError(f"{data.uri}: no Lance dataset there and data.ingest is not set: fix data.uri or add data.ingest")
     spec = data.ingest
     common: dict[str, Any] = dict(
-        val_fraction=spec.val_fraction, rows_per_fragment=spec.rows_per_fragment, seed=spec.seed, options=options,
+        val_fraction=spec.val_fraction,
+        rows_per_fragment=spec.rows_per_fragment,
+        seed=spec.seed,
+        options=options,
         val_options=storage_options(data.val_uri, data.storage_options) if data.val_uri else None,
-        overwrite=overwrite or spec.overwrite, names=SPEC_NAMES,
+        overwrite=overwrite or spec.overwrite,
+        names=SPEC_NAMES,
     )
     if not overwrite and existing_dataset(Target(data.uri, options, SPEC_NAMES.train)) is not None:
         return Ingested(kept=(data.uri,))
     if is_text_source(spec.source):
         return ingest_text(
-            spec.source, data.uri, data.val_uri, sequence_length=spec.sequence_length,
-            tokenizer=spec.tokenizer, **common,
+            spec.source,
+            data.uri,
+            data.val_uri,
+            sequence_length=spec.sequence_length,
+            tokenizer=spec.tokenizer,
+            **common,
         )
     return ingest(spec.source, data.uri, data.val_uri, **common)
 
@@ -277,8 +288,10 @@ def report(done: Ingested, uri: str, val_uri: str | None, overwrite_fix: str) ->
     """What an ingest did, for the command line."""
     lines = []
     if done.train or done.val:
-        lines.append(f"wrote {done.train:,} training rows to {uri}"
-                     + (f" and {done.val:,} validation rows to {val_uri}" if done.val else ""))
+        lines.append(
+            f"wrote {done.train:,} training rows to {uri}"
+            + (f" and {done.val:,} validation rows to {val_uri}" if done.val else "")
+        )
     for kept in done.kept:
         lines.append(f"kept the Lance dataset already at {kept}; to write the source over it as a new version, {overwrite_fix}")
     return "\n".join(lines) or f"nothing to write to {uri}"
@@ -288,7 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``lance-hpc ingest SOURCE URI`` or ``lance-hpc ingest --spec job.yaml``."""
     parser = argparse.ArgumentParser(prog="lance-hpc ingest", description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "source", nargs="?",
+        "source",
+        nargs="?",
         help="images: sklearn-digits | skimage-photos[:count=N] | imagefolder:<dir> | torchvision:<Name>:<root>; "
         "text: text:<glob> | python-stdlib[:max_mb=N]",
     )
@@ -296,7 +310,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--spec", help="job spec: ingest its data.ingest source to data.uri / data.val_uri")
     parser.add_argument("--val-uri", help="validation dataset to create")
     parser.add_argument(
-        "--overwrite", action="store_true",
+        "--overwrite",
+        action="store_true",
         help="write the source over Lance datasets already at the URIs, as a new version of each (without it they "
         "are kept); a path holding anything but a Lance dataset is refused either way, and nothing is deleted",
     )
@@ -308,7 +323,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sequence-length", type=int, default=256, help="text: tokens per training sequence (default 256)")
     parser.add_argument("--tokenizer", default="bytes", help="text: bytes (default) or an import path package.module:factory")
     parser.add_argument(
-        "--storage-option", action="append", default=[], metavar="KEY=VALUE",
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="object-store option (endpoint, region, allow_http); credentials come from AWS_* variables",
     )
     args = parser.parse_args(argv)
@@ -325,7 +343,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error("give SOURCE and URI, or --spec job.yaml")
         spec_options = dict(option.split("=", 1) for option in args.storage_option if "=" in option)
         common: dict[str, Any] = dict(
-            val_fraction=args.val_fraction, rows_per_fragment=args.rows_per_fragment, seed=args.seed,
+            val_fraction=args.val_fraction,
+            rows_per_fragment=args.rows_per_fragment,
+            seed=args.seed,
             options=storage_options(args.uri, spec_options),
             val_options=storage_options(args.val_uri, spec_options) if args.val_uri else None,
             overwrite=args.overwrite,

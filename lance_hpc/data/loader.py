@@ -77,8 +77,14 @@ class TrainLoader:
         self.dataset_version: int = int(dataset.version)
         table = self.table = fragment_table(dataset)
         self.plan: DataPlan = plan_from_table(
-            table, world_size, data.batch_size, style=data.style, sampler=data.sampler,
-            uneven=data.uneven, uri=data.uri, version=self.dataset_version,
+            table,
+            world_size,
+            data.batch_size,
+            style=data.style,
+            sampler=data.sampler,
+            uneven=data.uneven,
+            uri=data.uri,
+            version=self.dataset_version,
         )
         if self.plan.steps_per_rank == 0:
             raise UserError(
@@ -87,8 +93,18 @@ class TrainLoader:
             )
         if data.sampler == "full_scan":
             log.warning("full_scan: every rank reads every row, so DDP ranks train on the same data")
-        reader = BatchReader(data.uri, self.dataset_version, options, decoder, data.on_corrupt, data.seed, rank,
-                             data.io_depth, data.cache, io_timeout(data))
+        reader = BatchReader(
+            data.uri,
+            self.dataset_version,
+            options,
+            decoder,
+            data.on_corrupt,
+            data.seed,
+            rank,
+            data.io_depth,
+            data.cache,
+            io_timeout(data),
+        )
         planner = self._planner = epoch_planner(
             table, data.sampler, rank, world_size, data.batch_size, uneven=data.uneven, shuffle=data.shuffle, seed=data.seed
         )
@@ -227,7 +243,8 @@ class TrainLoader:
         if state.get("dataset_version") not in (None, self.dataset_version):
             log.warning(
                 "resuming on dataset version %s, the checkpoint read version %s: set data.version to pin it",
-                self.dataset_version, state.get("dataset_version"),
+                self.dataset_version,
+                state.get("dataset_version"),
             )
         epoch, consumed = int(state["epoch"]), int(state["batches_consumed"])
         origin = self._origin(epoch)
@@ -247,8 +264,10 @@ class TrainLoader:
         self.resumed = ResumedEpoch(origin, tuple(segments))
         batches = self.resumed.batches(self.table, self.rank)
         if self._resume_at > len(batches):
-            raise UserError(f"cannot resume epoch {epoch}: the checkpoint says {self._resume_at} batches were read "
-                            f"of a segment of {len(batches)}; it does not belong to this dataset")
+            raise UserError(
+                f"cannot resume epoch {epoch}: the checkpoint says {self._resume_at} batches were read "
+                f"of a segment of {len(batches)}; it does not belong to this dataset"
+            )
         self._resumed_steps = len(batches)
         self._set_planner(replace(self._planner, fixed=(epoch, tuple(batches))))
 
@@ -269,10 +288,23 @@ class EvalLoader:
         rows = dataset.count_rows()
         self.batches = eval_batches(rows, rank, world_size, data.batch_size, data.val_sampler)
         self.rows = sum(len(batch) for batch in self.batches)
-        reader = BatchReader(data.val_uri, self.dataset_version, options, decoder, data.on_corrupt, data.seed, rank,
-                             data.io_depth, data.cache, io_timeout(data))
+        reader = BatchReader(
+            data.val_uri,
+            self.dataset_version,
+            options,
+            decoder,
+            data.on_corrupt,
+            data.seed,
+            rank,
+            data.io_depth,
+            data.cache,
+            io_timeout(data),
+        )
         self._loader = data_loader(
-            LanceMapDataset(reader, rows), data, pin_memory, True,
+            LanceMapDataset(reader, rows),
+            data,
+            pin_memory,
+            True,
             batch_sampler=_FixedBatches(self.batches, data.num_workers, data.io_depth),
         )
         self.stats = ReadStats()
@@ -307,15 +339,11 @@ class _FixedBatches(torch.utils.data.Sampler):
         return len(self.batches)
 
 
-def build_train_loader(
-    data: DataSpec, decoder: Decoder, rank: int, world_size: int, *, pin_memory: bool = False
-) -> TrainLoader:
+def build_train_loader(data: DataSpec, decoder: Decoder, rank: int, world_size: int, *, pin_memory: bool = False) -> TrainLoader:
     return TrainLoader(data, decoder, rank, world_size, pin_memory=pin_memory)
 
 
-def build_eval_loader(
-    data: DataSpec, decoder: Decoder, rank: int, world_size: int, *, pin_memory: bool = False
-) -> EvalLoader:
+def build_eval_loader(data: DataSpec, decoder: Decoder, rank: int, world_size: int, *, pin_memory: bool = False) -> EvalLoader:
     return EvalLoader(data, decoder, rank, world_size, pin_memory=pin_memory)
 
 

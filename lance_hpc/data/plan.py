@@ -32,8 +32,12 @@ def _table_before_ingest(data: DataSpec) -> FragmentTable:
     assert spec is not None
     if is_text_source(spec.source):
         rows = sequences_before_ingest(
-            spec.source, spec.sequence_length, spec.tokenizer, spec.val_fraction,
-            spec.seed, has_val=bool(data.val_uri),
+            spec.source,
+            spec.sequence_length,
+            spec.tokenizer,
+            spec.val_fraction,
+            spec.seed,
+            has_val=bool(data.val_uri),
         )
     else:
         train, official_val = resolve_source(spec.source)
@@ -50,13 +54,24 @@ def plan_data(data: DataSpec, world_size: int) -> DataPlan:
     options = storage_options(data.uri, data.storage_options)
     if not dataset_exists(data.uri, options) and data.ingest is not None:
         return plan_from_table(
-            _table_before_ingest(data), world_size, data.batch_size, style=data.style, sampler=data.sampler,
-            uneven=data.uneven, uri=f"{data.uri} (to be ingested from {data.ingest.source})",
+            _table_before_ingest(data),
+            world_size,
+            data.batch_size,
+            style=data.style,
+            sampler=data.sampler,
+            uneven=data.uneven,
+            uri=f"{data.uri} (to be ingested from {data.ingest.source})",
         )
     dataset = open_dataset(data.uri, data.version, options)
     return plan_from_table(
-        fragment_table(dataset), world_size, data.batch_size, style=data.style, sampler=data.sampler,
-        uneven=data.uneven, uri=data.uri, version=int(dataset.version),
+        fragment_table(dataset),
+        world_size,
+        data.batch_size,
+        style=data.style,
+        sampler=data.sampler,
+        uneven=data.uneven,
+        uri=data.uri,
+        version=int(dataset.version),
     )
 
 

@@ -95,8 +95,13 @@ class BatchReader:
             stats.retries += 1
 
         return retrying(
-            lambda: self.dataset.take(row_ids, columns=columns), what=f"take of {len(row_ids)} rows of {self.uri}",
-            uri=self.uri, options=self.options, timeout_s=self.io_timeout_s, on_retry=count_retry, rank=self.rank,
+            lambda: self.dataset.take(row_ids, columns=columns),
+            what=f"take of {len(row_ids)} rows of {self.uri}",
+            uri=self.uri,
+            options=self.options,
+            timeout_s=self.io_timeout_s,
+            on_retry=count_retry,
+            rank=self.rank,
             explain=lambda error: explain_read_error(error, self._dataset, self.uri, self.options),
         )
 
@@ -109,8 +114,9 @@ class BatchReader:
             self._ahead = ReadAhead(self, self.io_depth)
         return self._ahead.get(unique, ahead)
 
-    def read(self, row_ids: np.ndarray, epoch: int, batch_index: int, *, shared: bool = True,
-             ahead: Sequence[np.ndarray] = ()) -> tuple[Batch, ReadStats] | SharedBatch:
+    def read(
+        self, row_ids: np.ndarray, epoch: int, batch_index: int, *, shared: bool = True, ahead: Sequence[np.ndarray] = ()
+    ) -> tuple[Batch, ReadStats] | SharedBatch:
         """(fields, read stats) of the rows ``row_ids``, in row-id order; ``ahead``: the rows of the
         batches this process reads next, to start reading now (see the module doc).
 

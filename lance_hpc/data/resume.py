@@ -34,8 +34,9 @@ class EpochOrigin:
 
 
 def _origin_request(table: FragmentTable, origin: EpochOrigin, segment: Segment, rank: int) -> EpochRequest:
-    return EpochRequest(table, rank, segment.world_size, segment.batch_size, origin.uneven, origin.shuffle,
-                        origin.seed, origin.epoch)
+    return EpochRequest(
+        table, rank, segment.world_size, segment.batch_size, origin.uneven, origin.shuffle, origin.seed, origin.epoch
+    )
 
 
 def _remainder_steps(rows: int, world_size: int, batch_size: int) -> int:
@@ -59,8 +60,9 @@ def _remainder_share(rows: np.ndarray, world_size: int, batch_size: int, rank: i
     return list(np.array_split(share, steps))
 
 
-def _segment_batches(table: FragmentTable, origin: EpochOrigin, before: Sequence[Segment], segment: Segment,
-                     rank: int) -> list[np.ndarray]:
+def _segment_batches(
+    table: FragmentTable, origin: EpochOrigin, before: Sequence[Segment], segment: Segment, rank: int
+) -> list[np.ndarray]:
     """The batches ``rank`` reads in ``segment``, which follows the segments ``before``."""
     if not before:
         return strategy_function(origin.sampler)(_origin_request(table, origin, segment, rank))

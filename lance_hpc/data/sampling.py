@@ -295,12 +295,18 @@ class DataPlan:
         lines = [
             ("dataset", f"{self.uri}" + (f" (version {self.version})" if self.version is not None else "")),
             ("strategy", f"{self.style} / {self.sampler}" + ("" if every else f", uneven: {self.uneven}")),
-            ("rows", f"{self.rows:,} in {self.fragments:,} fragments"
-             + (f" ({self.min_fragment_rows:,}..{self.max_fragment_rows:,} rows each)" if self.fragments else "")),
+            (
+                "rows",
+                f"{self.rows:,} in {self.fragments:,} fragments"
+                + (f" ({self.min_fragment_rows:,}..{self.max_fragment_rows:,} rows each)" if self.fragments else ""),
+            ),
             ("world size", f"{self.world_size:,} ranks x batch {self.batch_size:,}"),
             ("rows per rank", f"{self.rows_per_rank:,}" + (" (every rank reads every row)" if every else "")),
-            ("steps per rank", f"{self.steps_per_rank:,}, the same on every rank"
-             + (f" (last batch {self.last_batch_rows:,} rows)" if self.last_batch_rows not in (0, self.batch_size) else "")),
+            (
+                "steps per rank",
+                f"{self.steps_per_rank:,}, the same on every rank"
+                + (f" (last batch {self.last_batch_rows:,} rows)" if self.last_batch_rows not in (0, self.batch_size) else ""),
+            ),
             ("batches", f"{self.batches:,} per epoch over all ranks"),
             ("dropped", f"{self.dropped:,} rows per epoch"),
             ("padded", f"{self.padded:,} rows per epoch (repeated)"),
@@ -356,5 +362,3 @@ def plan_from_table(
 # is thus read exactly once. Two corners: with a batch of 1, a rank with the bigger share reads one
 # batch of 2 rows; with fewer rows left than ranks, a rank with no share repeats rows of the
 # remainder (those repeats are never counted as read).
-
-

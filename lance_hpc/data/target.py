@@ -159,11 +159,14 @@ def write_lance(reader: pa.RecordBatchReader, target: Target, *, rows_per_fragme
         lance.write_dataset(reader, target.uri, mode="overwrite", max_rows_per_file=rows_per_fragment, storage_options=options)
         return True
     if is_remote(target.uri):
-        fragments = lance.fragment.write_fragments(reader, target.uri, max_rows_per_file=rows_per_fragment, storage_options=options)
+        fragments = lance.fragment.write_fragments(
+            reader, target.uri, max_rows_per_file=rows_per_fragment, storage_options=options
+        )
         try:
             # No retries: Lance retries a create that lost by committing it as the winner's next version.
-            lance.LanceDataset.commit(target.uri, lance.LanceOperation.Overwrite(reader.schema, fragments),
-                                      max_retries=0, storage_options=options)
+            lance.LanceDataset.commit(
+                target.uri, lance.LanceOperation.Overwrite(reader.schema, fragments), max_retries=0, storage_options=options
+            )
         except OSError:
             if dataset_exists(target.uri, target.options):
                 return False
@@ -212,11 +215,16 @@ def _write_failed(target: Target, what: str, error: OSError, partial: Path | Non
     leftover = ""
     if partial is not None:
         shutil.rmtree(partial, ignore_errors=True)
-        leftover = (f"; its partial copy {partial} is left there: delete it" if os.path.lexists(partial)
-                    else f"; its partial copy {partial} was removed")
+        leftover = (
+            f"; its partial copy {partial} is left there: delete it"
+            if os.path.lexists(partial)
+            else f"; its partial copy {partial} was removed"
+        )
     if error.errno in (errno.EBUSY, errno.ENOTDIR, errno.EXDEV):
-        fix = (f"point {target.name} at a new path inside it (e.g. {target.uri.rstrip('/')}/dataset.lance): "
-               "an empty mount point or a directory in use cannot be replaced")
+        fix = (
+            f"point {target.name} at a new path inside it (e.g. {target.uri.rstrip('/')}/dataset.lance): "
+            "an empty mount point or a directory in use cannot be replaced"
+        )
     elif error.errno == errno.ENOSPC:
         fix = f"free space on the filesystem of {target.uri}, or point {target.name} at another disk, then ingest again"
     else:
@@ -232,15 +240,27 @@ def _warn_of_leftovers(final: Path) -> None:
     cutoff = time.time() - LEFTOVER_AGE_S
     try:
         with os.scandir(final.parent) as entries:
-            old = sorted(entry.path for entry in entries
-                         if entry.name.startswith(f".{final.name}{PARTIAL_INFIX}") and entry.is_dir(follow_symlinks=False)
-                         and entry.stat(follow_symlinks=False).st_mtime < cutoff)
+            old = sorted(
+                entry.path
+                for entry in entries
+                if entry.name.startswith(f".{final.name}{PARTIAL_INFIX}")
+                and entry.is_dir(follow_symlinks=False)
+                and entry.stat(follow_symlinks=False).st_mtime < cutoff
+            )
     except OSError:  # only a warning: the write itself reports a directory it cannot use
         return
     if old:
-        log.warning("%d partial dataset director%s left by earlier interrupted ingests of %s (older than %d minutes): "
-                    "%s; delete %s once no ingest of %s is running", len(old), "y" if len(old) == 1 else "ies", final,
-                    LEFTOVER_AGE_S // 60, ", ".join(old), "it" if len(old) == 1 else "them", final)
+        log.warning(
+            "%d partial dataset director%s left by earlier interrupted ingests of %s (older than %d minutes): "
+            "%s; delete %s once no ingest of %s is running",
+            len(old),
+            "y" if len(old) == 1 else "ies",
+            final,
+            LEFTOVER_AGE_S // 60,
+            ", ".join(old),
+            "it" if len(old) == 1 else "them",
+            final,
+        )
 
 
 def find_datasets(train: Target, val: Target | None) -> tuple[Any | None, Any | None]:
@@ -266,7 +286,10 @@ def keeps(found: Any | None, target: Target, source: str, *, overwrite: bool, na
 
 
 def targets(
-    uri: str, val_uri: str | None, options: Mapping[str, str] | None, val_options: Mapping[str, str] | None,
+    uri: str,
+    val_uri: str | None,
+    options: Mapping[str, str] | None,
+    val_options: Mapping[str, str] | None,
     names: TargetNames,
 ) -> tuple[Target, Target | None]:
     """The training and validation targets; the validation set shares the training options unless given its own."""

@@ -182,8 +182,9 @@ def _tokenize(paths: Sequence[Path], tokenizer: Tokenizer, source: str, progress
     from tqdm import tqdm
 
     documents = []
-    with tqdm(total=len(paths), desc=f"tokenize {source}", unit="doc", file=sys.stderr, mininterval=1.0,
-              disable=not progress) as bar:
+    with tqdm(
+        total=len(paths), desc=f"tokenize {source}", unit="doc", file=sys.stderr, mininterval=1.0, disable=not progress
+    ) as bar:
         for path in paths:
             text = path.read_bytes().decode("utf-8", errors="replace")
             tokens = tokenizer.encode(text)
@@ -211,8 +212,10 @@ def tokenize_splits(
     documents = _tokenize(document_paths(source), tokenizer, source, progress)
     with_val = has_val and val_fraction > 0
     if with_val and len(documents) < 2:
-        raise UserError(f"{source}: {len(documents)} non-empty document(s); the validation split takes whole "
-                        "documents, so it needs at least 2: add documents or drop the validation dataset")
+        raise UserError(
+            f"{source}: {len(documents)} non-empty document(s); the validation split takes whole "
+            "documents, so it needs at least 2: add documents or drop the validation dataset"
+        )
     val_count = min(max(round(len(documents) * val_fraction), 1), len(documents) - 1) if with_val else 0
     order = np.random.default_rng(seed).permutation(len(documents))
     train_ids, val_ids = np.sort(order[val_count:]), np.sort(order[:val_count])
@@ -233,9 +236,14 @@ def token_schema(split: TokenSplit, tokenizer: Tokenizer, sequence_length: int, 
     """The ``tokens`` column and the metadata of one split (every value as bytes)."""
     value_type = pa.uint16() if tokenizer.dtype == np.uint16 else pa.int32()
     metadata = {
-        KIND_KEY: TOKEN_SEQUENCES_KIND, VOCAB_SIZE_KEY: tokenizer.vocab_size, EOD_ID_KEY: tokenizer.eod_id,
-        SEQUENCE_LENGTH_KEY: sequence_length, TOKENIZER_KEY: tokenizer.name, BYTES_PER_TOKEN_KEY: repr(split.bytes_per_token),
-        DOCUMENTS_KEY: split.documents, SOURCE_KEY: source,
+        KIND_KEY: TOKEN_SEQUENCES_KIND,
+        VOCAB_SIZE_KEY: tokenizer.vocab_size,
+        EOD_ID_KEY: tokenizer.eod_id,
+        SEQUENCE_LENGTH_KEY: sequence_length,
+        TOKENIZER_KEY: tokenizer.name,
+        BYTES_PER_TOKEN_KEY: repr(split.bytes_per_token),
+        DOCUMENTS_KEY: split.documents,
+        SOURCE_KEY: source,
     }
     return pa.schema(
         [pa.field(TOKENS_COLUMN, pa.list_(value_type, sequence_length + 1))],
@@ -291,16 +299,24 @@ def ingest_text(
     if val_target is not None and val is not None:
         rows = val.rows(sequence_length)
         if keeps(val_found, val_target, source, overwrite=overwrite, names=names) or not _write_split(
-            rows, np.arange(len(rows)), token_schema(val, loaded, sequence_length, source), val_target,
-            rows_per_fragment=rows_per_fragment, replace=val_found is not None,
+            rows,
+            np.arange(len(rows)),
+            token_schema(val, loaded, sequence_length, source),
+            val_target,
+            rows_per_fragment=rows_per_fragment,
+            replace=val_found is not None,
         ):
             kept.append(val_target.uri)
         else:
             written["val"] = len(rows)
     rows = train.rows(sequence_length)
     if _write_split(
-        rows, np.random.default_rng(seed + 1).permutation(len(rows)), token_schema(train, loaded, sequence_length, source),
-        train_target, rows_per_fragment=rows_per_fragment, replace=train_found is not None,
+        rows,
+        np.random.default_rng(seed + 1).permutation(len(rows)),
+        token_schema(train, loaded, sequence_length, source),
+        train_target,
+        rows_per_fragment=rows_per_fragment,
+        replace=train_found is not None,
     ):
         written["train"] = len(rows)
     else:
@@ -308,7 +324,9 @@ def ingest_text(
     return Ingested(written["train"], written["val"], tuple(kept))
 
 
-def sequences_before_ingest(source: str, sequence_length: int, tokenizer: str, val_fraction: float, seed: int, has_val: bool) -> int:
+def sequences_before_ingest(
+    source: str, sequence_length: int, tokenizer: str, val_fraction: float, seed: int, has_val: bool
+) -> int:
     """Training rows :func:`ingest_text` would write, for the data plan before the dataset exists."""
     train, _ = tokenize_splits(source, sequence_length, load_tokenizer(tokenizer), val_fraction, seed, has_val, progress=False)
     return len(train.rows(sequence_length))
@@ -331,10 +349,17 @@ class TokenInfo:
         """Read it from a dataset's schema metadata; a UserError when ``uri`` holds no token sequences."""
         metadata = metadata or {}
         if metadata.get(KIND_KEY) != TOKEN_SEQUENCES_KIND:
-            raise UserError(f"{uri} holds no token sequences (its schema metadata lacks {KIND_KEY.decode()}="
-                            f"{TOKEN_SEQUENCES_KIND.decode()}): ingest it from text:<glob> or python-stdlib")
+            raise UserError(
+                f"{uri} holds no token sequences (its schema metadata lacks {KIND_KEY.decode()}="
+                f"{TOKEN_SEQUENCES_KIND.decode()}): ingest it from text:<glob> or python-stdlib"
+            )
         text = {key: value.decode() for key, value in metadata.items()}
         return cls(
-            int(text[VOCAB_SIZE_KEY]), int(text[EOD_ID_KEY]), int(text[SEQUENCE_LENGTH_KEY]), text[TOKENIZER_KEY],
-            float(text[BYTES_PER_TOKEN_KEY]), int(text[DOCUMENTS_KEY]), text[SOURCE_KEY],
+            int(text[VOCAB_SIZE_KEY]),
+            int(text[EOD_ID_KEY]),
+            int(text[SEQUENCE_LENGTH_KEY]),
+            text[TOKENIZER_KEY],
+            float(text[BYTES_PER_TOKEN_KEY]),
+            int(text[DOCUMENTS_KEY]),
+            text[SOURCE_KEY],
         )

@@ -14,8 +14,10 @@ def dry_run(loaded: LoadedSpec) -> None:
     spec = loaded.spec
     paths = JobPaths.of(spec)
     spec_file, script_path = paths.spec_file, paths.script
-    print(f"# {loaded.source}: valid; {spec.slurm.nodes} node(s) x {spec.slurm.ntasks_per_node} task(s) = "
-          f"world size {spec.slurm.world_size}")
+    print(
+        f"# {loaded.source}: valid; {spec.slurm.nodes} node(s) x {spec.slurm.ntasks_per_node} task(s) = "
+        f"world size {spec.slurm.world_size}"
+    )
     print("# placeholders and relative paths resolved:")
     for item in loaded.resolutions or ():
         print(f"#   {item.path}: {item.before} -> {item.after}")
@@ -36,13 +38,17 @@ def dry_run(loaded: LoadedSpec) -> None:
 def describe_sweep(spec: JobSpec) -> str:
     """The runs of a sweep: index, name and the values that set it apart, and where its files go."""
     runs = expand(spec)
-    lines = [f"# sweep: {len(runs)} runs as one job array (--array={render.array_range(spec)}: "
-             f"at most {spec.slurm.array_parallelism} at once); each run differs only in:"]
+    lines = [
+        f"# sweep: {len(runs)} runs as one job array (--array={render.array_range(spec)}: "
+        f"at most {spec.slurm.array_parallelism} at once); each run differs only in:"
+    ]
     width = max(len(run.spec.name) for run in runs)
     lines += [f"#   [{run.index}] {run.spec.name:<{width}}  {run.describe()}" for run in runs]
-    lines += [f"# run specs: {JobPaths.of(spec).run_specs}",
-              f"# checkpoints: {spec.checkpoint.dir}/<run name>; TensorBoard: {spec.logging.tensorboard_dir}/<run name>",
-              f"# compare them: tensorboard --logdir {spec.logging.tensorboard_dir}  (HParams tab)"]
+    lines += [
+        f"# run specs: {JobPaths.of(spec).run_specs}",
+        f"# checkpoints: {spec.checkpoint.dir}/<run name>; TensorBoard: {spec.logging.tensorboard_dir}/<run name>",
+        f"# compare them: tensorboard --logdir {spec.logging.tensorboard_dir}  (HParams tab)",
+    ]
     return "\n".join(lines)
 
 

@@ -46,12 +46,14 @@ def run_local(spec_file: str | Path, nproc: int) -> int:
     spec_file = Path(spec_file).resolve()
     spec = load_spec(spec_file).spec
     if spec.sweep:
-        raise UserError(f"{spec_file} is a sweep, not one run: use lance-hpc submit {spec_file} --local, "
-                        "which runs each combination in turn")
+        raise UserError(
+            f"{spec_file} is a sweep, not one run: use lance-hpc submit {spec_file} --local, which runs each combination in turn"
+        )
     # rank 0 takes the lease itself (another run may still get there first); this look says who
     # holds it once, before the dataset is prepared and N ranks start only to refuse
-    lease.refuse_if_held(spec.checkpoint.dir, os.environ.get(SLURM_VARS["job_id"]),
-                         int(os.environ.get(SLURM_VARS["restart_count"]) or 0))
+    lease.refuse_if_held(
+        spec.checkpoint.dir, os.environ.get(SLURM_VARS["job_id"]), int(os.environ.get(SLURM_VARS["restart_count"]) or 0)
+    )
     try:
         data.ensure_dataset(spec.data)
         load_task(spec)  # a column the task needs but the data lacks: one error here, not one per rank
@@ -67,14 +69,20 @@ def run_local(spec_file: str | Path, nproc: int) -> int:
         if signum == INTERRUPT_SIGNAL:
             interrupts.append(signum)
             if len(interrupts) > 1:
-                print("\nlance_hpc: stopping at once; what was trained since the last checkpoint is lost",
-                      file=sys.stderr, flush=True)
+                print(
+                    "\nlance_hpc: stopping at once; what was trained since the last checkpoint is lost",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 for process in ranks:
                     if process.poll() is None:
                         process.kill()
                 return
-            print("\nlance_hpc: interrupted; the ranks save a checkpoint at the next step and stop "
-                  "(Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+            print(
+                "\nlance_hpc: interrupted; the ranks save a checkpoint at the next step and stop (Ctrl-C again to stop at once)",
+                file=sys.stderr,
+                flush=True,
+            )
         for process in ranks:
             if process.poll() is None:
                 process.send_signal(signum)
@@ -84,14 +92,24 @@ def run_local(spec_file: str | Path, nproc: int) -> int:
         for rank in range(nproc):
             environ = {
                 **os.environ,
-                "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
-                "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "GROUP_RANK": "0",
+                "WORLD_SIZE": str(nproc),
+                "LOCAL_WORLD_SIZE": str(nproc),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
                 # the ranks import the same lance_hpc as this process, installed or not
                 "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
             }
-            ranks.append(subprocess.Popen([sys.executable, "-m", "lance_hpc.run", str(spec_file)], env=environ,
-                                          start_new_session=True, preexec_fn=die_with_parent))
+            ranks.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "lance_hpc.run", str(spec_file)],
+                    env=environ,
+                    start_new_session=True,
+                    preexec_fn=die_with_parent,
+                )
+            )
         code = wait_for_ranks(ranks, stopped_at_once=lambda: len(interrupts) > 1)
         return ExitCode.INTERRUPTED if len(interrupts) > 1 else code
     finally:
@@ -120,10 +138,9 @@ def run_sweep_locally(spec: JobSpec, nproc: int | None) -> int:
     for run, code in results:
         stopped = "stopped; run the same command again to continue"
         outcomes: dict[int, str] = {ExitCode.OK: "finished", ExitCode.STOPPED: stopped, ExitCode.INTERRUPTED: stopped}
-        outcome = outcomes.get(
-            code, f"failed (exit {int(code)})")
+        outcome = outcomes.get(code, f"failed (exit {int(code)})")
         print(f"  [{run.index}] {run.spec.name}: {outcome}")
-    for run in runs[len(results):]:
+    for run in runs[len(results) :]:
         print(f"  [{run.index}] {run.spec.name}: not started")
     return next((code for _, code in results if code != 0), 0)
 
@@ -147,8 +164,12 @@ def wait_for_ranks(ranks: Sequence[subprocess.Popen], stopped_at_once: Callable[
             failed = first_failure(ranks)
             if failed is not None:
                 rank, code = failed
-                print(f"lance_hpc.launch.local: rank {rank} (pid {ranks[rank].pid}) {describe_exit(code)}; "
-                      "stopping the other ranks", file=sys.stderr, flush=True)
+                print(
+                    f"lance_hpc.launch.local: rank {rank} (pid {ranks[rank].pid}) {describe_exit(code)}; "
+                    "stopping the other ranks",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 deadline = time.monotonic() + GRACE_S
         if time.monotonic() > deadline:
             for process in ranks:
@@ -163,16 +184,22 @@ def wait_for_ranks(ranks: Sequence[subprocess.Popen], stopped_at_once: Callable[
                 return code
         return ExitCode.OK
     rank, code = failed
-    print(f"lance_hpc.launch.local: the job failed: rank {rank} (pid {ranks[rank].pid}) {describe_exit(code)}",
-          file=sys.stderr, flush=True)
+    print(
+        f"lance_hpc.launch.local: the job failed: rank {rank} (pid {ranks[rank].pid}) {describe_exit(code)}",
+        file=sys.stderr,
+        flush=True,
+    )
     return code if code > 0 else 128 - code
 
 
 def first_failure(ranks: Sequence[subprocess.Popen]) -> tuple[int, int] | None:
     """(rank, exit code) of a failed rank, if any. When several failed since the last look, a rank
     killed by a signal is the likelier cause: the others exit with an error once it is gone."""
-    failed = [(rank, process.returncode) for rank, process in enumerate(ranks)
-              if process.returncode not in (None, 0, ExitCode.STOPPED, ExitCode.INTERRUPTED)]
+    failed = [
+        (rank, process.returncode)
+        for rank, process in enumerate(ranks)
+        if process.returncode not in (None, 0, ExitCode.STOPPED, ExitCode.INTERRUPTED)
+    ]
     return min(failed, key=lambda item: (item[1] > 0, item[0]), default=None)
 
 

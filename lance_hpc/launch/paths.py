@@ -76,8 +76,12 @@ def write_private(path: Path, text: str) -> None:
     directory it is their job's spec or script, and their requeued job would run ours.
     """
     try:
-        check_owned(os.lstat(path), path, "its job reads it when it runs or is requeued, so replacing it "
-                    "would make that job run your spec", "set another slurm.log_dir, or give your job another name")
+        check_owned(
+            os.lstat(path),
+            path,
+            "its job reads it when it runs or is requeued, so replacing it would make that job run your spec",
+            "set another slurm.log_dir, or give your job another name",
+        )
     except FileNotFoundError:
         pass
     descriptor, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")

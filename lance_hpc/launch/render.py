@@ -232,7 +232,7 @@ def sbatch_directives(script: str) -> Iterator[tuple[str, str | bool]]:
         if stripped and not stripped.startswith("#"):
             return
         if stripped.startswith("#SBATCH"):
-            for word in shlex.split(stripped[len("#SBATCH"):]):
+            for word in shlex.split(stripped[len("#SBATCH") :]):
                 name, sep, value = word.lstrip("-").partition("=")
                 yield name, value if sep else True
 
@@ -261,9 +261,16 @@ def _refuse_unreadable_container(spec: JobSpec) -> None:
     container = spec.slurm.container
     if container is None:
         return
-    values = {"image": container.image, "workdir": container.workdir or "", **{f"mounts[{i}]": m for i, m in enumerate(container.mounts)}}
-    problems = [Problem(f"slurm.container.{key}", f"{value!r} has a control character", "remove it")
-                for key, value in values.items() if CONTROL.search(value)]
+    values = {
+        "image": container.image,
+        "workdir": container.workdir or "",
+        **{f"mounts[{i}]": m for i, m in enumerate(container.mounts)},
+    }
+    problems = [
+        Problem(f"slurm.container.{key}", f"{value!r} has a control character", "remove it")
+        for key, value in values.items()
+        if CONTROL.search(value)
+    ]
     if problems:
         raise SpecError(RENDERING, problems)
 
@@ -323,6 +330,8 @@ def write_job_files(spec: JobSpec, script_path: Path | None = None) -> tuple[Pat
             make_private_dirs(path.parent)  # also the log directory: SLURM cannot open logs in a missing one
             write_private(path, text)
         except OSError as error:
-            raise UserError(f"cannot write {path}: {error.strerror}\n"
-                            f"  fix: make {path.parent} a directory you can write, or set slurm.log_dir to one") from None
+            raise UserError(
+                f"cannot write {path}: {error.strerror}\n"
+                f"  fix: make {path.parent} a directory you can write, or set slurm.log_dir to one"
+            ) from None
     return spec_file, script_path

@@ -106,8 +106,10 @@ def submit_sweep(spec: JobSpec, executor: submitit.SlurmExecutor, script_path: P
         raise UserError(_explain_sbatch_failure(str(error))) from None
     array_id = jobs[0].job_id.split("_")[0]
     record_submission(spec, array_id, via="submitit")
-    print(f"submitted job array {array_id} ({spec.name}: {len(runs)} runs, at most {spec.slurm.array_parallelism} "
-          f"at once, {spec.slurm.world_size} tasks each)")
+    print(
+        f"submitted job array {array_id} ({spec.name}: {len(runs)} runs, at most {spec.slurm.array_parallelism} "
+        f"at once, {spec.slurm.world_size} tasks each)"
+    )
     for run, job in zip(runs, jobs):
         print(f"  {job.job_id:<12} {run.spec.name}  ({run.describe()})")
     print(f"  specs    {JobPaths.of(spec).run_specs}")
@@ -143,8 +145,7 @@ def wait_for(job: submitit.Job) -> int:
         if others:
             print(f"tasks {', '.join(others)} failed too; their logs are in {job.paths.folder}", file=sys.stderr)
         return ExitCode.FAILED
-    print(f"job {job.job_id} ended {state} with exit code {exit_code} and no result; the end of its log:",
-          file=sys.stderr)
+    print(f"job {job.job_id} ended {state} with exit code {exit_code} and no result; the end of its log:", file=sys.stderr)
     print(_tail(Path(job.paths.stderr)), file=sys.stderr)
     print(f"  logs: {job.paths.stderr}\n        {job.paths.stdout}", file=sys.stderr)
     return ExitCode.FAILED
@@ -180,5 +181,3 @@ def _explain_sbatch_failure(text: str) -> str:
     else:
         fix = "read sbatch's message above; `lance-hpc submit --dry-run` shows the script that was sent"
     return f"sbatch refused the job:\n    {summary}\n  fix: {fix}"
-
-

@@ -23,11 +23,17 @@ TARGET_HELP = "a job spec (the YAML you submitted) or a SLURM job id"
 
 def target_parser(prog: str, description: str, epilog: str) -> argparse.ArgumentParser:
     """The arguments every day-two command shares: the spec or job id, --set, --job."""
-    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("target", metavar="SPEC_OR_JOB_ID", help=TARGET_HELP)
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="the overrides the job was submitted with, if they changed its name or log_dir")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="the overrides the job was submitted with, if they changed its name or log_dir",
+    )
     parser.add_argument("--job", metavar="ID", help="with a spec: which of its jobs [the latest]")
     return parser
 

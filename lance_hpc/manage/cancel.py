@@ -38,8 +38,10 @@ def stop_signal(job: queue.SlurmJob) -> str:
 def cancel(ref: JobRef, now: bool, timeout_s: float) -> int:
     job = queue.show_job(ref.job_id)
     if job is None:
-        raise UserError(f"SLURM does not know job {ref.job_id}, so there is nothing to cancel\n"
-                        f"  fix: see how it ended with: lance-hpc status {ref.spec_source or ref.job_id}")
+        raise UserError(
+            f"SLURM does not know job {ref.job_id}, so there is nothing to cancel\n"
+            f"  fix: see how it ended with: lance-hpc status {ref.spec_source or ref.job_id}"
+        )
     if job.ended:
         print(f"job {ref.job_id} already ended: {job.state}; nothing to cancel")
         return 0
@@ -52,15 +54,21 @@ def cancel(ref: JobRef, now: bool, timeout_s: float) -> int:
         print(f"cancelled job {ref.job_id}")
         return 0
     signal_name = stop_signal(job)
-    print(f"asking job {ref.job_id} to save a checkpoint and stop (SIG{signal_name} to its tasks; "
-          "the ranks stop together at the next step)", flush=True)
+    print(
+        f"asking job {ref.job_id} to save a checkpoint and stop (SIG{signal_name} to its tasks; "
+        "the ranks stop together at the next step)",
+        flush=True,
+    )
     if not queue.signal_steps(ref.job_id, signal_name):  # its batch script has not started srun yet
         queue.scancel(ref.job_id, signal_name)
     job = wait_until_stopped(ref, signal_name, timeout_s)
     if job is not None and not job.ended:
-        print(f"{PROG}: job {ref.job_id} is still {job.state} after {timeout_s:.0f} s; it may still be writing "
-              f"its checkpoint\n  fix: wait and check with `lance-hpc status {ref.spec_source or ref.job_id}`, "
-              f"or stop it at once with `lance-hpc cancel {ref.job_id} --now`", file=sys.stderr)
+        print(
+            f"{PROG}: job {ref.job_id} is still {job.state} after {timeout_s:.0f} s; it may still be writing "
+            f"its checkpoint\n  fix: wait and check with `lance-hpc status {ref.spec_source or ref.job_id}`, "
+            f"or stop it at once with `lance-hpc cancel {ref.job_id} --now`",
+            file=sys.stderr,
+        )
         return ExitCode.FAILED
     report_stopped(ref, job)
     return 0
@@ -81,8 +89,11 @@ def wait_until_stopped(ref: JobRef, signal_name: str, timeout_s: float) -> queue
         if elapsed >= timeout_s:
             return job
         if time.monotonic() - shown_at >= PROGRESS_EVERY_S:
-            print(f"  waiting for job {ref.job_id} to save and stop: {job.state}, {elapsed:.0f} s "
-                  f"(giving up after {timeout_s:.0f} s)", flush=True)
+            print(
+                f"  waiting for job {ref.job_id} to save and stop: {job.state}, {elapsed:.0f} s "
+                f"(giving up after {timeout_s:.0f} s)",
+                flush=True,
+            )
             shown_at = time.monotonic()
         time.sleep(POLL_S)
 
@@ -107,17 +118,23 @@ def report_stopped(ref: JobRef, job: queue.SlurmJob | None) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = target_parser(PROG, "Stop a job after it saves a checkpoint; --now stops it at once.", (
-        "Without --now the job's ranks get SIGTERM (submitit jobs: USR2), agree at the next step, save a\n"
-        "checkpoint and exit; this command waits for that, printing progress, up to --timeout seconds.\n"
-        "Submitting the same spec again continues from that checkpoint.\n\n"
-        "examples:\n"
-        "  lance-hpc cancel jobs/map_gpu.yaml          # the latest job of this spec\n"
-        "  lance-hpc cancel 1234 --timeout 900\n"
-        "  lance-hpc cancel 1234 --now                 # at once: no checkpoint"))
+    parser = target_parser(
+        PROG,
+        "Stop a job after it saves a checkpoint; --now stops it at once.",
+        (
+            "Without --now the job's ranks get SIGTERM (submitit jobs: USR2), agree at the next step, save a\n"
+            "checkpoint and exit; this command waits for that, printing progress, up to --timeout seconds.\n"
+            "Submitting the same spec again continues from that checkpoint.\n\n"
+            "examples:\n"
+            "  lance-hpc cancel jobs/map_gpu.yaml          # the latest job of this spec\n"
+            "  lance-hpc cancel 1234 --timeout 900\n"
+            "  lance-hpc cancel 1234 --now                 # at once: no checkpoint"
+        ),
+    )
     parser.add_argument("--now", action="store_true", help="cancel at once, the tasks killed before they can save")
-    parser.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
-                        help="how long to wait for the checkpoint and the stop [300]")
+    parser.add_argument(
+        "--timeout", type=float, default=300.0, metavar="SECONDS", help="how long to wait for the checkpoint and the stop [300]"
+    )
     args = parser.parse_args(argv)
     if args.timeout <= 0:
         parser.error("--timeout must be positive")

@@ -60,19 +60,21 @@ def job_logs(ref: JobRef, job: queue.SlurmJob | None, rank: int | None = None) -
         paths = [SubmititPaths(JobPaths.of(owner).submitit_folder, ref.job_id, task) for task in tasks]
         return JobLogs([path for task in paths for path in (task.stdout, task.stderr)], labelled=False)
     if job is None or not job.stdout:
-        raise UserError(f"cannot tell where job {ref.job_id} writes its log\n"
-                        "  fix: name the job's spec: lance-hpc logs jobs/<spec>.yaml")
-    return JobLogs([Path(job.stdout), *([Path(job.stderr)] if job.stderr and job.stderr != job.stdout else [])],
-                   labelled=True)
+        raise UserError(
+            f"cannot tell where job {ref.job_id} writes its log\n  fix: name the job's spec: lance-hpc logs jobs/<spec>.yaml"
+        )
+    return JobLogs([Path(job.stdout), *([Path(job.stderr)] if job.stderr and job.stderr != job.stdout else [])], labelled=True)
 
 
 def rank_filter(rank: int | None) -> Callable[[bytes], bytes | None]:
     """Keep every line, or only ``rank``'s labelled lines without their label."""
+
     def keep(line: bytes) -> bytes | None:
         if rank is None:
             return line
         match = RANK_LABEL.match(line)
-        return line[match.end():] if match and int(match.group(1)) == rank else None
+        return line[match.end() :] if match and int(match.group(1)) == rank else None
+
     return keep
 
 
@@ -106,9 +108,11 @@ def open_log(path: Path) -> int | None:
         raise UserError(f"cannot read {path}: {error.strerror}\n  fix: check that the log is yours to read") from None
     if not stat.S_ISREG(os.fstat(descriptor).st_mode):
         os.close(descriptor)
-        raise UserError(f"{path} is not a regular file, so lance-hpc logs does not read it (a device or a pipe "
-                        "may never end or may block)\n  fix: read the job's output where it was sent, or name the "
-                        "job's spec: lance-hpc logs jobs/<spec>.yaml")
+        raise UserError(
+            f"{path} is not a regular file, so lance-hpc logs does not read it (a device or a pipe "
+            "may never end or may block)\n  fix: read the job's output where it was sent, or name the "
+            "job's spec: lance-hpc logs jobs/<spec>.yaml"
+        )
     return descriptor
 
 
@@ -166,20 +170,27 @@ def check_labels(logs: JobLogs, rank: int | None) -> None:
         return
     path = logs.files[0]
     start = max(path.stat().st_size - LABEL_CHECK_BYTES, 0)
-    lines = read_log(path, start, LABEL_CHECK_BYTES).splitlines()[1 if start else 0:]  # the line the window starts in is cut off
+    lines = read_log(path, start, LABEL_CHECK_BYTES).splitlines()[1 if start else 0 :]  # the line the window starts in is cut off
     if any(line.strip() for line in lines) and not any(RANK_LABEL.match(line) for line in lines):
-        raise UserError(f"the lines in {logs.files[0]} carry no rank labels (the job's script was rendered "
-                        "before lance_hpc ran srun with --label)\n"
-                        "  fix: leave out --rank to see every line; jobs rendered from now on label them")
+        raise UserError(
+            f"the lines in {logs.files[0]} carry no rank labels (the job's script was rendered "
+            "before lance_hpc ran srun with --label)\n"
+            "  fix: leave out --rank to see every line; jobs rendered from now on label them"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = target_parser(PROG, "Print a job's output: every run of the same job id, in one file pair.", (
-        "examples:\n"
-        "  lance-hpc logs jobs/map_gpu.yaml            # the latest job of this spec\n"
-        "  lance-hpc logs jobs/map_gpu.yaml -f         # and follow it until it ends\n"
-        "  lance-hpc logs 1234 --rank 3                # one rank's lines of job 1234\n"
-        "  lance-hpc logs jobs/map_gpu.yaml --stderr   # only stderr (tracebacks, srun's messages)"))
+    parser = target_parser(
+        PROG,
+        "Print a job's output: every run of the same job id, in one file pair.",
+        (
+            "examples:\n"
+            "  lance-hpc logs jobs/map_gpu.yaml            # the latest job of this spec\n"
+            "  lance-hpc logs jobs/map_gpu.yaml -f         # and follow it until it ends\n"
+            "  lance-hpc logs 1234 --rank 3                # one rank's lines of job 1234\n"
+            "  lance-hpc logs jobs/map_gpu.yaml --stderr   # only stderr (tracebacks, srun's messages)"
+        ),
+    )
     parser.add_argument("-f", "--follow", action="store_true", help="keep printing new output until the job ends")
     parser.add_argument("--rank", type=int, metavar="N", help="only rank N's lines (its task's files for submitit)")
     streams = parser.add_mutually_exclusive_group()
@@ -193,24 +204,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         refs = records.resolve(args.target, args.set, args.job)
         ref = refs[0]
         if len(refs) > 1:
-            print(f"{PROG}: showing {ref.job_id}, the first of {len(refs)} runs; pick another with --job "
-                  f"({', '.join(other.job_id for other in refs[1:])})", file=sys.stderr)
+            print(
+                f"{PROG}: showing {ref.job_id}, the first of {len(refs)} runs; pick another with --job "
+                f"({', '.join(other.job_id for other in refs[1:])})",
+                file=sys.stderr,
+            )
         job = queue.show_job(ref.job_id) if queue.have_slurm() else None
         if ref.spec is not None and args.rank is not None and args.rank >= ref.spec.slurm.world_size:
             raise UserError(f"--rank {args.rank}: job {ref.job_id} has ranks 0 to {ref.spec.slurm.world_size - 1}")
         logs = job_logs(ref, job, args.rank)
         if args.stdout or args.stderr:
-            logs = JobLogs([path for path in logs.files if path.suffix == (".out" if args.stdout else ".err")],
-                           logs.labelled)
+            logs = JobLogs([path for path in logs.files if path.suffix == (".out" if args.stdout else ".err")], logs.labelled)
         if not any(path.exists() for path in logs.files):
             if job is not None and not job.started:
-                print(f"job {ref.job_id} has not started ({job.state}{', ' + job.reason if job.reason else ''}); "
-                      f"its output will go to {logs.files[0]}", file=sys.stderr)
+                print(
+                    f"job {ref.job_id} has not started ({job.state}{', ' + job.reason if job.reason else ''}); "
+                    f"its output will go to {logs.files[0]}",
+                    file=sys.stderr,
+                )
                 if not args.follow:
                     return 0
             elif job is None or job.ended:
-                raise UserError(f"job {ref.job_id} left no log: {', '.join(map(str, logs.files))} do not exist\n"
-                                "  fix: check slurm.log_dir, or pass the --set overrides the job was submitted with")
+                raise UserError(
+                    f"job {ref.job_id} left no log: {', '.join(map(str, logs.files))} do not exist\n"
+                    "  fix: check slurm.log_dir, or pass the --set overrides the job was submitted with"
+                )
         check_labels(logs, args.rank)
         if args.follow and queue.have_slurm():
             show(logs, args.rank, follow_job=ref.job_id)

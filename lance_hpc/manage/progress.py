@@ -18,14 +18,18 @@ RECENT_POINTS = 5  # log points averaged for the seconds per step of the time-le
 ATTEMPT_START = re.compile(r"^job \d+ \(restart \d+\)", re.MULTILINE)
 # The last thing lance_hpc.run prints for each way a job ends, most telling first.
 OUTCOMES = (
-    (re.compile(r"stopped at step (\d+) by (SIG\w+); checkpoint (\S+?);"),
-     lambda m: f"stopped at step {m[1]} by {m[2]}, checkpoint {m[3]}"),
+    (
+        re.compile(r"stopped at step (\d+) by (SIG\w+); checkpoint (\S+?);"),
+        lambda m: f"stopped at step {m[1]} by {m[2]}, checkpoint {m[3]}",
+    ),
     (re.compile(r"final validation (.+) after (\d+) steps"), lambda m: f"finished after {m[2]} steps, validation {m[1]}"),
     (re.compile(r"training finished after (\d+) steps"), lambda m: f"finished after {m[1]} steps"),
     (re.compile(r"lance_hpc\.run: (.+)"), lambda m: f"failed: {m[1]}"),
     # the summary line of a Python traceback (submitit jobs print the rank's exception this way)
-    (re.compile(r"^(?:\s*\d+: )?((?:\w+\.)*\w*(?:Error|Exception|Failed)): (.+)$", re.MULTILINE),
-     lambda m: f"failed: {m[1].rsplit('.', 1)[-1]}: {m[2]}"),
+    (
+        re.compile(r"^(?:\s*\d+: )?((?:\w+\.)*\w*(?:Error|Exception|Failed)): (.+)$", re.MULTILINE),
+        lambda m: f"failed: {m[1].rsplit('.', 1)[-1]}: {m[2]}",
+    ),
 )
 
 
@@ -49,8 +53,11 @@ def last_logged(tensorboard_dir: str) -> Logged:
     events = EventAccumulator(tensorboard_dir, size_guidance={"scalars": 1000})
     events.Reload()
     available = set(events.Tags().get("scalars", ()))
-    series = {tag: [(point.step, point.value) for point in events.Scalars(tag)]
-              for tag in (LOSS_TAG, THROUGHPUT_TAG, STEP_TIME_TAG) if tag in available}
+    series = {
+        tag: [(point.step, point.value) for point in events.Scalars(tag)]
+        for tag in (LOSS_TAG, THROUGHPUT_TAG, STEP_TIME_TAG)
+        if tag in available
+    }
     last = {tag: points[-1] for tag, points in series.items() if points}
     step = (last.get(LOSS_TAG) or last.get(THROUGHPUT_TAG) or (None, None))[0]
     return Logged(
@@ -106,7 +113,7 @@ def outcome_from_log(stdout: str, stderr: str = "") -> str | None:
     """How the job's last run ended, from lance_hpc.run's closing lines (a stop or the end of training
     in ``stdout``, else an error in ``stderr``); None when neither shows one."""
     attempts = list(ATTEMPT_START.finditer(stdout))
-    return _last_outcome(stdout[attempts[-1].start():] if attempts else stdout) or _last_outcome(stderr)
+    return _last_outcome(stdout[attempts[-1].start() :] if attempts else stdout) or _last_outcome(stderr)
 
 
 def _last_outcome(text: str) -> str | None:

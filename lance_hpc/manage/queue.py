@@ -28,9 +28,7 @@ COMMAND_TIMEOUT_S = 30
 STEP_GONE_WORDS = ("already completing or completed", "invalid job id specified", "invalid job step")
 SHELL_SIGNAL_BASE = 128  # a process killed by signal N exits 128 + N as the shell reports it
 # What the exit codes of ``python -m lance_hpc.run`` mean, as SLURM reports them for the job.
-RUN_EXIT_MEANINGS = {
-    str(int(code)): code.meaning for code in (ExitCode.FAILED, ExitCode.USER_ERROR, ExitCode.STOPPED)
-}
+RUN_EXIT_MEANINGS = {str(int(code)): code.meaning for code in (ExitCode.FAILED, ExitCode.USER_ERROR, ExitCode.STOPPED)}
 
 
 @dataclass(frozen=True)
@@ -87,7 +85,7 @@ def parse_scontrol(text: str) -> list[dict[str, str]]:
         fields = {}
         for index, match in enumerate(keys):
             end = keys[index + 1].start() if index + 1 < len(keys) else len(line)
-            fields[match.group(1)] = line[match.end():end].strip()
+            fields[match.group(1)] = line[match.end() : end].strip()
         if "JobId" in fields:
             jobs.append(fields)
     return jobs
@@ -205,8 +203,10 @@ def signal_steps(job_id: str, signal_name: str) -> list[str]:
             refusals.append((result.stderr or result.stdout).strip() or f"exit status {result.returncode}")
     refused = [message for message in refusals if not _step_gone(message)]
     if steps and len(refusals) == len(steps) and refused:
-        raise UserError(f"scancel --signal={signal_name} could not signal job {job_id}: {refused[0]}\n"
-                        f"  fix: check the job id with squeue --me (only your own jobs can be signalled)")
+        raise UserError(
+            f"scancel --signal={signal_name} could not signal job {job_id}: {refused[0]}\n"
+            f"  fix: check the job id with squeue --me (only your own jobs can be signalled)"
+        )
     return steps
 
 

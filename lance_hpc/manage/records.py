@@ -32,7 +32,8 @@ class NotYourSpec(NotYourFile):
     def __init__(self, path: Path, uid: int) -> None:
         owner = owner_name(uid)
         super().__init__(
-            path, uid,
+            path,
+            uid,
             "lance-hpc status, logs and cancel read only your own job specs, so that nobody else's spec decides "
             "which files they read and write as you",
             f"give the job id instead (lance-hpc status <job id>) to see what SLURM knows, or ask {owner}",
@@ -68,8 +69,10 @@ def record_submission(spec: JobSpec, job_id: str, via: str) -> None:
 def record_state(spec: JobSpec, job: queue.SlurmJob) -> None:
     """Keep an ended job's final state for when SLURM no longer shows it (once per job)."""
     if job.ended and read_records(spec).get(job.job_id, {}).get("state") != job.state:
-        _append(records_path(spec), {"job_id": job.job_id, "state": job.state, "exit_code": job.exit_code,
-                                     "end_time": job.end_time, "seen": _now()})
+        _append(
+            records_path(spec),
+            {"job_id": job.job_id, "state": job.state, "exit_code": job.exit_code, "end_time": job.end_time, "seen": _now()},
+        )
 
 
 def read_records(spec: JobSpec) -> dict[str, dict[str, Any]]:
@@ -114,8 +117,10 @@ def resolve(target: str, overrides: Sequence[str] = (), job_id: str | None = Non
     if job_id is not None:
         if job_id not in ids:
             known = ", ".join(ids) or "none"
-            raise UserError(f"job {job_id} is not one of {target}'s jobs (found: {known})\n"
-                            f"  fix: pick one of those, or give the job id alone: lance-hpc ... {job_id}")
+            raise UserError(
+                f"job {job_id} is not one of {target}'s jobs (found: {known})\n"
+                f"  fix: pick one of those, or give the job id alone: lance-hpc ... {job_id}"
+            )
         ids = [job_id]
     if not ids:
         raise never_submitted(spec, target)
@@ -132,8 +137,10 @@ def sweep_runs(spec: JobSpec, target: str, job_id: str | None, every: bool) -> l
     if job_id is not None:
         refs = [ref for ref in refs if job_id in (ref.job_id, ref.job_id.partition("_")[0])]
         if not refs:
-            raise UserError(f"job {job_id} is not one of {target}'s runs (arrays found: {', '.join(arrays)})\n"
-                            "  fix: give an array id, or <array id>_<run index> for one run")
+            raise UserError(
+                f"job {job_id} is not one of {target}'s runs (arrays found: {', '.join(arrays)})\n"
+                "  fix: give an array id, or <array id>_<run index> for one run"
+            )
     return refs
 
 
@@ -212,5 +219,3 @@ def _append(path: Path, entry: dict[str, Any]) -> None:
 
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-

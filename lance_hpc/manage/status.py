@@ -31,7 +31,8 @@ def headline(ref: JobRef, job: queue.SlurmJob | None, recorded: dict) -> str:
     if job is None:
         if "state" in recorded:
             detail = f"gone from SLURM; it ended {recorded['state']}" + (
-                f" with exit code {recorded['exit_code']}" if recorded.get("exit_code") else "")
+                f" with exit code {recorded['exit_code']}" if recorded.get("exit_code") else ""
+            )
         else:
             detail = "gone from SLURM (it forgot the job: no accounting, or long ended), final state not recorded"
         return f"job {ref.job_id} ({name}): {detail}"
@@ -73,8 +74,10 @@ def report(ref: JobRef, job: queue.SlurmJob | None) -> list[str]:
         lines.append(f"  checkpoint  none yet in {spec.checkpoint.dir}")
     logged = progress.last_logged(spec.logging.tensorboard_dir)
     if logged.loss is not None or logged.samples_per_s is not None:
-        values = [f"loss {logged.loss:.4g}" if logged.loss is not None else "",
-                  f"{logged.samples_per_s:,.1f} samples/s" if logged.samples_per_s is not None else ""]
+        values = [
+            f"loss {logged.loss:.4g}" if logged.loss is not None else "",
+            f"{logged.samples_per_s:,.1f} samples/s" if logged.samples_per_s is not None else "",
+        ]
         lines.append(f"  last log    step {logged.step}: {', '.join(value for value in values if value)}")
     else:
         lines.append(f"  last log    nothing logged yet in {spec.logging.tensorboard_dir}")
@@ -95,8 +98,10 @@ def time_left_text(spec: JobSpec, step: int, seconds_per_step: float | None) -> 
     left = progress.seconds_left(step, total, seconds_per_step)
     if left is None:
         return f"unknown until the first steps are logged (step {step} of {total})"
-    return (f"about {progress.format_duration(left)}: step {step} of {total}, {total - step} steps x "
-            f"{seconds_per_step:.3g} s (recent mean; evaluation and checkpoints not counted)")
+    return (
+        f"about {progress.format_duration(left)}: step {step} of {total}, {total - step} steps x "
+        f"{seconds_per_step:.3g} s (recent mean; evaluation and checkpoints not counted)"
+    )
 
 
 def _read(path: Path) -> str:
@@ -107,22 +112,28 @@ def _read(path: Path) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = target_parser(PROG, "Show a job's SLURM state, restarts, checkpoint, last loss and throughput, "
-                           "and the time it has left.", (
-        "The state comes from scontrol/squeue (and sacct where SLURM keeps accounting); once SLURM has\n"
-        "forgotten a job, from what lance_hpc recorded in <slurm.log_dir>/jobs.jsonl and the job's log.\n\n"
-        "examples:\n"
-        "  lance-hpc status jobs/map_gpu.yaml          # the latest job of this spec\n"
-        "  lance-hpc status jobs/map_gpu.yaml --all    # every job of this spec\n"
-        "  lance-hpc status 1234"))
+    parser = target_parser(
+        PROG,
+        "Show a job's SLURM state, restarts, checkpoint, last loss and throughput, and the time it has left.",
+        (
+            "The state comes from scontrol/squeue (and sacct where SLURM keeps accounting); once SLURM has\n"
+            "forgotten a job, from what lance_hpc recorded in <slurm.log_dir>/jobs.jsonl and the job's log.\n\n"
+            "examples:\n"
+            "  lance-hpc status jobs/map_gpu.yaml          # the latest job of this spec\n"
+            "  lance-hpc status jobs/map_gpu.yaml --all    # every job of this spec\n"
+            "  lance-hpc status 1234"
+        ),
+    )
     parser.add_argument("--all", action="store_true", help="with a spec: every job it has had, oldest first")
     args = parser.parse_args(argv)
 
     def command() -> int:
         refs = records.resolve(args.target, args.set, args.job, every=args.all)
         if not queue.have_slurm():
-            print(f"{PROG}: scontrol not found on PATH, so SLURM's view is missing below; "
-                  "run this on the login node for it", file=sys.stderr)
+            print(
+                f"{PROG}: scontrol not found on PATH, so SLURM's view is missing below; run this on the login node for it",
+                file=sys.stderr,
+            )
         for index, ref in enumerate(refs):
             job = queue.show_job(ref.job_id) if queue.have_slurm() else None
             print(("\n" if index else "") + "\n".join(report(ref, job)), flush=True)

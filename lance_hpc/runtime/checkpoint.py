@@ -114,15 +114,18 @@ def no_space_message(directory: str | Path, full: NoSpace) -> str:
     if full.quota:
         problem = f"the disk quota on its file system is used up ({_size(full.free)} free on the file system)"
     else:
-        problem = (f"the file system is full ({_size(full.free)} free in {directory} after removing the partial "
-                   f"file{reached})")
+        problem = f"the file system is full ({_size(full.free)} free in {directory} after removing the partial file{reached})"
     if intact:
-        kept = (f"the newest complete checkpoint, {intact[-1]}, is intact: a checkpoint is written to a temporary file "
-                "and renamed into place only when complete")
+        kept = (
+            f"the newest complete checkpoint, {intact[-1]}, is intact: a checkpoint is written to a temporary file "
+            "and renamed into place only when complete"
+        )
     else:
         kept = "no earlier checkpoint exists, and nothing was left behind"
-    fix = (f"free space there or point checkpoint.dir at a larger file system (checkpoint.keep: fewer kept), then run "
-           f"again to {'resume from ' + intact[-1] if intact else 'start'}")
+    fix = (
+        f"free space there or point checkpoint.dir at a larger file system (checkpoint.keep: fewer kept), then run "
+        f"again to {'resume from ' + intact[-1] if intact else 'start'}"
+    )
     return f"cannot write {full.path}: {problem}\n  {kept}\n  fix: {fix}"
 
 
@@ -150,8 +153,7 @@ def writer_lease(directory: str | Path, env: DistEnv) -> Iterator[lease.Lease | 
         except UserError as error:
             refusal[0] = (str(error), True)
         except Exception as error:  # raised on every rank below, not only on this one
-            refusal[0] = (f"cannot take the lease of checkpoint.dir {directory}: {type(error).__name__}: {error}",
-                          False)
+            refusal[0] = (f"cannot take the lease of checkpoint.dir {directory}: {type(error).__name__}: {error}", False)
     dist.broadcast_object_list(refusal, src=0)
     if refusal[0] is not None:
         message, user_error = refusal[0]
@@ -239,8 +241,10 @@ def check_same_model(resumed: Checkpoint, spec: JobSpec, options: BaseModel) -> 
     ours, theirs = _model_text(spec.task.name, getattr(options, "model", None)), _model_text(saved_name, saved_model)
     if ours != theirs:
         back = f"task.options.model: {saved_model}" if saved_name == spec.task.name else f"task.name: {saved_name}"
-        raise UserError(f"checkpoint {resumed.path} was written for {theirs}, but this job trains {ours}\n"
-                        f"  fix: {_OTHER_DIRECTORY}, or set {back} to continue that run; {_START_OVER}")
+        raise UserError(
+            f"checkpoint {resumed.path} was written for {theirs}, but this job trains {ours}\n"
+            f"  fix: {_OTHER_DIRECTORY}, or set {back} to continue that run; {_START_OVER}"
+        )
 
 
 def restore_object(item: Any, saved: Any, resumed: Checkpoint, spec: JobSpec, name: str) -> None:
@@ -256,10 +260,12 @@ def restore_object(item: Any, saved: Any, resumed: Checkpoint, spec: JobSpec, na
         if not mismatch:
             raise
         changes = _spec_changes(resumed.state.get("spec", {}), spec.redacted_dict())  # as the checkpoint keeps it
-        raise UserError(f"checkpoint {resumed.path}: its {name!r} does not match this job's {name} ({mismatch})\n"
-                        + (f"  the checkpoint was written with {changes}\n" if changes else "")
-                        + f"  fix: {_OTHER_DIRECTORY}, or build the {name} the checkpoint was written for; "
-                        + _START_OVER) from None
+        raise UserError(
+            f"checkpoint {resumed.path}: its {name!r} does not match this job's {name} ({mismatch})\n"
+            + (f"  the checkpoint was written with {changes}\n" if changes else "")
+            + f"  fix: {_OTHER_DIRECTORY}, or build the {name} the checkpoint was written for; "
+            + _START_OVER
+        ) from None
 
 
 _OTHER_DIRECTORY = "give this job another checkpoint.dir (--set checkpoint.dir=DIR)"
@@ -274,13 +280,19 @@ def _state_mismatch(module: nn.Module, saved: Any) -> str:
     """A few of the keys that differ between ``module``'s state and ``saved``, and how many there are."""
     expected = module.state_dict()
     saved = saved if isinstance(saved, dict) else {}
-    resized = [f"{key} {list(saved[key].shape)} vs {list(value.shape)}" for key, value in expected.items()
-               if key in saved and hasattr(saved[key], "shape") and tuple(saved[key].shape) != tuple(value.shape)]
-    kinds = (("missing from the checkpoint", [key for key in expected if key not in saved]),
-             ("only in the checkpoint", [key for key in saved if key not in expected]),
-             ("of another shape (checkpoint vs model)", resized))
-    return "; ".join(f"{len(keys)} key(s) {label}: {', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}"
-                     for label, keys in kinds if keys)
+    resized = [
+        f"{key} {list(saved[key].shape)} vs {list(value.shape)}"
+        for key, value in expected.items()
+        if key in saved and hasattr(saved[key], "shape") and tuple(saved[key].shape) != tuple(value.shape)
+    ]
+    kinds = (
+        ("missing from the checkpoint", [key for key in expected if key not in saved]),
+        ("only in the checkpoint", [key for key in saved if key not in expected]),
+        ("of another shape (checkpoint vs model)", resized),
+    )
+    return "; ".join(
+        f"{len(keys)} key(s) {label}: {', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}" for label, keys in kinds if keys
+    )
 
 
 def _spec_changes(saved: dict[str, Any], current: dict[str, Any], shown: int = 3) -> str:
@@ -288,8 +300,7 @@ def _spec_changes(saved: dict[str, Any], current: dict[str, Any], shown: int = 3
     before = {key: value for key, value in flatten(saved).items() if key == "entry" or key.startswith("task.")}
     after = {key: value for key, value in flatten(current).items() if key == "entry" or key.startswith("task.")}
     changed = [key for key in sorted(before.keys() | after.keys()) if before.get(key) != after.get(key)]
-    return ", ".join(f"{key}: {before.get(key, '(unset)')} (this job: {after.get(key, '(unset)')})"
-                     for key in changed[:shown])
+    return ", ".join(f"{key}: {before.get(key, '(unset)')} (this job: {after.get(key, '(unset)')})" for key in changed[:shown])
 
 
 def find_resume_point(spec: JobSpec) -> Checkpoint | None:
@@ -356,7 +367,11 @@ def resume_message(resumed: Checkpoint, progress: float, world_size: int, batch_
             f"\n  written by {resumed.world_size} ranks, continued by {world_size}: the per-rank batch stays "
             f"{batch_size} (was {before}), so the global batch is now {batch_size * world_size * grad_accum}"
             + "; epochs are counted in samples"
-            + ("; the rest of the interrupted epoch is split over the new ranks, no row read twice" if resumed.state["mid_epoch"] else "")
+            + (
+                "; the rest of the interrupted epoch is split over the new ranks, no row read twice"
+                if resumed.state["mid_epoch"]
+                else ""
+            )
         )
     return text
 

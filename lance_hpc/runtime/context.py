@@ -85,8 +85,9 @@ def wrap_model(model: nn.Module, device: torch.device, deterministic: bool) -> D
     all-reduce sums each gradient; a resumed job would sum its first step differently from the
     uninterrupted one. find_unused_parameters keeps the first grouping for good (at the cost of one
     graph traversal per step), so deterministic runs resume bit for bit."""
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                   find_unused_parameters=deterministic)
+    return DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=deterministic
+    )
 
 
 def precision_context(train_spec: TrainSpec, device: torch.device) -> torch.autocast:
@@ -118,7 +119,8 @@ class StopNotHonoured(Exception):
         super().__init__(
             f"stopped by {name}, and nothing was saved: the loop reads its loader directly, not through "
             f"ctx.steps(loader), which is where lance_hpc stops the ranks together and saves a checkpoint "
-            f"(no checkpoint since step {step})\n  fix: iterate with `for step, batch in ctx.steps(loader):`")
+            f"(no checkpoint since step {step})\n  fix: iterate with `for step, batch in ctx.steps(loader):`"
+        )
         self.signum = signum
 
 
@@ -128,8 +130,17 @@ class Context:
     ``spec``, ``task`` and ``device`` are plain attributes; everything else is read through
     properties and methods, and the context's own bookkeeping stays private."""
 
-    def __init__(self, spec: JobSpec, env: DistEnv, device: torch.device, task: Task, logger: MetricLogger,
-                 preemption: Preemption, resumed: Checkpoint | None = None, options: Any = None) -> None:
+    def __init__(
+        self,
+        spec: JobSpec,
+        env: DistEnv,
+        device: torch.device,
+        task: Task,
+        logger: MetricLogger,
+        preemption: Preemption,
+        resumed: Checkpoint | None = None,
+        options: Any = None,
+    ) -> None:
         self.spec, self.task, self.device = spec, task, device
         self._options = dict(spec.entry_options) if options is None else options
         self._env, self._logger, self._preemption, self._resumed = env, logger, preemption, resumed
@@ -256,16 +267,25 @@ class Context:
 
     def train_loader(self, decoder: Decoder | None = None) -> TrainLoader:
         """This rank's training batches with the spec's strategy; ``decoder`` defaults to the task's."""
-        loader = data.build_train_loader(checkpoint.pinned_data(self.spec.data, self._resumed),
-                                         decoder or self.task.decoder(train=True), self.rank, self.world_size,
-                                         pin_memory=self.device.type == "cuda")
+        loader = data.build_train_loader(
+            checkpoint.pinned_data(self.spec.data, self._resumed),
+            decoder or self.task.decoder(train=True),
+            self.rank,
+            self.world_size,
+            pin_memory=self.device.type == "cuda",
+        )
         loader.watch = self._direct_batch
         return loader
 
     def eval_loader(self, decoder: Decoder | None = None) -> EvalLoader:
         """This rank's share of data.val_uri; ranks may get one batch more or less than each other."""
-        return data.build_eval_loader(self.spec.data, decoder or self.task.decoder(train=False), self.rank,
-                                      self.world_size, pin_memory=self.device.type == "cuda")
+        return data.build_eval_loader(
+            self.spec.data,
+            decoder or self.task.decoder(train=False),
+            self.rank,
+            self.world_size,
+            pin_memory=self.device.type == "cuda",
+        )
 
     def build_model(self) -> nn.Module:
         """The task's model on this rank's device, as the task prepares it, with the initial weights
@@ -303,8 +323,9 @@ class Context:
         ``state_dict``/``load_state_dict``); when the job resumes, each is restored here, in place."""
         for name, item in objects.items():
             if not (hasattr(item, "state_dict") and hasattr(item, "load_state_dict")):
-                raise UserError(f"ctx.register({name}=...): a {type(item).__name__} has no state_dict/load_state_dict "
-                                "to checkpoint it with")
+                raise UserError(
+                    f"ctx.register({name}=...): a {type(item).__name__} has no state_dict/load_state_dict to checkpoint it with"
+                )
             self._registered[name] = item
             if isinstance(item, TrainLoader):
                 item.watch = self._direct_batch
@@ -317,8 +338,10 @@ class Context:
             elif name in self._resumed.objects:
                 checkpoint.restore_object(_unwrapped(item), self._resumed.objects[name], self._resumed, self.spec, name)
             else:
-                raise UserError(f"ctx.register: the checkpoint {self._resumed.path} holds no {name!r} "
-                                f"(it has {', '.join(self._resumed.objects) or 'nothing'})")
+                raise UserError(
+                    f"ctx.register: the checkpoint {self._resumed.path} holds no {name!r} "
+                    f"(it has {', '.join(self._resumed.objects) or 'nothing'})"
+                )
 
     def save(self) -> str:
         """Collective: checkpoint every registered object now (steps() calls it for you)."""
@@ -461,22 +484,38 @@ class Context:
             values = ", ".join(f"{tag} {value:.4g}" for tag, value in shown.items())
             print(f"step {self._step}/{self.total_steps}: {values}", flush=True)
         if self.is_main and perf["data/store_retries"] > 0:  # one line per log window, however many
-            print(f"step {self._step}: the store failed {perf['data/store_retries']:.0f} batch read(s) since the previous "
-                  "log point, all read again (retried up to data.io_timeout_s)", file=sys.stderr, flush=True)
+            print(
+                f"step {self._step}: the store failed {perf['data/store_retries']:.0f} batch read(s) since the previous "
+                "log point, all read again (retried up to data.io_timeout_s)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _progress_bar(self, total: int, done: int) -> tqdm:
         # In a SLURM log (no terminal) a bar redrawn ten times a second buries everything else.
         redraw_s = 0.1 if sys.stdout.isatty() else 30.0
-        return tqdm(total=total, initial=done, desc=f"epoch {self._epoch + 1}", leave=False, mininterval=redraw_s,
-                    disable=not (self.is_main and self.spec.logging.progress), file=sys.stdout)
+        return tqdm(
+            total=total,
+            initial=done,
+            desc=f"epoch {self._epoch + 1}",
+            leave=False,
+            mininterval=redraw_s,
+            disable=not (self.is_main and self.spec.logging.progress),
+            file=sys.stdout,
+        )
 
     def _already_finished(self) -> str:
-        limit = (f"train.max_steps ({self._max_steps})" if self._max_steps is not None and self._step >= self._max_steps
-                 else f"train.epochs ({self._epochs})")
+        limit = (
+            f"train.max_steps ({self._max_steps})"
+            if self._max_steps is not None and self._step >= self._max_steps
+            else f"train.epochs ({self._epochs})"
+        )
         where = f" ({self.last_checkpoint or self.resumed_from})" if (self.last_checkpoint or self.resumed_from) else ""
-        return (f"already finished: step {self._step}, epoch {self._epoch}, reached {limit}; nothing to train"
-                f"{where}\n  fix: raise {limit.split(' ')[0]} to train on from here, or give the job a new "
-                "checkpoint.dir to start over")
+        return (
+            f"already finished: step {self._step}, epoch {self._epoch}, reached {limit}; nothing to train"
+            f"{where}\n  fix: raise {limit.split(' ')[0]} to train on from here, or give the job a new "
+            "checkpoint.dir to start over"
+        )
 
     def _position_loader(self) -> TrainLoader | None:
         """The loader whose position measures progress: the one steps() iterates, else the first registered."""
@@ -490,9 +529,12 @@ class Context:
         if self._in_steps:
             return
         if not self._warned_direct and self._registered and self.is_main:
-            warnings.warn("this loop iterates its loader directly, not through ctx.steps(loader): what it registered "
-                          "is never checkpointed, and a preemption cannot stop it at a step boundary; iterate with "
-                          "`for step, batch in ctx.steps(loader):`", stacklevel=3)
+            warnings.warn(
+                "this loop iterates its loader directly, not through ctx.steps(loader): what it registered "
+                "is never checkpointed, and a preemption cannot stop it at a step boundary; iterate with "
+                "`for step, batch in ctx.steps(loader):`",
+                stacklevel=3,
+            )
         self._warned_direct = True
         if self._preemption.received is not None:
             raise StopNotHonoured(self._preemption.received, self._step)
@@ -503,17 +545,27 @@ def _unwrapped(item: Any) -> Any:
     return item.module if isinstance(item, DistributedDataParallel) else item
 
 
-def run_entry(entry: Callable[[Context], Any], spec: JobSpec, env: DistEnv, device: torch.device,
-              preemption: Preemption, task: Task) -> Summary:
+def run_entry(
+    entry: Callable[[Context], Any], spec: JobSpec, env: DistEnv, device: torch.device, preemption: Preemption, task: Task
+) -> Summary:
     """Run a job's entry function in this rank; a preemption inside :meth:`Context.steps` ends it."""
     configure_process(spec.train.seed, spec.train.deterministic, env, device)
     resumed = checkpoint.find_resume_point(spec)
     if resumed and env.is_main and not _ended(resumed, spec):
-        print(checkpoint.resume_message(resumed, float(resumed.state.get("progress", resumed.epoch)), env.world_size,
-                                        spec.data.batch_size, spec.train.grad_accum), flush=True)
+        print(
+            checkpoint.resume_message(
+                resumed,
+                float(resumed.state.get("progress", resumed.epoch)),
+                env.world_size,
+                spec.data.batch_size,
+                spec.train.grad_accum,
+            ),
+            flush=True,
+        )
     logger = build_logger(spec.logging.tensorboard_dir, env.is_main, purge_step=resumed.step if resumed else None)
-    logger.log_hparams({**flatten(spec.redacted_dict()), "world_size": env.world_size},
-                       (f"val/{task.headline_metric}", "val/loss"))
+    logger.log_hparams(
+        {**flatten(spec.redacted_dict()), "world_size": env.world_size}, (f"val/{task.headline_metric}", "val/loss")
+    )
     model = entry_options_model(entry)
     options = model.model_validate(spec.entry_options) if model is not None else None
     context = Context(spec, env, device, task, logger, preemption, resumed, options)

@@ -88,10 +88,19 @@ class Holder:
         """The holder a lease file names; None for anything else (a lease being written, a damaged one)."""
         try:
             raw = json.loads(payload)
-            return cls(str(raw["token"]), str(raw["host"]), str(raw["boot_id"]), int(raw["pid"]),
-                       int(raw["pid_start"]), str(raw["user"]), None if raw["job"] is None else str(raw["job"]),
-                       int(raw["restart"]), _seconds(raw["started"]), _seconds(raw["heartbeat"]),
-                       bool(raw.get("requeued", False)))
+            return cls(
+                str(raw["token"]),
+                str(raw["host"]),
+                str(raw["boot_id"]),
+                int(raw["pid"]),
+                int(raw["pid_start"]),
+                str(raw["user"]),
+                None if raw["job"] is None else str(raw["job"]),
+                int(raw["restart"]),
+                _seconds(raw["started"]),
+                _seconds(raw["heartbeat"]),
+                bool(raw.get("requeued", False)),
+            )
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -101,8 +110,10 @@ class Holder:
         if self.job:
             job = f"SLURM job {self.job}" + (f" (restart {self.restart})" if self.restart else "")
         requeued = " requeued and waiting to run again" if self.requeued else ""
-        return (f"pid {self.pid} on {self.host}, {job}{requeued}, user {self.user}, since {_when(self.started)}, "
-                f"last heartbeat {_duration(now - self.heartbeat)} ago")
+        return (
+            f"pid {self.pid} on {self.host}, {job}{requeued}, user {self.user}, since {_when(self.started)}, "
+            f"last heartbeat {_duration(now - self.heartbeat)} ago"
+        )
 
     def stop_hint(self) -> str:
         if self.job:
@@ -113,8 +124,18 @@ class Holder:
 def this_process(job: str | None, restart: int) -> Holder:
     """A lease record for this process, as rank 0 of SLURM job ``job`` (None: a local run)."""
     now = _whole_seconds()
-    return Holder(uuid.uuid4().hex, socket.gethostname(), _boot_id(), os.getpid(), _start_ticks(os.getpid()) or 0,
-                  _user(), job, restart, now, now)
+    return Holder(
+        uuid.uuid4().hex,
+        socket.gethostname(),
+        _boot_id(),
+        os.getpid(),
+        _start_ticks(os.getpid()) or 0,
+        _user(),
+        job,
+        restart,
+        now,
+        now,
+    )
 
 
 @dataclass(frozen=True)
@@ -339,8 +360,11 @@ class Lease:
                 failing = False
             except Exception as error:  # a file system or store hiccup: the next beat tries again
                 if not failing:
-                    print(f"lance_hpc: cannot renew the lease {self.store.where} ({error}); retrying every "
-                          f"{HEARTBEAT_S:.0f} s", file=sys.stderr, flush=True)
+                    print(
+                        f"lance_hpc: cannot renew the lease {self.store.where} ({error}); retrying every {HEARTBEAT_S:.0f} s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 failing = True
             if self.lost:
                 return
@@ -386,13 +410,15 @@ class Lease:
         try:
             marked = _within(END_WAIT_S, lambda: self.renew(requeued=True))
         except Exception as error:  # the lease stays as it was; the restart count still identifies the job
-            print(f"lance_hpc: cannot mark the lease {self.store.where} as requeued ({error})", file=sys.stderr,
-                  flush=True)
+            print(f"lance_hpc: cannot mark the lease {self.store.where} as requeued ({error})", file=sys.stderr, flush=True)
             return
         if not marked:
-            print(f"lance_hpc: the lease {self.store.where} could not be marked as requeued within "
-                  f"{END_WAIT_S:.0f} s (its file system or store does not answer); it goes stale unmarked",
-                  file=sys.stderr, flush=True)
+            print(
+                f"lance_hpc: the lease {self.store.where} could not be marked as requeued within "
+                f"{END_WAIT_S:.0f} s (its file system or store does not answer); it goes stale unmarked",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def release(self) -> None:
         """Stop renewing and delete the lease, if it is still this process's. Waits at most about
@@ -408,8 +434,12 @@ class Lease:
                 self.store.remove(snapshot)
 
         if not _within(END_WAIT_S, remove):
-            print(f"lance_hpc: the lease {self.store.where} could not be released within {END_WAIT_S:.0f} s (its "
-                  "file system or store does not answer); it is left to go stale", file=sys.stderr, flush=True)
+            print(
+                f"lance_hpc: the lease {self.store.where} could not be released within {END_WAIT_S:.0f} s (its "
+                "file system or store does not answer); it is left to go stale",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _end(self) -> bool:
         """Stop the heartbeat and forget the lease; False when that was done already."""
@@ -464,9 +494,11 @@ def acquire(directory: str | Path, me: Holder) -> tuple[Lease, str | None]:
             lease = Lease(directory, store, me)
             lease.start()
             return lease, note
-    raise UserError(f"checkpoint.dir {directory}: could not take its lease {store.where} in {CLAIM_ATTEMPTS} tries: "
-                    "other runs kept changing it, so several are starting on this directory at once\n"
-                    "  fix: start one run per checkpoint.dir")
+    raise UserError(
+        f"checkpoint.dir {directory}: could not take its lease {store.where} in {CLAIM_ATTEMPTS} tries: "
+        "other runs kept changing it, so several are starting on this directory at once\n"
+        "  fix: start one run per checkpoint.dir"
+    )
 
 
 def refuse_if_held(directory: str | Path, job: str | None, restart: int) -> None:
@@ -489,7 +521,8 @@ def verdict(seen: Snapshot, me: Holder, directory: str, where: str) -> str | Non
             raise UserError(
                 f"checkpoint.dir {directory} has a lease {where} that cannot be read, last written "
                 f"{_duration(age)} ago: another run may be taking it right now\n"
-                f"  fix: start this run again in a minute; if no other run uses this directory, delete {where}")
+                f"  fix: start this run again in a minute; if no other run uses this directory, delete {where}"
+            )
         return f"taking over the unreadable lease {where}, untouched for {_duration(age)}"
     if holder.job is not None and holder.job == me.job and (holder.requeued or holder.restart != me.restart):
         return None  # SLURM ends a job's previous run before it starts the next one
@@ -501,16 +534,19 @@ def verdict(seen: Snapshot, me: Holder, directory: str, where: str) -> str | Non
             "would prune and resume from each other's checkpoints\n"
             f"  fix: let that job run again, or stop it for good with `lance-hpc cancel {holder.job}` (or "
             f"`scancel {holder.job}`) and start this run once SLURM shows it ended; or give this run its own "
-            "checkpoint.dir (--set checkpoint.dir=...)")
+            "checkpoint.dir (--set checkpoint.dir=...)"
+        )
     if gone is None:
         raise UserError(
             f"checkpoint.dir {directory} is in use by another run: {holder.describe(now)}\n"
             "  two runs on one checkpoint.dir would prune and resume from each other's checkpoints\n"
             f"  fix: wait for that run to end ({holder.stop_hint()}), or give this run its own checkpoint.dir "
             "(--set checkpoint.dir=...). The lease is free once that run ends, or "
-            f"{STALE_AFTER_S / 60:.0f} min after its last heartbeat if it died on another machine")
-    return (f"checkpoint.dir {directory}: taking over the lease of a run that is gone ({gone}); "
-            f"it was held by {holder.describe(now)}")
+            f"{STALE_AFTER_S / 60:.0f} min after its last heartbeat if it died on another machine"
+        )
+    return (
+        f"checkpoint.dir {directory}: taking over the lease of a run that is gone ({gone}); it was held by {holder.describe(now)}"
+    )
 
 
 def _why_gone(holder: Holder, me: Holder, now: float) -> str | None:
@@ -541,8 +577,10 @@ def _why_requeued_gone(job: str, heartbeat_age: float) -> str | None:
         return f"SLURM job {job} ended {shown.state}" if shown.ended else None
     if not answered or heartbeat_age < STALE_AFTER_S:
         return None
-    return (f"SLURM job {job} was requeued {_duration(heartbeat_age)} ago and SLURM no longer knows it "
-            f"(a requeued job's lease is free then, {STALE_AFTER_S / 60:.0f} min after its last heartbeat)")
+    return (
+        f"SLURM job {job} was requeued {_duration(heartbeat_age)} ago and SLURM no longer knows it "
+        f"(a requeued job's lease is free then, {STALE_AFTER_S / 60:.0f} min after its last heartbeat)"
+    )
 
 
 def _slurm_job_ended(job: str) -> str | None:
@@ -580,8 +618,10 @@ def _file_errors(store: LeaseStore, action: Callable[[], T]) -> T:
     try:
         return action()
     except OSError as error:
-        raise UserError(f"cannot take the lease {store.where}: {error.strerror or error}\n"
-                        "  fix: checkpoint.dir must be a directory this user can create files in") from None
+        raise UserError(
+            f"cannot take the lease {store.where}: {error.strerror or error}\n"
+            "  fix: checkpoint.dir must be a directory this user can create files in"
+        ) from None
 
 
 def _running(pid: int, start_ticks: int) -> bool:

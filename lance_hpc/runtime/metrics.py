@@ -133,24 +133,29 @@ class TrainWindow:
 
     def reduce(self) -> tuple[dict[str, float], float, dict[str, float]]:
         """(the task's summed metrics, wall seconds of the window, perf/* and data/* values), over all ranks."""
-        timing = torch.tensor([self.samples, self.step_time, self.data_wait, self.store_retries], dtype=torch.float64,
-                              device=self.device)
+        timing = torch.tensor(
+            [self.samples, self.step_time, self.data_wait, self.store_retries], dtype=torch.float64, device=self.device
+        )
         totals = torch.cat([self.sums, timing])
         dist.all_reduce(totals)
         values = totals.tolist()
         sums = dict(zip(self.metric_names, values))
-        samples, step_time, data_wait, store_retries = values[len(self.metric_names):]
+        samples, step_time, data_wait, store_retries = values[len(self.metric_names) :]
         world_size = dist.get_world_size()
         seconds = step_time / world_size  # the ranks step together: mean wall time of the window
         steps = max(self.steps, 1)
         self.reset()
-        return sums, seconds, {
-            "perf/samples_per_s": samples / max(seconds, 1e-9),
-            "perf/samples_per_s_per_rank": samples / world_size / max(seconds, 1e-9),
-            "perf/step_time_s": seconds / steps,
-            "perf/data_wait_share": data_wait / max(step_time, 1e-9),
-            "data/store_retries": store_retries,
-        }
+        return (
+            sums,
+            seconds,
+            {
+                "perf/samples_per_s": samples / max(seconds, 1e-9),
+                "perf/samples_per_s_per_rank": samples / world_size / max(seconds, 1e-9),
+                "perf/step_time_s": seconds / steps,
+                "perf/data_wait_share": data_wait / max(step_time, 1e-9),
+                "data/store_retries": store_retries,
+            },
+        )
 
 
 class Stopwatch:

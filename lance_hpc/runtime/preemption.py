@@ -118,8 +118,10 @@ def requeue_sbatch(env: DistEnv, max_requeues: int, request_file: str | None = N
         try:
             Path(request_file).write_text(f"{job}\n")
         except OSError as error:
-            return False, (f"cannot ask the batch script to requeue job {job}: {request_file}: {error.strerror}; "
-                           "mount slurm.log_dir in the container at the same path")
+            return False, (
+                f"cannot ask the batch script to requeue job {job}: {request_file}: {error.strerror}; "
+                "mount slurm.log_dir in the container at the same path"
+            )
         return True, f"asked the batch script to requeue job {job} ({which})"
     result = subprocess.run(["scontrol", "requeue", str(job)], capture_output=True, text=True, timeout=60)
     if result.returncode != 0:
@@ -131,15 +133,15 @@ def requeue_sbatch(env: DistEnv, max_requeues: int, request_file: str | None = N
 Requeue = Callable[["DistEnv", "JobSpec", "Preemption"], tuple[bool, str]]
 
 
-def after_preemption(
-    env: DistEnv, spec: JobSpec, preemption: Preemption, requeue: Requeue
-) -> tuple[bool, str]:
+def after_preemption(env: DistEnv, spec: JobSpec, preemption: Preemption, requeue: Requeue) -> tuple[bool, str]:
     """Rank 0's decision once the ranks stopped on a signal: only USR2 asks for a requeue."""
     if preemption.agreed_signal == INTERRUPT_SIGNAL:
         return False, "run the same command again to continue"
     if preemption.agreed_signal != REQUEUE_SIGNAL:
-        return False, ("not requeued: a cancelled job ends here and SLURM requeues a preempted one itself; "
-                       "run or submit it again to resume from the checkpoint")
+        return False, (
+            "not requeued: a cancelled job ends here and SLURM requeues a preempted one itself; "
+            "run or submit it again to resume from the checkpoint"
+        )
     return requeue(env, spec, preemption)
 
 
@@ -180,7 +182,7 @@ def requeue_handler(spec: JobSpec) -> list[str]:
     """
     if spec.slurm.container is None:
         return []
-    request = f"{shlex.quote(spec.slurm.log_dir)}/requeue-\"$SLURM_JOB_ID\""
+    request = f'{shlex.quote(spec.slurm.log_dir)}/requeue-"$SLURM_JOB_ID"'
     return [
         f"export {REQUEUE_REQUEST_VARIABLE}={request}",
         f'rm -f "${REQUEUE_REQUEST_VARIABLE}"',

@@ -50,25 +50,27 @@ from lance_hpc.spec.load import read_own_text
 from lance_hpc.storage.retry import StoreUnavailable
 
 
-def run_job(
-    spec_file: str, requeue: Requeue, signals: tuple[int, ...] = PREEMPTION_SIGNALS
-) -> context.Summary:
+def run_job(spec_file: str, requeue: Requeue, signals: tuple[int, ...] = PREEMPTION_SIGNALS) -> context.Summary:
     """Train this rank's part of the job described by ``spec_file``; requeue it when preempted."""
     # Loading the spec imports its task and entry, so a task file's directory is on sys.path
     # before the worker server starts and copies it (workers then unpickle the task's decoder).
     # Read only if this user owns it: the spec names the code this rank imports and runs.
     spec = load_spec_text(read_own_text(spec_file), spec_file).spec
     if spec.sweep:
-        raise UserError(f"{spec_file} is a sweep, not one run: submit it with "
-                        "lance-hpc submit, which runs each combination with its own spec")
+        raise UserError(
+            f"{spec_file} is a sweep, not one run: submit it with lance-hpc submit, which runs each combination with its own spec"
+        )
     env = detect()
     entry = load_callable(spec.entry, "entry") if spec.entry else trainer.train
     if spec.data.num_workers > 0:
         data.worker_context()  # the DataLoader worker server imports torch while the process group forms
     try:
         timeout_s = spec.train.collective_timeout_s
-        with Preemption(signals) as preemption, process_group(env, timeout_s) as device, \
-                checkpoint.writer_lease(spec.checkpoint.dir, env) as lease:
+        with (
+            Preemption(signals) as preemption,
+            process_group(env, timeout_s) as device,
+            checkpoint.writer_lease(spec.checkpoint.dir, env) as lease,
+        ):
             on_main_rank(lambda: data.ensure_dataset(spec.data), "prepare the dataset")
             task = load_task(spec)
             summary = context.run_entry(entry, spec, env, device, preemption, task)
@@ -81,13 +83,11 @@ def run_job(
                 if requeued and lease is not None:  # the job's next run takes the lease back; nobody else meanwhile
                     lease.keep()
                 if env.is_main and preemption.agreed_signal == INTERRUPT_SIGNAL:
-                    print(f"interrupted at step {summary.step}, checkpoint saved ({summary.checkpoint}); {message}",
-                          flush=True)
+                    print(f"interrupted at step {summary.step}, checkpoint saved ({summary.checkpoint}); {message}", flush=True)
                 elif env.is_main:
                     assert preemption.agreed_signal is not None  # the ranks agreed on it to stop
                     name = signal.Signals(preemption.agreed_signal).name
-                    print(f"stopped at step {summary.step} by {name}; checkpoint {summary.checkpoint}; {message}",
-                          flush=True)
+                    print(f"stopped at step {summary.step} by {name}; checkpoint {summary.checkpoint}; {message}", flush=True)
                 summary = dataclasses.replace(summary, status="requeued" if requeued else "stopped")
             dist.barrier()  # rank 0 hosts the rendezvous store: nobody leaves while others still use it
             return summary

@@ -42,8 +42,7 @@ class Schedule:
     def apply(self, progress: float) -> float:
         """Set the learning rate for the step taken at ``progress`` (epochs read so far)."""
         per_epoch = self.steps_per_epoch
-        self.lr = self.peak_lr * lr_factor(progress * per_epoch, self.warmup_epochs * per_epoch,
-                                           self.total_epochs * per_epoch)
+        self.lr = self.peak_lr * lr_factor(progress * per_epoch, self.warmup_epochs * per_epoch, self.total_epochs * per_epoch)
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr
         return self.lr
@@ -57,14 +56,22 @@ def train(ctx: Context) -> dict[str, float]:
     ddp = ctx.wrap(model)
     optimizer = build_optimizer(model, spec.train, peak_lr(spec, ctx.world_size))
     ctx.register(model=ddp, optimizer=optimizer, loader=loader)
-    schedule = Schedule(optimizer, peak_lr(spec, ctx.world_size), spec.train.warmup_epochs, float(spec.train.epochs),
-                        math.ceil(loader.steps_per_epoch / spec.train.grad_accum))
+    schedule = Schedule(
+        optimizer,
+        peak_lr(spec, ctx.world_size),
+        spec.train.warmup_epochs,
+        float(spec.train.epochs),
+        math.ceil(loader.steps_per_epoch / spec.train.grad_accum),
+    )
     if spec.train.max_steps is not None:  # the schedule ends where max_steps will stop this world size
         steps_left = max(spec.train.max_steps - ctx.step, 0)
         schedule.total_epochs = min(schedule.total_epochs, ctx.progress + steps_left / schedule.steps_per_epoch)
     if ctx.resumed_from is not None and ctx.is_main and not ctx.finished:
-        print(f"  peak learning rate {schedule.peak_lr:.4g} at this world size (train.lr_scaling: {spec.train.lr_scaling}); "
-              "warmup and decay are counted in samples, so the schedule goes on where it was", flush=True)
+        print(
+            f"  peak learning rate {schedule.peak_lr:.4g} at this world size (train.lr_scaling: {spec.train.lr_scaling}); "
+            "warmup and decay are counted in samples, so the schedule goes on where it was",
+            flush=True,
+        )
     window = TrainWindow(ctx.device, task.metrics)
     last: dict[str, dict[str, float] | None] = {"metrics": None}
 
@@ -119,7 +126,10 @@ def build_optimizer(model: nn.Module, train_spec: TrainSpec, lr: float) -> torch
     if train_spec.optimizer == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=train_spec.weight_decay)
     return torch.optim.SGD(
-        model.parameters(), lr=lr, momentum=train_spec.momentum, nesterov=train_spec.momentum > 0,
+        model.parameters(),
+        lr=lr,
+        momentum=train_spec.momentum,
+        nesterov=train_spec.momentum > 0,
         weight_decay=train_spec.weight_decay,
     )
 
@@ -147,6 +157,8 @@ def evaluate(ctx: Context, ddp: nn.Module) -> dict[str, float] | None:
     metrics = task.report(dict(zip(task.metrics, totals.tolist())), "val")
     ctx.log(metrics)
     if ctx.is_main:
-        print(f"epoch {ctx.epoch} step {ctx.step}: validation {task.headline(metrics)} "
-              f"({int(totals[-1].item())} samples)", flush=True)
+        print(
+            f"epoch {ctx.epoch} step {ctx.step}: validation {task.headline(metrics)} ({int(totals[-1].item())} samples)",
+            flush=True,
+        )
     return metrics

@@ -40,8 +40,18 @@ from lance_hpc.spec.sweep import (
 )
 from lance_hpc.spec.yaml_text import duplicate_keys, parse_value, parse_yaml
 
-__all__ = ["LoadedSpec", "NotYourFile", "Resolution", "apply_overrides", "check_owned", "duplicate_keys", "load_spec",
-           "load_spec_text", "read_own_text", "validate_spec"]
+__all__ = [
+    "LoadedSpec",
+    "NotYourFile",
+    "Resolution",
+    "apply_overrides",
+    "check_owned",
+    "duplicate_keys",
+    "load_spec",
+    "load_spec_text",
+    "read_own_text",
+    "validate_spec",
+]
 
 # Fields whose string values may hold placeholders and name local paths (made absolute on load);
 # section None is the top level.
@@ -213,7 +223,9 @@ def validate_spec(
     runs the code they name. ``imports=False`` checks only their form, for reading the spec of a
     job that may not be yours to run; lance_hpc's own modules are still imported.
     """
-    copied: dict[str, Any] = yaml.safe_load(yaml.safe_dump(dict(raw), sort_keys=False))  # a deep copy in plain YAML types, in order
+    copied: dict[str, Any] = yaml.safe_load(
+        yaml.safe_dump(dict(raw), sort_keys=False)
+    )  # a deep copy in plain YAML types, in order
     raw = copied
     problems = apply_overrides(raw, overrides)
     problems += merge_sweep_options(raw, sweeps)
@@ -267,9 +279,7 @@ def _resolve_paths(raw: dict[str, Any], base_dir: Path) -> tuple[list[Resolution
         resolved = value
         for placeholder in re.findall(r"\{([^{}]*)\}", value):
             if placeholder not in values:
-                problems.append(
-                    Problem(dotted, f"unknown placeholder {{{placeholder}}}", "valid placeholders: {name}")
-                )
+                problems.append(Problem(dotted, f"unknown placeholder {{{placeholder}}}", "valid placeholders: {name}"))
             elif (value_of := values[placeholder]) is None:
                 problems.append(Problem(dotted, "uses {name} but the spec has no valid name", "set name: ..."))
             else:

@@ -37,15 +37,23 @@ def moved_key_problems(raw: dict[str, Any]) -> list[Problem]:
         node = raw.get(section)
         if isinstance(node, dict) and key in node:
             value = node.pop(key)
-            problems.append(Problem(
-                f"{section}.{key}", f"moved to task.options.{new_key}",
-                f"write it under task: {{name: image_classification, options: {{{new_key}: {value}}}}}",
-            ))
+            problems.append(
+                Problem(
+                    f"{section}.{key}",
+                    f"moved to task.options.{new_key}",
+                    f"write it under task: {{name: image_classification, options: {{{new_key}: {value}}}}}",
+                )
+            )
     if isinstance(raw.get("model"), dict):
         leftover = raw.pop("model")
         if leftover:
-            problems.append(Problem("model", "the model section moved into task.options",
-                                    "set the model with task.options.model (image_classification)"))
+            problems.append(
+                Problem(
+                    "model",
+                    "the model section moved into task.options",
+                    "set the model with task.options.model (image_classification)",
+                )
+            )
     return problems
 
 
@@ -66,8 +74,14 @@ def task_problems(raw: dict[str, Any], imports: bool = True) -> list[Problem]:
         name = task.get("name", "image_classification")
         if name in TASKS or is_import_path(name):
             return []
-        return [Problem("task.name", f"unknown task {name!r}", f"use one of: {', '.join(TASKS)}, or an import path to "
-                        "your Task class (my_pkg.tasks:MyTask or path/to/file.py:MyTask)")]
+        return [
+            Problem(
+                "task.name",
+                f"unknown task {name!r}",
+                f"use one of: {', '.join(TASKS)}, or an import path to "
+                "your Task class (my_pkg.tasks:MyTask or path/to/file.py:MyTask)",
+            )
+        ]
     try:
         cls = task_class(task.get("name", "image_classification"))
     except UserError as error:
@@ -90,8 +104,13 @@ def entry_problems(raw: dict[str, Any], imports: bool = True) -> list[Problem]:
     options = raw.get("entry_options")
     if not isinstance(entry, str):
         if options and entry is None:
-            return [Problem("entry_options", "set, but there is no entry to take them (the built-in trainer has none)",
-                            "name your function in entry: my_pkg.train:main, or remove entry_options")]
+            return [
+                Problem(
+                    "entry_options",
+                    "set, but there is no entry to take them (the built-in trainer has none)",
+                    "name your function in entry: my_pkg.train:main, or remove entry_options",
+                )
+            ]
         return []
     if not imports:
         if is_import_path(entry):
@@ -120,7 +139,7 @@ def entry_options_model(function: Any) -> type[BaseModel] | None:
 def _problem_from_user_error(path: str, error: UserError) -> Problem:
     message, _, fix = str(error).partition("\n  fix: ")
     prefix = f"{path}: "
-    return Problem(path, message[len(prefix):] if message.startswith(prefix) else message, fix)
+    return Problem(path, message[len(prefix) :] if message.startswith(prefix) else message, fix)
 
 
 def cross_field_problems(raw: Mapping[str, Any]) -> list[Problem]:
@@ -132,13 +151,13 @@ def cross_field_problems(raw: Mapping[str, Any]) -> list[Problem]:
     sampler = data.get("sampler", "distributed" if style == "map" else "sharded_batch")
     if style == "iterable" and "sampler" not in data:
         sampler = None  # validated below with an explicit message
-        problems.append(
-            Problem("data.sampler", "iterable style needs a sampler", "use one of: sharded_batch, sharded_fragment")
-        )
+        problems.append(Problem("data.sampler", "iterable style needs a sampler", "use one of: sharded_batch, sharded_fragment"))
     if style in STYLES and sampler in SAMPLERS and sampler not in STYLES[style]:
         valid = ", ".join(STYLES[style])
         problems.append(
-            Problem("data.sampler", f"sampler '{sampler}' does not work with style '{style}'", f"with style '{style}' use: {valid}")
+            Problem(
+                "data.sampler", f"sampler '{sampler}' does not work with style '{style}'", f"with style '{style}' use: {valid}"
+            )
         )
     if sampler == "full_scan":
         problems.append(
@@ -161,7 +180,11 @@ def cross_field_problems(raw: Mapping[str, Any]) -> list[Problem]:
             problems.append(Problem("slurm.time", "time limit must be positive", "e.g. 01:00:00"))
         elif isinstance(delay, int) and delay >= limit:
             problems.append(
-                Problem("slurm.signal_delay_s", f"{delay}s is not shorter than the time limit ({limit}s)", "lower it or raise slurm.time")
+                Problem(
+                    "slurm.signal_delay_s",
+                    f"{delay}s is not shorter than the time limit ({limit}s)",
+                    "lower it or raise slurm.time",
+                )
             )
     gpus, tasks = slurm.get("gpus_per_node", 0), slurm.get("tasks_per_node")
     if isinstance(gpus, int) and isinstance(tasks, int) and gpus > 0 and tasks != gpus:
@@ -199,10 +222,12 @@ def io_timeout_problems(data: Mapping[str, Any], train: Mapping[str, Any]) -> li
         return []
     if io_timeout + IO_TIMEOUT_MARGIN_S <= collective:
         return []
-    return [Problem(
-        "data.io_timeout_s",
-        f"{io_timeout:g} s leaves less than {IO_TIMEOUT_MARGIN_S} s before train.collective_timeout_s ({collective:g} s): "
-        "ranks waiting in a collective for a rank still retrying a read would time out first",
-        f"lower data.io_timeout_s to {collective - IO_TIMEOUT_MARGIN_S:g} or raise train.collective_timeout_s to "
-        f"{io_timeout + IO_TIMEOUT_MARGIN_S:g}",
-    )]
+    return [
+        Problem(
+            "data.io_timeout_s",
+            f"{io_timeout:g} s leaves less than {IO_TIMEOUT_MARGIN_S} s before train.collective_timeout_s ({collective:g} s): "
+            "ranks waiting in a collective for a rank still retrying a read would time out first",
+            f"lower data.io_timeout_s to {collective - IO_TIMEOUT_MARGIN_S:g} or raise train.collective_timeout_s to "
+            f"{io_timeout + IO_TIMEOUT_MARGIN_S:g}",
+        )
+    ]

@@ -71,10 +71,13 @@ MOUNT_PATTERN = re.compile(r"^/[^:,]*(?::/[^:,]*(?::(?:ro|rw))?)?$")
 
 
 class ContainerSpec(_Section):
-    image: str = Field(..., min_length=1, description="Image: an Apptainer .sif path or docker:// URI, or an enroot image for pyxis.")
+    image: str = Field(
+        ..., min_length=1, description="Image: an Apptainer .sif path or docker:// URI, or an enroot image for pyxis."
+    )
     runtime: str = Field("apptainer", description="apptainer (srun apptainer exec IMAGE ...) or pyxis (srun --container-image).")
     mounts: list[str] = Field(
-        default_factory=list, description="Host paths visible in the container: /host:/container[:ro]; data, checkpoints and logs."
+        default_factory=list,
+        description="Host paths visible in the container: /host:/container[:ro]; data, checkpoints and logs.",
     )
     workdir: str | None = Field(None, description="Working directory inside the container; null: the runtime's default.")
 
@@ -106,9 +109,7 @@ class SlurmSpec(_Section):
     qos: str | None = Field(None, description="Quality of service (--qos).")
     constraint: str | None = Field(None, description="Node feature constraint (-C).")
     exclusive: bool = Field(False, description="Ask for whole nodes (--exclusive).")
-    setup: list[str] = Field(
-        default_factory=list, description="Shell lines run before launch (module load, venv activate)."
-    )
+    setup: list[str] = Field(default_factory=list, description="Shell lines run before launch (module load, venv activate).")
     extra_flags: dict[str, str | int | bool | None] = Field(
         default_factory=dict,
         description="More sbatch flags by long name without dashes, e.g. {reservation: big}.",
@@ -151,17 +152,24 @@ class IngestSpec(_Section):
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of the train/validation split.")
     sequence_length: int = Field(256, ge=2, le=MAX_INT, description="Text sources: tokens per training sequence.")
     tokenizer: str = Field("bytes", description="Text sources: bytes (UTF-8, nothing to download) or pkg.mod:factory.")
-    overwrite: bool = Field(False, description=(
-        "Write over Lance datasets already at data.uri / data.val_uri as new versions (other files are never touched); "
-        "a job's start still skips a complete one."))
+    overwrite: bool = Field(
+        False,
+        description=(
+            "Write over Lance datasets already at data.uri / data.val_uri as new versions (other files are never touched); "
+            "a job's start still skips a complete one."
+        ),
+    )
 
 
 class CacheSpec(_Section):
     dir: str = Field(
-        ..., min_length=1,
+        ...,
+        min_length=1,
         description="Node-local directory for cached data files, shared by every rank and worker on the node; $VARS expand there.",
     )
-    max_gb: float = Field(..., gt=0, le=MAX_CACHE_GB, description="Size limit in GiB; beyond it the least recently used files are deleted.")
+    max_gb: float = Field(
+        ..., gt=0, le=MAX_CACHE_GB, description="Size limit in GiB; beyond it the least recently used files are deleted."
+    )
 
     @field_validator("dir")
     @classmethod
@@ -183,25 +191,33 @@ class DataSpec(_Section):
         description="Object-store options (endpoint, region, allow_http); credentials come from env.",
     )
     style: str = Field("map", description="Dataset style: map | iterable.")
-    sampler: str = Field(
-        "distributed", description="Sampler: distributed (map) or sharded_batch | sharded_fragment (iterable)."
-    )
+    sampler: str = Field("distributed", description="Sampler: distributed (map) or sharded_batch | sharded_fragment (iterable).")
     val_sampler: str = Field("sharded", description="Evaluation split: sharded across ranks, or full_scan on every rank.")
     uneven: str = Field("drop", description="How ranks get equal steps: drop the surplus rows or pad by repeating rows.")
     batch_size: int = Field(64, ge=1, le=MAX_INT, description="Samples per rank per step.")
     num_workers: int = Field(4, ge=0, le=MAX_INT, description="DataLoader worker processes per rank.")
     prefetch_factor: int = Field(2, ge=1, le=MAX_INT, description="Batches each worker keeps ready.")
-    io_depth: int = Field(4, ge=0, le=64, description=(
-        "Batches each worker reads ahead from the store while it decodes (hides object-storage latency; "
-        "each costs one batch of encoded bytes in memory); 0: read on demand."))
+    io_depth: int = Field(
+        4,
+        ge=0,
+        le=64,
+        description=(
+            "Batches each worker reads ahead from the store while it decodes (hides object-storage latency; "
+            "each costs one batch of encoded bytes in memory); 0: read on demand."
+        ),
+    )
     shuffle: bool = Field(True, description="Reshuffle every epoch from seed + epoch.")
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of the data order and of augmentation.")
     on_corrupt: str = Field("skip", description="A row the task cannot decode: skip (counted in logs) or fail naming it.")
     ingest: IngestSpec | None = Field(None, description="Create the dataset on first use from a source.")
     io_timeout_s: float | None = Field(
-        None, gt=0, le=MAX_INT, description=(
+        None,
+        gt=0,
+        le=MAX_INT,
+        description=(
             "Seconds a read keeps retrying a failing store before the job stops; at most train.collective_timeout_s - 30 "
-            "[default: that, up to 120]."),
+            "[default: that, up to 120]."
+        ),
     )
     cache: CacheSpec | None = Field(None, description="Node-local cache of fetched data files; null reads the store every epoch.")
 
@@ -230,9 +246,7 @@ class TrainSpec(_Section):
     epochs: int = Field(10, ge=1, le=MAX_INT, description="Passes over the training data.")
     max_steps: int | None = Field(None, ge=1, le=MAX_INT, description="Stop after this many optimizer steps (quick runs).")
     lr: float = Field(0.1, gt=0, description="Learning rate at base_batch_size.")
-    lr_scaling: str = Field(
-        "linear", description="linear: lr * global_batch / base_batch_size; none: lr as given."
-    )
+    lr_scaling: str = Field("linear", description="linear: lr * global_batch / base_batch_size; none: lr as given.")
     base_batch_size: int = Field(256, ge=1, le=MAX_INT, description="Global batch size at which lr applies.")
     warmup_epochs: float = Field(1.0, ge=0, le=MAX_INT, description="Linear warmup length, then cosine decay.")
     optimizer: str = Field("sgd", description="sgd (momentum, nesterov) or adamw.")
@@ -271,8 +285,17 @@ class LoggingSpec(_Section):
 # The train fields only the built-in trainer reads: an entry of your own uses them only if it reads
 # them from ctx.spec (its context does read epochs, max_steps, precision, grad_accum, seed,
 # deterministic and collective_timeout_s).
-TRAINER_FIELDS = ("lr", "lr_scaling", "base_batch_size", "warmup_epochs", "optimizer", "momentum", "weight_decay",
-                  "grad_clip", "eval_every_epochs")
+TRAINER_FIELDS = (
+    "lr",
+    "lr_scaling",
+    "base_batch_size",
+    "warmup_epochs",
+    "optimizer",
+    "momentum",
+    "weight_decay",
+    "grad_clip",
+    "eval_every_epochs",
+)
 
 
 def entry_note(spec: JobSpec) -> str | None:
@@ -282,8 +305,10 @@ def entry_note(spec: JobSpec) -> str | None:
     set_here = [f"train.{name}" for name in TRAINER_FIELDS if name in spec.train.model_fields_set]
     if not set_here:
         return f"entry {spec.entry} runs instead of the built-in trainer"
-    return (f"entry {spec.entry} runs instead of the built-in trainer: {', '.join(set_here)} "
-            f"take effect only if it reads them from ctx.spec (the trainer's own fields)")
+    return (
+        f"entry {spec.entry} runs instead of the built-in trainer: {', '.join(set_here)} "
+        f"take effect only if it reads them from ctx.spec (the trainer's own fields)"
+    )
 
 
 class JobSpec(_Section):
@@ -325,5 +350,3 @@ class JobSpec(_Section):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
-
-

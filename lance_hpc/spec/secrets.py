@@ -28,13 +28,18 @@ LOCATION_WORDS = frozenset({"file", "path", "dir", "url", "uri", "endpoint"})
 # object_store takes this one as the path of a service-account key file.
 LOCATION_KEYS = frozenset({"google_application_credentials"})
 # The AWS options lance_hpc and object_store take without the aws_ prefix.
-AWS_SHORT_KEYS = {"access_key_id": "AWS_ACCESS_KEY_ID", "secret_access_key": "AWS_SECRET_ACCESS_KEY",
-                  "session_token": "AWS_SESSION_TOKEN", "token": "AWS_SESSION_TOKEN"}
+AWS_SHORT_KEYS = {
+    "access_key_id": "AWS_ACCESS_KEY_ID",
+    "secret_access_key": "AWS_SECRET_ACCESS_KEY",
+    "session_token": "AWS_SESSION_TOKEN",
+    "token": "AWS_SESSION_TOKEN",
+}
 AZURE_SHORT_KEYS = {"access_key", "account_key", "master_key", "client_secret", "sas_key", "sas_token", "bearer_token"}
 
 # NAME=value in shell (after export/declare -x, or inside sbatch's --export=A=1,B=2).
 ASSIGNMENT = re.compile(
-    r"""(?:^|[\s;&|(,])(?:export\s+|declare\s+-x\s+|typeset\s+-x\s+)?([A-Za-z_][A-Za-z0-9_]*)=("[^"]*"|'[^']*'|[^\s;&|,)]*)""")
+    r"""(?:^|[\s;&|(,])(?:export\s+|declare\s+-x\s+|typeset\s+-x\s+)?([A-Za-z_][A-Za-z0-9_]*)=("[^"]*"|'[^']*'|[^\s;&|,)]*)"""
+)
 # --name=value or --name value
 FLAG = re.compile(r"""(?:^|\s)--([A-Za-z][A-Za-z0-9_-]*)(?:=|\s+)("[^"]*"|'[^']*'|[^\s;&|]+)""")
 # Values that are credentials whatever key holds them.
@@ -67,17 +72,25 @@ def credential_fix(key: str) -> str:
     name = "_".join(key_words(key))
     if name.startswith("aws_") or name in AWS_SHORT_KEYS:
         variable = AWS_SHORT_KEYS.get(name, name.upper())
-        return (f"export {variable} in the environment that runs lance-hpc (sbatch passes it on to the job), "
-                "or keep the keys in the AWS credentials file (~/.aws/credentials, AWS_PROFILE picks the profile)")
+        return (
+            f"export {variable} in the environment that runs lance-hpc (sbatch passes it on to the job), "
+            "or keep the keys in the AWS credentials file (~/.aws/credentials, AWS_PROFILE picks the profile)"
+        )
     if name.startswith("azure_") or name in AZURE_SHORT_KEYS:
         variable = name.upper() if name.startswith("azure_") else f"AZURE_STORAGE_{name.upper()}"
-        return (f"export {variable} in the environment that runs lance-hpc (sbatch passes it on to the job), "
-                "or sign in without a secret: a managed identity, azure_federated_token_file, or azure_use_azure_cli: 'true'")
+        return (
+            f"export {variable} in the environment that runs lance-hpc (sbatch passes it on to the job), "
+            "or sign in without a secret: a managed identity, azure_federated_token_file, or azure_use_azure_cli: 'true'"
+        )
     if name.startswith("google_") or name.startswith("service_account"):
-        return ("save the service-account key as a file only you can read (chmod 600) and point "
-                "GOOGLE_APPLICATION_CREDENTIALS (or the storage option google_service_account) at its path")
-    return (f"export {name.upper()} in the environment that runs lance-hpc (sbatch passes it on to the job), "
-            "or keep it in a file only you can read")
+        return (
+            "save the service-account key as a file only you can read (chmod 600) and point "
+            "GOOGLE_APPLICATION_CREDENTIALS (or the storage option google_service_account) at its path"
+        )
+    return (
+        f"export {name.upper()} in the environment that runs lance-hpc (sbatch passes it on to the job), "
+        "or keep it in a file only you can read"
+    )
 
 
 def secret_problems(raw: Mapping[str, Any]) -> list[Problem]:
@@ -89,11 +102,13 @@ def secret_problems(raw: Mapping[str, Any]) -> list[Problem]:
     if isinstance(options, dict):
         for key in options:
             if is_credential_key(str(key)):
-                problems.append(Problem(
-                    f"data.storage_options.{key}",
-                    "credentials must not be written in the spec (it is copied into the job's files, script and checkpoints)",
-                    credential_fix(str(key)),
-                ))
+                problems.append(
+                    Problem(
+                        f"data.storage_options.{key}",
+                        "credentials must not be written in the spec (it is copied into the job's files, script and checkpoints)",
+                        credential_fix(str(key)),
+                    )
+                )
     setup = slurm.get("setup")
     if isinstance(setup, list):
         for index, line in enumerate(setup):
@@ -103,8 +118,13 @@ def secret_problems(raw: Mapping[str, Any]) -> list[Problem]:
     if isinstance(flags, dict):
         for key, value in flags.items():
             if is_credential_key(str(key)):
-                problems.append(Problem(f"slurm.extra_flags.{key}", "an sbatch flag must not carry a credential: "
-                                        "the script and SLURM's job record show it to others", credential_fix(str(key))))
+                problems.append(
+                    Problem(
+                        f"slurm.extra_flags.{key}",
+                        "an sbatch flag must not carry a credential: the script and SLURM's job record show it to others",
+                        credential_fix(str(key)),
+                    )
+                )
             elif isinstance(value, str):
                 problems += _shell_problems(value, f"slurm.extra_flags.{key}")
     reported = {problem.path for problem in problems}
@@ -113,8 +133,13 @@ def secret_problems(raw: Mapping[str, Any]) -> list[Problem]:
             continue
         for pattern, what in SECRET_VALUES:
             if pattern.search(text):
-                problems.append(Problem(path, f"holds what looks like {what}; credentials must not be written in the spec",
-                                        "keep it in the environment or in a file only you can read, and name that instead"))
+                problems.append(
+                    Problem(
+                        path,
+                        f"holds what looks like {what}; credentials must not be written in the spec",
+                        "keep it in the environment or in a file only you can read, and name that instead",
+                    )
+                )
                 break
     return problems
 
@@ -147,12 +172,14 @@ def _shell_problems(text: str, path: str) -> list[Problem]:
     for name, _, _, _ in _literal_credentials(text):
         is_flag = name.startswith("--")
         variable = "_".join(key_words(name)).upper()
-        read_instead = f"--{name[2:]} \"${variable}\"" if is_flag else f"export {variable}=\"$(cat ~/.secrets/{variable.lower()})\""
-        problems.append(Problem(
-            path,
-            f"{'passes' if is_flag else 'assigns'} {name} a literal credential, which would be written into the job's script",
-            f"{credential_fix(name.lstrip('-'))}; or read it where the job runs: {read_instead}",
-        ))
+        read_instead = f'--{name[2:]} "${variable}"' if is_flag else f'export {variable}="$(cat ~/.secrets/{variable.lower()})"'
+        problems.append(
+            Problem(
+                path,
+                f"{'passes' if is_flag else 'assigns'} {name} a literal credential, which would be written into the job's script",
+                f"{credential_fix(name.lstrip('-'))}; or read it where the job runs: {read_instead}",
+            )
+        )
     return problems
 
 

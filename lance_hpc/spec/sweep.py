@@ -37,7 +37,8 @@ FIXED = {
     ),
     "checkpoint.dir": ("each run checkpoints in its own subdirectory of checkpoint.dir", "set checkpoint.dir once for the sweep"),
     "logging.tensorboard_dir": (
-        "each run logs to its own subdirectory of logging.tensorboard_dir", "set logging.tensorboard_dir once for the sweep"
+        "each run logs to its own subdirectory of logging.tensorboard_dir",
+        "set logging.tensorboard_dir once for the sweep",
     ),
 }
 NOT_IN_NAME = re.compile(r"[^A-Za-z0-9._-]")
@@ -65,7 +66,9 @@ def parse_sweep_option(item: str) -> tuple[str, list[Any]] | Problem:
     parsed = [parse_value(part, f"--sweep {item}") for part in parts]
     problems = [problem for _, found in parsed for problem in found]
     if problems:
-        return Problem(problems[0].path, problems[0].message, problems[0].fix or "write e.g. --sweep 'task.options.hidden=[32, 64]'")
+        return Problem(
+            problems[0].path, problems[0].message, problems[0].fix or "write e.g. --sweep 'task.options.hidden=[32, 64]'"
+        )
     values = [value for value, _ in parsed]
     return key, values[0] if text.strip().startswith("[") else values
 
@@ -100,18 +103,29 @@ def sweep_problems(raw: dict[str, Any]) -> list[Problem]:
         if problem:
             problems.append(problem)
         elif not isinstance(values, list) or not values:
-            problems.append(Problem(f"sweep.{key}", f"expected a list of values, got {values!r}", f"write e.g. {key}: [{_text(values)}, ...]"))
+            problems.append(
+                Problem(f"sweep.{key}", f"expected a list of values, got {values!r}", f"write e.g. {key}: [{_text(values)}, ...]")
+            )
         else:
             seen = [yaml.safe_dump(value) for value in values]
             twice = sorted({_text(value) for value, dump in zip(values, seen) if seen.count(dump) > 1})
             if twice:
-                problems.append(Problem(f"sweep.{key}", f"{', '.join(twice)} listed twice: two runs would be the same", "list each value once"))
+                problems.append(
+                    Problem(
+                        f"sweep.{key}", f"{', '.join(twice)} listed twice: two runs would be the same", "list each value once"
+                    )
+                )
     count = 1
     for values in sweep.values():
         count *= len(values) if isinstance(values, list) else 1
     if count > MAX_RUNS:
-        problems.append(Problem("sweep", f"{count} runs are more than a SLURM job array holds by default ({MAX_RUNS})",
-                                "sweep fewer values, or split the sweep into several specs"))
+        problems.append(
+            Problem(
+                "sweep",
+                f"{count} runs are more than a SLURM job array holds by default ({MAX_RUNS})",
+                "sweep fewer values, or split the sweep into several specs",
+            )
+        )
     return problems
 
 
@@ -152,9 +166,11 @@ def _key_problem(key: str) -> Problem | None:
         if part not in model.model_fields:
             valid = sorted(name for name in model.model_fields if name not in FIXED)
             close = difflib.get_close_matches(part, valid, n=1, cutoff=0.5)
-            hint = f"did you mean '{'.'.join([*parts[:depth], close[0], *parts[depth + 1:]])}'? " if close else ""
+            hint = f"did you mean '{'.'.join([*parts[:depth], close[0], *parts[depth + 1 :]])}'? " if close else ""
             where = f" in {'.'.join(parts[:depth])}" if depth else ""
-            return Problem(f"sweep.{key}", f"'{key}' is not a field of the job spec", f"{hint}valid keys{where}: {', '.join(valid)}")
+            return Problem(
+                f"sweep.{key}", f"'{key}' is not a field of the job spec", f"{hint}valid keys{where}: {', '.join(valid)}"
+            )
         annotation = model.model_fields[part].annotation
         section = _section_model(annotation)
         last = depth == len(parts) - 1
@@ -165,7 +181,9 @@ def _key_problem(key: str) -> Problem | None:
             return Problem(f"sweep.{key}", f"'{field}' is a value, not a section", f"sweep over {field} itself")
         if last:
             example = next(iter(section.model_fields))
-            return Problem(f"sweep.{key}", f"'{key}' is a whole section; a sweep varies fields", f"name a field, e.g. {key}.{example}")
+            return Problem(
+                f"sweep.{key}", f"'{key}' is a whole section; a sweep varies fields", f"name a field, e.g. {key}.{example}"
+            )
         model = section
     return None
 
@@ -195,8 +213,10 @@ def _text(value: Any) -> str:
 
 def _run_names(base: str, chosen: list[dict[str, Any]]) -> list[str]:
     """``base-lr0.05-batch_size64`` per run, or ``base-00``.. when such suffixes are long or clash."""
-    suffixes = ["-".join(NOT_IN_NAME.sub("_", f"{key.rsplit('.', 1)[-1]}{_text(value)}") for key, value in values.items())
-                for values in chosen]
+    suffixes = [
+        "-".join(NOT_IN_NAME.sub("_", f"{key.rsplit('.', 1)[-1]}{_text(value)}") for key, value in values.items())
+        for values in chosen
+    ]
     if len(set(suffixes)) < len(suffixes) or any(len(suffix) > MAX_SUFFIX for suffix in suffixes):
         width = len(str(len(chosen) - 1))
         suffixes = [f"{index:0{width}d}" for index in range(len(chosen))]

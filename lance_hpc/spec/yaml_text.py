@@ -65,8 +65,9 @@ def parse_yaml(text: str) -> tuple[Any, list[Problem]]:
         try:
             root = loader.get_single_node()
         except RecursionError:
-            return None, [Problem("", f"nested too deeply to read (a spec needs a few levels, at most {MAX_DEPTH})",
-                                  "flatten the nesting")]
+            return None, [
+                Problem("", f"nested too deeply to read (a spec needs a few levels, at most {MAX_DEPTH})", "flatten the nesting")
+            ]
         except yaml.YAMLError as error:
             return None, [_yaml_error(error)]
         if root is None:
@@ -120,24 +121,42 @@ def bound_problems(root: yaml.Node, anchors: dict[int, Anchor]) -> list[Problem]
     except _ContainsItself as cycle:
         anchor = anchors.get(id(cycle.node))
         where = str(anchor) if anchor else f"the value on line {cycle.node.start_mark.line + 1}"
-        return [Problem("", f"{where} contains an alias to itself, so it never ends",
-                        "write the value out instead of aliasing an anchor inside its own value")]
+        return [
+            Problem(
+                "",
+                f"{where} contains an alias to itself, so it never ends",
+                "write the value out instead of aliasing an anchor inside its own value",
+            )
+        ]
     values, depth = sizes[id(root)]
     if values > MAX_EXPANDED_VALUES:
         # the first anchor past the bound is where the text blows up; else the one aliased most
-        culprit_id = next((node_id for node_id in anchors if sizes.get(node_id, (0, 0))[0] > MAX_EXPANDED_VALUES),
-                          max(anchors, key=lambda node_id: sizes.get(node_id, (0, 0))[0], default=None))
+        culprit_id = next(
+            (node_id for node_id in anchors if sizes.get(node_id, (0, 0))[0] > MAX_EXPANDED_VALUES),
+            max(anchors, key=lambda node_id: sizes.get(node_id, (0, 0))[0], default=None),
+        )
         culprit = f"; {anchors[culprit_id]} alone stands for {_count(sizes[culprit_id][0])} values" if culprit_id in sizes else ""
-        return [Problem("", f"aliases expand the spec to more than {MAX_EXPANDED_VALUES:,} values{culprit}",
-                        "write the values out, or alias fewer times: a job spec needs a few hundred values")]
+        return [
+            Problem(
+                "",
+                f"aliases expand the spec to more than {MAX_EXPANDED_VALUES:,} values{culprit}",
+                "write the values out, or alias fewer times: a job spec needs a few hundred values",
+            )
+        ]
     if depth > MAX_DEPTH:
         path = [root]  # down the deepest branch, to the node past the limit
         for _ in range(MAX_DEPTH):
             path.append(max(_children(path[-1]), key=lambda child: sizes[id(child)][1]))
         anchor = next((anchors[id(step)] for step in reversed(path) if id(step) in anchors), None)
         through = f", through {anchor}" if anchor else ""
-        return [Problem("", f"nested {depth} levels deep (line {path[-1].start_mark.line + 1}{through}); "
-                        f"a spec needs a few levels, at most {MAX_DEPTH}", "flatten the nesting")]
+        return [
+            Problem(
+                "",
+                f"nested {depth} levels deep (line {path[-1].start_mark.line + 1}{through}); "
+                f"a spec needs a few levels, at most {MAX_DEPTH}",
+                "flatten the nesting",
+            )
+        ]
     return []
 
 
@@ -162,8 +181,13 @@ def duplicate_keys(root: yaml.Node | None) -> list[Problem]:
                 where = f"{path}.{key}" if path else key
                 line = key_node.start_mark.line + 1
                 if key in first_line:
-                    problems.append(Problem(where, f"written twice, on lines {first_line[key]} and {line}; "
-                                            "YAML would keep only the second", "keep one of them"))
+                    problems.append(
+                        Problem(
+                            where,
+                            f"written twice, on lines {first_line[key]} and {line}; YAML would keep only the second",
+                            "keep one of them",
+                        )
+                    )
                 else:
                     first_line[key] = line
                 children.append((value_node, where))

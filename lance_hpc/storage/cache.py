@@ -292,8 +292,7 @@ def _cached_files(directory: Path) -> Iterator[tuple[Path, Path, os.stat_result]
     """(dataset root, path, lstat) of each regular file under the cache's names in the cached
     directories of each marked root in ``directory``; symlinks are neither followed nor listed."""
     with os.scandir(directory) as entries:
-        roots = [Path(entry.path) for entry in entries
-                 if not entry.name.startswith(".") and entry.is_dir(follow_symlinks=False)]
+        roots = [Path(entry.path) for entry in entries if not entry.name.startswith(".") and entry.is_dir(follow_symlinks=False)]
     for root in (root for root in roots if is_whole(root / ROOT_MARKER, None)):
         for sub in CACHED_DIRS:
             try:
@@ -348,16 +347,20 @@ def shared_directory(directory: Path) -> None:
         except FileExistsError:  # another process (or user) made it meanwhile: checked below like any other
             pass
         except OSError as error:
-            raise UserError(f"data.cache.dir: cannot create {directory}: {error.strerror or error}\n"
-                            "  fix: create it once with mode 1777 (mkdir -m 1777 DIR), or choose a data.cache.dir "
-                            "you can write on a node-local disk") from None
+            raise UserError(
+                f"data.cache.dir: cannot create {directory}: {error.strerror or error}\n"
+                "  fix: create it once with mode 1777 (mkdir -m 1777 DIR), or choose a data.cache.dir "
+                "you can write on a node-local disk"
+            ) from None
     info = os.stat(directory)
     if not stat.S_ISDIR(info.st_mode):
         raise UserError(f"data.cache.dir: {directory} is not a directory\n  fix: choose another data.cache.dir")
     if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
-        raise UserError(f"data.cache.dir: {directory} is writable by other users without the sticky bit (mode "
-                        f"{stat.filemode(info.st_mode)}), so they could replace your cache directory in it with "
-                        f"their own\n  fix: have its owner run chmod +t {directory}, or choose another data.cache.dir")
+        raise UserError(
+            f"data.cache.dir: {directory} is writable by other users without the sticky bit (mode "
+            f"{stat.filemode(info.st_mode)}), so they could replace your cache directory in it with "
+            f"their own\n  fix: have its owner run chmod +t {directory}, or choose another data.cache.dir"
+        )
 
 
 def user_directory(directory: Path) -> Path:
@@ -371,20 +374,27 @@ def user_directory(directory: Path) -> Path:
         pass
     except PermissionError:
         if not os.path.lexists(mine):
-            raise UserError(f"data.cache.dir: you cannot create your cache directory {mine}: {directory} is not "
-                            f"writable by you (mode {stat.filemode(os.stat(directory).st_mode)})\n"
-                            f"  fix: have its owner run chmod 1777 {directory}, or choose another data.cache.dir") from None
+            raise UserError(
+                f"data.cache.dir: you cannot create your cache directory {mine}: {directory} is not "
+                f"writable by you (mode {stat.filemode(os.stat(directory).st_mode)})\n"
+                f"  fix: have its owner run chmod 1777 {directory}, or choose another data.cache.dir"
+            ) from None
     info = os.lstat(mine)
     fix = "remove it (or have its owner or an administrator remove it), or choose another data.cache.dir"
     if not stat.S_ISDIR(info.st_mode):
-        raise UserError(f"data.cache.dir: {mine} is not a directory (a symlink or a file) where the cache keeps your "
-                        f"files: {fix}")
+        raise UserError(
+            f"data.cache.dir: {mine} is not a directory (a symlink or a file) where the cache keeps your files: {fix}"
+        )
     if info.st_uid != os.geteuid():
-        raise UserError(f"data.cache.dir: {mine} belongs to uid {info.st_uid}, not to you (uid {os.geteuid()}), "
-                        f"and the cache would keep your files there: {fix}")
+        raise UserError(
+            f"data.cache.dir: {mine} belongs to uid {info.st_uid}, not to you (uid {os.geteuid()}), "
+            f"and the cache would keep your files there: {fix}"
+        )
     if info.st_mode & 0o077:
-        raise UserError(f"data.cache.dir: {mine} is open to other users (mode {stat.filemode(info.st_mode)}) and holds "
-                        f"your cached data: run chmod 700 {mine}")
+        raise UserError(
+            f"data.cache.dir: {mine} is open to other users (mode {stat.filemode(info.st_mode)}) and holds "
+            f"your cached data: run chmod 700 {mine}"
+        )
     return mine
 
 
@@ -404,8 +414,10 @@ def cache_root(directory: Path, key: str, uri: str) -> Path:
         (made / ROOT_MARKER).unlink()
         made.rmdir()
     if not _is_marked(root):
-        raise UserError(f"data.cache.dir: {root} is not a cache directory lance_hpc made (no {ROOT_MARKER} in it): "
-                        "remove it, or choose another data.cache.dir")
+        raise UserError(
+            f"data.cache.dir: {root} is not a cache directory lance_hpc made (no {ROOT_MARKER} in it): "
+            "remove it, or choose another data.cache.dir"
+        )
     return root
 
 
@@ -421,8 +433,9 @@ _opening = threading.Lock()
 _open: dict[tuple, NodeCache] = {}
 
 
-def open_cache(directory: str, max_gb: float, uri: str, version: int, options: Mapping[str, str],
-               dataset: Callable[[], Dataset]) -> NodeCache:
+def open_cache(
+    directory: str, max_gb: float, uri: str, version: int, options: Mapping[str, str], dataset: Callable[[], Dataset]
+) -> NodeCache:
     """This process's :class:`NodeCache` of ``uri`` at ``version`` (opened on first use; threads
     share it). ``dataset``: the dataset opened on the store, asked for only on first use."""
     key = (os.getpid(), directory, max_gb, uri, version, options.get("endpoint"))
@@ -479,8 +492,10 @@ class NodeCache:
         manifest cannot be opened: every row is read from the store then."""
         import lance
 
-        manifest = next((CachedFile(name, size) for name in manifest_names(self.version)
-                         if (size := self.source.size(name)) is not None), None)
+        manifest = next(
+            (CachedFile(name, size) for name in manifest_names(self.version) if (size := self.source.size(name)) is not None),
+            None,
+        )
         if manifest is None:
             raise UserError(f"data.cache: no manifest of version {self.version} under {self.source.root}/{MANIFEST_DIR}")
         name = manifest.path
@@ -492,12 +507,18 @@ class NodeCache:
                 local = lance.dataset(str(self.root), version=self.version)
                 if [(f.fragment_id, fragment_files(f)) for f in local.get_fragments()] == self.signature:
                     return local
-                log.warning("node cache: %s holds another dataset's version %d; fetching its manifest again",
-                            self.root, self.version)
+                log.warning(
+                    "node cache: %s holds another dataset's version %d; fetching its manifest again", self.root, self.version
+                )
                 (self.root / name).unlink(missing_ok=True)
         except UnusableLock as error:
-            warn_once(error.filename, "node cache: reading version %d of %s from the store, uncached: %s",
-                      self.version, self.source.root, error)
+            warn_once(
+                error.filename,
+                "node cache: reading version %d of %s from the store, uncached: %s",
+                self.version,
+                self.source.root,
+                error,
+            )
             return None
         raise UserError(f"data.cache: the cached manifest {self.root / name} keeps differing from the store's")
 
@@ -647,11 +668,15 @@ class NodeCache:
                 self.failed[index] = time.monotonic()
             what = "the deletion files" if index == DELETIONS else f"fragment {self.ids[index]}"
             if isinstance(error, UnusableLock):
-                warn_once(error.filename, "node cache: reading %s of %s from the store, uncached: %s",
-                          what, self.root, error)
+                warn_once(error.filename, "node cache: reading %s of %s from the store, uncached: %s", what, self.root, error)
                 return
-            log.warning("node cache: cannot fetch %s into %s (reading from the store for %.0f s): %s",
-                        what, self.root, RETRY_FETCH_S, error)
+            log.warning(
+                "node cache: cannot fetch %s into %s (reading from the store for %.0f s): %s",
+                what,
+                self.root,
+                RETRY_FETCH_S,
+                error,
+            )
             return
         if downloaded:
             evict(self.directory, self.max_bytes)

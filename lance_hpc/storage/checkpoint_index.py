@@ -47,8 +47,11 @@ def checkpoint_names(names: list[str]) -> list[str]:
 def manifest(state: Mapping[str, Any], world_size: int) -> bytes:
     """The manifest of a checkpoint of ``state``, written by ``world_size`` ranks."""
     fields = {key: state[key] for key in MANIFEST_FIELDS if key in state}
-    fields.update(world_size=world_size, saved_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                  checkpoint=checkpoint_name(int(state["step"])))
+    fields.update(
+        world_size=world_size,
+        saved_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        checkpoint=checkpoint_name(int(state["step"])),
+    )
     return (json.dumps(fields, indent=1) + "\n").encode()
 
 
@@ -83,8 +86,13 @@ def latest(directory: str | Path) -> Saved | None:
     step, name = max(steps.items())
     fields = read_manifest(store, step) if manifest_name(step) in names else {}
     epoch, world_size = fields.get("epoch"), fields.get("world_size")
-    return Saved(step, str(store.location(name)), int(epoch) if isinstance(epoch, int) else None,
-                 int(world_size) if isinstance(world_size, int) else None, fields.get("saved_at"))
+    return Saved(
+        step,
+        str(store.location(name)),
+        int(epoch) if isinstance(epoch, int) else None,
+        int(world_size) if isinstance(world_size, int) else None,
+        fields.get("saved_at"),
+    )
 
 
 def read_manifest(store: Store, step: int) -> dict[str, Any]:

@@ -39,8 +39,16 @@ TEMP_SUFFIX = ".tmp"
 
 # object_store (and so Lance) assumes this region when none is configured; so do checkpoints.
 DEFAULT_REGION = "us-east-1"
-CREDENTIAL_ERRORS = ("INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH", "EXPIRED_TOKEN", "INVALID_TOKEN",
-                     "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken")
+CREDENTIAL_ERRORS = (
+    "INVALID_ACCESS_KEY_ID",
+    "SIGNATURE_DOES_NOT_MATCH",
+    "EXPIRED_TOKEN",
+    "INVALID_TOKEN",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+)
 ENDPOINT_FIX = "check AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3) and the network from this machine"
 
 Location = Path | str  # a local checkpoint is a Path, one on object storage an s3:// URI
@@ -195,8 +203,10 @@ class ObjectStore:
             reason, fix = f"the object store at {endpoint} rejected the credentials ({code})", CREDENTIAL_FIX
         elif "ACCESS_DENIED" in text or "AccessDenied" in text:
             reason = f"access denied at {endpoint}"
-            fix = (f"give these credentials s3:ListBucket, s3:GetObject, s3:PutObject and s3:DeleteObject "
-                   f"on bucket '{self.bucket}', or choose another checkpoint.dir")
+            fix = (
+                f"give these credentials s3:ListBucket, s3:GetObject, s3:PutObject and s3:DeleteObject "
+                f"on bucket '{self.bucket}', or choose another checkpoint.dir"
+            )
         elif "NO_SUCH_BUCKET" in text or "NoSuchBucket" in text:
             reason = f"bucket '{self.bucket}' does not exist at {endpoint}"
             fix = "create the bucket or fix checkpoint.dir; the endpoint comes from AWS_ENDPOINT_URL"
@@ -244,8 +254,11 @@ def filesystem_arguments(options: Mapping[str, str]) -> dict[str, Any]:
         "allow_delayed_open": True,
     }
     if options.get("access_key_id") and options.get("secret_access_key"):
-        arguments.update(access_key=options["access_key_id"], secret_key=options["secret_access_key"],
-                         session_token=options.get("session_token"))
+        arguments.update(
+            access_key=options["access_key_id"],
+            secret_key=options["secret_access_key"],
+            session_token=options.get("session_token"),
+        )
     endpoint = options.get("endpoint")
     if endpoint:
         parsed = urlparse(endpoint if "://" in endpoint else f"https://{endpoint}")

@@ -82,7 +82,6 @@ class ReadStats:
         self.cache_misses += other.cache_misses
 
 
-
 def dataset_error(error: Exception, uri: str, options: Mapping[str, str], version: int | None = None) -> UserError:
     """A UserError saying what is wrong with opening ``uri`` and how to fix it."""
     text = redact(str(error), options)
@@ -113,8 +112,9 @@ def _code(text: str) -> str:
     return "rejected"
 
 
-def open_dataset(uri: str, version: int | None = None, options: Mapping[str, str] | None = None,
-                 timeout_s: float | None = None, rank: int = 0) -> Dataset:
+def open_dataset(
+    uri: str, version: int | None = None, options: Mapping[str, str] | None = None, timeout_s: float | None = None, rank: int = 0
+) -> Dataset:
     """``lance.dataset`` with errors turned into UserErrors that say how to fix them. With
     ``timeout_s`` (a rank opening its data: data.io_timeout_s), transient store errors are retried
     and a store that fails or hangs for that long raises StoreUnavailable, as a failing read does."""
@@ -128,8 +128,9 @@ def open_dataset(uri: str, version: int | None = None, options: Mapping[str, str
     try:
         if timeout_s is None:
             return attempt()
-        return retrying(attempt, what=f"opening {uri}", uri=uri, options=options, timeout_s=timeout_s,
-                        on_retry=lambda: None, rank=rank)
+        return retrying(
+            attempt, what=f"opening {uri}", uri=uri, options=options, timeout_s=timeout_s, on_retry=lambda: None, rank=rank
+        )
     except (OSError, ValueError, RuntimeError) as error:
         raise dataset_error(error, uri, options, version) from None
 

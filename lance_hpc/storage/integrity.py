@@ -19,8 +19,10 @@ from lance_hpc.storage.datasets import open_dataset
 from lance_hpc.storage.options import is_remote
 from lance_hpc.storage.retry import is_damage, short_error
 
-FIX = ("the dataset was modified or partly deleted outside Lance: restore the file from a copy of the "
-       "dataset, or re-create the dataset (delete it and run with data.ingest set, or write it again)")
+FIX = (
+    "the dataset was modified or partly deleted outside Lance: restore the file from a copy of the "
+    "dataset, or re-create the dataset (delete it and run with data.ingest set, or write it again)"
+)
 
 
 class DamagedDataset(UserError):
@@ -36,8 +38,10 @@ class FileProblem:
     def describe(self, uri: str) -> str:
         if self.found_bytes is None:
             return f"data file {self.path} of {uri} is missing"
-        return (f"data file {self.path} of {uri} has {self.found_bytes:,} bytes where the manifest records "
-                f"{self.expected_bytes:,} (truncated or overwritten)")
+        return (
+            f"data file {self.path} of {uri} has {self.found_bytes:,} bytes where the manifest records "
+            f"{self.expected_bytes:,} (truncated or overwritten)"
+        )
 
 
 def _filesystem(uri: str, options: Mapping[str, str]) -> tuple[Any, str]:
@@ -57,7 +61,7 @@ def file_problems(dataset: Any, uri: str, options: Mapping[str, str]) -> list[Fi
 
     filesystem, root = _filesystem(uri, options)
     selector = fs.FileSelector(f"{root}/data", allow_not_found=True, recursive=True)
-    found = {info.path[len(root) + 1:]: info.size for info in filesystem.get_file_info(selector)}
+    found = {info.path[len(root) + 1 :]: info.size for info in filesystem.get_file_info(selector)}
     problems = []
     for fragment in dataset.get_fragments():
         for data_file in fragment.data_files():
@@ -95,8 +99,9 @@ def explain_read_error(error: BaseException, dataset: Any | None, uri: str, opti
     if problems:
         return damaged_dataset(problems, uri, getattr(dataset, "version", None))
     if is_damage(error):
-        return DamagedDataset(f"reading {uri} failed: {short_error(error, options)}{listing}; if a data file is "
-                              f"missing or cut short, {FIX}")
+        return DamagedDataset(
+            f"reading {uri} failed: {short_error(error, options)}{listing}; if a data file is missing or cut short, {FIX}"
+        )
     return error
 
 

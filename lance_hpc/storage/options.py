@@ -33,7 +33,9 @@ def is_remote(uri: str) -> bool:
     return "://" in uri and not uri.startswith("file://")
 
 
-def storage_options(uri: str, options: Mapping[str, str] | None = None, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+def storage_options(
+    uri: str, options: Mapping[str, str] | None = None, environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
     """Lance storage options for ``uri``: the spec's options, then credentials and region/endpoint
     from AWS-style environment variables for anything the spec does not set."""
     environ = os.environ if environ is None else environ

@@ -46,8 +46,11 @@ TRANSIENT = re.compile(
     re.IGNORECASE,
 )
 # Error text of a data file that is gone or shorter than Lance expects.
-DAMAGED = re.compile(r"not found|NoSuchKey|no such file|Invalid range .* for object of size|unexpected end of file|"
-                     r"out of range of file|file size", re.IGNORECASE)
+DAMAGED = re.compile(
+    r"not found|NoSuchKey|no such file|Invalid range .* for object of size|unexpected end of file|"
+    r"out of range of file|file size",
+    re.IGNORECASE,
+)
 
 
 class StoreUnavailable(Exception):
@@ -64,8 +67,7 @@ class _Overdue(Exception):
 
 def is_transient(error: BaseException) -> bool:
     text = str(error)
-    return isinstance(error, (OSError, RuntimeError, ValueError)) and bool(TRANSIENT.search(text)) \
-        and not DAMAGED.search(text)
+    return isinstance(error, (OSError, RuntimeError, ValueError)) and bool(TRANSIENT.search(text)) and not DAMAGED.search(text)
 
 
 def is_damage(error: BaseException) -> bool:
@@ -163,8 +165,15 @@ def retrying(
         delay = min(backoff_s(attempts - 1), timeout_s - elapsed)
         if elapsed >= WARN_AFTER_S and not warned:
             warned = True
-            log.warning("rank %d: %s has failed for %.0f s (%s): %s; retrying for up to %g s in all",
-                        rank, endpoint_of(uri, options), elapsed, what, short_error(last_error, options), timeout_s)
+            log.warning(
+                "rank %d: %s has failed for %.0f s (%s): %s; retrying for up to %g s in all",
+                rank,
+                endpoint_of(uri, options),
+                elapsed,
+                what,
+                short_error(last_error, options),
+                timeout_s,
+            )
         else:
             log.debug("retrying %s in %.1f s: %s", what, delay, short_error(last_error, options))
         on_retry()

@@ -38,11 +38,15 @@ def task_class(name: str) -> type[Task]:
     elif is_import_path(name):
         found = load_callable(name, "task.name")
     else:
-        raise UserError(f"task.name: unknown task {name!r}\n  fix: use one of: {', '.join(TASKS)}, "
-                        "or an import path to your Task class (my_pkg.tasks:MyTask or path/to/file.py:MyTask)")
+        raise UserError(
+            f"task.name: unknown task {name!r}\n  fix: use one of: {', '.join(TASKS)}, "
+            "or an import path to your Task class (my_pkg.tasks:MyTask or path/to/file.py:MyTask)"
+        )
     if not (isinstance(found, type) and issubclass(found, Task)):
-        raise UserError(f"task.name: {name!r} is not a subclass of lance_hpc.tasks.Task\n"
-                        "  fix: subclass lance_hpc.tasks.Task (see the README's Tasks section)")
+        raise UserError(
+            f"task.name: {name!r} is not a subclass of lance_hpc.tasks.Task\n"
+            "  fix: subclass lance_hpc.tasks.Task (see the README's Tasks section)"
+        )
     return found
 
 

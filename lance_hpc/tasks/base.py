@@ -99,8 +99,7 @@ class TaskOptions(BaseModel):
     """Base of every task's options: frozen, unknown keys refused (reported as task.options.KEY),
     floats finite: a .nan or .inf option would pass here and then fail on every rank."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, protected_namespaces=(),
-                              allow_inf_nan=False)
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, protected_namespaces=(), allow_inf_nan=False)
 
 
 OptionsT = TypeVar("OptionsT", bound=TaskOptions)
@@ -166,18 +165,24 @@ class TaskError(UserError):
 
     def __init__(self, task: str, problems: list[str]) -> None:
         self.problems = problems
-        super().__init__(f"task {task}: {len(problems)} problem{'s' if len(problems) != 1 else ''} with the dataset\n"
-                         + "\n".join(f"  {problem}" for problem in problems))
+        super().__init__(
+            f"task {task}: {len(problems)} problem{'s' if len(problems) != 1 else ''} with the dataset\n"
+            + "\n".join(f"  {problem}" for problem in problems)
+        )
 
 
 def column_problems(info: DatasetInfo, option: str, column: str, kind: str, accepts: Any) -> list[str]:
     """Problems with ``column`` (named by ``task.options.<option>``) in ``info``: missing, or of a
     type ``accepts`` refuses; ``kind`` says what was expected, e.g. "binary (encoded images)"."""
     if column not in info.schema.names:
-        return [f"task.options.{option}: column {column!r} is not in {info.uri}; its columns: {info.describe_columns()}\n"
-                f"      fix: set task.options.{option} to the column that holds {kind}"]
+        return [
+            f"task.options.{option}: column {column!r} is not in {info.uri}; its columns: {info.describe_columns()}\n"
+            f"      fix: set task.options.{option} to the column that holds {kind}"
+        ]
     found = info.schema.field(column).type
     if not accepts(found):
-        return [f"task.options.{option}: column {column!r} of {info.uri} is {found}, expected {kind}\n"
-                f"      fix: point task.options.{option} at a column of {kind}"]
+        return [
+            f"task.options.{option}: column {column!r} of {info.uri} is {found}, expected {kind}\n"
+            f"      fix: point task.options.{option} at a column of {kind}"
+        ]
     return []

@@ -51,7 +51,12 @@ class GPT(nn.Module):
     """Token ids [B, T] in, next-token logits [B, T, vocab_size] out, for any T up to sequence_length."""
 
     def __init__(
-        self, vocab_size: int, sequence_length: int, layers: int = 4, width: int = 256, heads: int = 4,
+        self,
+        vocab_size: int,
+        sequence_length: int,
+        layers: int = 4,
+        width: int = 256,
+        heads: int = 4,
         dropout: float = 0.0,
     ) -> None:
         super().__init__()

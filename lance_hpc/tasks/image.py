@@ -63,8 +63,9 @@ class ImageOptions(TaskOptions):
         None, description="Per-channel standard deviation the pixels are divided by; null: ImageNet's (3 channels) or 0.5."
     )
     weights: str | None = Field(
-        None, description="Initial weights from a local file (a state_dict saved with torch.save, or a lance_hpc checkpoint); "
-        "never downloaded; a resumed job takes its checkpoint's instead."
+        None,
+        description="Initial weights from a local file (a state_dict saved with torch.save, or a lance_hpc checkpoint); "
+        "never downloaded; a resumed job takes its checkpoint's instead.",
     )
 
     @model_validator(mode="after")
@@ -113,8 +114,10 @@ class ImageDecoder(Decoder):
         size = self.transform.image_size
         # channels-last lets a decoded H x W x 3 image be copied as it is; one channel has no such order
         order = (1, 2, 0) if self.channels == 3 else None
-        return {"image": FieldSpec((self.channels, size, size), torch.uint8, memory_order=order),
-                "label": FieldSpec((), torch.int64)}
+        return {
+            "image": FieldSpec((self.channels, size, size), torch.uint8, memory_order=order),
+            "label": FieldSpec((), torch.int64),
+        }
 
     def decode(self, table: pa.Table, out: Batch, rng: np.random.Generator) -> dict[int, str]:
         values, offsets, valid = binary_values(table.column(self.image_column))
@@ -149,19 +152,29 @@ class ImageClassification(Task[ImageOptions]):
         super().__init__(options, train, val)
         problems = []
         for info in filter(None, (train, val)):
-            problems += column_problems(info, "image_column", options.image_column, "binary (encoded images)",
-                                        lambda kind: pa.types.is_binary(kind) or pa.types.is_large_binary(kind))
-            problems += column_problems(info, "label_column", options.label_column, "integers (class labels)",
-                                        pa.types.is_integer)
+            problems += column_problems(
+                info,
+                "image_column",
+                options.image_column,
+                "binary (encoded images)",
+                lambda kind: pa.types.is_binary(kind) or pa.types.is_large_binary(kind),
+            )
+            problems += column_problems(
+                info, "label_column", options.label_column, "integers (class labels)", pa.types.is_integer
+            )
         if problems:
             raise TaskError("image_classification", problems)
         self.class_names = class_names(train, options.label_column)
         if options.num_classes is not None and options.num_classes < len(self.class_names):
-            raise TaskError("image_classification", [
-                f"task.options.num_classes is {options.num_classes}, but {train.uri} has {len(self.class_names)} "
-                f"classes (labels 0..{len(self.class_names) - 1}); labels past {options.num_classes - 1} would be out "
-                f"of range\n      fix: remove num_classes to read it from the dataset, or set it to at least "
-                f"{len(self.class_names)}"])
+            raise TaskError(
+                "image_classification",
+                [
+                    f"task.options.num_classes is {options.num_classes}, but {train.uri} has {len(self.class_names)} "
+                    f"classes (labels 0..{len(self.class_names) - 1}); labels past {options.num_classes - 1} would be out "
+                    f"of range\n      fix: remove num_classes to read it from the dataset, or set it to at least "
+                    f"{len(self.class_names)}"
+                ],
+            )
         self.num_classes = options.num_classes or len(self.class_names)
 
     def decoder(self, train: bool) -> ImageDecoder:
@@ -185,8 +198,10 @@ class ImageClassification(Task[ImageOptions]):
     def to_device(self, batch: Batch, device: torch.device) -> Batch:
         mean, std = self.options.normalization()
         images = normalize(batch["image"].to(device, non_blocking=True), mean, std)
-        return {"image": images.contiguous(memory_format=self._memory_format(device)),
-                "label": batch["label"].to(device, non_blocking=True)}
+        return {
+            "image": images.contiguous(memory_format=self._memory_format(device)),
+            "label": batch["label"].to(device, non_blocking=True),
+        }
 
     def forward(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         logits, labels = model(batch["image"]), batch["label"]

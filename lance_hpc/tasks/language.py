@@ -47,7 +47,9 @@ class LanguageModelOptions(TaskOptions):
     width: int = Field(256, ge=8, le=MAX_WIDTH, description="gpt: embedding width (a multiple of heads).")
     heads: int = Field(4, ge=1, le=MAX_HEADS, description="gpt: attention heads.")
     dropout: float = Field(0.0, ge=0, lt=1, description="gpt: dropout in attention and MLP.")
-    vocab_size: int | None = Field(None, ge=2, le=MAX_VOCAB_SIZE, description="Vocabulary size; null reads it from the dataset's metadata.")
+    vocab_size: int | None = Field(
+        None, ge=2, le=MAX_VOCAB_SIZE, description="Vocabulary size; null reads it from the dataset's metadata."
+    )
 
 
 class TokenDecoder(Decoder):
@@ -87,28 +89,39 @@ class LanguageModel(Task[LanguageModelOptions]):
         super().__init__(options, train, val)
         problems = []
         for info in filter(None, (train, val)):
-            problems += column_problems(info, "tokens_column", options.tokens_column, "fixed-size lists of integer tokens",
-                                        lambda kind: pa.types.is_fixed_size_list(kind) and pa.types.is_integer(kind.value_type))
+            problems += column_problems(
+                info,
+                "tokens_column",
+                options.tokens_column,
+                "fixed-size lists of integer tokens",
+                lambda kind: pa.types.is_fixed_size_list(kind) and pa.types.is_integer(kind.value_type),
+            )
         if problems:
             raise TaskError("language_model", problems)
         self.row_tokens = train.schema.field(options.tokens_column).type.list_size
         if val is not None and val.schema.field(options.tokens_column).type.list_size != self.row_tokens:
-            problems.append(f"task.options.tokens_column: {val.uri} has sequences of "
-                            f"{val.schema.field(options.tokens_column).type.list_size} tokens, {train.uri} of {self.row_tokens}\n"
-                            "      fix: ingest both splits with the same sequence_length")
+            problems.append(
+                f"task.options.tokens_column: {val.uri} has sequences of "
+                f"{val.schema.field(options.tokens_column).type.list_size} tokens, {train.uri} of {self.row_tokens}\n"
+                "      fix: ingest both splits with the same sequence_length"
+            )
         tokens = {"train": _token_info(train), "val": _token_info(val)}
         vocab = options.vocab_size or (tokens["train"].vocab_size if tokens["train"] else None)
         if vocab is None:
-            problems.append(f"task.options.vocab_size: {train.uri} does not record its vocabulary size\n"
-                            "      fix: set task.options.vocab_size")
+            problems.append(
+                f"task.options.vocab_size: {train.uri} does not record its vocabulary size\n"
+                "      fix: set task.options.vocab_size"
+            )
         if problems:
             raise TaskError("language_model", problems)
         assert vocab is not None  # a problem above otherwise
         self.vocab_size = int(vocab)
         self.sequence_length = self.row_tokens - 1
         if options.model == "gpt" and options.width % options.heads:
-            raise UserError(f"task.options.width ({options.width}) is not a multiple of task.options.heads ({options.heads})\n"
-                            "  fix: e.g. width: 256 with heads: 4")
+            raise UserError(
+                f"task.options.width ({options.width}) is not a multiple of task.options.heads ({options.heads})\n"
+                "  fix: e.g. width: 256 with heads: 4"
+            )
         self.bytes_per_token = {split: found.bytes_per_token if found else None for split, found in tokens.items()}
 
     def decoder(self, train: bool) -> TokenDecoder:
@@ -120,8 +133,14 @@ class LanguageModel(Task[LanguageModelOptions]):
             return factory(vocab_size=self.vocab_size, sequence_length=self.sequence_length)
         if self.options.model != "gpt":
             raise UserError(f"task.options.model: unknown model {self.options.model!r}\n  fix: use gpt or my_pkg.models:build")
-        return GPT(self.vocab_size, self.sequence_length, layers=self.options.layers, width=self.options.width,
-                   heads=self.options.heads, dropout=self.options.dropout)
+        return GPT(
+            self.vocab_size,
+            self.sequence_length,
+            layers=self.options.layers,
+            width=self.options.width,
+            heads=self.options.heads,
+            dropout=self.options.dropout,
+        )
 
     def forward(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = batch["tokens"].long()

@@ -48,16 +48,20 @@ def model_problem(name: str) -> str | None:
     known = torchvision_models()
     if name in known:
         return None
-    return (f"unknown model {name!r}; use small_cnn, a torchvision classification model "
-            f"({', '.join(known[:6])}, ... {len(known)} in all), or a factory by import path (my_pkg.models:build)")
+    return (
+        f"unknown model {name!r}; use small_cnn, a torchvision classification model "
+        f"({', '.join(known[:6])}, ... {len(known)} in all), or a factory by import path (my_pkg.models:build)"
+    )
 
 
 def channels_problem(name: str, channels: int) -> str | None:
     """Why model ``name`` cannot take ``channels`` input channels, or None."""
     if channels == 3 or name in BUILT_IN or is_import_path(name):
         return None
-    return (f"model {name} (torchvision) takes 3 channels, not {channels}; use small_cnn or your own factory "
-            f"(my_pkg.models:build, called with channels={channels}), or set channels: 3")
+    return (
+        f"model {name} (torchvision) takes 3 channels, not {channels}; use small_cnn or your own factory "
+        f"(my_pkg.models:build, called with channels={channels}), or set channels: 3"
+    )
 
 
 def build_model(name: str, num_classes: int, channels: int = 3) -> nn.Module:
@@ -72,9 +76,11 @@ def build_model(name: str, num_classes: int, channels: int = 3) -> nn.Module:
         except TypeError as error:
             if not extra or "channels" not in str(error):
                 raise
-            raise UserError(f"task.options.model: {name} takes no channels argument ({error})\n"
-                            "  fix: give it a channels parameter (def build(num_classes, channels=3)), or set "
-                            "task.options.channels: 3") from None
+            raise UserError(
+                f"task.options.model: {name} takes no channels argument ({error})\n"
+                "  fix: give it a channels parameter (def build(num_classes, channels=3)), or set "
+                "task.options.channels: 3"
+            ) from None
         if not isinstance(model, nn.Module):
             raise UserError(f"task.options.model: {name} returned a {type(model).__name__}, not a torch.nn.Module")
         return model
@@ -94,11 +100,15 @@ def load_weights_file(model: nn.Module, path: str) -> None:
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise UserError(f"task.options.weights: {path} does not exist\n  fix: give the path of a file every node "
-                        "can read (a shared file system), or remove task.options.weights") from None
+        raise UserError(
+            f"task.options.weights: {path} does not exist\n  fix: give the path of a file every node "
+            "can read (a shared file system), or remove task.options.weights"
+        ) from None
     except Exception as error:
-        raise UserError(f"task.options.weights: cannot read {path}: {type(error).__name__}: {error}\n"
-                        "  fix: save the weights with torch.save(model.state_dict(), path)") from None
+        raise UserError(
+            f"task.options.weights: cannot read {path}: {type(error).__name__}: {error}\n"
+            "  fix: save the weights with torch.save(model.state_dict(), path)"
+        ) from None
     if isinstance(saved, dict) and isinstance(saved.get("objects"), dict) and "model" in saved["objects"]:
         saved = saved["objects"]["model"]  # a lance_hpc checkpoint
     elif isinstance(saved, dict) and isinstance(saved.get("model"), dict):
@@ -107,6 +117,8 @@ def load_weights_file(model: nn.Module, path: str) -> None:
         model.load_state_dict(saved)
     except (RuntimeError, TypeError, AttributeError) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UserError(f"task.options.weights: {path} does not fit this model: {first}\n"
-                        "  fix: point it at weights saved from the same model (task.options.model, channels, "
-                        "num_classes)") from None
+        raise UserError(
+            f"task.options.weights: {path} does not fit this model: {first}\n"
+            "  fix: point it at weights saved from the same model (task.options.model, channels, "
+            "num_classes)"
+        ) from None

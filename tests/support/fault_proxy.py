@@ -136,7 +136,8 @@ class FaultState:
                 "injected": dict(self.injected),
                 "rules": [
                     {key: value for key, value in asdict(rule).items() if key != "started"} | {"remaining_s": rule.remaining_s()}
-                    for rule in self.rules if not rule.expired
+                    for rule in self.rules
+                    if not rule.expired
                 ],
             }
 
@@ -339,8 +340,9 @@ class FaultProxy:
 def control(proxy: str, method: str, rule: dict[str, Any] | None = None) -> dict[str, Any]:
     """Talk to a proxy's control path from another process."""
     data = json.dumps(rule).encode() if rule is not None else None
-    request = urllib.request.Request(proxy.rstrip("/") + CONTROL_PATH, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        proxy.rstrip("/") + CONTROL_PATH, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=10) as response:
         return json.loads(response.read())
 
@@ -374,8 +376,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             pass
         return 0
     if args.command == "inject":
-        rule = {"kind": args.kind, "fraction": args.fraction, "count": args.count, "seconds": args.seconds,
-                "stall_s": args.stall_s, "path": args.path}
+        rule = {
+            "kind": args.kind,
+            "fraction": args.fraction,
+            "count": args.count,
+            "seconds": args.seconds,
+            "stall_s": args.stall_s,
+            "path": args.path,
+        }
         result = control(args.proxy, "POST", rule)
     else:
         result = control(args.proxy, "DELETE" if args.command == "clear" else "GET")

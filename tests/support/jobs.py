@@ -27,8 +27,16 @@ BASE_SPEC: dict[str, Any] = {
     "data": {"batch_size": 16, "num_workers": 0, "shuffle": True, "seed": 0},
     "task": {"name": "image_classification", "options": {"model": "small_cnn", "image_size": 16, "augment": "none"}},
     "train": {
-        "epochs": 4, "optimizer": "adamw", "lr": 0.003, "lr_scaling": "none", "warmup_epochs": 0.5,
-        "weight_decay": 0.0001, "precision": "fp32", "deterministic": True, "seed": 0, "collective_timeout_s": 60,
+        "epochs": 4,
+        "optimizer": "adamw",
+        "lr": 0.003,
+        "lr_scaling": "none",
+        "warmup_epochs": 0.5,
+        "weight_decay": 0.0001,
+        "precision": "fp32",
+        "deterministic": True,
+        "seed": 0,
+        "collective_timeout_s": 60,
     },
     "checkpoint": {"every_steps": 10, "keep": 2},
     "logging": {"log_every_steps": 5, "progress": False},
@@ -89,10 +97,7 @@ def scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
     accumulator = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
     accumulator.Reload()
-    return {
-        tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
-        for tag in accumulator.Tags()["scalars"]
-    }
+    return {tag: [(event.step, event.value) for event in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
 
 
 def hparams_logged(log_dir: Path) -> dict[str, Any]:
@@ -117,7 +122,7 @@ def assert_epoch_resumes_in_place(spec: JobSpec, ranks: list[dict[str, Any]]) ->
         position = saved["loaders"]["loader"]
         full = build_train_loader(spec.data, decoder, rank, world_size)
         full.set_epoch(position["epoch"])
-        expected = list(full)[position["batches_consumed"]:]
+        expected = list(full)[position["batches_consumed"] :]
         restored = build_train_loader(spec.data, decoder, rank, world_size)
         restored.load_state_dict(position)
         restored.set_epoch(position["epoch"])

@@ -32,8 +32,9 @@ def signal_steps(env: Mapping[str, str], job_id: str, signal_name: str = "USR2")
     """Signal the running steps of a job once each, as ``lance-hpc cancel`` does: ``scancel
     --signal`` given the job id keeps retrying while the job requeues itself on that signal, and a
     retry then stops the requeued run too."""
-    listed = subprocess.run(["squeue", "--steps", "--jobs", job_id, "-h", "-o", "%i"], env=env,
-                            capture_output=True, text=True, check=True)
+    listed = subprocess.run(
+        ["squeue", "--steps", "--jobs", job_id, "-h", "-o", "%i"], env=env, capture_output=True, text=True, check=True
+    )
     steps = [step for step in listed.stdout.split() if step.rpartition(".")[2].isdigit()]
     assert steps, f"job {job_id} has no running step to signal: {listed.stdout!r}"
     for step in steps:

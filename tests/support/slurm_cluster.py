@@ -90,9 +90,7 @@ class SlurmCluster:
 
     def run(self, *command: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         """Run a SLURM client command against this cluster."""
-        return subprocess.run(
-            command, env={**os.environ, **self.env}, capture_output=True, text=True, check=check, timeout=60
-        )
+        return subprocess.run(command, env={**os.environ, **self.env}, capture_output=True, text=True, check=check, timeout=60)
 
     def node_states(self) -> dict[str, str]:
         result = self.run("sinfo", "-h", "-N", "-o", "%N %t", check=False)
