@@ -24,12 +24,12 @@ import pytest
 
 from lance_hpc.errors import UserError
 from lance_hpc.spec import CacheSpec, SpecError, load_spec_text
-from lance_hpc.storage import cache
-from lance_hpc.storage.cache import (
+from lance_hpc.storage import cache, cache_files
+from lance_hpc.storage.cache import NodeCache, open_cache
+from lance_hpc.storage.cache_files import (
     GIB,
     PARTIAL,
     CachedFile,
-    NodeCache,
     Source,
     cache_root,
     dataset_key,
@@ -38,7 +38,6 @@ from lance_hpc.storage.cache import (
     fragment_files,
     lock_path,
     manifest_names,
-    open_cache,
     user_directory,
 )
 from lance_hpc.storage.datasets import ReadStats
@@ -115,14 +114,14 @@ def test_rows_through_the_cache_equal_the_store_before_during_and_after_filling(
 KILLED_FILLER = """
 import sys, time
 from pathlib import Path
-from lance_hpc.storage import cache
+from lance_hpc.storage import cache_files
 def one_chunk_then_hang(self, path):
     with self.filesystem.open_input_stream(f"{self.root}/{path}") as stream:
         yield stream.read(4096)
     Path(sys.argv[3]).write_text("started")
     time.sleep(600)
-cache.Source.chunks = one_chunk_then_hang
-cache.fetch(cache.Source(sys.argv[1], {}), Path(sys.argv[2]), cache.CachedFile(sys.argv[4]))
+cache_files.Source.chunks = one_chunk_then_hang
+cache_files.fetch(cache_files.Source(sys.argv[1], {}), Path(sys.argv[2]), cache_files.CachedFile(sys.argv[4]))
 """
 
 
@@ -258,7 +257,7 @@ def test_a_new_version_never_reads_the_bytes_of_another(tmp_path):
 def share_one_cache(uri, directory, barrier, results):
     """One of two processes: read every row (same order as the other, so they race for the same
     files) with small chunks (slow downloads), then read again; report what it downloaded."""
-    cache.CHUNK_BYTES = 2048
+    cache_files.CHUNK_BYTES = 2048
     dataset = lance.dataset(uri)
     node = node_cache(directory, dataset)
     barrier.wait()
