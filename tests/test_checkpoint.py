@@ -25,16 +25,10 @@ import torch.distributed as dist
 
 from lance_hpc.errors import UserError
 from lance_hpc.runtime import checkpoint, lease, preemption
-from lance_hpc.runtime.environment import DistEnv, detect, process_group
+from lance_hpc.runtime.environment import DistEnv
 from lance_hpc.spec import JobSpec, load_spec_text
 from lance_hpc.storage import checkpoint_index, checkpoint_store
 from lance_hpc.tasks.image import ImageOptions
-
-
-@pytest.fixture
-def single_rank() -> Iterator[torch.device]:
-    with process_group(detect({}), timeout_s=30) as device:
-        yield device
 
 
 def state(step: int) -> dict:

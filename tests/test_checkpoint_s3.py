@@ -33,11 +33,9 @@ from lance_hpc.spec import SpecError, load_spec, load_spec_text
 from lance_hpc.storage import checkpoint_index
 from tests.support.jobs import REPO_ROOT, write_spec
 from tests.support.ports import free_port
+from tests.support.ranks import rank_pid
 from tests.support.s3 import S3Server
-from tests.test_checkpoint import single_rank, state
-from tests.test_trainer import rank_pid
-
-__all__ = ["single_rank"]  # a fixture, imported for pytest
+from tests.test_checkpoint import state
 
 
 @pytest.fixture

@@ -43,7 +43,7 @@ from lance_hpc.storage.cache_files import (
 from lance_hpc.storage.datasets import ReadStats
 from lance_hpc.storage.files import replaced_atomically
 from lance_hpc.storage.options import storage_options
-from tests.test_data_loader import spec, train_loader, write_dataset
+from tests.support.loaders import spec, train_loader, write_dataset
 
 ROOT = Path(__file__).resolve().parent.parent
 COLUMNS = ["x", "payload"]

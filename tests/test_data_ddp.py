@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 
 from lance_hpc.runtime.rank import exit_process
 from lance_hpc.spec import DataSpec
-from tests.test_data_loader import eval_loader, train_loader, write_dataset
+from tests.support.loaders import eval_loader, train_loader, write_dataset
 
 WORLD_SIZE = 3
 DEADLINE_S = 540

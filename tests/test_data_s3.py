@@ -12,8 +12,8 @@ from lance_hpc.errors import UserError
 from lance_hpc.spec import DataSpec, IngestSpec
 from lance_hpc.storage.options import redact, storage_options
 from lance_hpc.tasks.image import ImageClassification, ImageOptions
+from tests.support.loaders import eval_loader, train_loader
 from tests.support.ports import free_port
-from tests.test_data_loader import eval_loader, train_loader
 
 
 def test_storage_options_take_credentials_from_the_environment_and_never_override_the_spec():

@@ -16,7 +16,7 @@ from lance_hpc.data.transport import BufferPool
 from lance_hpc.spec import DataSpec
 from lance_hpc.storage.datasets import ReadStats
 from lance_hpc.tasks.base import ROW_ID
-from tests.test_data_loader import image_decoder, train_loader, write_dataset
+from tests.support.loaders import image_decoder, train_loader, write_dataset
 
 
 def send(batch):

@@ -25,7 +25,7 @@ from lance_hpc.data.reader import BatchReader
 from lance_hpc.spec import DataSpec
 from lance_hpc.tasks.base import ROW_ID, DatasetInfo
 from lance_hpc.tasks.image import ImageClassification, ImageOptions
-from tests.test_data_loader import image_decoder, train_loader, write_dataset
+from tests.support.loaders import image_decoder, train_loader, write_dataset
 from tests.test_data_transport import workers_of
 
 # How long processes may take to go after their rank process dies (torch's worker watchdog polls

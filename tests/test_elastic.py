@@ -27,7 +27,7 @@ from lance_hpc.runtime.trainer import lr_factor
 from lance_hpc.spec import JobSpec, load_spec
 from lance_hpc.storage.datasets import open_dataset
 from tests.support.jobs import REPO_ROOT, final_state, scalars, write_spec
-from tests.test_trainer import rank_pid, read_until
+from tests.support.ranks import rank_pid, read_until
 
 pytestmark = pytest.mark.slow
 

@@ -22,7 +22,7 @@ from lance_hpc.runtime.environment import detect, process_group
 from lance_hpc.runtime.preemption import Preemption
 from lance_hpc.spec import SpecError, load_spec
 from tests.support.jobs import final_state, same_weights, scalars, train_here, write_spec
-from tests.test_trainer import launch, read_until
+from tests.support.ranks import launch, read_until
 
 
 def to_earlier_layout(state: dict[str, Any]) -> dict[str, Any]:

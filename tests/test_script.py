@@ -19,7 +19,7 @@ from lance_hpc.runtime.metrics import NullLogger
 from lance_hpc.runtime.preemption import Preemption
 from lance_hpc.spec import JobSpec, load_spec, load_spec_text
 from tests.support.jobs import REPO_ROOT, final_state, same_weights, write_spec
-from tests.test_trainer import launch, read_until
+from tests.support.ranks import launch, read_until
 
 EXAMPLE = f"{REPO_ROOT}/examples/script_mode/train.py:main"
 

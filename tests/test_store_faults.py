@@ -32,7 +32,7 @@ from lance_hpc.storage.integrity import DamagedDataset
 from lance_hpc.storage.retry import StoreUnavailable, backoff_s, retrying, short_error
 from tests.support.fault_proxy import FaultProxy, control
 from tests.support.jobs import REPO_ROOT, Digits, write_spec
-from tests.test_data_loader import IMAGES, train_loader
+from tests.support.loaders import IMAGES, train_loader
 
 LANCE_503 = (
     "LanceError(IO): Generic N/A error: LanceError(IO): Generic S3 error: Error performing GET "

@@ -23,7 +23,7 @@ from lance_hpc.spec.choices import STYLES
 from lance_hpc.tasks import ROW_ID, TaskError, build_task
 from lance_hpc.tasks.language import LanguageModel
 from tests.support.jobs import Digits, final_state, hparams_logged, same_weights, scalars, train_here, write_spec
-from tests.test_trainer import launch
+from tests.support.ranks import launch
 
 TRAIN_SAMPLERS = [(style, sampler) for style, samplers in STYLES.items() for sampler in samplers if sampler != "full_scan"]
 

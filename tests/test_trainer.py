@@ -49,6 +49,7 @@ from tests.support.jobs import (
     scalars,
     write_spec,
 )
+from tests.support.ranks import launch, rank_pid, read_until
 from tests.test_checkpoint import small_tmpfs
 
 
@@ -208,47 +209,6 @@ def test_two_ranks_train_to_the_bar_and_log_tensorboard(reference_run: FinishedR
     checkpoints = sorted(path.name for path in (reference_run.directory / "checkpoints").iterdir())
     kept = saved_steps[-spec.checkpoint.keep :]  # each with its manifest; the lease is gone with the run
     assert checkpoints == sorted([f"step-{step:08d}.pt" for step in kept] + [f"step-{step:08d}.json" for step in kept])
-
-
-def launch(spec_file: Path) -> subprocess.Popen:
-    """``python -m lance_hpc.launch.local SPEC --nproc 2`` in the background, its stdout piped."""
-    environ = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    return subprocess.Popen(
-        [sys.executable, "-m", "lance_hpc.launch.local", str(spec_file), "--nproc", "2"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=environ,
-        cwd=REPO_ROOT,
-    )
-
-
-def read_until(process: subprocess.Popen, marker: str, timeout_s: float = 120) -> str:
-    """The output of ``process`` up to and including the first line that contains ``marker``."""
-    lines, deadline = [], time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if marker in line:
-            return "".join(lines)
-    raise AssertionError(f"{marker!r} never appeared:\n{''.join(lines)}")
-
-
-def rank_pid(launcher: subprocess.Popen, rank: int) -> int:
-    """The pid of local rank ``rank``, a child of ``launcher``."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if parent == launcher.pid and f"RANK={rank}".encode() in environ:
-            return int(entry.name)
-    raise AssertionError(f"rank {rank} of launcher {launcher.pid} not found")
 
 
 @pytest.mark.slow
