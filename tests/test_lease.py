@@ -371,8 +371,8 @@ def test_on_s3_of_several_runs_starting_at_once_exactly_one_wins(s3_uri: str, le
         racer.join()
     winners = [index for index, outcome in outcomes.items() if outcome == "won"]
     assert len(winners) == 1, outcomes
-    assert all(
-        f"in use by another run: pid {os.getpid()} on node{winners[0]}," in outcome
-        for index, outcome in outcomes.items()
-        if index != winners[0]
-    )
+    # Each loser is refused by the live lease it read. That is the winner's, or, for a loser that
+    # read while another racer was still waiting out its own claim, that racer's: it names a run
+    # that was starting on the directory then, even if that run lost too.
+    racing = tuple(f"in use by another run: pid {os.getpid()} on node{index}," for index in range(5))
+    assert all(any(named in outcome for named in racing) for index, outcome in outcomes.items() if index != winners[0]), outcomes
