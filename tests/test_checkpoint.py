@@ -15,7 +15,6 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -29,10 +28,7 @@ from lance_hpc.runtime.environment import DistEnv
 from lance_hpc.spec import JobSpec, load_spec_text
 from lance_hpc.storage import checkpoint_index, checkpoint_store
 from lance_hpc.tasks.image import ImageOptions
-
-
-def state(step: int) -> dict:
-    return {"step": step, "model": {"weight": torch.full((4, 4), float(step))}, "note": f"step {step}"}
+from tests.support.checkpoints import small_tmpfs, state
 
 
 def test_atomic_write_lists_and_prunes(tmp_path: Path) -> None:
@@ -169,24 +165,6 @@ def test_the_newest_step_is_read_from_names_and_manifests_without_loading(tmp_pa
     assert (saved.step, saved.epoch, saved.world_size, saved.location) == (12, 2, 4, str(tmp_path / "step-00000012.pt"))
     (tmp_path / "step-00000012.json").write_text("{damaged")  # the name still says the step
     assert (checkpoint_index.latest(tmp_path).step, checkpoint_index.latest(tmp_path).epoch) == (12, None)
-
-
-@contextmanager
-def small_tmpfs(mount_point: Path, size: str) -> Iterator[Path]:
-    """A real file system of ``size`` (tmpfs) at ``mount_point``; the test is skipped where mounting
-    is not permitted (not root, or a container without CAP_SYS_ADMIN)."""
-    mount_point.mkdir(parents=True)
-    if shutil.which("mount") is None:
-        pytest.skip("no mount command")
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)], capture_output=True, text=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip()}")
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", str(mount_point)], check=True)
 
 
 @pytest.fixture

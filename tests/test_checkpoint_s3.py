@@ -31,11 +31,11 @@ from lance_hpc.runtime import checkpoint, lease
 from lance_hpc.runtime.rank import exit_process
 from lance_hpc.spec import SpecError, load_spec, load_spec_text
 from lance_hpc.storage import checkpoint_index
+from tests.support.checkpoints import state
 from tests.support.jobs import REPO_ROOT, write_spec
 from tests.support.ports import free_port
 from tests.support.ranks import rank_pid
 from tests.support.s3 import S3Server
-from tests.test_checkpoint import state
 
 
 @pytest.fixture

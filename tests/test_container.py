@@ -24,9 +24,9 @@ from lance_hpc.runtime.preemption import requeue_sbatch
 from lance_hpc.spec import JobSpec, SpecError, load_spec, validate_spec
 from tests.support.jobs import REPO_ROOT, Digits, final_state, write_spec
 from tests.support.ports import free_port
-from tests.support.slurm import signal_steps
+from tests.support.render import check_golden
+from tests.support.slurm import job_fields, signal_steps, wait_for_runs, wait_for_text
 from tests.support.slurm_cluster import SlurmCluster
-from tests.test_render import check_golden
 
 CONTAINER: dict[str, Any] = {
     "image": "/images/train.sif",
@@ -256,8 +256,6 @@ def test_apptainer_job_is_preempted_requeued_by_its_script_and_resumes(
     )
     job_id = submitted.stdout.strip().split(";")[0]
     log = Path(spec.slurm.log_dir) / f"boxed-{job_id}.out"
-    from tests.test_sweep import job_fields, wait_for_runs, wait_for_text
-
     wait_for_text(log, "step 50/")  # early in epoch 2 of 44-step epochs
     signal_steps(environ, job_id)
     states = wait_for_runs(slurm_cluster, [job_id], 900)

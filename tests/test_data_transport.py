@@ -10,13 +10,12 @@ from multiprocessing.reduction import ForkingPickler
 
 import torch
 
-from lance_hpc.bench.resources import descendants
 from lance_hpc.data.reader import ROW_ID_FIELD
 from lance_hpc.data.transport import BufferPool
 from lance_hpc.spec import DataSpec
 from lance_hpc.storage.datasets import ReadStats
 from lance_hpc.tasks.base import ROW_ID
-from tests.support.loaders import image_decoder, train_loader, write_dataset
+from tests.support.loaders import batch_mappings, image_decoder, train_loader, workers_of, write_dataset
 
 
 def send(batch):
@@ -69,17 +68,6 @@ def test_a_smaller_batch_fits_a_larger_free_buffer():
     smaller = pool.batch(image_fields(8), 2)
     assert len(pool.buffers) == 1 and smaller.fields["image"].shape == (2, 3, 8, 8)
     assert smaller.fields["label"].shape == (2,) and smaller.fields[ROW_ID].shape == (2,)
-
-
-def batch_mappings(pid):
-    """Distinct batch buffers mapped by ``pid``."""
-    with open(f"/proc/{pid}/maps") as maps:
-        return {line.split()[4] for line in maps if "memfd:lance_hpc-batch" in line}
-
-
-def workers_of(pid):
-    """The descendants of ``pid`` that hold batch buffers: its DataLoader workers."""
-    return [child for child in descendants(pid) if batch_mappings(child)]
 
 
 def test_a_worker_reuses_a_few_buffers_for_a_whole_epoch(tmp_path):

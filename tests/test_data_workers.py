@@ -22,22 +22,13 @@ from lance_hpc.data import worker_context
 from lance_hpc.data.ingest import schema_for
 from lance_hpc.data.mapstyle import LanceMapDataset
 from lance_hpc.data.reader import BatchReader
-from lance_hpc.spec import DataSpec
 from lance_hpc.tasks.base import ROW_ID, DatasetInfo
 from lance_hpc.tasks.image import ImageClassification, ImageOptions
-from tests.support.loaders import image_decoder, train_loader, write_dataset
-from tests.test_data_transport import workers_of
+from tests.support.loaders import image_decoder, loader_on, workers_of, write_dataset
 
 # How long processes may take to go after their rank process dies (torch's worker watchdog polls
 # every few seconds); the test fails only if they never go.
 GONE_WITHIN_S = 90
-
-
-def loader_on(tmp_path, **fields):
-    uri = write_dataset(str(tmp_path / "d.lance"), [40, 40, 40])
-    loader = train_loader(DataSpec(uri=uri, batch_size=6, **{"num_workers": 2, **fields}), 0, 1)
-    loader.set_epoch(0)
-    return loader
 
 
 def alive(pid):
@@ -84,7 +75,7 @@ def test_a_killed_rank_process_takes_its_worker_server_and_workers_with_it(tmp_p
     script = textwrap.dedent(f"""
         import os, sys, time
         sys.path.insert(0, {os.getcwd()!r})
-        from tests.test_data_workers import loader_on
+        from tests.support.loaders import loader_on
         from pathlib import Path
         if __name__ == "__main__":
             loader = loader_on(Path({str(tmp_path)!r}))
@@ -146,13 +137,13 @@ def test_a_program_that_ends_with_its_loader_mid_epoch_exits_and_takes_the_worke
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {os.getcwd()!r})
-        from tests.test_data_workers import loader_on
+        from tests.support.loaders import loader_on
         from pathlib import Path
         if __name__ == "__main__":
             batches = iter(loader_on(Path({str(tmp_path)!r}) / sys.argv[1]))
             next(batches)
             import os
-            from tests.test_data_transport import workers_of
+            from tests.support.loaders import workers_of
             print(*workers_of(os.getpid()), flush=True)
             if sys.argv[1] == "error":
                 raise RuntimeError("the program fails")  # the loader still alive, held by a global

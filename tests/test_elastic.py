@@ -24,9 +24,9 @@ from lance_hpc.data.reader import fragment_table
 from lance_hpc.data.sampling import epoch_batches
 from lance_hpc.errors import ExitCode
 from lance_hpc.runtime.trainer import lr_factor
-from lance_hpc.spec import JobSpec, load_spec
+from lance_hpc.spec import load_spec
 from lance_hpc.storage.datasets import open_dataset
-from tests.support.jobs import REPO_ROOT, final_state, scalars, write_spec
+from tests.support.jobs import REPO_ROOT, final_state, logged_rows, planned_rows, scalars, write_spec
 from tests.support.ranks import rank_pid, read_until
 
 pytestmark = pytest.mark.slow
@@ -50,36 +50,6 @@ def submit_local(spec_file: Path, nproc: int) -> subprocess.Popen:
         cwd=REPO_ROOT,
         start_new_session=True,
         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-    )
-
-
-def logged_rows(row_log: Path, world_size: int) -> list[list[list[int]]]:
-    """Per rank, the row ids of every training batch, in order."""
-    return [
-        [[int(row) for row in line.split()] for line in (row_log / f"rank-{rank}.txt").read_text().splitlines()]
-        for rank in range(world_size)
-    ]
-
-
-def planned_rows(spec: JobSpec, world_size: int, epoch: int) -> collections.Counter:
-    """Every row an epoch is planned to read over ``world_size`` ranks, with its count."""
-    table = fragment_table(open_dataset(spec.data.uri, None, {}))
-    data = spec.data
-    return collections.Counter(
-        row
-        for rank in range(world_size)
-        for batch in epoch_batches(
-            table,
-            data.sampler,
-            rank,
-            world_size,
-            data.batch_size,
-            epoch=epoch,
-            uneven=data.uneven,
-            shuffle=data.shuffle,
-            seed=data.seed,
-        )
-        for row in batch.tolist()
     )
 
 

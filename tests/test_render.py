@@ -7,7 +7,6 @@ and review the diff in git.
 
 from __future__ import annotations
 
-import difflib
 import os
 import shlex
 import shutil
@@ -26,9 +25,9 @@ from lance_hpc.errors import UserError
 from lance_hpc.launch import render
 from lance_hpc.launch.paths import JobPaths
 from lance_hpc.spec import REDACTED, JobSpec, load_spec, validate_spec
+from tests.support.render import check_golden
 
 ROOT = Path(__file__).resolve().parents[1]
-GOLDEN = Path(__file__).parent / "golden"
 JOBS = sorted((ROOT / "jobs").glob("*.yaml"))
 EXAMPLES = sorted((ROOT / "examples").glob("*/job.yaml"))
 BASE_DIR = "/project"  # relative paths resolve here, so golden files do not depend on the checkout
@@ -61,23 +60,6 @@ def spec_from(raw: dict[str, Any]) -> JobSpec:
 def spec_file_of(spec: JobSpec) -> str:
     """The spec file the job's tasks read (a sweep's, with {index} for the array task id)."""
     return JobPaths.of(spec).run_specs if spec.sweep else f"{spec.slurm.log_dir}/{spec.name}.spec.yaml"
-
-
-def check_golden(name: str, text: str) -> None:
-    path = GOLDEN / name
-    if os.environ.get("LANCE_HPC_RECORD_GOLDEN") == "1":
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(text)
-        return
-    expected = path.read_text() if path.exists() else ""
-    if text != expected:
-        diff = "".join(difflib.unified_diff(expected.splitlines(True), text.splitlines(True), f"golden/{name}", "rendered"))
-        pytest.fail(
-            f"the rendered script differs from tests/golden/{name}:\n{diff}\n"
-            "if the change is intended, re-record the golden files and review them in git:\n"
-            "  LANCE_HPC_RECORD_GOLDEN=1 python -m pytest tests/test_render.py",
-            pytrace=False,
-        )
 
 
 @pytest.mark.parametrize("job", JOBS, ids=lambda path: path.name)

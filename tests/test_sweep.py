@@ -9,7 +9,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +19,12 @@ from lance_hpc import submit
 from lance_hpc.data import build_train_loader, load_task
 from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.launch import render
-from lance_hpc.manage.queue import FINAL_STATES
 from lance_hpc.runtime.environment import detect
 from lance_hpc.spec import SpecError, expand, load_spec, validate_spec
 from lance_hpc.spec.sweep import combinations, parse_sweep_option
 from tests.support.jobs import REPO_ROOT, Digits, hparams_logged, scalars, write_spec
 from tests.support.ports import free_port
-from tests.support.slurm import signal_steps
+from tests.support.slurm import environ, job_fields, signal_steps, wait_for_runs, wait_for_text
 from tests.support.slurm_cluster import SlurmCluster
 
 BASE: dict[str, Any] = {
@@ -310,35 +308,6 @@ def checkpoint_step(directory: Path) -> int:
 
 
 # ---- the real SLURM cluster --------------------------------------------------------------------
-
-
-def environ(cluster: SlurmCluster) -> dict[str, str]:
-    return {**os.environ, **cluster.env, "PYTHONPATH": str(REPO_ROOT)}
-
-
-def job_fields(cluster: SlurmCluster, job: str) -> dict[str, str]:
-    shown = subprocess.run(["scontrol", "show", "job", "-o", job], env=environ(cluster), capture_output=True, text=True).stdout
-    return dict(word.split("=", 1) for word in shown.split() if "=" in word)
-
-
-def wait_for_runs(cluster: SlurmCluster, jobs: list[str], timeout_s: float) -> dict[str, str]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        states = {job: job_fields(cluster, job).get("JobState", "UNKNOWN") for job in jobs}
-        if all(state in FINAL_STATES for state in states.values()):
-            return states
-        time.sleep(1)
-    subprocess.run(["scancel", jobs[0].split("_")[0]], env=environ(cluster))
-    raise AssertionError(f"runs {jobs} did not end within {timeout_s} s: {states}")
-
-
-def wait_for_text(path: Path, marker: str, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if path.exists() and marker in path.read_text():
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"{marker!r} never appeared in {path}")
 
 
 @pytest.mark.slow

@@ -34,12 +34,13 @@ from tests.support.jobs import (
     Digits,
     assert_epoch_resumes_in_place,
     final_state,
+    logged_rows,
+    planned_rows,
     same_weights,
     write_spec,
 )
 from tests.support.slurm import signal_steps
 from tests.support.slurm_cluster import SlurmCluster
-from tests.test_elastic import logged_rows, planned_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 

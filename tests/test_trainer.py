@@ -39,6 +39,7 @@ from lance_hpc.runtime.preemption import Preemption, after_preemption
 from lance_hpc.spec import REDACTED, load_spec
 from lance_hpc.tasks.image import ImageClassification
 from lance_hpc.tasks.models import build_model
+from tests.support.checkpoints import small_tmpfs
 from tests.support.jobs import (
     FINAL_ACCURACY,
     REPO_ROOT,
@@ -50,7 +51,6 @@ from tests.support.jobs import (
     write_spec,
 )
 from tests.support.ranks import launch, rank_pid, read_until
-from tests.test_checkpoint import small_tmpfs
 
 
 def test_lr_warms_up_linearly_then_decays_to_zero() -> None:

@@ -1,8 +1,10 @@
 """Helpers shared by the trainer tests: the digits dataset, tiny job specs, and reading back what a
-run left behind (final weights, TensorBoard scalars)."""
+run left behind (final weights, TensorBoard scalars, the rows each rank trained on) beside the rows
+an epoch is planned to read."""
 
 from __future__ import annotations
 
+import collections
 import copy
 import re
 from dataclasses import dataclass
@@ -14,11 +16,14 @@ import torch
 import yaml
 
 from lance_hpc.data import build_train_loader, ensure_dataset, load_task
+from lance_hpc.data.reader import fragment_table
+from lance_hpc.data.sampling import epoch_batches
 from lance_hpc.runtime import checkpoint, trainer
 from lance_hpc.runtime.context import Summary, run_entry
 from lance_hpc.runtime.environment import detect, process_group
 from lance_hpc.runtime.preemption import Preemption
 from lance_hpc.spec import DataSpec, IngestSpec, JobSpec, load_spec
+from lance_hpc.storage.datasets import open_dataset
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FINAL_ACCURACY = re.compile(r"final validation accuracy: ([0-9.]+)")
@@ -110,6 +115,36 @@ def hparams_logged(log_dir: Path) -> dict[str, Any]:
     content = accumulator.PluginTagToContent("hparams")["_hparams_/session_start_info"]
     start = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info
     return {name: value.WhichOneof("kind") and getattr(value, value.WhichOneof("kind")) for name, value in start.hparams.items()}
+
+
+def logged_rows(row_log: Path, world_size: int) -> list[list[list[int]]]:
+    """Per rank, the row ids of every training batch, in order."""
+    return [
+        [[int(row) for row in line.split()] for line in (row_log / f"rank-{rank}.txt").read_text().splitlines()]
+        for rank in range(world_size)
+    ]
+
+
+def planned_rows(spec: JobSpec, world_size: int, epoch: int) -> collections.Counter:
+    """Every row an epoch is planned to read over ``world_size`` ranks, with its count."""
+    table = fragment_table(open_dataset(spec.data.uri, None, {}))
+    data = spec.data
+    return collections.Counter(
+        row
+        for rank in range(world_size)
+        for batch in epoch_batches(
+            table,
+            data.sampler,
+            rank,
+            world_size,
+            data.batch_size,
+            epoch=epoch,
+            uneven=data.uneven,
+            shuffle=data.shuffle,
+            seed=data.seed,
+        )
+        for row in batch.tolist()
+    )
 
 
 def assert_epoch_resumes_in_place(spec: JobSpec, ranks: list[dict[str, Any]]) -> None:

@@ -1,5 +1,6 @@
-"""Small image datasets whose label is the row id (so a batch shows which rows were read), and the
-image task's loaders over them, for the data-layer tests."""
+"""Small image datasets whose label is the row id (so a batch shows which rows were read), the
+image task's loaders over them, and the DataLoader worker processes serving them, for the
+data-layer tests."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import lance
 import numpy as np
 import pyarrow as pa
 
+from lance_hpc.bench.resources import descendants
 from lance_hpc.data import build_eval_loader, build_train_loader
 from lance_hpc.data.decode import Transform
 from lance_hpc.data.ingest import schema_for
@@ -56,3 +58,23 @@ def train_loader(data, rank, world_size, **decoder):
 
 def eval_loader(data, rank, world_size):
     return build_eval_loader(data, image_decoder(train=False), rank, world_size)
+
+
+def loader_on(tmp_path, **fields):
+    """Rank 0 of 1's training loader over a new 120-row dataset in ``tmp_path``, with two workers
+    unless ``fields`` say otherwise, set to epoch 0."""
+    uri = write_dataset(str(tmp_path / "d.lance"), [40, 40, 40])
+    loader = train_loader(DataSpec(uri=uri, batch_size=6, **{"num_workers": 2, **fields}), 0, 1)
+    loader.set_epoch(0)
+    return loader
+
+
+def batch_mappings(pid):
+    """Distinct batch buffers mapped by ``pid``."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return {line.split()[4] for line in maps if "memfd:lance_hpc-batch" in line}
+
+
+def workers_of(pid):
+    """The descendants of ``pid`` that hold batch buffers: its DataLoader workers."""
+    return [child for child in descendants(pid) if batch_mappings(child)]

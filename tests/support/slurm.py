@@ -3,18 +3,25 @@
 Usage: ``def test_x(slurm_cluster): subprocess.run(["sbatch", ...], env={**os.environ,
 **slurm_cluster.env})``. ``slurm_cluster.workdir`` holds the config and the daemons' logs, and
 ``slurm_cluster.partition`` is the partition to submit to.
+
+Also what the tests do to the cluster's jobs: signal their steps, read a job's fields from
+``scontrol``, and wait for jobs to end or for a marker in a job's log.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Iterator, Mapping
 
 import pytest
 
+from lance_hpc.manage.queue import FINAL_STATES
 from tests.support import slurm_cluster as cluster_module
+from tests.support.jobs import REPO_ROOT
 
 
 @pytest.fixture(scope="session")
@@ -39,3 +46,37 @@ def signal_steps(env: Mapping[str, str], job_id: str, signal_name: str = "USR2")
     assert steps, f"job {job_id} has no running step to signal: {listed.stdout!r}"
     for step in steps:
         subprocess.run(["scancel", f"--signal={signal_name}", step], env=env, check=True)
+
+
+def environ(cluster: cluster_module.SlurmCluster) -> dict[str, str]:
+    """This process's environment, pointed at ``cluster``, with the repository importable."""
+    return {**os.environ, **cluster.env, "PYTHONPATH": str(REPO_ROOT)}
+
+
+def job_fields(cluster: cluster_module.SlurmCluster, job: str) -> dict[str, str]:
+    """What ``scontrol show job`` says of ``job``, field by field (empty once SLURM forgot it)."""
+    shown = subprocess.run(["scontrol", "show", "job", "-o", job], env=environ(cluster), capture_output=True, text=True).stdout
+    return dict(word.split("=", 1) for word in shown.split() if "=" in word)
+
+
+def wait_for_runs(cluster: cluster_module.SlurmCluster, jobs: list[str], timeout_s: float) -> dict[str, str]:
+    """Wait until every job in ``jobs`` is in a final state and return the states; past
+    ``timeout_s``, cancel the (array) job and fail."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = {job: job_fields(cluster, job).get("JobState", "UNKNOWN") for job in jobs}
+        if all(state in FINAL_STATES for state in states.values()):
+            return states
+        time.sleep(1)
+    subprocess.run(["scancel", jobs[0].split("_")[0]], env=environ(cluster))
+    raise AssertionError(f"runs {jobs} did not end within {timeout_s} s: {states}")
+
+
+def wait_for_text(path: Path, marker: str, timeout_s: float = 300) -> None:
+    """Wait until the file at ``path`` (a job's log, say) contains ``marker``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and marker in path.read_text():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"{marker!r} never appeared in {path}")

@@ -1,0 +1,29 @@
+"""Golden files for rendered batch scripts: compare a script with ``tests/golden/NAME``, or record
+it there when ``LANCE_HPC_RECORD_GOLDEN=1``."""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+
+import pytest
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+
+
+def check_golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if os.environ.get("LANCE_HPC_RECORD_GOLDEN") == "1":
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+        return
+    expected = path.read_text() if path.exists() else ""
+    if text != expected:
+        diff = "".join(difflib.unified_diff(expected.splitlines(True), text.splitlines(True), f"golden/{name}", "rendered"))
+        pytest.fail(
+            f"the rendered script differs from tests/golden/{name}:\n{diff}\n"
+            "if the change is intended, re-record the golden files and review them in git:\n"
+            "  LANCE_HPC_RECORD_GOLDEN=1 python -m pytest tests/test_render.py",
+            pytrace=False,
+        )
