@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -36,8 +37,10 @@ def test_the_example_job_validates_and_names_its_entry() -> None:
 
 
 def a_context(spec: JobSpec, resumed: Checkpoint | None) -> Context:
-    """A rank-0-of-1 context that never trains: enough to register objects with."""
-    return Context(spec, detect({}), torch.device("cpu"), None, NullLogger(), Preemption(), resumed)  # type: ignore[arg-type]
+    """A rank-0-of-1 context that never trains: enough to register objects with (its task only names
+    no metrics)."""
+    task = SimpleNamespace(metrics=())
+    return Context(spec, detect({}), torch.device("cpu"), task, NullLogger(), Preemption(), resumed)  # type: ignore[arg-type]
 
 
 def test_register_refuses_what_it_cannot_checkpoint() -> None:

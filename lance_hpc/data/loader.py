@@ -55,6 +55,22 @@ def io_timeout(data: DataSpec) -> float:
     return data.io_timeout_s if data.io_timeout_s is not None else 120.0
 
 
+def _reader(data: DataSpec, uri: str, version: int, options: dict[str, str], decoder: Decoder, rank: int) -> BatchReader:
+    """The batch reader of ``uri`` at ``version``, with the spec's reading settings."""
+    return BatchReader(
+        uri,
+        version,
+        options,
+        decoder,
+        on_corrupt=data.on_corrupt,
+        seed=data.seed,
+        rank=rank,
+        io_depth=data.io_depth,
+        cache=data.cache,
+        io_timeout_s=io_timeout(data),
+    )
+
+
 class TrainLoader:
     """This rank's training batches: dicts of the decoder's fields plus ``row_id``.
 
@@ -93,18 +109,7 @@ class TrainLoader:
             )
         if data.sampler == "full_scan":
             log.warning("full_scan: every rank reads every row, so DDP ranks train on the same data")
-        reader = BatchReader(
-            data.uri,
-            self.dataset_version,
-            options,
-            decoder,
-            data.on_corrupt,
-            data.seed,
-            rank,
-            data.io_depth,
-            data.cache,
-            io_timeout(data),
-        )
+        reader = _reader(data, data.uri, self.dataset_version, options, decoder, rank)
         planner = self._planner = epoch_planner(
             table, data.sampler, rank, world_size, data.batch_size, uneven=data.uneven, shuffle=data.shuffle, seed=data.seed
         )
@@ -288,18 +293,7 @@ class EvalLoader:
         rows = dataset.count_rows()
         self.batches = eval_batches(rows, rank, world_size, data.batch_size, data.val_sampler)
         self.rows = sum(len(batch) for batch in self.batches)
-        reader = BatchReader(
-            data.val_uri,
-            self.dataset_version,
-            options,
-            decoder,
-            data.on_corrupt,
-            data.seed,
-            rank,
-            data.io_depth,
-            data.cache,
-            io_timeout(data),
-        )
+        reader = _reader(data, data.val_uri, self.dataset_version, options, decoder, rank)
         self._loader = data_loader(
             LanceMapDataset(reader, rows),
             data,

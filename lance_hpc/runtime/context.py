@@ -5,7 +5,8 @@ public API only; a script's ``entry: my_pkg.train:main`` is another. The context
 world size and device, the spec and its task, loaders for any task or decoder (every strategy,
 equal steps, exactly-once rows, mid-epoch resume), DDP wrapping on the right device, checkpoints of
 what you :meth:`~Context.register`, and :meth:`~Context.steps`: the iterator that resumes, shows
-progress, logs the ``perf/*`` tags, saves every ``checkpoint.every_steps`` and at each epoch end,
+progress, logs the ``perf/*`` tags (and the task's ``train/*`` values, from the metric sums the loop
+gives :meth:`~Context.add_metric_sums`), saves every ``checkpoint.every_steps`` and at each epoch end,
 and stops every rank at the same step when SLURM preempts the job (it saves, then raises
 :class:`Preempted`, which lance_hpc turns into a requeue). Every collective goes through the
 context, so ranks cannot fall out of step::
@@ -61,7 +62,7 @@ from lance_hpc.runtime.metrics import (
 )
 from lance_hpc.runtime.preemption import Preemption
 from lance_hpc.spec import JobSpec, TrainSpec
-from lance_hpc.spec.rules import entry_options_model
+from lance_hpc.spec.rules import entry_options
 from lance_hpc.tasks import ROW_ID, Batch, Decoder, Task
 
 
@@ -159,7 +160,7 @@ class Context:
         self._log_due = False
         self._step_time_s = 0.0
         self._warned_direct = False
-        self._perf = TrainWindow(device, ())
+        self._window = TrainWindow(device, task.metrics)  # reduced once per log point: perf/* and train/*
         self._shown: dict[str, float] = {}  # scalars logged at the current log point: the bar and the log line
         self._bar: tqdm | None = None
 
@@ -377,8 +378,9 @@ class Context:
     def steps(self, loader: TrainLoader, epochs: int | None = None, max_steps: int | None = None) -> Iterator[tuple[int, Batch]]:
         """(step, batch) until ``epochs`` (default train.epochs) or ``max_steps`` (default
         train.max_steps), from where a resumed job stopped. ``step`` counts the steps taken before
-        this batch's. After each step it calls the step-end hooks, logs ``perf/*`` at log points, calls
-        the epoch-end hooks at an epoch's end, saves every checkpoint.every_steps and at each epoch end,
+        this batch's. After each step it calls the step-end hooks, logs ``perf/*`` at log points (with
+        the task's ``train/*`` values when the loop gives :meth:`add_metric_sums`), calls the
+        epoch-end hooks at an epoch's end, saves every checkpoint.every_steps and at each epoch end,
         and stops all ranks together on preemption (saves, raises :class:`Preempted`)."""
         self._stepping = loader
         loader.watch = self._direct_batch
@@ -412,7 +414,7 @@ class Context:
                             wait = Stopwatch()
                             batch = next(batches)
                             data_wait += wait.lap()
-                            self._perf.add_samples(len(batch[ROW_ID]))
+                            self._window.add_samples(len(batch[ROW_ID]))
                             self._accumulating = index < self._micro_batches - 1
                             yield self._step, batch
                     finally:
@@ -420,7 +422,7 @@ class Context:
                     remaining -= self._micro_batches
                     self._step += 1
                     self._step_time_s = step_watch.lap()
-                    self._perf.add_step(self._step_time_s, data_wait)
+                    self._window.add_step(self._step_time_s, data_wait)
                     self._bar.update()
                     epoch_end = remaining == 0
                     if epoch_end:
@@ -430,7 +432,7 @@ class Context:
                     for hook in self._step_hooks:
                         hook()
                     if self._log_due:
-                        self._log_perf(epoch_watch.lap() if epoch_end else None)
+                        self._log_window(epoch_watch.lap() if epoch_end else None)
                     if epoch_end or done_all:
                         for hook in self._epoch_hooks:
                             hook()
@@ -456,6 +458,15 @@ class Context:
         self._logger.log(scalars, self._step if step is None else step)
         self._shown.update(scalars)
 
+    def add_metric_sums(self, sums: torch.Tensor) -> None:
+        """Count a batch's metric sums towards the task's ``train/*`` values: ``sums`` is what
+        ``task.forward`` returns beside the loss (one value for each name in ``task.metrics``). Call
+        it for every batch inside steps(), on every rank; the sums stay on the device. At each log
+        point steps() reduces them together with its ``perf/*`` figures, in the same all-reduce, and
+        logs ``task.report(sums, "train", seconds)`` (``train/loss``, ...) beside the ``perf/*`` tags;
+        a loop that never calls it logs ``perf/*`` only."""
+        self._window.add_sums(sums)
+
     def all_reduce(self, values: dict[str, float], op: str = "mean") -> dict[str, float]:
         """Collective: ``values`` summed (``op="sum"``) or averaged over all ranks."""
         if op not in ("mean", "sum"):
@@ -468,15 +479,18 @@ class Context:
 
     # ---- private ---------------------------------------------------------------------------------
 
-    def _log_perf(self, epoch_time_s: float | None) -> None:
-        """Collective at a log point: the perf/* tags, the progress bar or log line, a store-retry note."""
+    def _log_window(self, epoch_time_s: float | None) -> None:
+        """Collective at a log point, one all-reduce: the task's train/* values (if the loop added
+        metric sums) and the perf/* tags, the progress bar or log line, a store-retry note."""
         if self._stepping is not None:
-            self._perf.count_store_retries(self._stepping.stats.retries)
-        _, _, perf = self._perf.reduce()
+            self._window.count_store_retries(self._stepping.stats.retries)
+        has_sums = self._window.has_sums
+        sums, seconds, perf = self._window.reduce()
         if epoch_time_s is not None:
             perf["perf/epoch_time_s"] = epoch_time_s
-        self.log(perf)
-        shown, self._shown = self._shown, {}
+        reported = self.task.report(sums, "train", seconds) if has_sums else {}
+        self._logger.log({**reported, **perf}, self._step)
+        shown, self._shown = {**reported, **self._shown, **perf}, {}  # the task's values lead the line
         train = {tag: value for tag, value in shown.items() if tag.startswith("train/") and tag != "train/lr"}
         if self._bar is not None:
             self._bar.set_postfix({tag.split("/", 1)[1]: f"{value:.3f}" for tag, value in list(train.items())[:3]})
@@ -566,9 +580,7 @@ def run_entry(
     logger.log_hparams(
         {**flatten(spec.redacted_dict()), "world_size": env.world_size}, (f"val/{task.headline_metric}", "val/loss")
     )
-    model = entry_options_model(entry)
-    options = model.model_validate(spec.entry_options) if model is not None else None
-    context = Context(spec, env, device, task, logger, preemption, resumed, options)
+    context = Context(spec, env, device, task, logger, preemption, resumed, entry_options(entry, spec.entry_options))
     try:
         result = entry(context)
     except Preempted as stop:

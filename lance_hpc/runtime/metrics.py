@@ -97,8 +97,8 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 class TrainWindow:
     """Sums over the steps since the last log point: the task's metric sums (kept on the device,
-    so no host sync per step) and step timings. :meth:`reduce` is one all-reduce, which every
-    rank calls at the same step."""
+    so no host sync per step), when the loop adds them, and step timings. :meth:`reduce` is one
+    all-reduce, which every rank calls at the same step."""
 
     def __init__(self, device: torch.device, metric_names: Sequence[str]):
         self.device = device
@@ -108,15 +108,21 @@ class TrainWindow:
 
     def reset(self) -> None:
         self.sums = torch.zeros(len(self.metric_names), dtype=torch.float64, device=self.device)
+        self.has_sums = False  # the loop added metric sums in this window
         self.samples = 0
         self.steps = 0
         self.step_time = 0.0
         self.data_wait = 0.0
         self.store_retries = 0
 
-    def add_batch(self, sums: torch.Tensor, samples: int) -> None:
-        self.sums += sums.detach().double()
-        self.samples += samples
+    def add_sums(self, sums: torch.Tensor) -> None:
+        """One batch's metric sums, in the order of ``metric_names``."""
+        if sums.numel() != len(self.metric_names):
+            raise ValueError(
+                f"{sums.numel()} metric sums given; expected one for each of {', '.join(self.metric_names)}, in that order"
+            )
+        self.sums += sums.detach().double().reshape(self.sums.shape)
+        self.has_sums = True
 
     def add_samples(self, samples: int) -> None:
         self.samples += samples

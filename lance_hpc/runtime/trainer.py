@@ -4,8 +4,9 @@ public :class:`~lance_hpc.runtime.context.Context` only. What it does, a user's 
 The loop knows nothing of images or tokens: the task builds the model, moves a batch to the
 device, computes the loss and the metric sums, and turns reduced sums into reported values. The
 context iterates the steps (``train.grad_accum`` batches each), resumes, saves, and stops every
-rank at the same step; the loop adds the optimizer, the learning-rate schedule, the task's metrics
-at each log point and an evaluation at epoch ends (step-end and epoch-end hooks).
+rank at the same step, and reports the task's metrics at each log point from the sums the loop
+hands it; the loop adds the optimizer, the learning-rate schedule and an evaluation at epoch ends
+(step-end and epoch-end hooks).
 
 Progress is counted in samples, not in optimizer steps: the learning-rate schedule follows the
 epochs read (:attr:`Context.progress`), so a job resumed on another world size continues the same
@@ -22,7 +23,6 @@ import torch.distributed as dist
 from torch import nn
 
 from lance_hpc.runtime.context import Context
-from lance_hpc.runtime.metrics import TrainWindow
 from lance_hpc.spec import JobSpec, TrainSpec
 from lance_hpc.tasks import ROW_ID
 
@@ -72,14 +72,11 @@ def train(ctx: Context) -> dict[str, float]:
             "warmup and decay are counted in samples, so the schedule goes on where it was",
             flush=True,
         )
-    window = TrainWindow(ctx.device, task.metrics)
     last: dict[str, dict[str, float] | None] = {"metrics": None}
 
     def after_step() -> None:
-        window.add_step(ctx.step_time_s, 0.0)
-        if ctx.log_due:
-            sums, seconds, _ = window.reduce()
-            ctx.log({**task.report(sums, "train", seconds), "train/lr": schedule.lr})
+        if ctx.log_due:  # the context logs the task's train/* values beside it
+            ctx.log({"train/lr": schedule.lr})
         schedule.apply(ctx.progress)  # for the next step
 
     def after_epoch() -> None:
@@ -90,12 +87,11 @@ def train(ctx: Context) -> dict[str, float]:
     ctx.on_epoch_end(after_epoch)
     schedule.apply(ctx.progress)
     for _, batch in ctx.steps(loader):
-        samples = len(batch[ROW_ID])
         batch = ctx.to_device(batch)
         with ctx.no_sync(ddp), ctx.autocast():
             loss, sums = task.forward(ddp, batch)
         (loss / ctx.micro_batches).backward()
-        window.add_batch(sums, samples)
+        ctx.add_metric_sums(sums)
         if not ctx.accumulating:
             if spec.train.grad_clip is not None:
                 nn.utils.clip_grad_norm_(model.parameters(), spec.train.grad_clip)

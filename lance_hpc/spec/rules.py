@@ -5,6 +5,7 @@ They read the raw mapping, so they run (and report) even when other fields are w
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -134,6 +135,19 @@ def entry_options_model(function: Any) -> type[BaseModel] | None:
     """The pydantic model an entry declares for its options (``main.Options = MyOptions``), if any."""
     model = getattr(function, "Options", None)
     return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def entry_options(function: Any, validated: Mapping[str, Any]) -> Any:
+    """``ctx.options``: a loaded spec's ``entry_options``, which :func:`entry_problems` validated and
+    replaced by the JSON dump of the entry's ``Options`` model, as an instance of that model again;
+    the plain mapping when the entry declares none."""
+    model = entry_options_model(function)
+    if model is None:
+        return dict(validated)
+    # Read back in JSON mode, the inverse of that dump: it restores what the dump wrote as JSON
+    # (a Path, a tuple, a nested model), which model_construct would leave as strings, lists and
+    # dicts, and which a python-mode validate of a strict model would refuse.
+    return model.model_validate_json(json.dumps(validated))
 
 
 def _problem_from_user_error(path: str, error: UserError) -> Problem:
