@@ -21,8 +21,8 @@ fi
 python3 -m pip install -q --upgrade-strategy only-if-needed -e '.[test]'
 
 # Style and types before the tests (configured in pyproject.toml): the formatter, the linter, mypy.
-python3 -m ruff format --check --quiet lance_hpc tests examples
-python3 -m ruff check --quiet lance_hpc tests examples
+python3 -m ruff format --check --quiet lance_hpc benchmarks tests examples
+python3 -m ruff check --quiet lance_hpc benchmarks tests examples
 python3 -m mypy
 
 python3 -m pytest -q -p no:cacheprovider "$@"

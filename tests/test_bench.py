@@ -8,12 +8,10 @@ import json
 import pytest
 import yaml
 
-from lance_hpc.bench import main
-from lance_hpc.bench.cli import SECTIONS, parser
-from lance_hpc.bench.configs import Measurement, Result
-from lance_hpc.bench.datasets import DataSetSpec, prepare
-from lance_hpc.bench.object_storage import CACHE_LABEL
-from lance_hpc.bench.report import (
+from benchmarks.cli import SECTIONS, parser
+from benchmarks.datasets import DataSetSpec, prepare
+from benchmarks.object_storage import CACHE_LABEL
+from benchmarks.report import (
     cache_row,
     cache_target,
     format_markdown,
@@ -22,6 +20,8 @@ from lance_hpc.bench.report import (
     table_rows,
     targets,
 )
+from lance_hpc.bench import main
+from lance_hpc.bench.configs import Measurement, Result
 from lance_hpc.bench.runner import Summary, exactly_once, run_rounds
 
 TINY_LABELS = (
@@ -183,7 +183,7 @@ def test_sections_are_chosen_by_name_and_configurations_run_as_often_as_asked(tm
     monkeypatch.setattr(
         runner,
         "run_measurement",
-        lambda config, work_dir: calls.append(f"{config.dataset}/{config.label}") or [_result(config.label, 10.0)],
+        lambda config, work_dir, worker: calls.append(f"{config.dataset}/{config.label}") or [_result(config.label, 10.0)],
     )
     summaries = run_rounds(configs, runs, tmp_path, log=lambda line: None)
     assert [len(summary.runs) for summary in summaries] == [3, 1, 2]
@@ -288,3 +288,17 @@ def test_job_spec_mode_says_it_measures_image_classification_jobs(tmp_path, caps
     printed = capsys.readouterr()
     assert "task.name is 'language_model'" in printed.err and "image_classification jobs only" in printed.err
     assert not (tmp_path / "tokens.lance").exists() and not (tmp_path / "out").exists()  # refused before any work
+
+
+def test_without_a_job_spec_outside_a_checkout_the_command_says_where_the_comparison_is(tmp_path):
+    """The peer comparison lives in the repository's benchmarks/, not in the package: from any other
+    directory, ``lance-hpc bench`` without a spec says so rather than failing on an import."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "lance_hpc.bench", "--sections", "local"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert done.returncode == 2
+    assert "give a job spec" in done.stderr and "python -m benchmarks" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -7,11 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lance_hpc.bench import gpu, main
+from benchmarks import gpu
+from benchmarks.cli import main
+from benchmarks.datasets import DataSetSpec, prepare
+from benchmarks.sections import Context
+from benchmarks.worker import WORKER
 from lance_hpc.bench.configs import Measurement
-from lance_hpc.bench.datasets import DataSetSpec, prepare
 from lance_hpc.bench.runner import run_measurement
-from lance_hpc.bench.sections import Context
 
 
 @pytest.mark.slow
@@ -35,7 +37,7 @@ def test_a_model_trains_on_every_batch_and_the_wait_for_data_is_measured(tmp_pat
     fed = Measurement("fed by lance_hpc", "lance_hpc", data=loader, full_epoch=True, **common)
     synthetic = Measurement("synthetic", "synthetic", **common)
 
-    [fed_result] = run_measurement(fed, tmp_path / "work")
+    [fed_result] = run_measurement(fed, tmp_path / "work", WORKER)
     assert not fed_result.error, fed_result.error
     assert fed_result.epoch_done
     assert 0.0 < fed_result.data_wait_share < 1.0
@@ -44,7 +46,7 @@ def test_a_model_trains_on_every_batch_and_the_wait_for_data_is_measured(tmp_pat
     # 6 batches: the first and the 2 the worker queued meanwhile are trained on before the clock starts.
     assert fed_result.images == 3 * 16
 
-    [synthetic_result] = run_measurement(synthetic, tmp_path / "work")
+    [synthetic_result] = run_measurement(synthetic, tmp_path / "work", WORKER)
     assert not synthetic_result.error, synthetic_result.error
     assert synthetic_result.images > 0 and not synthetic_result.epoch_done
     assert synthetic_result.data_wait_share < 0.5  # the same batch is at hand at once: the window is training

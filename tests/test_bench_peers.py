@@ -12,10 +12,11 @@ import lance
 import pytest
 import torch
 
+from benchmarks.datasets import DataSetSpec, prepare
+from benchmarks.peers import prepare_peers
+from benchmarks.pipelines import LanceHpcDecode, build_pipeline
 from lance_hpc.bench.configs import Measurement
-from lance_hpc.bench.datasets import DataSetSpec, prepare
-from lance_hpc.bench.peers import prepare_peers
-from lance_hpc.bench.pipelines import LanceHpcDecode, batch_images, build_pipeline
+from lance_hpc.bench.pipeline import batch_images
 
 SPEC = DataSetSpec("small", count=96, image_size=32, batch_size=16, size=48, rows_per_fragment=40)
 KINDS = ("lancedb_streaming", "lancedb_permutation", "mosaic_streaming", "litdata")
@@ -96,7 +97,7 @@ def test_peer_out_of_the_box_reads_every_row_as_float_images(tiny, kind):
 @pytest.mark.s3
 @pytest.mark.parametrize("kind", KINDS)
 def test_peer_reads_every_row_over_the_s3_server_from_a_cold_cache(tiny, kind):
-    from lance_hpc.bench.s3_server import start_server
+    from benchmarks.s3_server import start_server
 
     root, data, paths = tiny
     cache = root / "cache-s3" / kind

@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from lance_hpc.bench.s3_server import CounterWindow, S3Error, parse_range, start_server
+from benchmarks.s3_server import CounterWindow, S3Error, parse_range, start_server
 
 ROWS = 3000
 

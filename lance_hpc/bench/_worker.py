@@ -21,19 +21,64 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 from lance_hpc.bench.configs import Measurement, Result
+from lance_hpc.bench.pipeline import batch_images, lance_hpc_loader
 from lance_hpc.bench.resources import ResourceSampler, command_line, descendants
-from lance_hpc.bench.s3_server import CounterWindow
 
 # Bytes from each end of an image that go into its fingerprint (1.5 rows of a 224 px image): enough
 # to tell crops apart, and cheap for the consumer, which reads two pages of each image, not all.
 FINGERPRINT_BYTES = 1024
 # Images the decode limit cycles through (read once, decoded again and again).
 DECODE_SAMPLE = 256
+
+
+class TrainStep(Protocol):
+    """One training step per batch (a model on a device), timed with the loader that feeds it."""
+
+    device_name: str
+
+    def __call__(self, batch: Any) -> None: ...
+
+
+class StoreWindow(Protocol):
+    """An object store's counters over the measured window (requests, bytes, ...)."""
+
+    def start(self) -> None: ...
+
+    def end(self) -> dict[str, float]: ...
+
+
+def import_lance_hpc(config: Measurement) -> None:
+    """Import what the pipeline needs before the clock starts: a training script has torch,
+    torchvision and its data library loaded long before it asks for the first batch."""
+    import lance  # noqa: F401
+    import torch  # noqa: F401
+    import torchvision  # noqa: F401
+
+    import lance_hpc.data  # noqa: F401
+
+
+def _no_training(config: Measurement) -> None:
+    if config.train_model:
+        raise ValueError(f"this worker trains no model ({config.train_model!r}): run it with benchmarks.worker")
+
+
+@dataclass
+class Pipelines:
+    """What a worker process can measure. This package's worker measures lance_hpc's loader; the
+    repository's comparison benchmarks (``benchmarks/worker.py``) add the peers' pipelines, a
+    training step and the benchmark S3 server's counters."""
+
+    build: Callable[[Measurement], Iterable[Any]] = lance_hpc_loader
+    prepare: Callable[[Measurement], None] = import_lance_hpc
+    # A model trained one step per batch (already warmed up), or None: the loader alone.
+    train_step: Callable[[Measurement], TrainStep | None] = lambda config: _no_training(config)
+    # The store's counters over the window, or None.
+    store_window: Callable[[Measurement], StoreWindow | None] = lambda config: None
 
 
 def queued_per_worker(config: Measurement) -> int:
@@ -138,25 +183,16 @@ class _Lockstep:
             self.dist.destroy_process_group()
 
 
-def measure(config: Measurement) -> Result:
+def measure(config: Measurement, pipelines: Pipelines) -> Result:
     """Time to first batch, then the steady rate over the window (or the whole epoch)."""
-    from lance_hpc.bench.pipelines import batch_images, build_pipeline, import_modules
-
-    import_modules(config)
+    pipelines.prepare(config)
     lockstep = _Lockstep(config)
-    store = CounterWindow(config.data["storage_options"]["endpoint"]) if config.store_counters else None
+    store = pipelines.store_window(config)
     seen: list[str] = []
-    train_step = None
-    if config.train_model:  # model built and its kernels chosen on a synthetic batch before any loader starts
-        from lance_hpc.bench.gpu import TrainStep, synthetic_batches
-
-        train_step = TrainStep(config)
-        warm_up = next(synthetic_batches(config))
-        for _ in range(2):
-            train_step(warm_up)
+    train_step = pipelines.train_step(config)  # built before any loader starts
     with ResourceSampler() as resources:
         start = time.perf_counter()
-        pipeline = build_pipeline(config)
+        pipeline = pipelines.build(config)
         batches: Iterator[Any] = iter(pipeline)
         first = next(batches, None)
         if not lockstep.all_have_batch(first is not None):
@@ -245,17 +281,17 @@ def _stop_workers() -> None:
                 os.unlink(leftover)
 
 
-def run(config: Measurement) -> Result:
+def run(config: Measurement, pipelines: Pipelines) -> Result:
     if config.kind == "decode_limit":
         return decode_limit(config)
-    return measure(config)
+    return measure(config, pipelines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, pipelines: Pipelines | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     config = Measurement.from_json(argv[0])
     try:
-        result = run(config)
+        result = run(config, pipelines or Pipelines())
         status = 0
     except Exception:  # the parent reports it in the table; the traceback goes to stderr
         traceback.print_exc()

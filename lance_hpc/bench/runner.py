@@ -8,6 +8,7 @@ alike, and each configuration's median over the rounds is reported.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import statistics
@@ -27,11 +28,20 @@ from lance_hpc.launch.ports import free_port
 MEASUREMENT_TIMEOUT_S = 300
 
 
-def _environment(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The worker's environment: this lance_hpc importable even when it is not installed."""
+# The worker module a measurement runs in (``python -m WORKER CONFIG_JSON``): this package's, or one
+# that measures more pipelines (the repository's ``benchmarks.worker``).
+WORKER = "lance_hpc.bench._worker"
+
+
+def _environment(worker: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The worker's environment: this lance_hpc and the worker's package importable even when they
+    are not installed."""
     environment = dict(os.environ)
-    package_root = str(Path(lance_hpc.__file__).resolve().parents[1])
-    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, environment.get("PYTHONPATH")]))
+    roots = [str(Path(lance_hpc.__file__).resolve().parents[1])]
+    spec = importlib.util.find_spec(worker.split(".", 1)[0])
+    if spec is not None and spec.submodule_search_locations:
+        roots.append(str(Path(list(spec.submodule_search_locations)[0]).resolve().parent))
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [*dict.fromkeys(roots), environment.get("PYTHONPATH")]))
     environment.update(extra or {})
     return environment
 
@@ -58,11 +68,11 @@ def _read_result(config: Measurement, returncode: int | None, log_path: Path) ->
     )
 
 
-def _start(config: Measurement, log_path: Path, environment: dict[str, str]) -> subprocess.Popen:
+def _start(config: Measurement, log_path: Path, environment: dict[str, str], worker: str) -> subprocess.Popen:
     Path(config.result_path).unlink(missing_ok=True)
     with open(log_path, "w") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "lance_hpc.bench._worker", config.to_json()],
+            [sys.executable, "-m", worker, config.to_json()],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=environment,
@@ -78,18 +88,18 @@ def _wait(process: subprocess.Popen, deadline: float) -> int | None:
         return None
 
 
-def run_measurement(config: Measurement, work_dir: Path) -> list[Result]:
+def run_measurement(config: Measurement, work_dir: Path, worker: str = WORKER) -> list[Result]:
     """Measure ``config`` in fresh processes: one, or one per rank when ``world_size > 1``."""
     work_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{config.dataset}-{config.label}".replace(" ", "_").replace("/", "_")
-    environment = _environment()
+    environment = _environment(worker)
     if config.world_size > 1:
-        environment = _environment({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+        environment = _environment(worker, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
     ranks = [
         replace(config, rank=rank, result_path=str(work_dir / f"{stem}.rank{rank}.json")) for rank in range(config.world_size)
     ]
     logs = [work_dir / f"{stem}.rank{rank.rank}.log" for rank in ranks]
-    processes = [_start(rank, log, environment) for rank, log in zip(ranks, logs)]
+    processes = [_start(rank, log, environment, worker) for rank, log in zip(ranks, logs)]
     deadline = time.monotonic() + MEASUREMENT_TIMEOUT_S
     codes = [_wait(process, deadline) for process in processes]
     return [_read_result(rank, code, log) for rank, code, log in zip(ranks, codes, logs)]
@@ -220,6 +230,7 @@ def run_rounds(
     runs: int | dict[tuple[str, str], int],
     work_dir: Path,
     log: Callable[[str], None] = print,
+    worker: str = WORKER,
 ) -> list[Summary]:
     """Every configuration ``runs`` times (or as often as ``runs[(dataset, label)]`` says), interleaved;
     the order rotates from round to round."""
@@ -232,7 +243,7 @@ def run_rounds(
             if runs_of[key] <= round_index:
                 continue
             started = time.monotonic()
-            results = run_measurement(config, work_dir / f"run{round_index}")
+            results = run_measurement(config, work_dir / f"run{round_index}", worker)
             summaries[key].runs.append(results)
             status = next((result.error.strip().splitlines()[-1] for result in results if result.error), "")
             rate = summaries[key].rates()[-1] if not status else 0.0

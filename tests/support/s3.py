@@ -30,6 +30,7 @@ from typing import Iterator
 
 import pytest
 
+from benchmarks.s3_server import stop_process
 from tests.support.ports import free_port
 
 S3_POLICY = {
@@ -119,13 +120,8 @@ def start_s3_server(bucket: str = "lance-hpc-test") -> S3Server:
 
 
 def stop_s3_server(server: S3Server) -> None:
-    if server.process is not None and server.process.poll() is None:
-        server.process.terminate()
-        try:
-            server.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.process.kill()
-            server.process.wait()
+    if server.process is not None:
+        stop_process(server.process)
 
 
 @pytest.fixture(scope="session")

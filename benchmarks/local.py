@@ -7,11 +7,9 @@ from __future__ import annotations
 import os
 from dataclasses import asdict
 
-from lance_hpc.bench import report
-from lance_hpc.bench.configs import Measurement
-from lance_hpc.bench.datasets import DataSet
-from lance_hpc.bench.runner import Summary, exactly_once
-from lance_hpc.bench.sections import (
+from benchmarks import report
+from benchmarks.datasets import DataSet
+from benchmarks.sections import (
     DEFAULT_STRATEGY,
     STRATEGIES,
     Context,
@@ -20,6 +18,8 @@ from lance_hpc.bench.sections import (
     common_fields,
     strategy_fields,
 )
+from lance_hpc.bench.configs import Measurement
+from lance_hpc.bench.runner import Summary, exactly_once
 
 DDP_LABEL = "lance_hpc map/distributed, 2-rank DDP"
 DDP_RANKS = 2

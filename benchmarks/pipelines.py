@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, cast
 from torch.utils.data import IterableDataset
 
 from lance_hpc.bench.configs import Measurement
+from lance_hpc.bench.pipeline import fresh_directory, lance_hpc_loader
 
 Builder = Callable[[Measurement], Iterable[Any]]
 
@@ -105,31 +106,6 @@ def image_folder(config: Measurement) -> Iterable[Any]:
         pin_memory=torch.cuda.is_available(),
         persistent_workers=config.num_workers > 0,
     )
-
-
-def lance_hpc_loader(config: Measurement) -> Iterable[Any]:
-    """lance_hpc's build_train_loader for the strategy in ``config.data``, with the image task's
-    decoder at the configuration's size and augmentation (resize only unless a job asks for more)."""
-    from lance_hpc.data import build_train_loader
-    from lance_hpc.data.decode import Transform
-    from lance_hpc.spec import DataSpec
-    from lance_hpc.tasks.image import ImageDecoder
-
-    world_size = config.data_world_size or config.world_size
-    decoder = ImageDecoder(
-        config.image_column, config.label_column, Transform(config.image_size, train=True, augment=config.augment)
-    )
-    data = dict(config.data)
-    if data.get("cache"):  # a node-local cache of its own, empty: the warm-up epochs fill it
-        data["cache"] = {**data["cache"], "dir": _fresh_directory(data["cache"]["dir"])}
-    pinned = bool(config.train_model) and config.device.startswith("cuda")  # as the trainer feeds a GPU
-    loader = build_train_loader(DataSpec.model_validate(data), decoder, config.rank, world_size, pin_memory=pinned)
-    for epoch in range(config.warmup_epochs):
-        loader.set_epoch(epoch)
-        for _ in loader:
-            pass
-    loader.set_epoch(config.warmup_epochs)
-    return loader
 
 
 # The best peer loaders, each fed the same JPEG bytes. ``config.data`` says where their copy is and
@@ -254,17 +230,6 @@ def _peer_image_function(config: Measurement, peer_default: Callable[[int], Call
     return LanceHpcDecode(config.image_size) if decode == "lance_hpc" else peer_default(config.image_size)
 
 
-def _fresh_directory(parent: str) -> str:
-    """A cache directory for this measurement, empty: every measurement starts cold. A new one each
-    time (the process id under ``parent``, emptied of earlier measurements' copies), so no state a
-    loader keeps by its cache's path (MDS's shared memory) can outlive an earlier measurement's files."""
-    import os
-    import shutil
-
-    shutil.rmtree(parent, ignore_errors=True)
-    return os.path.join(parent, str(os.getpid()))
-
-
 def _lancedb_table(config: Measurement) -> Any:
     import lancedb
 
@@ -347,7 +312,7 @@ def mosaic_streaming(config: Measurement) -> Iterable[Any]:
                 "AWS_DEFAULT_REGION": options.get("region", "us-east-1"),
             }
         )
-        locations = {"remote": uri, "local": _fresh_directory(config.data["cache_dir"])}
+        locations = {"remote": uri, "local": fresh_directory(config.data["cache_dir"])}
     else:
         locations = {"local": uri}
     dataset = StreamingDataset(**locations, shuffle=True, shuffle_seed=0, batch_size=config.batch_size)
@@ -407,7 +372,7 @@ def litdata_loader(config: Measurement) -> Iterable[Any]:
     loader_options: dict[str, Any] = {}
     if uri.startswith("s3://"):
         litdata_without_obstore()
-        extra["cache_dir"] = _fresh_directory(config.data["cache_dir"])
+        extra["cache_dir"] = fresh_directory(config.data["cache_dir"])
         loader_options["worker_init_fn"] = litdata_without_obstore
         extra["storage_options"] = {
             "endpoint_url": options["endpoint"],
@@ -430,7 +395,7 @@ def litdata_loader(config: Measurement) -> Iterable[Any]:
 
 def synthetic(config: Measurement) -> Iterable[Any]:
     """The same batch again and again, already on the training device (the GPU section's baseline)."""
-    from lance_hpc.bench.gpu import synthetic_batches
+    from benchmarks.gpu import synthetic_batches
 
     return synthetic_batches(config)
 
@@ -480,11 +445,3 @@ def build_pipeline(config: Measurement) -> Iterable[Any]:
     except KeyError:
         raise ValueError(f"unknown pipeline {config.kind!r}: valid names are {', '.join(sorted(PIPELINES))}") from None
     return builder(config)
-
-
-def batch_images(batch: Any) -> Any:
-    """The image tensor of a batch: ``(images, labels)``, ``[images, labels]`` or a dict with an
-    ``"image"`` field (the peers' collates and lance_hpc's batches)."""
-    if isinstance(batch, dict):
-        return batch["image"]
-    return batch[0]

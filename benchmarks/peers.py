@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, cast
 
-from lance_hpc.bench.datasets import DataSet
+from benchmarks.datasets import DataSet
 
 # Bump when the layout of the peer formats changes, so old copies are rebuilt.
 PEER_FORMAT = 1

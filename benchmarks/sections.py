@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from benchmarks.datasets import DataSet
+from benchmarks.report import Target
+from benchmarks.s3_server import S3BenchServer, start_server
 from lance_hpc.bench.configs import Measurement
-from lance_hpc.bench.datasets import DataSet
-from lance_hpc.bench.report import Target
 from lance_hpc.bench.runner import Summary
-from lance_hpc.bench.s3_server import S3BenchServer, start_server
 
 # lance_hpc's strategies: (label, style, sampler); the first is the default a job spec gets.
 STRATEGIES = (

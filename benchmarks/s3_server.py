@@ -19,7 +19,7 @@ Library use::
     server.cpu_seconds()     # the server process's user + system CPU time
     server.stop()            # or: with start_server(root) as server: ...
 
-From a shell: ``python -m lance_hpc.bench.s3_server ROOT --port 9000 --latency-ms 25``.
+From a shell: ``python -m benchmarks.s3_server ROOT --port 9000 --latency-ms 25``.
 
 Counters are read and reset over HTTP (``GET /_bench/counters``, ``POST /_bench/reset``), so a
 measurement process that only knows the endpoint can read them too (:func:`read_counters`,
@@ -49,6 +49,8 @@ from pathlib import Path
 from typing import Iterator
 from urllib.parse import parse_qs, unquote, urlsplit
 from xml.sax.saxutils import escape
+
+from lance_hpc.bench.resources import _proc_usage
 
 BUCKET = "bench"
 CONTROL_PREFIX = "/_bench/"
@@ -482,6 +484,17 @@ class CounterWindow:
         return {**counters, "cpu_s": counters["cpu_s"] - self._cpu_at_start}
 
 
+def stop_process(process: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """Ask a server process to stop (SIGTERM); kill it if it has not within ``timeout_s``."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 class S3BenchServer:
     """A running server process (see :func:`start_server`)."""
 
@@ -509,19 +522,11 @@ class S3BenchServer:
         reset_counters(self.endpoint)
 
     def cpu_seconds(self) -> float:
-        from lance_hpc.bench.resources import _proc_usage
-
         usage = _proc_usage(self.process.pid)
         return usage.cpu_s if usage else 0.0
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
         for stream in (self.process.stdin, self.process.stdout):
             if stream:
                 stream.close()
@@ -540,7 +545,7 @@ def start_server(
     command = [
         sys.executable,
         "-m",
-        "lance_hpc.bench.s3_server",
+        "benchmarks.s3_server",
         str(root),
         "--port",
         str(port),
@@ -553,7 +558,7 @@ def start_server(
         "--exit-with-parent",
     ]
     environment = dict(os.environ)
-    package_root = str(Path(__file__).resolve().parents[2])
+    package_root = str(Path(__file__).resolve().parents[1])  # the repository root, above benchmarks/
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, environment.get("PYTHONPATH")]))
     process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=environment, text=True)
     assert process.stdout is not None  # stdout=PIPE
@@ -580,7 +585,7 @@ def run_event_loop(main_coroutine) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m lance_hpc.bench.s3_server", description="Serve a directory as one S3 bucket, with a first-byte latency."
+        prog="python -m benchmarks.s3_server", description="Serve a directory as one S3 bucket, with a first-byte latency."
     )
     parser.add_argument("root", type=Path, help="directory whose files are the bucket's objects")
     parser.add_argument("--port", type=int, default=9000, help="TCP port (0: a free one; default 9000)")

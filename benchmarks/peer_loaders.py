@@ -18,14 +18,12 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from lance_hpc.bench import report
-from lance_hpc.bench.configs import Measurement
-from lance_hpc.bench.object_storage import dataset_name
-from lance_hpc.bench.peers import PeerData, peer_paths, prepare_peers
-from lance_hpc.bench.pipelines import PEER_PACKAGES
-from lance_hpc.bench.report import Target
-from lance_hpc.bench.runner import Summary
-from lance_hpc.bench.sections import (
+from benchmarks import report
+from benchmarks.object_storage import dataset_name
+from benchmarks.peers import PeerData, peer_paths, prepare_peers
+from benchmarks.pipelines import PEER_PACKAGES
+from benchmarks.report import Target
+from benchmarks.sections import (
     DEFAULT_STRATEGY,
     Context,
     SectionReport,
@@ -33,6 +31,8 @@ from lance_hpc.bench.sections import (
     common_fields,
     strategy_fields,
 )
+from lance_hpc.bench.configs import Measurement
+from lance_hpc.bench.runner import Summary
 
 LATENCY_MS = 25.0
 # (row label, pipeline kind); each gets a row per decode.

@@ -18,9 +18,8 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from lance_hpc.bench import report
-from lance_hpc.bench.configs import Measurement
-from lance_hpc.bench.sections import (
+from benchmarks import report
+from benchmarks.sections import (
     DEFAULT_STRATEGY,
     Context,
     SectionReport,
@@ -28,6 +27,7 @@ from lance_hpc.bench.sections import (
     common_fields,
     strategy_fields,
 )
+from lance_hpc.bench.configs import Measurement
 
 MODEL = "resnet50"
 LATENCY_MS = 25.0

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lance_hpc.bench import report
-from lance_hpc.bench.configs import Measurement
-from lance_hpc.bench.local import set_configs
-from lance_hpc.bench.sections import (
+from benchmarks import report
+from benchmarks.local import set_configs
+from benchmarks.sections import (
     DEFAULT_STRATEGY,
     STRATEGIES,
     Context,
@@ -27,6 +26,7 @@ from lance_hpc.bench.sections import (
     common_fields,
     strategy_fields,
 )
+from lance_hpc.bench.configs import Measurement
 
 LATENCIES_MS = (0.0, 25.0, 50.0)
 TINY_LATENCIES_MS = (25.0,)  # the cache's latency; one S3 row per strategy keeps --tiny short
