@@ -179,3 +179,31 @@ def train_here_with(spec_file: Path) -> Any:
     entry = load_callable(spec.entry or "", "entry")
     with Preemption() as preemption, process_group(detect({}), spec.train.collective_timeout_s) as device:
         return run_entry(entry, spec, detect({}), device, preemption, load_task(spec))
+
+
+def test_channels_last_pixels_straight_from_the_loader_do_not_break_ddp_gradient_layout(single_rank: torch.device) -> None:
+    """A loop that skips ctx.to_device feeds the loader's channels-last pixels to a contiguous model:
+    some convolutions then give channels-last weight gradients, which no longer match DDP's buckets
+    (PyTorch warns "Grad strides do not match bucket view strides" and copies each step). wrap_model
+    lays the input out as the model's weights are: every gradient has its weight's strides, and the
+    gradients are those of a contiguous input."""
+    import torchvision
+
+    from lance_hpc.runtime.context import wrap_model
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torchvision.models.resnet18(num_classes=2)
+
+    pixels = torch.randint(0, 256, (2, 32, 32, 3), dtype=torch.uint8).permute(0, 3, 1, 2)  # as decoded: NHWC memory
+    inputs = pixels.float() / 255
+    assert inputs.is_contiguous(memory_format=torch.channels_last) and not inputs.is_contiguous()
+
+    plain = model()
+    plain(inputs.contiguous()).sum().backward()
+    wrapped = wrap_model(model(), single_rank, deterministic=False)
+    wrapped(inputs).sum().backward()
+    weights = [parameter for parameter in wrapped.module.parameters() if parameter.dim() == 4]
+    assert weights and all(weight.grad.stride() == weight.stride() for weight in weights)
+    for ours, theirs in zip(wrapped.module.parameters(), plain.parameters()):
+        assert torch.allclose(ours.grad, theirs.grad, atol=1e-5)

@@ -85,10 +85,46 @@ def wrap_model(model: nn.Module, device: torch.device, deterministic: bool) -> D
     DDP regroups its gradient buckets after the first iteration, which changes the order in which
     all-reduce sums each gradient; a resumed job would sum its first step differently from the
     uninterrupted one. find_unused_parameters keeps the first grouping for good (at the cost of one
-    graph traversal per step), so deterministic runs resume bit for bit."""
+    graph traversal per step), so deterministic runs resume bit for bit.
+
+    Image inputs take the memory format of the model's convolution weights: pixels straight from
+    the loader are channels-last, and a convolution over them gives channels-last weight gradients
+    that no longer match DDP's gradient buckets (PyTorch warns "Grad strides do not match bucket
+    view strides" and copies every step). Inputs the task already prepared pass unchanged."""
+    memory_format = _conv_memory_format(model)
+    if memory_format is not None:
+        model.register_forward_pre_hook(_InputLayout(memory_format))
     return DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=deterministic
     )
+
+
+def _conv_memory_format(model: nn.Module) -> torch.memory_format | None:
+    """channels_last or contiguous_format, as the model's first 4-d weight is laid out; None without one."""
+    for parameter in model.parameters():
+        if parameter.dim() == 4:
+            if parameter.is_contiguous():
+                return torch.contiguous_format
+            if parameter.is_contiguous(memory_format=torch.channels_last):
+                return torch.channels_last
+            return None
+    return None
+
+
+class _InputLayout:
+    """Forward pre-hook: 4-d floating-point tensor arguments in ``memory_format`` (a no-op for
+    those already in it)."""
+
+    def __init__(self, memory_format: torch.memory_format) -> None:
+        self.memory_format = memory_format
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return tuple(
+            arg.contiguous(memory_format=self.memory_format)
+            if isinstance(arg, torch.Tensor) and arg.dim() == 4 and arg.is_floating_point()
+            else arg
+            for arg in args
+        )
 
 
 def precision_context(train_spec: TrainSpec, device: torch.device) -> torch.autocast:
