@@ -43,6 +43,9 @@ import numpy as np
 import pyarrow as pa
 
 from lance_hpc.data import sources
+from lance_hpc.data.image_check import MAX_PIXELS
+from lance_hpc.data.shard_ingest import ingest_shards_command
+from lance_hpc.data.shards import is_shard_source
 from lance_hpc.data.sources import ImageSource
 from lance_hpc.data.target import (
     COMMAND_LINE_NAMES,
@@ -304,7 +307,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "source",
         nargs="?",
         help="images: sklearn-digits | skimage-photos[:count=N] | imagefolder:<dir> | torchvision:<Name>:<root>; "
-        "text: text:<glob> | python-stdlib[:max_mb=N]",
+        "text: text:<glob> | python-stdlib[:max_mb=N]; any rows, by many workers: parquet:<glob> | jsonl:<glob> "
+        "(.jsonl, .gz, .zst) | webdataset:<glob of .tar>, local or s3://",
     )
     parser.add_argument("uri", nargs="?", help="training dataset to create (path or s3://bucket/x.lance)")
     parser.add_argument("--spec", help="job spec: ingest its data.ingest source to data.uri / data.val_uri")
@@ -329,8 +333,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="object-store option (endpoint, region, allow_http); credentials come from AWS_* variables",
     )
+    shards = parser.add_argument_group(
+        "parquet:, jsonl: and webdataset: sources (written by N workers, one commit at the end, resumable)"
+    )
+    shards.add_argument("--nproc", type=int, default=1, help="workers on this machine (default 1)")
+    shards.add_argument(
+        "--column",
+        action="append",
+        default=[],
+        metavar="NAME=FIELD",
+        help="which source field is image, label, text or key, e.g. --column image=png --column label=class_id "
+        "(FIELD empty: the source has none); other fields are kept as columns",
+    )
+    shards.add_argument("--append", action="store_true", help="add the rows to the Lance dataset at URI as a new version")
+    shards.add_argument(
+        "--on-corrupt", choices=("skip", "fail"), default="skip", help="an unreadable image: skip and count it (default), or fail"
+    )
+    shards.add_argument("--max-pixels", type=int, default=MAX_PIXELS, help=f"larger images are skipped (default {MAX_PIXELS:,})")
+    shards.add_argument("--dry-run", action="store_true", help="list the shards and each worker's share; write nothing")
+    shards.add_argument("--worker", help=argparse.SUPPRESS)  # RANK/WORLD: one worker process of a local run
     args = parser.parse_args(argv)
     try:
+        if args.source and is_shard_source(args.source):
+            if not args.uri:
+                parser.error("give SOURCE and URI")
+            return ingest_shards_command(args, list(sys.argv[1:] if argv is None else argv))
         if args.spec:
             data = load_spec(args.spec).spec.data
             if data.ingest is None:

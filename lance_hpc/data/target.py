@@ -99,28 +99,33 @@ def _listing(names: Sequence[str]) -> str:
 
 
 def _local_contents(path: Path) -> str | None:
-    """None for nothing or an empty directory at ``path``; else what is there, in a few words."""
+    """None for nothing, an empty directory, or only the files of a Lance write not committed yet at
+    ``path``; else what is there, in a few words."""
     if not path.exists() and not path.is_symlink():
         return None
     if not path.is_dir():
         return "it is not a directory"
     with os.scandir(path) as entries:
         names = [entry.name + ("/" if entry.is_dir() else "") for entry in entries]
-    return _listing(names) if names else None
+    local = fs.LocalFileSystem()
+    infos = local.get_file_info(fs.FileSelector(str(path)))
+    if all(_uncommitted_lance_folder(local, info) for info in infos):  # fragments of an ingest not committed yet
+        return None
+    return _listing(names)
 
 
 def _remote_contents(target: Target) -> str | None:
     """None for nothing (or only the files of an uncommitted Lance create) under ``target.uri``;
     else what is there, in a few words."""
     try:
-        filesystem, path = _filesystem(target.uri, target.options)
-        info = filesystem.get_file_info(path)
+        store, path = filesystem(target.uri, target.options)
+        info = store.get_file_info(path)
         if info.type == fs.FileType.NotFound:
             return None
         if info.type == fs.FileType.File:
             return "it is an object, not a prefix"
-        entries = filesystem.get_file_info(fs.FileSelector(path, allow_not_found=True))
-        if all(_uncommitted_lance_folder(filesystem, entry) for entry in entries):
+        entries = store.get_file_info(fs.FileSelector(path, allow_not_found=True))
+        if all(_uncommitted_lance_folder(store, entry) for entry in entries):
             return None
     except OSError as error:
         text = redact(str(error), target.options).splitlines()
@@ -140,7 +145,7 @@ def _uncommitted_lance_folder(filesystem: Any, entry: Any) -> bool:
     return all(item.type == fs.FileType.File and item.base_name.endswith(suffix) for item in inside)
 
 
-def _filesystem(uri: str, options: Mapping[str, str]) -> tuple[Any, str]:
+def filesystem(uri: str, options: Mapping[str, str]) -> tuple[Any, str]:
     """A pyarrow filesystem for an object-store URI and the path of ``uri`` on it."""
     parsed = urlparse(uri)
     if parsed.scheme == "s3":

@@ -1,0 +1,550 @@
+"""Ingest as a job of many workers: each writes Lance fragments for its shards, one commit at the end.
+
+The plan: the source's shards (:mod:`lance_hpc.data.shards`) in a stable order, split between the
+workers by size (the biggest shard first, to the worker with the least so far), and a run id that
+names this ingest (source, shards, columns, split, targets). Each worker writes its shards' rows
+straight into the target's data directory (``lance.fragment.write_fragments``: files no reader
+sees) and records each finished shard beside the target, in ``.<name>.ingest/<run id>/``: the
+fragments it wrote, its rows, what it skipped and why. A rerun redoes only the shards without a
+record. The commit takes every shard's fragments once, in the plan's order, as one Lance commit per
+dataset (a new dataset; a new version with ``overwrite``; more rows with ``append``): the dataset
+appears whole or not at all, and its rows are in the same order whatever the number of workers or
+interruptions.
+
+The validation split is by a hash of each row's key (the sample key, or the file and row), so a
+row lands in the same split whatever the worker count. Images are checked as they are read
+(:mod:`lance_hpc.data.image_check`): ``width`` and ``height`` are stored, and an unreadable, truncated
+or oversized image is skipped and counted, or fails the ingest with ``on_corrupt: fail``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from lance_hpc.data.image_check import MAX_PIXELS, image_size
+from lance_hpc.data.shards import ColumnMap, Shard, Source, list_shards, mapped_batches, parse_source
+from lance_hpc.data.target import Target, existing_dataset, filesystem
+from lance_hpc.errors import UserError
+from lance_hpc.storage.datasets import dataset_exists, open_dataset
+
+MODES = ("create", "append", "overwrite")
+# Hash buckets of the validation split: a row is validation when its key's bucket is below the fraction's share.
+SPLIT_BUCKETS = 1_000_000
+
+
+@dataclass
+class ShardRecord:
+    """What one worker wrote for one shard: the fragments of each split (Lance's JSON), rows, skips."""
+
+    shard: str
+    fragments: dict[str, list[str]]
+    rows: dict[str, int]
+    skipped: dict[str, int] = field(default_factory=dict)
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class Plan:
+    source_text: str
+    source: Source
+    shards: list[Shard]
+    columns: ColumnMap
+    train: Target
+    val: Target | None
+    val_fraction: float
+    rows_per_fragment: int
+    mode: str
+    on_corrupt: str
+    max_pixels: int
+    schema: pa.Schema
+    run_id: str
+    read_versions: dict[str, int | None]
+
+    def targets(self) -> dict[str, Target]:
+        return {"train": self.train, **({"val": self.val} if self.val is not None else {})}
+
+    def assignment(self, world_size: int) -> list[list[int]]:
+        """Shard indices per worker: biggest first, each to the worker with the fewest bytes so far
+        (ties to the lowest rank); each worker's list in plan order."""
+        loads = [0] * world_size
+        mine: list[list[int]] = [[] for _ in range(world_size)]
+        for index in sorted(range(len(self.shards)), key=lambda i: (-self.shards[i].bytes, i)):
+            worker = min(range(world_size), key=lambda w: (loads[w], w))
+            loads[worker] += max(self.shards[index].bytes, 1)
+            mine[worker].append(index)
+        return [sorted(indices) for indices in mine]
+
+    @property
+    def records(self) -> str:
+        """Where finished shards are recorded: a hidden folder beside the training dataset."""
+        parent, _, name = self.train.uri.rstrip("/").rpartition("/")
+        return f"{parent}/.{name}.ingest/{self.run_id}" if parent else f".{name}.ingest/{self.run_id}"
+
+
+def split_of(key: str, val_fraction: float) -> str:
+    digest = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
+    return "val" if digest % SPLIT_BUCKETS < val_fraction * SPLIT_BUCKETS else "train"
+
+
+def make_plan(
+    source_text: str,
+    train: Target,
+    val: Target | None,
+    *,
+    columns: ColumnMap | None = None,
+    val_fraction: float = 0.0,
+    rows_per_fragment: int = 1024,
+    mode: str = "create",
+    on_corrupt: str = "skip",
+    max_pixels: int = MAX_PIXELS,
+    check_targets: bool = True,
+) -> Plan:
+    """The same plan on every worker: shards listed, the schema read from the first shard, targets
+    checked (nothing that is not a Lance dataset is ever written into)."""
+    if mode not in MODES:
+        raise UserError(f"mode {mode!r}: use one of {', '.join(MODES)}")
+    if val is None and val_fraction > 0:
+        raise UserError(f"a validation fraction of {val_fraction} needs a validation dataset (--val-uri / data.val_uri)")
+    columns = columns or ColumnMap()
+    source = parse_source(source_text, train.options)
+    shards = list_shards(source)
+    read_versions: dict[str, int | None] = {}
+    for split, target in {"train": train, **({"val": val} if val else {})}.items():
+        # A UserError for anything but a Lance dataset; a worker trusts the check of the command
+        # that started it (other workers' fragments may be landing in the folder meanwhile).
+        found = existing_dataset(target) if check_targets else _dataset_or_none(target)
+        if found is not None and mode == "create":
+            raise UserError(
+                f"{target.name} {target.uri} already holds a Lance dataset\n"
+                f"  fix: --append to add these rows as a new version, --overwrite to make them the new version "
+                "(the earlier versions stay), or point it at a new path"
+            )
+        read_versions[split] = int(found.version) if found is not None else None
+    schema = _schema(source, shards[0], columns, on_corrupt, max_pixels)
+    identity = json.dumps(
+        {
+            "source": source_text,
+            "shards": [[shard.id, shard.bytes] for shard in shards],
+            "columns": asdict(columns),
+            "val": [val.uri if val else None, val_fraction],
+            "mode": mode,
+            "versions": read_versions,
+            "rows_per_fragment": rows_per_fragment,
+        },
+        sort_keys=True,
+    )
+    run_id = hashlib.blake2b(identity.encode(), digest_size=8).hexdigest()
+    return Plan(
+        source_text,
+        source,
+        shards,
+        columns,
+        train,
+        val,
+        val_fraction,
+        rows_per_fragment,
+        mode,
+        on_corrupt,
+        max_pixels,
+        schema,
+        run_id,
+        read_versions,
+    )
+
+
+def _dataset_or_none(target: Target) -> Any | None:
+    return open_dataset(target.uri, None, target.options) if dataset_exists(target.uri, target.options) else None
+
+
+def _schema(source: Source, shard: Shard, columns: ColumnMap, on_corrupt: str, max_pixels: int) -> pa.Schema:
+    for batch in mapped_batches(source, shard, columns):
+        checked, _ = _checked(batch, on_corrupt, max_pixels, shard, source)
+        fields = [pa.field(item.name, pa.string() if pa.types.is_null(item.type) else item.type) for item in checked.schema]
+        return pa.schema(fields, metadata={b"source": source.format.encode()})
+    raise UserError(f"{source.uri(shard.path)} holds no record: the schema is read from the first shard")
+
+
+def _checked(
+    batch: pa.RecordBatch, on_corrupt: str, max_pixels: int, shard: Shard, source: Source
+) -> tuple[pa.RecordBatch, dict[str, int]]:
+    """Image rows checked: width and height added, unusable images dropped (counted by reason)."""
+    if "image" not in batch.schema.names:
+        return batch, {}
+    keep: list[int] = []
+    widths: list[int] = []
+    heights: list[int] = []
+    skipped: dict[str, int] = {}
+    keys = batch.column("key").to_pylist() if "key" in batch.schema.names else [None] * batch.num_rows
+    for index, data in enumerate(batch.column("image").to_pylist()):
+        found = image_size(data, max_pixels)
+        if isinstance(found, str):
+            if on_corrupt == "fail":
+                raise UserError(
+                    f"{source.uri(shard.path)}: image {keys[index] or index} is {found}\n"
+                    "  fix: remove it from the source, or ingest with on_corrupt: skip to leave such images out"
+                )
+            skipped[found] = skipped.get(found, 0) + 1
+            continue
+        keep.append(index)
+        widths.append(found[0])
+        heights.append(found[1])
+    kept = batch.take(pa.array(keep, pa.int64())) if len(keep) < batch.num_rows else batch
+    kept = kept.append_column("width", pa.array(widths, pa.int32())).append_column("height", pa.array(heights, pa.int32()))
+    return kept, skipped
+
+
+# ---- records ------------------------------------------------------------------------------------
+
+
+class Records:
+    """The finished shards of one plan, one small JSON file each, beside the training dataset."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.store, self.path = filesystem(plan.records, plan.train.options)
+
+    def _file(self, index: int) -> str:
+        return f"{self.path}/shard-{index:06d}.json"
+
+    def finished(self) -> dict[int, ShardRecord]:
+        try:
+            infos = self.store.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
+        except OSError:
+            return {}
+        found = {}
+        for info in infos:
+            name = info.base_name
+            if info.type == pafs.FileType.File and name.startswith("shard-") and name.endswith(".json"):
+                with self.store.open_input_stream(info.path) as handle:
+                    found[int(name[len("shard-") : -len(".json")])] = ShardRecord(**json.loads(handle.read()))
+        return found
+
+    def write(self, index: int, record: ShardRecord) -> None:
+        """One PUT on an object store; locally a temporary file renamed into place: never half a record."""
+        self.store.create_dir(self.path, recursive=True)
+        final, partial = self._file(index), self._file(index) + ".partial"
+        with self.store.open_output_stream(partial) as handle:
+            handle.write(json.dumps(asdict(record)).encode())
+        self.store.move(partial, final)
+
+    def committed(self) -> dict[str, int] | None:
+        try:
+            with self.store.open_input_stream(f"{self.path}/committed.json") as handle:
+                return json.loads(handle.read())
+        except (FileNotFoundError, OSError):
+            return None
+
+    def mark_committed(self, versions: dict[str, int]) -> None:
+        with self.store.open_output_stream(f"{self.path}/committed.json") as handle:
+            handle.write(json.dumps(versions).encode())
+
+
+# ---- one worker ---------------------------------------------------------------------------------
+
+
+@dataclass
+class WorkerReport:
+    done: list[int] = field(default_factory=list)  # shards written by this run of the worker
+    already: list[int] = field(default_factory=list)  # shards a previous run had recorded
+    stopped: bool = False
+
+
+def write_shard(plan: Plan, index: int) -> ShardRecord:
+    """The shard's rows as new fragments of each split (not yet part of any dataset version)."""
+    import lance
+
+    shard = plan.shards[index]
+    started = time.monotonic()
+    skipped: dict[str, int] = {}
+    rows = {split: 0 for split in plan.targets()}
+
+    def split_batches(split: str) -> Iterator[pa.RecordBatch]:
+        for batch in mapped_batches(plan.source, shard, plan.columns):
+            checked, dropped = _checked(batch, plan.on_corrupt, plan.max_pixels, shard, plan.source)
+            if split == "train":
+                for reason, count in dropped.items():
+                    skipped[reason] = skipped.get(reason, 0) + count
+            if plan.val is not None:
+                keys = checked.column("key").to_pylist()
+                mask = pa.array([split_of(key, plan.val_fraction) == split for key in keys])
+                checked = checked.filter(mask)
+            if checked.num_rows:
+                rows[split] += checked.num_rows
+                yield _conformed(checked, plan.schema, plan.source.uri(shard.path))
+
+    fragments: dict[str, list[str]] = {}
+    for split, target in plan.targets().items():
+        reader = pa.RecordBatchReader.from_batches(plan.schema, split_batches(split))
+        written = lance.fragment.write_fragments(
+            reader,
+            target.uri,
+            schema=plan.schema,
+            max_rows_per_file=plan.rows_per_fragment,
+            storage_options=target.options or None,
+        )
+        fragments[split] = [json.dumps(metadata.to_json()) for metadata in written if metadata.num_rows]
+    return ShardRecord(shard.id, fragments, rows, skipped, shard.bytes, time.monotonic() - started)
+
+
+def _conformed(batch: pa.RecordBatch, schema: pa.Schema, where: str) -> pa.RecordBatch:
+    """``batch`` with the plan's columns in order (missing ones null), each of the plan's type."""
+    arrays = []
+    for item in schema:
+        if item.name in batch.schema.names:
+            column = batch.column(item.name)
+            if column.type != item.type:
+                try:
+                    column = column.cast(item.type)
+                except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                    raise UserError(
+                        f"{where}: field {item.name!r} is {column.type} here but {item.type} in the first shard\n"
+                        "  fix: make the field's type the same in every file of the source"
+                    ) from None
+            arrays.append(column)
+        else:
+            arrays.append(pa.nulls(batch.num_rows, item.type))
+    extra = set(batch.schema.names) - set(schema.names)
+    if extra:
+        raise UserError(
+            f"{where}: fields {', '.join(sorted(extra))} are not in the first shard\n"
+            "  fix: give every file of the source the same fields"
+        )
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def run_worker(
+    plan: Plan,
+    rank: int,
+    world_size: int,
+    *,
+    stop: Callable[[], bool] = lambda: False,
+    progress: Callable[[ShardRecord], None] = lambda record: None,
+) -> WorkerReport:
+    """This worker's shards that have no record yet, one at a time; ``stop()`` is asked between shards."""
+    records = Records(plan)
+    finished = records.finished()
+    report = WorkerReport()
+    for index in plan.assignment(world_size)[rank]:
+        if index in finished:
+            report.already.append(index)
+            continue
+        if stop():
+            report.stopped = True
+            break
+        record = write_shard(plan, index)
+        records.write(index, record)
+        report.done.append(index)
+        progress(record)
+    return report
+
+
+# ---- the commit ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Committed:
+    versions: dict[str, int]
+    rows: dict[str, int]
+    skipped: dict[str, int]
+    already: bool = False  # committed by an earlier run of the same plan
+
+
+def missing_shards(plan: Plan) -> list[int]:
+    finished = Records(plan).finished()
+    return [index for index in range(len(plan.shards)) if index not in finished]
+
+
+def commit(plan: Plan) -> Committed:
+    """Every shard's fragments, once each and in plan order, as one commit per dataset."""
+    import lance
+
+    records = Records(plan)
+    finished = records.finished()
+    done_before = records.committed()
+    rows: dict[str, int] = {split: 0 for split in plan.targets()}
+    skipped: dict[str, int] = {}
+    for record in finished.values():
+        for split, count in record.rows.items():
+            rows[split] = rows.get(split, 0) + count
+        for reason, count in record.skipped.items():
+            skipped[reason] = skipped.get(reason, 0) + count
+    if done_before is not None:
+        return Committed(done_before, rows, skipped, already=True)
+    missing = [plan.shards[index].id for index in range(len(plan.shards)) if index not in finished]
+    if missing:
+        raise UserError(
+            f"{len(missing)} of {len(plan.shards)} shards are not written yet (first: {missing[0]}); nothing was committed\n"
+            "  fix: run the ingest again: it writes only the missing shards, then commits"
+        )
+    versions: dict[str, int] = {}
+    # Validation first: the training set appearing is what marks the ingest as done.
+    for split in sorted(plan.targets(), key=lambda name: name != "val"):
+        target = plan.targets()[split]
+        fragments = [
+            lance.FragmentMetadata.from_json(text)
+            for index in range(len(plan.shards))
+            for text in finished[index].fragments.get(split, [])
+        ]
+        options = target.options or None
+        if plan.mode == "append" and plan.read_versions[split] is not None:
+            operation: Any = lance.LanceOperation.Append(fragments)
+        else:
+            operation = lance.LanceOperation.Overwrite(plan.schema, fragments)
+        dataset = lance.LanceDataset.commit(
+            target.uri, operation, read_version=plan.read_versions[split], storage_options=options, max_retries=0
+        )
+        versions[split] = int(dataset.version)
+    records.mark_committed(versions)
+    return Committed(versions, rows, skipped)
+
+
+def shard_summary(plan: Plan, world_size: int) -> list[str]:
+    """The dry run's view: shards, bytes, and each worker's share."""
+    lines = [f"{len(plan.shards)} shards of {plan.source_text}, {sum(s.bytes for s in plan.shards) / 2**20:,.1f} MiB"]
+    for rank, indices in enumerate(plan.assignment(world_size)):
+        size = sum(plan.shards[index].bytes for index in indices) / 2**20
+        lines.append(f"  worker {rank}: {len(indices)} shards, {size:,.1f} MiB")
+    return lines
+
+
+def describe_skips(skipped: dict[str, int]) -> str:
+    return ", ".join(f"{count} {reason}" for reason, count in sorted(skipped.items())) or "none"
+
+
+__all__: Sequence[str] = (
+    "ColumnMap",
+    "Committed",
+    "Plan",
+    "ShardRecord",
+    "commit",
+    "make_plan",
+    "missing_shards",
+    "run_worker",
+    "shard_summary",
+    "split_of",
+)
+
+
+# ---- the command line ---------------------------------------------------------------------------
+
+
+def _column_map(pairs: Sequence[str]) -> ColumnMap:
+    chosen: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, source_field = pair.partition("=")
+        if not sep or name not in ("image", "label", "text", "key"):
+            raise UserError(f"--column {pair!r}: give NAME=FIELD with NAME one of image, label, text, key")
+        chosen[name] = source_field
+    return ColumnMap(**chosen)
+
+
+def ingest_shards_command(args: Any, argv: list[str]) -> int:
+    """``lance-hpc ingest parquet:... URI [--nproc N]``: plan, the workers (this process for one,
+    else N processes), then the commit, with a summary."""
+    import os
+    import subprocess
+    import sys
+
+    from lance_hpc.data.target import COMMAND_LINE_NAMES, targets
+    from lance_hpc.errors import ExitCode
+    from lance_hpc.storage.options import storage_options
+
+    try:
+        spec_options = dict(option.split("=", 1) for option in args.storage_option if "=" in option)
+        train, val = targets(
+            args.uri,
+            args.val_uri,
+            storage_options(args.uri, spec_options),
+            storage_options(args.val_uri, spec_options) if args.val_uri else None,
+            COMMAND_LINE_NAMES,
+        )
+        if args.append and args.overwrite:
+            raise UserError("--append and --overwrite: give one (append adds rows; overwrite replaces them in a new version)")
+        if args.nproc < 1:
+            raise UserError(f"--nproc {args.nproc}: give 1 or more workers")
+        plan = make_plan(
+            args.source,
+            train,
+            val,
+            columns=_column_map(args.column),
+            val_fraction=args.val_fraction if val is not None else 0.0,
+            rows_per_fragment=args.rows_per_fragment,
+            mode="append" if args.append else "overwrite" if args.overwrite else "create",
+            on_corrupt=args.on_corrupt,
+            max_pixels=args.max_pixels,
+            check_targets=not args.worker,
+        )
+        if args.worker:
+            rank, _, world = args.worker.partition("/")
+            run_worker(plan, int(rank), int(world))
+            return 0
+        if args.dry_run:
+            print("\n".join(shard_summary(plan, args.nproc)))
+            print(f"schema: {', '.join(f'{item.name} ({item.type})' for item in plan.schema)}")
+            return 0
+        records = Records(plan)
+        if records.committed() is None:
+            before = len(records.finished())
+            if before:
+                print(f"resuming: {before} of {len(plan.shards)} shards were written by an earlier run", flush=True)
+            if args.nproc == 1:
+                run_worker(plan, 0, 1, progress=lambda record: _show(record, records, plan))
+            else:
+                quiet = {**os.environ, "LANCE_LOG": os.environ.get("LANCE_LOG", "error")}  # not one warning per new fragment
+                workers = [
+                    subprocess.Popen(
+                        [sys.executable, "-m", "lance_hpc.ingest", *argv, "--worker", f"{rank}/{args.nproc}"], env=quiet
+                    )
+                    for rank in range(args.nproc)
+                ]
+                _wait_for(workers, records, plan)
+        done = commit(plan)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return ExitCode.USER_ERROR
+    where = ", ".join(f"{plan.targets()[split].uri} version {version}" for split, version in done.versions.items())
+    state = "already committed" if done.already else "committed"
+    rows = ", ".join(f"{split} {count:,}" for split, count in done.rows.items())
+    print(f"{state}: {where}; rows {rows}; skipped {describe_skips(done.skipped)}")
+    return 0
+
+
+def _show(record: ShardRecord, records: Records, plan: Plan) -> None:
+    finished = len(records.finished())
+    print(f"shard {finished}/{len(plan.shards)}: {record.shard} ({sum(record.rows.values()):,} rows)", flush=True)
+
+
+def _wait_for(workers: list[Any], records: Records, plan: Plan) -> None:
+    """Wait for the worker processes, showing shards done; a failed worker fails the ingest
+    (what the others recorded stays for the rerun)."""
+    shown = -1
+    while True:
+        codes = [worker.poll() for worker in workers]
+        finished = len(records.finished())
+        if finished != shown:
+            print(f"{finished}/{len(plan.shards)} shards written", flush=True)
+            shown = finished
+        if all(code is not None for code in codes):
+            break
+        failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
+        if failed:
+            for worker in workers:
+                if worker.poll() is None:
+                    worker.terminate()
+            for worker in workers:
+                worker.wait()
+            break
+        time.sleep(0.5)
+    failed = [rank for rank, worker in enumerate(workers) if worker.returncode != 0]
+    if failed:
+        raise UserError(
+            f"worker {failed[0]} failed (its error is above); the shards written so far are kept\n"
+            "  fix: mend the cause and run the same command again: it writes only the missing shards"
+        )

@@ -1,0 +1,271 @@
+"""Sources as shards: the unit of work of an ingest job.
+
+A source names files: ``parquet:<glob>``, ``jsonl:<glob>`` (``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``)
+or ``webdataset:<glob of .tar>`` (LAION/DataComp style: the files of one sample share a key, e.g.
+``0001.jpg``, ``0001.cls``, ``0001.json``), each local or on an object store (``s3://...``). A shard
+is one file, or one row group of a Parquet file with several, listed in a stable order. Reading a
+shard yields Arrow record batches whose columns follow the spec's column mapping: ``image``
+(encoded bytes), ``label`` (int64), ``text`` (string), ``key`` (the sample's key or the file and
+row it came from), and every other field of the source under its own name and Arrow type.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import tarfile
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.json as pajson
+import pyarrow.parquet as pq
+
+from lance_hpc.errors import UserError
+from lance_hpc.storage.checkpoint_store import filesystem_arguments
+
+FORMATS = ("parquet", "jsonl", "webdataset")
+# Extensions of a WebDataset sample's image file, in the order one is picked when a sample has several.
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")
+# Rows per record batch a shard is read in: bounded memory whatever the shard's size.
+BATCH_ROWS = 256
+
+
+@dataclass(frozen=True)
+class ColumnMap:
+    """Which source field becomes which column. ``None`` picks the format's default (WebDataset: the
+    image extension found, ``cls``, ``txt``, the sample key; Parquet and JSON Lines: a field named
+    ``image``, ``label``, ``text``); ``""`` means the source has none."""
+
+    image: str | None = None
+    label: str | None = None
+    text: str | None = None
+    key: str | None = None
+
+    def resolve(self, fields: list[str], defaults: Mapping[str, str]) -> dict[str, str]:
+        """Column name -> source field, for the fields this source has."""
+        chosen: dict[str, str] = {}
+        for column in ("image", "label", "text", "key"):
+            wanted = getattr(self, column)
+            if wanted == "":
+                continue
+            if wanted is None:
+                wanted = defaults.get(column, column)
+                if wanted not in fields:
+                    continue
+            elif wanted not in fields:
+                raise UserError(
+                    f"columns.{column} names {wanted!r}, which the source does not have; its fields: {', '.join(fields)}\n"
+                    f"  fix: set columns.{column} to one of them, or to '' if the source has no {column}"
+                )
+            chosen[column] = wanted
+        return chosen
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One unit of ingest work: a file, or one row group of a Parquet file."""
+
+    id: str  # stable and unique within the source: the path, with #row-group for a part of a Parquet file
+    path: str  # as the file system reads it (no scheme)
+    format: str
+    bytes: int
+    row_group: int | None = None
+
+
+@dataclass
+class Source:
+    """A parsed source: its format, the file system, and the files its glob matches."""
+
+    format: str
+    pattern: str
+    filesystem: pafs.FileSystem = field(repr=False)
+    scheme: str = ""  # "s3://" for an object store, "" locally
+
+    def uri(self, path: str) -> str:
+        return f"{self.scheme}{path}"
+
+
+def is_shard_source(text: str) -> bool:
+    return text.split(":", 1)[0] in FORMATS and ":" in text
+
+
+def parse_source(text: str, options: Mapping[str, str] | None = None) -> Source:
+    kind, _, pattern = text.partition(":")
+    if kind not in FORMATS or not pattern:
+        raise UserError(f"source {text!r}: give {' | '.join(f'{name}:<glob>' for name in FORMATS)}")
+    if pattern.startswith("s3://"):
+        filesystem = pafs.S3FileSystem(**filesystem_arguments(options or {}))
+        return Source(kind, pattern[len("s3://") :], filesystem, "s3://")
+    return Source(kind, pattern, pafs.LocalFileSystem())
+
+
+def _matches(source: Source) -> list[pafs.FileInfo]:
+    pattern = source.pattern
+    static = pattern.split("*", 1)[0].split("?", 1)[0].split("[", 1)[0]
+    base = static.rsplit("/", 1)[0] if "/" in static else "."
+    if static == pattern:  # a single file
+        info = source.filesystem.get_file_info(pattern)
+        return [info] if info.type == pafs.FileType.File else []
+    try:
+        infos = source.filesystem.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
+    except OSError as error:
+        raise UserError(f"cannot list {source.uri(base)}: {error}") from None
+    relative = pattern[len(base) + 1 :] if base != "." else pattern
+    found = []
+    for info in infos:
+        name = info.path[len(base) + 1 :] if base != "." else info.path
+        if info.type == pafs.FileType.File and fnmatch.fnmatchcase(name, relative):
+            found.append(info)
+    return found
+
+
+def list_shards(source: Source) -> list[Shard]:
+    """The source's shards in a stable order (sorted paths; a Parquet file's row groups in order)."""
+    infos = sorted(_matches(source), key=lambda info: info.path)
+    if not infos:
+        raise UserError(
+            f"{source.format}:{source.uri(source.pattern)} matches no file\n"
+            "  fix: check the path and the glob (quote it in a shell so the shell does not expand it)"
+        )
+    shards: list[Shard] = []
+    for info in infos:
+        if source.format == "parquet":
+            with source.filesystem.open_input_file(info.path) as handle:
+                groups = pq.ParquetFile(handle).metadata.num_row_groups
+            if groups > 1:
+                share = info.size // groups
+                shards += [Shard(f"{info.path}#{group}", info.path, "parquet", share, group) for group in range(groups)]
+                continue
+        shards.append(Shard(info.path, info.path, source.format, info.size))
+    return shards
+
+
+# ---- reading a shard --------------------------------------------------------------------------
+
+
+def _jsonl_stream(source: Source, path: str) -> Any:
+    """The file's text: ``.gz`` and ``.zst`` are decompressed on the way (pyarrow detects them by
+    extension)."""
+    return source.filesystem.open_input_stream(path, compression="detect")
+
+
+def _raw_batches(source: Source, shard: Shard) -> Iterator[pa.RecordBatch]:
+    """The shard's records as they are in the source, with a ``__key__`` field where the source has
+    no key of its own (file and row)."""
+    row = 0
+    if shard.format == "parquet":
+        with source.filesystem.open_input_file(shard.path) as handle:
+            parquet = pq.ParquetFile(handle)
+            groups = [shard.row_group] if shard.row_group is not None else None
+            for batch in parquet.iter_batches(batch_size=BATCH_ROWS, row_groups=groups):
+                yield _with_row_keys(batch, shard.id, row)
+                row += batch.num_rows
+    elif shard.format == "jsonl":
+        with _jsonl_stream(source, shard.path) as stream:
+            reader = pajson.open_json(stream, read_options=pajson.ReadOptions(block_size=1 << 20))
+            for batch in reader:
+                for start in range(0, batch.num_rows, BATCH_ROWS):
+                    part = batch.slice(start, BATCH_ROWS)
+                    yield _with_row_keys(part, shard.id, row)
+                    row += part.num_rows
+    else:
+        yield from _webdataset_batches(source, shard)
+
+
+def _with_row_keys(batch: pa.RecordBatch, shard_id: str, first: int) -> pa.RecordBatch:
+    keys = pa.array([f"{shard_id}:{first + index}" for index in range(batch.num_rows)], pa.string())
+    return batch.append_column("__key__", keys)
+
+
+def _webdataset_batches(source: Source, shard: Shard) -> Iterator[pa.RecordBatch]:
+    """Samples of a WebDataset tar: consecutive members sharing a key (the name up to its first dot
+    after the last slash) make one record; ``.json`` members add their fields, ``.cls`` an integer,
+    ``.txt`` a string, other extensions their bytes."""
+    records: list[dict[str, Any]] = []
+    current: dict[str, Any] | None = None
+    with source.filesystem.open_input_stream(shard.path) as raw, tarfile.open(fileobj=raw, mode="r|*") as tar:
+        for member in tar:
+            if not member.isfile():
+                continue
+            directory, _, name = member.name.rpartition("/")
+            stem, dot, extension = name.partition(".")
+            if not dot or stem.startswith("."):
+                continue
+            key = f"{directory}/{stem}" if directory else stem
+            handle = tar.extractfile(member)
+            data = handle.read() if handle is not None else b""
+            if current is None or current["__key__"] != key:
+                if current is not None:
+                    records.append(current)
+                current = {"__key__": key}
+            extension = extension.lower()
+            if extension == "json":
+                try:
+                    fields = json.loads(data)
+                except ValueError as error:
+                    raise UserError(f"{source.uri(shard.path)}: {member.name} is not JSON ({error})") from None
+                if isinstance(fields, dict):
+                    current.update({name: value for name, value in fields.items() if name not in current})
+            elif extension == "cls":
+                try:
+                    current["cls"] = int(data.decode().strip())
+                except ValueError:
+                    raise UserError(f"{source.uri(shard.path)}: {member.name} holds {data[:40]!r}, not a class number") from None
+            elif extension == "txt":
+                current["txt"] = data.decode("utf-8", errors="replace")
+            else:
+                current[extension] = data
+            if len(records) >= BATCH_ROWS:
+                yield pa.RecordBatch.from_pylist(records)
+                records = []
+    if current is not None:
+        records.append(current)
+    if records:
+        yield pa.RecordBatch.from_pylist(records)
+
+
+def format_defaults(format: str, fields: list[str]) -> dict[str, str]:
+    """Where a format keeps each column unless the spec says otherwise."""
+    if format == "webdataset":
+        image = next((extension for extension in IMAGE_EXTENSIONS if extension in fields), "jpg")
+        return {"image": image, "label": "cls", "text": "txt", "key": "__key__"}
+    return {"image": "image", "label": "label", "text": "text", "key": "__key__"}
+
+
+def mapped_batches(source: Source, shard: Shard, columns: ColumnMap) -> Iterator[pa.RecordBatch]:
+    """The shard's records with the mapped columns renamed (``image``, ``label``, ``text``, ``key``)
+    and every other field kept; ``label`` as int64, ``image`` as binary, ``text`` and ``key`` as
+    strings."""
+    for batch in _raw_batches(source, shard):
+        fields = batch.schema.names
+        chosen = columns.resolve(fields, format_defaults(shard.format, fields))
+        arrays: dict[str, pa.Array] = {}
+        for column, name in chosen.items():
+            arrays[column] = _as_column(column, batch.column(name), source.uri(shard.path), name)
+        used = set(chosen.values()) | {"__key__"}
+        if shard.format == "webdataset":  # the other image files of a sample are not columns
+            used |= set(IMAGE_EXTENSIONS)
+        for name in fields:
+            if name not in used and name not in arrays:
+                arrays[name] = batch.column(name)
+        yield pa.RecordBatch.from_pydict(arrays)
+
+
+COLUMN_TYPES = {"image": pa.binary(), "label": pa.int64(), "text": pa.string(), "key": pa.string()}
+
+
+def _as_column(column: str, values: pa.Array, where: str, name: str) -> pa.Array:
+    wanted = COLUMN_TYPES[column]
+    if values.type == wanted:
+        return values
+    if column == "image" and pa.types.is_struct(values.type) and "bytes" in [f.name for f in values.type]:
+        values = values.field("bytes")  # Hugging Face's Image feature: {"bytes": ..., "path": ...}
+    try:
+        return values.cast(wanted)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as error:
+        raise UserError(
+            f"{where}: field {name!r} ({values.type}) cannot become the {column} column ({wanted}): {error}\n"
+            f"  fix: map columns.{column} to the right field"
+        ) from None

@@ -1,0 +1,268 @@
+"""Ingest by many workers: Parquet, JSON Lines and WebDataset sources, the column mapping, image
+checks, a split that does not depend on the worker count, resume after an interrupted run, one
+commit, and S3 through the loopback server."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import lance
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from lance_hpc.data.ingest import main as ingest_main
+from lance_hpc.data.shard_ingest import Records, commit, make_plan, run_worker, split_of
+from lance_hpc.data.sources import sklearn_digits
+from lance_hpc.data.target import COMMAND_LINE_NAMES, targets
+
+DIGITS = 60
+
+
+def digit_rows(count: int = DIGITS) -> list[dict]:
+    images = sklearn_digits(size=16)
+    return [
+        {"id": f"d{index:04d}", "jpg": images[index][0], "cls": images[index][1], "quality": index / count}
+        for index in range(count)
+    ]
+
+
+def write_webdataset(directory: Path, rows: list[dict], per_tar: int, broken: dict[int, bytes] | None = None) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for start in range(0, len(rows), per_tar):
+        with tarfile.open(directory / f"shard-{start // per_tar:04d}.tar", "w") as tar:
+            for index in range(start, min(start + per_tar, len(rows))):
+                row = rows[index]
+                members = {
+                    "jpg": (broken or {}).get(index, row["jpg"]),
+                    "cls": str(row["cls"]).encode(),
+                    "json": json.dumps({"quality": row["quality"]}).encode(),
+                }
+                for extension, data in members.items():
+                    info = tarfile.TarInfo(f"{row['id']}.{extension}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+
+
+def write_parquet(directory: Path, rows: list[dict], per_file: int, row_group: int) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for start in range(0, len(rows), per_file):
+        part = rows[start : start + per_file]
+        table = pa.table(
+            {
+                "uid": [row["id"] for row in part],
+                "image_bytes": [row["jpg"] for row in part],
+                "class_id": [row["cls"] for row in part],
+                "quality": [row["quality"] for row in part],
+            }
+        )
+        pq.write_table(table, directory / f"part-{start // per_file:03d}.parquet", row_group_size=row_group)
+
+
+def ingest(*args: str) -> int:
+    return ingest_main([str(arg) for arg in args])
+
+
+def rows_of(uri: str | Path) -> list[dict]:
+    return lance.dataset(str(uri)).to_table().to_pylist()
+
+
+def test_webdataset_to_lance_with_checked_images_kept_keys_and_extra_fields(tmp_path: Path, capsys) -> None:
+    rows = digit_rows()
+    truncated = rows[3]["jpg"][: len(rows[3]["jpg"]) - 40]
+    write_webdataset(tmp_path / "wds", rows, per_tar=16, broken={3: b"", 7: truncated, 11: b"not an image"})
+    code = ingest(f"webdataset:{tmp_path}/wds/*.tar", tmp_path / "train.lance", "--rows-per-fragment", "10")
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    found = rows_of(tmp_path / "train.lance")
+    assert [row["key"] for row in found] == [row["id"] for index, row in enumerate(rows) if index not in (3, 7, 11)]
+    assert all(row["width"] == 16 and row["height"] == 16 for row in found)
+    assert [row["label"] for row in found][:3] == [rows[0]["cls"], rows[1]["cls"], rows[2]["cls"]]
+    assert found[0]["quality"] == rows[0]["quality"] and found[0]["image"] == rows[0]["jpg"]
+    assert "skipped 1 empty, 1 truncated, 1 unreadable" in printed.out
+
+    write_webdataset(tmp_path / "bad", rows[:8], per_tar=8, broken={2: b""})
+    code = ingest(f"webdataset:{tmp_path}/bad/*.tar", tmp_path / "strict.lance", "--on-corrupt", "fail")
+    assert code == 2 and "d0002 is empty" in capsys.readouterr().err
+    with pytest.raises(ValueError):  # nothing committed
+        lance.dataset(str(tmp_path / "strict.lance"))
+
+
+def test_parquet_row_groups_are_shards_and_the_column_mapping_renames_fields(tmp_path: Path, capsys) -> None:
+    rows = digit_rows()
+    write_parquet(tmp_path / "pq", rows, per_file=25, row_group=10)
+    code = ingest(
+        f"parquet:{tmp_path}/pq/*.parquet",
+        tmp_path / "train.lance",
+        "--column",
+        "image=image_bytes",
+        "--column",
+        "label=class_id",
+        "--column",
+        "key=uid",
+        "--dry-run",
+        "--nproc",
+        "2",
+    )
+    printed = capsys.readouterr().out
+    assert code == 0 and "7 shards" in printed and "worker 1:" in printed  # row groups: 3 + 3 + 1
+    assert not (tmp_path / "train.lance").exists()
+    code = ingest(
+        f"parquet:{tmp_path}/pq/*.parquet",
+        tmp_path / "train.lance",
+        "--column",
+        "image=image_bytes",
+        "--column",
+        "label=class_id",
+        "--column",
+        "key=uid",
+    )
+    assert code == 0, capsys.readouterr().err
+    table = lance.dataset(str(tmp_path / "train.lance")).to_table()
+    assert table.schema.field("label").type == pa.int64() and table.schema.field("quality").type == pa.float64()
+    assert table.column("key").to_pylist() == [row["id"] for row in rows]
+
+    code = ingest(f"parquet:{tmp_path}/pq/*.parquet", tmp_path / "wrong.lance", "--column", "image=picture")
+    assert code == 2 and "columns.image names 'picture'" in capsys.readouterr().err
+
+
+def test_jsonl_gz_and_zst_text_with_extra_fields(tmp_path: Path, capsys) -> None:
+    documents = [{"text": f"document {index} " * (index % 5 + 1), "lang": "en", "score": index} for index in range(40)]
+    (tmp_path / "text").mkdir()
+    lines = "".join(json.dumps(document) + "\n" for document in documents[:20]).encode()
+    (tmp_path / "text" / "a.jsonl.gz").write_bytes(gzip.compress(lines))
+    with pa.CompressedOutputStream(str(tmp_path / "text" / "b.jsonl.zst"), "zstd") as stream:
+        stream.write("".join(json.dumps(document) + "\n" for document in documents[20:]).encode())
+    assert ingest(f"jsonl:{tmp_path}/text/*", tmp_path / "docs.lance") == 0, capsys.readouterr().err
+    found = rows_of(tmp_path / "docs.lance")
+    assert [row["text"] for row in found] == [document["text"] for document in documents]
+    assert [row["score"] for row in found] == list(range(40)) and found[0]["lang"] == "en"
+    assert found[0]["key"].endswith("a.jsonl.gz:0")
+
+
+def test_split_by_key_hash_and_rows_are_the_same_for_any_worker_count(tmp_path: Path, capsys) -> None:
+    rows = digit_rows()
+    write_webdataset(tmp_path / "wds", rows, per_tar=7)
+    outputs = {}
+    for workers in (1, 3):
+        train, val = tmp_path / f"train{workers}.lance", tmp_path / f"val{workers}.lance"
+        code = ingest(f"webdataset:{tmp_path}/wds/*.tar", train, "--val-uri", val, "--val-fraction", "0.3", "--nproc", workers)
+        assert code == 0, capsys.readouterr().err
+        outputs[workers] = (rows_of(train), rows_of(val))
+    assert outputs[1] == outputs[3]
+    train_keys, val_keys = ([row["key"] for row in split] for split in outputs[1])
+    assert sorted(train_keys + val_keys) == sorted(row["id"] for row in rows)
+    assert all(split_of(key, 0.3) == "val" for key in val_keys) and 0 < len(val_keys) < len(train_keys)
+
+
+def test_an_interrupted_ingest_resumes_with_only_the_missing_shards_and_equals_an_uninterrupted_one(
+    tmp_path: Path, capsys
+) -> None:
+    rows = digit_rows()
+    write_webdataset(tmp_path / "wds", rows, per_tar=8)
+    source = f"webdataset:{tmp_path}/wds/*.tar"
+    assert ingest(source, tmp_path / "whole.lance") == 0
+
+    train, _ = targets(str(tmp_path / "part.lance"), None, {}, None, COMMAND_LINE_NAMES)
+    plan = make_plan(source, train, None)
+    calls = iter([False, False, True])  # worker 0 of 2 stops after two of its shards
+    report = run_worker(plan, 0, 2, stop=lambda: next(calls))
+    assert report.stopped and len(report.done) == 2
+    with pytest.raises(ValueError):  # written fragments are not a dataset before the commit
+        lance.dataset(str(tmp_path / "part.lance"))
+    assert len(Records(plan).finished()) == 2
+    capsys.readouterr()
+    assert ingest(source, tmp_path / "part.lance", "--nproc", "2") == 0
+    printed = capsys.readouterr().out
+    assert "resuming: 2 of 8 shards were written by an earlier run" in printed
+    assert rows_of(tmp_path / "part.lance") == rows_of(tmp_path / "whole.lance")
+    assert lance.dataset(str(tmp_path / "part.lance")).version == 1  # one commit
+    # Run again: nothing is written twice.
+    assert ingest(source, tmp_path / "part.lance", "--nproc", "2") == 2  # a dataset is there now: create refuses
+    assert commit(plan).already
+
+
+def test_append_adds_a_version_and_keeps_the_rows_before(tmp_path: Path, capsys) -> None:
+    rows = digit_rows()
+    write_webdataset(tmp_path / "first", rows[:30], per_tar=10)
+    write_webdataset(tmp_path / "second", rows[30:], per_tar=10)
+    target = tmp_path / "train.lance"
+    assert ingest(f"webdataset:{tmp_path}/first/*.tar", target) == 0
+    assert ingest(f"webdataset:{tmp_path}/second/*.tar", target) == 2
+    assert "already holds a Lance dataset" in capsys.readouterr().err
+    assert ingest(f"webdataset:{tmp_path}/second/*.tar", target, "--append") == 0
+    dataset = lance.dataset(str(target))
+    assert dataset.version == 2 and dataset.count_rows() == len(rows)
+    assert lance.dataset(str(target), version=1).count_rows() == 30
+
+
+def test_a_worker_process_that_fails_fails_the_ingest_and_keeps_what_others_wrote(tmp_path: Path) -> None:
+    rows = digit_rows(24)
+    write_webdataset(tmp_path / "wds", rows, per_tar=6)
+    (tmp_path / "wds" / "shard-0003.tar").write_bytes(b"this is not a tar file" * 20)
+    done = subprocess.run(
+        [sys.executable, "-m", "lance_hpc.ingest", f"webdataset:{tmp_path}/wds/*.tar", str(tmp_path / "t.lance"), "--nproc", "2"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode != 0
+    assert "failed" in done.stderr and "writes only the missing shards" in done.stderr
+    with pytest.raises(ValueError):
+        lance.dataset(str(tmp_path / "t.lance"))
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch):
+    """The valid key in the environment, as a job's: worker processes inherit it."""
+    for key, value in s3_server.env.items():
+        monkeypatch.setenv(key, value)
+    return s3_server
+
+
+@pytest.mark.s3
+def test_ingest_from_and_to_s3(tmp_path: Path, s3_env, capsys) -> None:
+    import pyarrow.fs as pafs
+
+    rows = digit_rows(30)
+    write_parquet(tmp_path / "pq", rows, per_file=10, row_group=10)
+    store = pafs.S3FileSystem(
+        endpoint_override=s3_env.endpoint.split("://")[1],
+        scheme="http",
+        region=s3_env.region,
+        access_key=s3_env.access_key_id,
+        secret_key=s3_env.secret_access_key,
+    )
+    for path in sorted((tmp_path / "pq").iterdir()):
+        with store.open_output_stream(f"{s3_env.bucket}/shard-src/{path.name}") as handle:
+            handle.write(path.read_bytes())
+    options = [arg for key, value in s3_env.storage_options.items() for arg in ("--storage-option", f"{key}={value}")]
+    uri = s3_env.uri("shard-ingest/train.lance")
+    code = ingest(
+        f"parquet:{s3_env.uri('shard-src/*.parquet')}",
+        uri,
+        "--column",
+        "image=image_bytes",
+        "--column",
+        "label=class_id",
+        "--column",
+        "key=uid",
+        "--nproc",
+        "2",
+        *options,
+    )
+    assert code == 0, capsys.readouterr().err
+    dataset = lance.dataset(
+        uri,
+        storage_options={
+            **s3_env.storage_options,
+            "access_key_id": s3_env.access_key_id,
+            "secret_access_key": s3_env.secret_access_key,
+        },
+    )
+    assert dataset.to_table().column("key").to_pylist() == [row["id"] for row in rows]
