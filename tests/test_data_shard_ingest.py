@@ -5,64 +5,19 @@ commit, and S3 through the loopback server."""
 from __future__ import annotations
 
 import gzip
-import io
 import json
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 import lance
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from lance_hpc.data.ingest import main as ingest_main
 from lance_hpc.data.shard_ingest import Records, commit, make_plan, run_worker, split_of
-from lance_hpc.data.sources import sklearn_digits
 from lance_hpc.data.target import COMMAND_LINE_NAMES, targets
-
-DIGITS = 60
-
-
-def digit_rows(count: int = DIGITS) -> list[dict]:
-    images = sklearn_digits(size=16)
-    return [
-        {"id": f"d{index:04d}", "jpg": images[index][0], "cls": images[index][1], "quality": index / count}
-        for index in range(count)
-    ]
-
-
-def write_webdataset(directory: Path, rows: list[dict], per_tar: int, broken: dict[int, bytes] | None = None) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    for start in range(0, len(rows), per_tar):
-        with tarfile.open(directory / f"shard-{start // per_tar:04d}.tar", "w") as tar:
-            for index in range(start, min(start + per_tar, len(rows))):
-                row = rows[index]
-                members = {
-                    "jpg": (broken or {}).get(index, row["jpg"]),
-                    "cls": str(row["cls"]).encode(),
-                    "json": json.dumps({"quality": row["quality"]}).encode(),
-                }
-                for extension, data in members.items():
-                    info = tarfile.TarInfo(f"{row['id']}.{extension}")
-                    info.size = len(data)
-                    tar.addfile(info, io.BytesIO(data))
-
-
-def write_parquet(directory: Path, rows: list[dict], per_file: int, row_group: int) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    for start in range(0, len(rows), per_file):
-        part = rows[start : start + per_file]
-        table = pa.table(
-            {
-                "uid": [row["id"] for row in part],
-                "image_bytes": [row["jpg"] for row in part],
-                "class_id": [row["cls"] for row in part],
-                "quality": [row["quality"] for row in part],
-            }
-        )
-        pq.write_table(table, directory / f"part-{start // per_file:03d}.parquet", row_group_size=row_group)
+from tests.support.shards import digit_rows, write_parquet, write_webdataset
 
 
 def ingest(*args: str) -> int:
@@ -266,3 +221,41 @@ def test_ingest_from_and_to_s3(tmp_path: Path, s3_env, capsys) -> None:
         },
     )
     assert dataset.to_table().column("key").to_pylist() == [row["id"] for row in rows]
+
+
+def test_an_ingest_job_spec_runs_locally_on_two_ranks_and_its_dry_run_shows_the_shard_plan(tmp_path: Path) -> None:
+    write_webdataset(tmp_path / "wds", digit_rows(40), per_tar=5)
+    job = tmp_path / "ingest.yaml"
+    job.write_text(
+        f"""
+name: ingest-digits
+job: ingest
+slurm: {{nodes: 1, tasks_per_node: 2, log_dir: {tmp_path / "logs"}}}
+data:
+  uri: {tmp_path / "train.lance"}
+  val_uri: {tmp_path / "val.lance"}
+  ingest: {{source: "webdataset:{tmp_path}/wds/*.tar", val_fraction: 0.25}}
+"""
+    )
+    command = [sys.executable, "-m", "lance_hpc.submit", str(job)]
+    dry = subprocess.run([*command, "--dry-run"], capture_output=True, text=True)
+    assert dry.returncode == 0, dry.stderr
+    assert "8 shards of webdataset:" in dry.stdout and "worker 1: 4 shards" in dry.stdout
+    assert not (tmp_path / "train.lance").exists()
+    run = subprocess.run([*command, "--local", "--nproc", "2"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "rank 1: 4 shard(s) written" in run.stdout and run.stdout.count("committed:") == 1
+    train, val = rows_of(tmp_path / "train.lance"), rows_of(tmp_path / "val.lance")
+    assert len(train) + len(val) == 40 and all(split_of(row["key"], 0.25) == "val" for row in val)
+
+
+def test_an_ingest_job_takes_only_sources_written_by_shards(tmp_path: Path) -> None:
+    from lance_hpc.spec import SpecError, load_spec
+
+    job = tmp_path / "ingest.yaml"
+    job.write_text(f"name: x\njob: ingest\ndata: {{uri: {tmp_path / 't.lance'}, ingest: {{source: sklearn-digits}}}}\n")
+    with pytest.raises(SpecError, match="parquet:<glob>, jsonl:<glob> or webdataset:<glob>"):
+        load_spec(job)
+    job.write_text(f"name: x\njob: infer\ndata: {{uri: {tmp_path / 't.lance'}}}\n")
+    with pytest.raises(SpecError, match="train, ingest"):
+        load_spec(job)

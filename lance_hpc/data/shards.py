@@ -23,6 +23,7 @@ import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
 from lance_hpc.errors import UserError
+from lance_hpc.spec.choices import INGEST_COLUMNS, check_registry
 from lance_hpc.storage.checkpoint_store import filesystem_arguments
 
 FORMATS = ("parquet", "jsonl", "webdataset")
@@ -254,6 +255,7 @@ def mapped_batches(source: Source, shard: Shard, columns: ColumnMap) -> Iterator
 
 
 COLUMN_TYPES = {"image": pa.binary(), "label": pa.int64(), "text": pa.string(), "key": pa.string()}
+check_registry(COLUMN_TYPES, INGEST_COLUMNS, "data.ingest.columns")
 
 
 def _as_column(column: str, values: pa.Array, where: str, name: str) -> pa.Array:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from lance_hpc.data import plan_data
 from lance_hpc.launch import render
 from lance_hpc.launch.paths import JobPaths
+from lance_hpc.runtime.ingest_job import check_ingest
 from lance_hpc.spec import JobSpec, LoadedSpec, expand
 from lance_hpc.spec.schema import entry_note
 
@@ -53,6 +54,11 @@ def describe_sweep(spec: JobSpec) -> str:
 
 
 def _data_plan(spec: JobSpec, source: str) -> str:
+    if spec.job == "ingest":
+        try:
+            return check_ingest(spec)
+        except Exception as error:  # a dry run reports what it cannot show instead of stopping
+            return f"unavailable: {error}"
     if "://" in spec.data.uri:
         return f"skipped for object storage in a dry run; see it with: lance-hpc plan {source}"
     try:

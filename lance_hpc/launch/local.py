@@ -33,6 +33,7 @@ from lance_hpc.launch.ports import free_port
 from lance_hpc.launch.render import write_job_files
 from lance_hpc.runtime import lease
 from lance_hpc.runtime.environment import SLURM_VARS
+from lance_hpc.runtime.ingest_job import check_ingest
 from lance_hpc.runtime.preemption import INTERRUPT_SIGNAL, PREEMPTION_SIGNALS
 from lance_hpc.spec import JobSpec, SweepRun, expand, load_spec
 
@@ -55,8 +56,11 @@ def run_local(spec_file: str | Path, nproc: int) -> int:
         spec.checkpoint.dir, os.environ.get(SLURM_VARS["job_id"]), int(os.environ.get(SLURM_VARS["restart_count"]) or 0)
     )
     try:
-        data.ensure_dataset(spec.data)
-        load_task(spec)  # a column the task needs but the data lacks: one error here, not one per rank
+        if spec.job == "ingest":
+            print(check_ingest(spec), flush=True)
+        else:
+            data.ensure_dataset(spec.data)
+            load_task(spec)  # a column the task needs but the data lacks: one error here, not one per rank
     except KeyboardInterrupt:
         print("\nlance_hpc: interrupted before training started; nothing to save", file=sys.stderr, flush=True)
         return ExitCode.INTERRUPTED

@@ -30,11 +30,13 @@ from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.imports import load_callable
 from lance_hpc.runtime import checkpoint, context, trainer
 from lance_hpc.runtime.environment import (
+    DistEnv,
     detect,
     explain_failure,
     lost_peer,
     process_group,
 )
+from lance_hpc.runtime.ingest_job import run_ingest
 from lance_hpc.runtime.preemption import (
     INTERRUPT_SIGNAL,
     PREEMPTION_SIGNALS,
@@ -45,7 +47,8 @@ from lance_hpc.runtime.preemption import (
     requeue_with_scontrol,
     requeue_with_submitit,
 )
-from lance_hpc.spec import load_spec_text
+from lance_hpc.spec import JobSpec, load_spec_text
+from lance_hpc.spec.choices import JOB_KINDS, check_registry
 from lance_hpc.spec.load import read_own_text
 from lance_hpc.storage.retry import StoreUnavailable
 
@@ -60,7 +63,17 @@ def run_job(spec_file: str, requeue: Requeue, signals: tuple[int, ...] = PREEMPT
         raise UserError(
             f"{spec_file} is a sweep, not one run: submit it with lance-hpc submit, which runs each combination with its own spec"
         )
-    env = detect()
+    return JOBS[spec.job](spec, detect(), requeue, signals)
+
+
+def ingest_job(spec: JobSpec, env: DistEnv, requeue: Requeue, signals: tuple[int, ...]) -> context.Summary:
+    """``job: ingest``: this rank's shards of the source, and on rank 0 the commit."""
+    with Preemption(signals) as preemption:
+        return run_ingest(spec, env, preemption, requeue)
+
+
+def train_job(spec: JobSpec, env: DistEnv, requeue: Requeue, signals: tuple[int, ...]) -> context.Summary:
+    """``job: train``: the built-in trainer or the spec's entry, on the public Context."""
     entry = load_callable(spec.entry, "entry") if spec.entry else trainer.train
     if spec.data.num_workers > 0:
         data.worker_context()  # the DataLoader worker server imports torch while the process group forms
@@ -95,6 +108,14 @@ def run_job(spec_file: str, requeue: Requeue, signals: tuple[int, ...] = PREEMPT
         raise
     except Exception as error:
         raise TrainingFailed(explain_failure(error, env), show_traceback=not lost_peer(error, env)) from error
+
+
+# What the ranks of a job run, by the spec's ``job``.
+JOBS: dict[str, Callable[[JobSpec, DistEnv, Requeue, tuple[int, ...]], context.Summary]] = {
+    "train": train_job,
+    "ingest": ingest_job,
+}
+check_registry(JOBS, JOB_KINDS, "job")
 
 
 def on_main_rank(action: Callable[[], object], what: str) -> None:

@@ -16,6 +16,8 @@ from pydantic_core import PydanticCustomError
 from lance_hpc.spec.choices import (
     CONTAINER_RUNTIMES,
     EVAL_MODES,
+    INGEST_COLUMNS,
+    JOB_KINDS,
     ON_CORRUPT,
     SAMPLERS,
     STYLES,
@@ -159,6 +161,28 @@ class IngestSpec(_Section):
             "a job's start still skips a complete one."
         ),
     )
+    columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="parquet:, jsonl:, webdataset: sources: which field is image, label, text or key, e.g. {image: png}; "
+        "'' for none; other fields are kept as columns.",
+    )
+    append: bool = Field(
+        False, description="parquet:, jsonl:, webdataset: sources: add the rows to the dataset at data.uri as a new version."
+    )
+    on_corrupt: str = Field(
+        "skip", description="An image that cannot be read at ingest: skip (counted in the summary) or fail the ingest."
+    )
+    max_pixels: int = Field(178_956_970, ge=1, le=MAX_INT, description="Images with more pixels are skipped at ingest.")
+
+    check_on_corrupt = field_validator("on_corrupt")(_choice(lambda: ON_CORRUPT))
+
+    @field_validator("columns")
+    @classmethod
+    def check_columns(cls, columns: dict[str, str]) -> dict[str, str]:
+        unknown = sorted(set(columns) - set(INGEST_COLUMNS))
+        if unknown:
+            raise ValueError(f"{', '.join(unknown)}: the columns a field can map to are {', '.join(INGEST_COLUMNS)}")
+        return columns
 
 
 class CacheSpec(_Section):
@@ -313,6 +337,11 @@ def entry_note(spec: JobSpec) -> str | None:
 
 class JobSpec(_Section):
     name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="Job name.")
+    job: str = Field(
+        "train",
+        description="What the ranks run: train (the built-in loop, or entry), or ingest (data.ingest's parquet:, jsonl: "
+        "or webdataset: source into data.uri, its shards split between the ranks, one commit at the end).",
+    )
     slurm: SlurmSpec = Field(default_factory=SlurmSpec, description="Resources and submission.")
     data: DataSpec = Field(..., description="Dataset and loading strategy.")
     task: TaskSpec = Field(default_factory=TaskSpec, description="What is trained: columns, model, loss, metrics.")
@@ -330,6 +359,23 @@ class JobSpec(_Section):
         default_factory=dict,
         description="A sweep as one job array: spec path -> values, e.g. {train.lr: [0.1, 0.05]}; one run per combination.",
     )
+
+    check_job = field_validator("job")(_choice(lambda: JOB_KINDS))
+
+    @model_validator(mode="after")
+    def ingest_job_has_a_shard_source(self) -> JobSpec:
+        if self.job != "ingest":
+            return self
+        source = self.data.ingest.source if self.data.ingest else None
+        if source is None or source.split(":", 1)[0] not in ("parquet", "jsonl", "webdataset"):
+            raise PydanticCustomError(
+                "ingest_source",
+                "job: ingest writes data.ingest.source into data.uri with many workers, and takes parquet:<glob>, "
+                "jsonl:<glob> or webdataset:<glob> sources (got {source}); other sources are ingested by a training "
+                "job's start or by lance-hpc ingest",
+                {"source": repr(source)},
+            )
+        return self
 
     @model_validator(mode="after")
     def default_io_timeout(self) -> JobSpec:

@@ -1,0 +1,131 @@
+"""The ingest job (``job: ingest``): every rank writes its share of the source's shards, rank 0
+commits once all are recorded.
+
+The ranks share no collective: shards differ in size, so ranks finish at different times, and a
+barrier would time out on a big shard. They coordinate through what they record beside the target
+(:mod:`lance_hpc.data.shard_ingest`): rank 0, once its own shards are written, waits until every
+shard has a record, then commits. SLURM does the rest: it starts the ranks, stops the job step if
+one fails, and requeues. A stop signal is honoured at a shard boundary: the shard in hand is
+finished and recorded, and USR2 requeues the job (rank 0 asks SLURM), whose next run writes only
+the shards without a record.
+"""
+
+from __future__ import annotations
+
+import time
+
+from lance_hpc.data.shard_ingest import (
+    ColumnMap,
+    Plan,
+    Records,
+    ShardRecord,
+    commit,
+    describe_skips,
+    make_plan,
+    run_worker,
+    shard_summary,
+)
+from lance_hpc.data.target import SPEC_NAMES, targets
+from lance_hpc.errors import UserError
+from lance_hpc.runtime.context import Summary
+from lance_hpc.runtime.environment import DistEnv
+from lance_hpc.runtime.preemption import Preemption, Requeue, after_preemption
+from lance_hpc.spec import JobSpec
+from lance_hpc.storage.options import storage_options
+
+# How often rank 0 looks for the other ranks' shard records while it waits to commit.
+POLL_S = 2.0
+
+
+def ingest_plan(spec: JobSpec, *, check_targets: bool = True) -> Plan:
+    """The plan of a ``job: ingest`` spec (or of a training spec's parquet:, jsonl:, webdataset: source)."""
+    data, ingest = spec.data, spec.data.ingest
+    if ingest is None:
+        raise UserError("data.ingest is not set: an ingest job needs data.ingest.source")
+    train, val = targets(
+        data.uri,
+        data.val_uri,
+        storage_options(data.uri, data.storage_options),
+        storage_options(data.val_uri, data.storage_options) if data.val_uri else None,
+        SPEC_NAMES,
+    )
+    return make_plan(
+        ingest.source,
+        train,
+        val,
+        columns=ColumnMap(**ingest.columns),
+        val_fraction=ingest.val_fraction if val is not None else 0.0,
+        rows_per_fragment=ingest.rows_per_fragment,
+        mode="append" if ingest.append else "overwrite" if ingest.overwrite else "create",
+        on_corrupt=ingest.on_corrupt,
+        max_pixels=ingest.max_pixels,
+        check_targets=check_targets,
+    )
+
+
+def run_ingest(spec: JobSpec, env: DistEnv, preemption: Preemption, requeue: Requeue) -> Summary:
+    """This rank's shards; on rank 0 also the wait for the others and the commit."""
+    plan = ingest_plan(spec, check_targets=False)  # the launcher checked the targets before the ranks started
+    records = Records(plan)
+    if records.committed() is not None:
+        if env.is_main:
+            print(f"already committed: {plan.train.uri} (ingest {plan.run_id}); nothing to write", flush=True)
+        return Summary("completed", len(plan.shards), 0, None)
+    mine = plan.assignment(env.world_size)[env.rank]
+    if env.is_main:
+        print(
+            f"ingest {plan.source_text} -> {plan.train.uri}: {len(plan.shards)} shards over {env.world_size} rank(s)", flush=True
+        )
+
+    def show(record: ShardRecord) -> None:
+        rows = sum(record.rows.values())
+        print(f"rank {env.rank}: {record.shard}: {rows:,} rows in {record.seconds:.1f} s", flush=True)
+
+    report = run_worker(plan, env.rank, env.world_size, stop=lambda: preemption.received is not None, progress=show)
+    print(
+        f"rank {env.rank}: {len(report.done)} shard(s) written, {len(report.already)} written before, "
+        f"{len(mine) - len(report.done) - len(report.already)} left",
+        flush=True,
+    )
+    if not env.is_main:
+        return Summary("stopped" if report.stopped else "completed", len(report.done), 0, None)
+    if not report.stopped:
+        report.stopped = not _wait_for_all(plan, records, preemption)
+    if report.stopped:
+        preemption.agreed_signal = preemption.received  # no collective: each rank honours its own signal
+        requeued, message = after_preemption(env, spec, preemption, requeue)
+        if not requeued:
+            message = "run or submit the same job again: it writes only the shards still missing, then commits"
+        print(f"ingest stopped with {len(records.finished())}/{len(plan.shards)} shards written; {message}", flush=True)
+        return Summary("requeued" if requeued else "stopped", len(report.done), 0, None)
+    done = commit(plan)
+    rows = ", ".join(f"{split} {count:,}" for split, count in done.rows.items())
+    where = ", ".join(f"{plan.targets()[split].uri} version {version}" for split, version in done.versions.items())
+    print(f"committed: {where}; rows {rows}; skipped {describe_skips(done.skipped)}", flush=True)
+    return Summary("completed", len(plan.shards), 0, None, {f"rows/{split}": float(n) for split, n in done.rows.items()})
+
+
+def _wait_for_all(plan: Plan, records: Records, preemption: Preemption) -> bool:
+    """Wait until every shard is recorded (True), or a stop signal arrives (False)."""
+    shown = -1
+    while True:
+        finished = len(records.finished())
+        if finished == len(plan.shards):
+            return True
+        if preemption.received is not None:
+            return False
+        if finished != shown:
+            print(f"rank 0: {finished}/{len(plan.shards)} shards written; waiting for the other ranks", flush=True)
+            shown = finished
+        time.sleep(POLL_S)
+
+
+def check_ingest(spec: JobSpec) -> str:
+    """Before any rank starts: the targets checked, the shards listed; the plan in a few lines."""
+    plan = ingest_plan(spec)
+    lines = shard_summary(plan, spec.slurm.world_size)
+    lines.append(f"columns: {', '.join(f'{item.name} ({item.type})' for item in plan.schema)}")
+    finished = len(Records(plan).finished())
+    if finished:
+        lines.append(f"{finished} shard(s) already written by an earlier run of this ingest: the job writes the rest")
+    return "\n".join(lines)

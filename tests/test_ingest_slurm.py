@@ -1,0 +1,121 @@
+"""Ingest as a job on the real two-node SLURM test cluster: a rank killed before its shards are
+written fails the job; the requeued job writes only the missing shards and commits once, and the
+dataset equals, row for row, a single-worker ingest of the same source on this machine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable
+
+import lance
+import pytest
+
+from lance_hpc.data.ingest import main as ingest_main
+from lance_hpc.launch.render import write_job_files
+from lance_hpc.manage.queue import FINAL_STATES
+from lance_hpc.spec import load_spec
+from tests.support.jobs import REPO_ROOT
+from tests.support.shards import digit_rows, write_webdataset
+from tests.support.slurm import environ, job_fields, wait_for_text
+from tests.support.slurm_cluster import SlurmCluster
+
+pytestmark = [pytest.mark.slow, pytest.mark.slurm]
+
+
+def rank_process(spec_file: str, rank: int, timeout_s: float = 120) -> int:
+    """The pid of the job rank ``rank`` (by its SLURM_PROCID) running ``spec_file``, as soon as it starts."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                command = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+                if b"lance_hpc.run" not in command or spec_file.encode() not in command:
+                    continue
+                variables = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"SLURM_PROCID={rank}".encode() in variables:
+                return int(entry)
+        time.sleep(0.02)
+    raise AssertionError(f"rank {rank} of {spec_file} never started")
+
+
+def wait_until(cluster: SlurmCluster, job_id: str, done: Callable[[dict[str, str]], bool], timeout_s: float) -> dict[str, str]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        fields = job_fields(cluster, job_id)
+        if done(fields):
+            return fields
+        time.sleep(0.5)
+    subprocess.run(["scancel", job_id], env=environ(cluster))
+    raise AssertionError(f"job {job_id}: {job_fields(cluster, job_id)}")
+
+
+def test_a_killed_rank_then_requeue_writes_only_the_missing_shards_and_equals_a_local_ingest(
+    tmp_path: Path, slurm_cluster: SlurmCluster, capsys
+) -> None:
+    rows = digit_rows(96)
+    write_webdataset(tmp_path / "wds", rows, per_tar=8)  # 12 shards, 6 per rank
+    source = f"webdataset:{tmp_path}/wds/*.tar"
+    assert ingest_main([source, str(tmp_path / "local.lance")]) == 0
+    capsys.readouterr()
+
+    (tmp_path / "job.yaml").write_text(
+        f"""
+name: ingest2
+job: ingest
+slurm:
+  partition: {slurm_cluster.partition}
+  nodes: 2
+  tasks_per_node: 1
+  cpus_per_task: 1
+  time: "00:10:00"
+  log_dir: {tmp_path / "logs"}
+data:
+  uri: {tmp_path / "cluster.lance"}
+  ingest:
+    source: {source}
+"""
+    )
+    spec = load_spec(tmp_path / "job.yaml").spec
+    spec_file, script = write_job_files(spec)
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", str(script)],
+        env=environ(slurm_cluster),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    job_id = submitted.stdout.strip().split(";")[0]
+    rank1 = rank_process(str(spec_file), 1)
+    os.kill(rank1, signal.SIGSTOP)  # still importing: none of its shards is written
+    out = Path(spec.slurm.log_dir) / f"{spec.name}-{job_id}.out"
+    wait_for_text(out, "waiting for the other ranks", timeout_s=90)  # rank 0's six shards are recorded
+    os.kill(rank1, signal.SIGKILL)
+    fields = wait_until(slurm_cluster, job_id, lambda f: f.get("JobState") in FINAL_STATES, 120)
+    assert fields["JobState"] != "COMPLETED", fields
+    with pytest.raises(ValueError):  # nothing committed: no dataset to read
+        lance.dataset(str(tmp_path / "cluster.lance"))
+
+    subprocess.run(["scontrol", "requeue", job_id], env=environ(slurm_cluster), check=True)
+    fields = wait_until(
+        slurm_cluster,
+        job_id,
+        lambda f: f.get("JobState") in FINAL_STATES and int(f.get("Restarts", 0)) >= 1,
+        300,
+    )
+    log = out.read_text()
+    assert fields["JobState"] == "COMPLETED", log
+    assert "rank 0: 0 shard(s) written, 6 written before" in log, log
+    assert "rank 1: 6 shard(s) written, 0 written before" in log, log
+    assert log.count("committed:") == 1
+    dataset = lance.dataset(str(tmp_path / "cluster.lance"))
+    assert dataset.version == 1
+    assert dataset.to_table().to_pylist() == lance.dataset(str(tmp_path / "local.lance")).to_table().to_pylist()
