@@ -41,6 +41,9 @@ def test_webdataset_to_lance_with_checked_images_kept_keys_and_extra_fields(tmp_
     assert [row["label"] for row in found][:3] == [rows[0]["cls"], rows[1]["cls"], rows[2]["cls"]]
     assert found[0]["quality"] == rows[0]["quality"] and found[0]["image"] == rows[0]["jpg"]
     assert "skipped 1 empty, 1 truncated, 1 unreadable" in printed.out
+    # Fragments of rows_per_fragment rows, the rest of each shard in one more: 13, 16, 16, 12 rows.
+    fragments = lance.dataset(str(tmp_path / "train.lance")).get_fragments()
+    assert [fragment.count_rows() for fragment in fragments] == [10, 3, 10, 6, 10, 6, 10, 2]
 
     write_webdataset(tmp_path / "bad", rows[:8], per_tar=8, broken={2: b""})
     code = ingest(f"webdataset:{tmp_path}/bad/*.tar", tmp_path / "strict.lance", "--on-corrupt", "fail")

@@ -23,7 +23,7 @@ import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -257,40 +257,60 @@ class WorkerReport:
 
 
 def write_shard(plan: Plan, index: int) -> ShardRecord:
-    """The shard's rows as new fragments of each split (not yet part of any dataset version)."""
-    import lance
+    """The shard's rows as new fragments of each split (not yet part of any dataset version).
 
+    One pass over the shard: each split's rows gather until a fragment's worth
+    (``rows_per_fragment``), which is written at once, so memory holds at most one fragment per
+    split whatever the shard's size."""
     shard = plan.shards[index]
     started = time.monotonic()
     skipped: dict[str, int] = {}
     rows = {split: 0 for split in plan.targets()}
-
-    def split_batches(split: str) -> Iterator[pa.RecordBatch]:
-        for batch in mapped_batches(plan.source, shard, plan.columns):
-            checked, dropped = _checked(batch, plan.on_corrupt, plan.max_pixels, shard, plan.source)
-            if split == "train":
-                for reason, count in dropped.items():
-                    skipped[reason] = skipped.get(reason, 0) + count
+    pending: dict[str, list[pa.RecordBatch]] = {split: [] for split in plan.targets()}
+    fragments: dict[str, list[str]] = {split: [] for split in plan.targets()}
+    where = plan.source.uri(shard.path)
+    for batch in mapped_batches(plan.source, shard, plan.columns):
+        checked, dropped = _checked(batch, plan.on_corrupt, plan.max_pixels, shard, plan.source)
+        for reason, count in dropped.items():
+            skipped[reason] = skipped.get(reason, 0) + count
+        keys = checked.column("key").to_pylist() if plan.val is not None else []
+        for split in plan.targets():
+            part = checked
             if plan.val is not None:
-                keys = checked.column("key").to_pylist()
-                mask = pa.array([split_of(key, plan.val_fraction) == split for key in keys])
-                checked = checked.filter(mask)
-            if checked.num_rows:
-                rows[split] += checked.num_rows
-                yield _conformed(checked, plan.schema, plan.source.uri(shard.path))
-
-    fragments: dict[str, list[str]] = {}
-    for split, target in plan.targets().items():
-        reader = pa.RecordBatchReader.from_batches(plan.schema, split_batches(split))
-        written = lance.fragment.write_fragments(
-            reader,
-            target.uri,
-            schema=plan.schema,
-            max_rows_per_file=plan.rows_per_fragment,
-            storage_options=target.options or None,
-        )
-        fragments[split] = [json.dumps(metadata.to_json()) for metadata in written if metadata.num_rows]
+                part = checked.filter(pa.array([split_of(key, plan.val_fraction) == split for key in keys]))
+            if not part.num_rows:
+                continue
+            rows[split] += part.num_rows
+            pending[split].append(_conformed(part, plan.schema, where))
+            if sum(item.num_rows for item in pending[split]) >= plan.rows_per_fragment:
+                pending[split] = _write_full(plan, split, pending[split], fragments[split])
+    for split, left in pending.items():
+        if left:
+            _write_fragment(plan, split, pa.Table.from_batches(left, plan.schema), fragments[split])
     return ShardRecord(shard.id, fragments, rows, skipped, shard.bytes, time.monotonic() - started)
+
+
+def _write_full(plan: Plan, split: str, batches: list[pa.RecordBatch], into: list[str]) -> list[pa.RecordBatch]:
+    """Write every whole fragment's worth of ``batches``; return the rows left over."""
+    table = pa.Table.from_batches(batches, plan.schema)
+    whole = table.num_rows - table.num_rows % plan.rows_per_fragment
+    for start in range(0, whole, plan.rows_per_fragment):
+        _write_fragment(plan, split, table.slice(start, plan.rows_per_fragment), into)
+    return table.slice(whole).to_batches()
+
+
+def _write_fragment(plan: Plan, split: str, table: pa.Table, into: list[str]) -> None:
+    import lance
+
+    target = plan.targets()[split]
+    written = lance.fragment.write_fragments(
+        table,
+        target.uri,
+        schema=plan.schema,
+        max_rows_per_file=plan.rows_per_fragment,
+        storage_options=target.options or None,
+    )
+    into.extend(json.dumps(metadata.to_json()) for metadata in written if metadata.num_rows)
 
 
 def _conformed(batch: pa.RecordBatch, schema: pa.Schema, where: str) -> pa.RecordBatch:
