@@ -19,7 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
-from benchmarks import gpu, local, object_storage, peer_loaders, report
+from benchmarks import gpu, ingest, local, object_storage, peer_loaders, report
 from benchmarks.datasets import DataSetSpec, prepare
 from benchmarks.sections import Context, Section
 from benchmarks.worker import WORKER
@@ -56,6 +56,14 @@ SECTIONS: dict[str, Section] = {
         peer_loaders.configs,
         peer_loaders.section_report,
         runs=1,
+    ),
+    "ingest": Section(
+        "lance-hpc ingest of the photos' JPEG bytes from WebDataset tars and from Parquet with 1, 2 and 4 workers, "
+        "against lance_hpc's single-process imagefolder: ingest and, at 2 workers, MosaicML's MDSWriter + "
+        "merge_index and LitData's optimize(): rows/s, CPU and peak memory, and the scaling chart",
+        ingest.configs,
+        ingest.section_report,
+        runs=2,
     ),
     "gpu": Section(
         "ResNet-50 training on one CUDA GPU (bf16, channels-last), fed by the default strategy from local disk "

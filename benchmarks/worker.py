@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
+from benchmarks import ingest
 from benchmarks.gpu import TrainStep, synthetic_batches
 from benchmarks.pipelines import build_pipeline, import_modules
 from benchmarks.s3_server import CounterWindow
@@ -34,7 +35,13 @@ def store_window(config: Measurement) -> CounterWindow | None:
     return CounterWindow(config.data["storage_options"]["endpoint"]) if config.store_counters else None
 
 
-PIPELINES = _worker.Pipelines(build=build_pipeline, prepare=import_modules, train_step=train_step, store_window=store_window)
+PIPELINES = _worker.Pipelines(
+    build=build_pipeline,
+    prepare=import_modules,
+    train_step=train_step,
+    store_window=store_window,
+    whole=dict.fromkeys(ingest.RUNNERS, ingest.measure),
+)
 
 
 if __name__ == "__main__":

@@ -302,3 +302,22 @@ def test_without_a_job_spec_outside_a_checkout_the_command_says_where_the_compar
     assert done.returncode == 2
     assert "give a job spec" in done.stderr and "python -m benchmarks" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_tiny_ingest_section_measures_each_worker_count_and_the_peers(tmp_path, capsys):
+    code = main(["--tiny", "--sections", "ingest", "--out", str(tmp_path / "out")])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    for source in ("webdataset", "parquet"):
+        for workers in ("1 worker", "2 workers", "4 workers"):
+            assert f"lance_hpc {source}: ({workers})" in printed
+    assert "lance_hpc imagefolder: (1 process)" in printed
+    assert "MosaicML MDSWriter + merge_index (2 processes)" in printed and "LitData optimize() (2 workers)" in printed
+    assert "2 workers vs the single-process ingest" in printed and "vs the faster peer" in printed
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    ingested = [s for s in results["summaries"] if s["dataset"] == "small-ingest"]
+    assert ingested and all(run[0]["images"] == 384 and not run[0]["error"] for s in ingested for run in s["runs"])
+    assert set(results["ingest_scaling"]["webdataset"]) == {"1", "2", "4"}
+    assert (tmp_path / "out" / "ingest.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list((tmp_path / "out" / "ingest_work").glob("*"))  # every ingest's output removed

@@ -21,7 +21,7 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Iterable, Iterator, Protocol
 
@@ -79,6 +79,8 @@ class Pipelines:
     train_step: Callable[[Measurement], TrainStep | None] = lambda config: _no_training(config)
     # The store's counters over the window, or None.
     store_window: Callable[[Measurement], StoreWindow | None] = lambda config: None
+    # Kinds measured whole rather than batch by batch (an ingest, say): kind -> its measurement.
+    whole: dict[str, Callable[[Measurement], Result]] = field(default_factory=dict)
 
 
 def queued_per_worker(config: Measurement) -> int:
@@ -284,6 +286,8 @@ def _stop_workers() -> None:
 def run(config: Measurement, pipelines: Pipelines) -> Result:
     if config.kind == "decode_limit":
         return decode_limit(config)
+    if config.kind in pipelines.whole:
+        return pipelines.whole[config.kind](config)
     return measure(config, pipelines)
 
 
