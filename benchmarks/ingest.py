@@ -1,10 +1,10 @@
 """The ingest section: image rows per second into a new Lance dataset.
 
-The same JPEG bytes as the main data set, copied once as WebDataset tars and as Parquet files
-(several row groups each), are ingested by ``lance-hpc ingest`` with 1, 2 and 4 workers, against
-the single-process ingest lance_hpc has for ImageFolder trees (``imagefolder:``, on the
-ImageFolder copy of the same images), and against the peers that convert in parallel into their
-own formats with the same worker count: MosaicML streaming's ``MDSWriter`` (one process per worker,
+The main data set's JPEG bytes, four times over (once with ``--tiny``), copied as WebDataset
+tars, as Parquet files (several row groups each) and as an ImageFolder tree, are ingested by
+``lance-hpc ingest`` with 1, 2 and 4 workers, against the single-process ingest lance_hpc has for
+ImageFolder trees (``imagefolder:``, on the ImageFolder copy), and against the peers that convert
+in parallel into their own formats with the same worker count: MosaicML streaming's ``MDSWriter`` (one process per worker,
 then ``merge_index``) and LitData's ``optimize()``. Each measurement is a fresh process, timed from
 the command's start to its last commit (or index); rows/s is the rows written over that time.
 lance_hpc also reads every image's header for its width and height and checks its end for
@@ -32,6 +32,7 @@ from lance_hpc.bench.resources import ResourceSampler
 from lance_hpc.bench.runner import Summary
 
 WORKER_COUNTS = (1, 2, 4)
+REPEAT = 4  # the data set's rows, this many times over (--tiny: once, and 1 and 2 workers only)
 PEER_WORKERS = 2  # the peers are compared at the machine's two cores, with lance_hpc at the same count
 SAMPLES_PER_TAR = 256
 ROWS_PER_GROUP = 256
@@ -54,21 +55,26 @@ def dataset_name(data: DataSet) -> str:
 # ---- the sources --------------------------------------------------------------------------------
 
 
-def prepare_sources(data: DataSet, root: Path) -> dict[str, Path]:
-    """WebDataset tars and Parquet files of the data set's rows (key, JPEG, class), made once."""
+def prepare_sources(data: DataSet, root: Path, repeat: int) -> dict[str, Path]:
+    """The data set's rows (key, JPEG, class) ``repeat`` times over, as WebDataset tars, as Parquet
+    files and as an ImageFolder tree (hard links to the data set's own), made once. Repeating makes
+    an ingest long enough that starting the workers does not dominate it."""
+    import os
+
     import lance
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    folder = root / f"{data.spec.name}-{data.spec.count}-sources"
-    paths = {"webdataset": folder / "webdataset", "parquet": folder / "parquet"}
+    folder = root / f"{data.spec.name}-{data.spec.count}x{repeat}-sources"
+    paths = {"webdataset": folder / "webdataset", "parquet": folder / "parquet", "imagefolder": folder / "imagefolder"}
     if (folder / "done").exists():
         return paths
     shutil.rmtree(folder, ignore_errors=True)
     for path in paths.values():
         path.mkdir(parents=True)
     table = lance.dataset(data.lance_uri).to_table(columns=["image", "label"])
-    images, labels = table.column("image").to_pylist(), table.column("label").to_pylist()
+    images = table.column("image").to_pylist() * repeat
+    labels = table.column("label").to_pylist() * repeat
     keys = [f"{index:08d}" for index in range(len(images))]
     for start in range(0, len(images), SAMPLES_PER_TAR):
         with tarfile.open(paths["webdataset"] / f"{start // SAMPLES_PER_TAR:05d}.tar", "w") as tar:
@@ -87,6 +93,11 @@ def prepare_sources(data: DataSet, root: Path) -> dict[str, Path]:
             }
         )
         pq.write_table(part, paths["parquet"] / f"{start // per_file:05d}.parquet", row_group_size=ROWS_PER_GROUP)
+    for class_dir in sorted(Path(data.folder).iterdir()):
+        (paths["imagefolder"] / class_dir.name).mkdir()
+        for image in sorted(class_dir.iterdir()):
+            for copy in range(repeat):
+                os.link(image, paths["imagefolder"] / class_dir.name / f"{copy}_{image.name}")
     (folder / "done").write_text(json.dumps({"rows": len(images)}))
     return paths
 
@@ -115,7 +126,7 @@ def _tar_samples(path: str) -> Iterator[dict[str, Any]]:
 def _run_today(config: Measurement, out: Path) -> int:
     from lance_hpc.data.ingest import ingest
 
-    return ingest(f"imagefolder:{config.folder}", str(out / "train.lance"), rows_per_fragment=1024).train
+    return ingest(f"imagefolder:{config.data['source']}", str(out / "train.lance"), rows_per_fragment=1024).train
 
 
 def _run_lance_hpc(config: Measurement, out: Path) -> int:
@@ -208,13 +219,16 @@ def _installed(kind: str) -> bool:
 
 def configs(context: Context) -> list[Measurement]:
     data = context.sets[0]
-    sources = prepare_sources(data, context.data_dir)
-    common: dict[str, Any] = dict(dataset=dataset_name(data), folder=data.folder, image_size=data.spec.image_size)
+    sources = prepare_sources(data, context.data_dir, 1 if context.tiny else REPEAT)
+    common: dict[str, Any] = dict(dataset=dataset_name(data), image_size=data.spec.image_size)
     work = str(context.out / "ingest_work")
-    found = [Measurement(TODAY, "ingest_today", num_workers=1, data={"out": work}, **common)]
-    for source, path in sources.items():
+    found = [
+        Measurement(TODAY, "ingest_today", num_workers=1, data={"out": work, "source": str(sources["imagefolder"])}, **common)
+    ]
+    for source in ("webdataset", "parquet"):
+        path = sources[source]
         glob = f"{source}:{path}/*.{'tar' if source == 'webdataset' else 'parquet'}"
-        for workers in WORKER_COUNTS:
+        for workers in WORKER_COUNTS[:2] if context.tiny else WORKER_COUNTS:
             found.append(
                 Measurement(
                     label(source, workers),
@@ -257,8 +271,9 @@ def section_report(context: Context, summaries: Summaries) -> SectionReport:
     faster_peer = max(peers, key=lambda summary: summary.images_per_s, default=None)
     header = ["configuration", "rows/s (min-max)", "x 1-process", "x faster peer", "s", "CPU ms/row", "main MiB", "worker MiB"]
     cells = [_row(summary, today, faster_peer) for summary in found.values()]
+    rows = next((s.ok_runs[0][0].images for s in found.values() if s.ok_runs), 0)
     title = (
-        f"ingest: {data.spec.count:,} JPEGs ({data.describe().split(';')[0]}) into a new Lance dataset; "
+        f"ingest: {rows:,} rows ({data.describe().split(';')[0]}, repeated) into a new Lance dataset; "
         f"{SAMPLES_PER_TAR} per tar, {ROWS_PER_GROUP * GROUPS_PER_FILE} per Parquet file"
     )
     verdicts = []

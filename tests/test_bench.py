@@ -310,7 +310,7 @@ def test_tiny_ingest_section_measures_each_worker_count_and_the_peers(tmp_path, 
     printed = capsys.readouterr().out
     assert code == 0, printed
     for source in ("webdataset", "parquet"):
-        for workers in ("1 worker", "2 workers", "4 workers"):
+        for workers in ("1 worker", "2 workers"):  # --tiny: 4 workers left out
             assert f"lance_hpc {source}: ({workers})" in printed
     assert "lance_hpc imagefolder: (1 process)" in printed
     assert "MosaicML MDSWriter + merge_index (2 processes)" in printed and "LitData optimize() (2 workers)" in printed
@@ -318,6 +318,6 @@ def test_tiny_ingest_section_measures_each_worker_count_and_the_peers(tmp_path, 
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     ingested = [s for s in results["summaries"] if s["dataset"] == "small-ingest"]
     assert ingested and all(run[0]["images"] == 384 and not run[0]["error"] for s in ingested for run in s["runs"])
-    assert set(results["ingest_scaling"]["webdataset"]) == {"1", "2", "4"}
+    assert set(results["ingest_scaling"]["webdataset"]) == {"1", "2"}
     assert (tmp_path / "out" / "ingest.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list((tmp_path / "out" / "ingest_work").glob("*"))  # every ingest's output removed

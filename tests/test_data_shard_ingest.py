@@ -15,7 +15,7 @@ import pyarrow as pa
 import pytest
 
 from lance_hpc.data.ingest import main as ingest_main
-from lance_hpc.data.shard_ingest import Records, commit, make_plan, run_worker, split_of
+from lance_hpc.data.shard_ingest import Records, commit, make_plan, progress_lines, run_worker, split_of
 from lance_hpc.data.target import COMMAND_LINE_NAMES, targets
 from tests.support.shards import digit_rows, write_parquet, write_webdataset
 
@@ -135,6 +135,8 @@ def test_an_interrupted_ingest_resumes_with_only_the_missing_shards_and_equals_a
     with pytest.raises(ValueError):  # written fragments are not a dataset before the commit
         lance.dataset(str(tmp_path / "part.lance"))
     assert len(Records(plan).finished()) == 2
+    progress = progress_lines(source, train, world_size=2)
+    assert progress[0] == "2 of 8 shards written (train 16 rows; skipped none)" and "left:" in progress[1], progress
     capsys.readouterr()
     assert ingest(source, tmp_path / "part.lance", "--nproc", "2") == 0
     printed = capsys.readouterr().out
@@ -144,6 +146,10 @@ def test_an_interrupted_ingest_resumes_with_only_the_missing_shards_and_equals_a
     # Run again: nothing is written twice.
     assert ingest(source, tmp_path / "part.lance", "--nproc", "2") == 2  # a dataset is there now: create refuses
     assert commit(plan).already
+    assert progress_lines(source, train, world_size=2) == [
+        "8 of 8 shards written (train 60 rows; skipped none)",
+        "committed: train version 1",
+    ]
 
 
 def test_append_adds_a_version_and_keeps_the_rows_before(tmp_path: Path, capsys) -> None:

@@ -43,7 +43,7 @@ import numpy as np
 import pyarrow as pa
 
 from lance_hpc.data import sources
-from lance_hpc.data.image_check import MAX_PIXELS
+from lance_hpc.data.image_check import ENCODED_BYTES, MAX_PIXELS
 from lance_hpc.data.shard_ingest import ingest_shards_command
 from lance_hpc.data.shards import is_shard_source
 from lance_hpc.data.sources import ImageSource
@@ -180,7 +180,7 @@ def split_rows(count: int, val_fraction: float, seed: int) -> tuple[np.ndarray, 
 
 def schema_for(class_names: Sequence[str], source: str) -> pa.Schema:
     return pa.schema(
-        [pa.field("image", pa.binary()), pa.field("label", pa.int64())],
+        [pa.field("image", pa.binary(), metadata=ENCODED_BYTES), pa.field("label", pa.int64())],
         metadata={CLASS_NAMES_KEY: json.dumps(list(class_names)).encode(), b"source": source.encode()},
     )
 

@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from lance_hpc.data.image_check import MAX_PIXELS, image_size
+from lance_hpc.data.image_check import ENCODED_BYTES, MAX_PIXELS, image_size
 from lance_hpc.data.shards import ColumnMap, Shard, Source, list_shards, mapped_batches, parse_source
 from lance_hpc.data.target import Target, existing_dataset, filesystem
 from lance_hpc.errors import UserError
@@ -85,8 +85,7 @@ class Plan:
     @property
     def records(self) -> str:
         """Where finished shards are recorded: a hidden folder beside the training dataset."""
-        parent, _, name = self.train.uri.rstrip("/").rpartition("/")
-        return f"{parent}/.{name}.ingest/{self.run_id}" if parent else f".{name}.ingest/{self.run_id}"
+        return f"{records_root(self.train.uri)}/{self.run_id}"
 
 
 def split_of(key: str, val_fraction: float) -> str:
@@ -167,7 +166,12 @@ def _dataset_or_none(target: Target) -> Any | None:
 def _schema(source: Source, shard: Shard, columns: ColumnMap, on_corrupt: str, max_pixels: int) -> pa.Schema:
     for batch in mapped_batches(source, shard, columns):
         checked, _ = _checked(batch, on_corrupt, max_pixels, shard, source)
-        fields = [pa.field(item.name, pa.string() if pa.types.is_null(item.type) else item.type) for item in checked.schema]
+        fields = [
+            pa.field(item.name, pa.string() if pa.types.is_null(item.type) else item.type, metadata=ENCODED_BYTES)
+            if item.name == "image"
+            else pa.field(item.name, pa.string() if pa.types.is_null(item.type) else item.type)
+            for item in checked.schema
+        ]
         return pa.schema(fields, metadata={b"source": source.format.encode()})
     raise UserError(f"{source.uri(shard.path)} holds no record: the schema is read from the first shard")
 
@@ -307,6 +311,8 @@ def _write_fragment(plan: Plan, split: str, table: pa.Table, into: list[str]) ->
         table,
         target.uri,
         schema=plan.schema,
+        # Only the fragments' files: "create" where no version exists yet (what the commit will be), else "append".
+        mode="create" if plan.read_versions[split] is None else "append",
         max_rows_per_file=plan.rows_per_fragment,
         storage_options=target.options or None,
     )
@@ -515,7 +521,7 @@ def ingest_shards_command(args: Any, argv: list[str]) -> int:
             if before:
                 print(f"resuming: {before} of {len(plan.shards)} shards were written by an earlier run", flush=True)
             if args.nproc == 1:
-                run_worker(plan, 0, 1, progress=lambda record: _show(record, records, plan))
+                run_worker(plan, 0, 1, progress=_shower(records, plan))
             else:
                 quiet = {**os.environ, "LANCE_LOG": os.environ.get("LANCE_LOG", "error")}  # not one warning per new fragment
                 workers = [
@@ -536,9 +542,18 @@ def ingest_shards_command(args: Any, argv: list[str]) -> int:
     return 0
 
 
-def _show(record: ShardRecord, records: Records, plan: Plan) -> None:
-    finished = len(records.finished())
-    print(f"shard {finished}/{len(plan.shards)}: {record.shard} ({sum(record.rows.values()):,} rows)", flush=True)
+def _shower(records: Records, plan: Plan) -> Callable[[ShardRecord], None]:
+    """A progress line per shard written: shards done (of all), rows so far, rate."""
+    finished, rows, started = len(records.finished()), [0], time.monotonic()
+
+    def show(record: ShardRecord) -> None:
+        nonlocal finished
+        finished += 1
+        rows[0] += sum(record.rows.values())
+        rate = rows[0] / max(time.monotonic() - started, 1e-9)
+        print(f"shard {finished}/{len(plan.shards)}: {record.shard} ({rows[0]:,} rows, {rate:,.0f} rows/s)", flush=True)
+
+    return show
 
 
 def _wait_for(workers: list[Any], records: Records, plan: Plan) -> None:
@@ -561,10 +576,71 @@ def _wait_for(workers: list[Any], records: Records, plan: Plan) -> None:
             for worker in workers:
                 worker.wait()
             break
-        time.sleep(0.5)
+        time.sleep(0.1)
     failed = [rank for rank, worker in enumerate(workers) if worker.returncode != 0]
     if failed:
         raise UserError(
             f"worker {failed[0]} failed (its error is above); the shards written so far are kept\n"
             "  fix: mend the cause and run the same command again: it writes only the missing shards"
         )
+
+
+# ---- progress, for lance-hpc status -------------------------------------------------------------
+
+
+def records_root(train_uri: str) -> str:
+    parent, _, name = train_uri.rstrip("/").rpartition("/")
+    return f"{parent}/.{name}.ingest" if parent else f".{name}.ingest"
+
+
+def progress_lines(source_text: str, train: Target, world_size: int) -> list[str]:
+    """How far the latest ingest into ``train`` got, from its shard records (no SLURM, no plan)."""
+    store, root = filesystem(records_root(train.uri), train.options)
+    try:
+        runs = [
+            info
+            for info in store.get_file_info(pafs.FileSelector(root, allow_not_found=True))
+            if info.type == pafs.FileType.Directory
+        ]
+    except OSError as error:
+        return [f"cannot read the shard records under {records_root(train.uri)}: {error}"]
+    if not runs:
+        return ["no shard written yet"]
+    latest = max(runs, key=lambda info: info.mtime_ns or 0)
+    found: list[ShardRecord] = []
+    committed = None
+    for info in store.get_file_info(pafs.FileSelector(latest.path)):
+        if info.base_name.startswith("shard-") and info.base_name.endswith(".json"):
+            with store.open_input_stream(info.path) as handle:
+                found.append(ShardRecord(**json.loads(handle.read())))
+        elif info.base_name == "committed.json":
+            with store.open_input_stream(info.path) as handle:
+                committed = json.loads(handle.read())
+    try:
+        shards = list_shards(parse_source(source_text, train.options))
+    except UserError:
+        shards = []
+    total = len(shards) or None
+    rows = {split: sum(record.rows.get(split, 0) for record in found) for split in ("train", "val")}
+    skipped: dict[str, int] = {}
+    for record in found:
+        for reason, count in record.skipped.items():
+            skipped[reason] = skipped.get(reason, 0) + count
+    written = f"{len(found)} of {total} shards" if total else f"{len(found)} shards"
+    rows_text = ", ".join(f"{split} {count:,}" for split, count in rows.items() if count or split == "train")
+    lines = [f"{written} written ({rows_text} rows; skipped {describe_skips(skipped)})"]
+    if committed is not None:
+        lines.append("committed: " + ", ".join(f"{split} version {version}" for split, version in committed.items()))
+    elif total and len(found) < total:
+        seconds = sum(record.seconds for record in found)
+        done_bytes = sum(record.bytes for record in found)
+        if seconds > 0 and done_bytes > 0:
+            per_rank = done_bytes / seconds
+            names = {record.shard for record in found}
+            left = sum(shard.bytes for shard in shards if shard.id not in names)
+            eta = left / (per_rank * max(world_size, 1))
+            lines.append(
+                f"about {eta / 60:.0f} min left: {left / 2**20:,.0f} MiB to go at {per_rank / 2**20:,.1f} MiB/s per rank "
+                f"over {world_size} rank(s)"
+            )
+    return lines

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import tarfile
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
@@ -186,17 +185,14 @@ def _webdataset_batches(source: Source, shard: Shard) -> Iterator[pa.RecordBatch
     ``.txt`` a string, other extensions their bytes."""
     records: list[dict[str, Any]] = []
     current: dict[str, Any] | None = None
-    with source.filesystem.open_input_stream(shard.path) as raw, tarfile.open(fileobj=raw, mode="r|*") as tar:
-        for member in tar:
-            if not member.isfile():
-                continue
-            directory, _, name = member.name.rpartition("/")
+    where = source.uri(shard.path)
+    with source.filesystem.open_input_stream(shard.path, compression="detect") as raw:
+        for member_name, data in tar_members(raw, where):
+            directory, _, name = member_name.rpartition("/")
             stem, dot, extension = name.partition(".")
             if not dot or stem.startswith("."):
                 continue
             key = f"{directory}/{stem}" if directory else stem
-            handle = tar.extractfile(member)
-            data = handle.read() if handle is not None else b""
             if current is None or current["__key__"] != key:
                 if current is not None:
                     records.append(current)
@@ -206,14 +202,14 @@ def _webdataset_batches(source: Source, shard: Shard) -> Iterator[pa.RecordBatch
                 try:
                     fields = json.loads(data)
                 except ValueError as error:
-                    raise UserError(f"{source.uri(shard.path)}: {member.name} is not JSON ({error})") from None
+                    raise UserError(f"{where}: {member_name} is not JSON ({error})") from None
                 if isinstance(fields, dict):
                     current.update({name: value for name, value in fields.items() if name not in current})
             elif extension == "cls":
                 try:
                     current["cls"] = int(data.decode().strip())
                 except ValueError:
-                    raise UserError(f"{source.uri(shard.path)}: {member.name} holds {data[:40]!r}, not a class number") from None
+                    raise UserError(f"{where}: {member_name} holds {data[:40]!r}, not a class number") from None
             elif extension == "txt":
                 current["txt"] = data.decode("utf-8", errors="replace")
             else:
@@ -225,6 +221,86 @@ def _webdataset_batches(source: Source, shard: Shard) -> Iterator[pa.RecordBatch
         records.append(current)
     if records:
         yield pa.RecordBatch.from_pylist(records)
+
+
+TAR_BLOCK = 512
+
+
+class _Chunks:
+    """``read(n)`` over a stream read 8 MiB at a time: a tar's many small header reads cost a
+    Python slice each, not a call into the stream."""
+
+    CHUNK = 8 << 20
+
+    def __init__(self, stream: Any) -> None:
+        self.stream, self.buffer, self.offset = stream, b"", 0
+
+    def read(self, size: int) -> bytes:
+        if self.offset + size <= len(self.buffer):
+            part = self.buffer[self.offset : self.offset + size]
+            self.offset += size
+            return part
+        parts, left = [self.buffer[self.offset :]], size - (len(self.buffer) - self.offset)
+        self.buffer, self.offset = b"", 0
+        while left > 0:
+            chunk = self.stream.read(max(self.CHUNK, left))
+            if not chunk:
+                break
+            chunk = bytes(chunk)
+            if len(chunk) > left:
+                parts.append(chunk[:left])
+                self.buffer, self.offset = chunk, left
+                left = 0
+            else:
+                parts.append(chunk)
+                left -= len(chunk)
+        return b"".join(parts)
+
+
+def _read_exact(stream: _Chunks, size: int) -> bytes:
+    return stream.read(size) if size else b""
+
+
+def tar_members(stream: Any, where: str) -> Iterator[tuple[str, bytes]]:
+    """(name, bytes) of each regular file of a tar stream, in order: ustar, GNU long names and pax
+    paths. Read block by block with the header checksums checked, much cheaper than ``tarfile``."""
+    long_name: str | None = None
+    stream = _Chunks(stream)
+    while True:
+        header = _read_exact(stream, TAR_BLOCK)
+        if len(header) < TAR_BLOCK or header == bytes(TAR_BLOCK):
+            if header.strip(b"\0"):
+                raise UserError(f"{where} is not a tar file, or is cut short (a header of {len(header)} bytes)")
+            return
+        try:
+            stored = int(header[148:156].strip(b"\0 ") or b"0", 8)
+            size_field = header[124:136]
+            size = int.from_bytes(size_field[1:], "big") if size_field[0] & 0x80 else int(size_field.strip(b"\0 ") or b"0", 8)
+        except ValueError:
+            raise UserError(f"{where} is not a tar file (a header that does not parse)") from None
+        if stored != sum(header[:148]) + 8 * 32 + sum(header[156:]):
+            raise UserError(f"{where} is not a tar file, or is damaged (a header checksum does not match)")
+        name = header[:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+        if header[257:262] == b"ustar":
+            prefix = header[345:500].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+            name = f"{prefix}/{name}" if prefix else name
+        data = _read_exact(stream, size)
+        if len(data) < size:
+            raise UserError(f"{where} is cut short: {name} should have {size} bytes, the file ends after {len(data)}")
+        _read_exact(stream, -size % TAR_BLOCK)
+        kind = header[156:157]
+        if kind == b"L":  # GNU: the next member's long name
+            long_name = data.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+        elif kind == b"x":  # pax: the next member's attributes, "LENGTH KEY=VALUE\n" each
+            for record in data.decode("utf-8", "surrogateescape").splitlines():
+                key, _, value = record.partition(" ")[2].partition("=")
+                if key == "path":
+                    long_name = value
+        elif kind in (b"0", b"\0", b"7"):
+            yield long_name or name, data
+            long_name = None
+        else:  # directories, links, global pax headers
+            long_name = None
 
 
 def format_defaults(format: str, fields: list[str]) -> dict[str, str]:

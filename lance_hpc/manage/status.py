@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from lance_hpc.data import shard_ingest
+from lance_hpc.data.target import Target
 from lance_hpc.manage import (
     logs,
     progress,
@@ -21,6 +23,7 @@ from lance_hpc.manage import (
 from lance_hpc.manage.records import JobRef
 from lance_hpc.spec import JobSpec
 from lance_hpc.storage import checkpoint_index
+from lance_hpc.storage.options import storage_options
 
 PROG = "lance-hpc status"
 
@@ -66,6 +69,10 @@ def report(ref: JobRef, job: queue.SlurmJob | None) -> list[str]:
         texts = [_read(path) for path in job_logs.files]
         outcome = progress.outcome_from_log(texts[0], "".join(texts[1:]))
         lines.append(f"  ended       {outcome or 'the log does not say how'}")
+    if spec.job == "ingest":
+        lines += ingest_lines(spec)
+        lines.append(f"  log         {job_logs.files[0]}")
+        return lines
     saved = checkpoint_index.latest(spec.checkpoint.dir)  # names and manifests only: nothing is loaded
     if saved:
         epoch = f", epoch {saved.epoch}" if saved.epoch is not None else ""
@@ -88,6 +95,14 @@ def report(ref: JobRef, job: queue.SlurmJob | None) -> list[str]:
     if ended and saved:
         lines.append(f"  resume      lance-hpc submit {ref.spec_source}  (continues from step {saved.step})")
     return lines
+
+
+def ingest_lines(spec: JobSpec) -> list[str]:
+    """An ingest job's shards written (of how many), rows, skips, the commit or the time left."""
+    assert spec.data.ingest is not None  # job: ingest requires it
+    train = Target(spec.data.uri, storage_options(spec.data.uri, spec.data.storage_options), "data.uri")
+    found = shard_ingest.progress_lines(spec.data.ingest.source, train, spec.slurm.world_size)
+    return [f"  ingest      {found[0]}", *(f"              {line}" for line in found[1:])]
 
 
 def time_left_text(spec: JobSpec, step: int, seconds_per_step: float | None) -> str:
