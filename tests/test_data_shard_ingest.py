@@ -263,8 +263,42 @@ def test_an_ingest_job_takes_only_sources_written_by_shards(tmp_path: Path) -> N
 
     job = tmp_path / "ingest.yaml"
     job.write_text(f"name: x\njob: ingest\ndata: {{uri: {tmp_path / 't.lance'}, ingest: {{source: sklearn-digits}}}}\n")
-    with pytest.raises(SpecError, match="parquet:<glob>, jsonl:<glob> or webdataset:<glob>"):
+    with pytest.raises(SpecError, match="data.ingest.source: job: ingest splits its source into shards"):
         load_spec(job)
     job.write_text(f"name: x\njob: infer\ndata: {{uri: {tmp_path / 't.lance'}}}\n")
     with pytest.raises(SpecError, match="train, ingest"):
         load_spec(job)
+
+
+def test_a_hugging_face_dataset_saved_to_disk_keeps_its_class_names_and_image_bytes(tmp_path: Path, capsys) -> None:
+    datasets = pytest.importorskip("datasets")
+    rows = digit_rows(30)
+    features = datasets.Features(
+        {
+            "image": datasets.Image(),
+            "label": datasets.ClassLabel(names=[f"digit-{index}" for index in range(10)]),
+            "quality": datasets.Value("float32"),
+        }
+    )
+    saved = datasets.Dataset.from_dict(
+        {
+            "image": [{"bytes": row["jpg"], "path": None} for row in rows],
+            "label": [row["cls"] for row in rows],
+            "quality": [row["quality"] for row in rows],
+        },
+        features=features,
+    )
+    saved.save_to_disk(str(tmp_path / "hf"), max_shard_size="20KB")  # several Arrow files: several shards
+    datasets.DatasetDict({"train": saved}).save_to_disk(str(tmp_path / "hf_splits"))
+
+    assert ingest(f"hf:{tmp_path / 'hf'}", tmp_path / "train.lance", "--nproc", "2") == 0, capsys.readouterr().err
+    dataset = lance.dataset(str(tmp_path / "train.lance"))
+    assert len(dataset.get_fragments()) > 1
+    found = dataset.to_table().to_pylist()
+    assert [row["image"] for row in found] == [row["jpg"] for row in rows]
+    assert [row["label"] for row in found] == [row["cls"] for row in rows]
+    names = json.loads(dataset.schema.metadata[b"class_names"])
+    assert names[:2] == ["digit-0", "digit-1"] and len(names) == 10
+
+    assert ingest(f"hf:{tmp_path / 'hf_splits'}", tmp_path / "x.lance") == 2
+    assert "holds several splits (train): name one" in capsys.readouterr().err

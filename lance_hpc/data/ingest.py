@@ -48,6 +48,7 @@ from lance_hpc.data.shard_ingest import ingest_shards_command
 from lance_hpc.data.shards import is_shard_source
 from lance_hpc.data.sources import ImageSource
 from lance_hpc.data.target import (
+    CLASS_NAMES_KEY,
     COMMAND_LINE_NAMES,
     SPEC_NAMES,
     Ingested,
@@ -65,8 +66,6 @@ from lance_hpc.spec import load_spec
 from lance_hpc.storage.datasets import dataset_exists
 from lance_hpc.storage.options import storage_options
 
-# Schema metadata of an image dataset: the class names as JSON (image_classification reads them).
-CLASS_NAMES_KEY = b"class_names"
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 WRITE_CHUNK_ROWS = 256
 log = logging.getLogger("lance_hpc.data")
@@ -308,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         nargs="?",
         help="images: sklearn-digits | skimage-photos[:count=N] | imagefolder:<dir> | torchvision:<Name>:<root>; "
         "text: text:<glob> | python-stdlib[:max_mb=N]; any rows, by many workers: parquet:<glob> | jsonl:<glob> "
-        "(.jsonl, .gz, .zst) | webdataset:<glob of .tar>, local or s3://",
+        "(.jsonl, .gz, .zst) | webdataset:<glob of .tar> | hf:<dir saved by save_to_disk>, local or s3://",
     )
     parser.add_argument("uri", nargs="?", help="training dataset to create (path or s3://bucket/x.lance)")
     parser.add_argument("--spec", help="job spec: ingest its data.ingest source to data.uri / data.val_uri")
@@ -334,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="object-store option (endpoint, region, allow_http); credentials come from AWS_* variables",
     )
     shards = parser.add_argument_group(
-        "parquet:, jsonl: and webdataset: sources (written by N workers, one commit at the end, resumable)"
+        "parquet:, jsonl:, webdataset: and hf: sources (written by N workers, one commit at the end, resumable)"
     )
     shards.add_argument("--nproc", type=int, default=1, help="workers on this machine (default 1)")
     shards.add_argument(

@@ -29,8 +29,17 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from lance_hpc.data.image_check import ENCODED_BYTES, MAX_PIXELS, image_size
-from lance_hpc.data.shards import ColumnMap, Shard, Source, list_shards, mapped_batches, parse_source
-from lance_hpc.data.target import Target, existing_dataset, filesystem
+from lance_hpc.data.shards import (
+    ColumnMap,
+    Shard,
+    Source,
+    format_defaults,
+    hf_class_names,
+    list_shards,
+    mapped_batches,
+    parse_source,
+)
+from lance_hpc.data.target import CLASS_NAMES_KEY, Target, existing_dataset, filesystem
 from lance_hpc.errors import UserError
 from lance_hpc.storage.datasets import dataset_exists, open_dataset
 
@@ -172,7 +181,12 @@ def _schema(source: Source, shard: Shard, columns: ColumnMap, on_corrupt: str, m
             else pa.field(item.name, pa.string() if pa.types.is_null(item.type) else item.type)
             for item in checked.schema
         ]
-        return pa.schema(fields, metadata={b"source": source.format.encode()})
+        metadata = {b"source": source.format.encode()}
+        label_field = columns.label if columns.label is not None else format_defaults(shard.format, [])["label"]
+        names = hf_class_names(source, label_field) if label_field else None
+        if names:  # what image_classification reads its class names from
+            metadata[CLASS_NAMES_KEY] = json.dumps(names).encode()
+        return pa.schema(fields, metadata=metadata)
     raise UserError(f"{source.uri(shard.path)} holds no record: the schema is read from the first shard")
 
 

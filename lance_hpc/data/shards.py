@@ -1,9 +1,10 @@
 """Sources as shards: the unit of work of an ingest job.
 
-A source names files: ``parquet:<glob>``, ``jsonl:<glob>`` (``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``)
-or ``webdataset:<glob of .tar>`` (LAION/DataComp style: the files of one sample share a key, e.g.
-``0001.jpg``, ``0001.cls``, ``0001.json``), each local or on an object store (``s3://...``). A shard
-is one file, or one row group of a Parquet file with several, listed in a stable order. Reading a
+A source names files: ``parquet:<glob>``, ``jsonl:<glob>`` (``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``),
+``webdataset:<glob of .tar>`` (LAION/DataComp style: the files of one sample share a key, e.g.
+``0001.jpg``, ``0001.cls``, ``0001.json``) or ``hf:<dir>`` (one split of a Hugging Face dataset saved
+with ``save_to_disk``), each local or on an object store (``s3://...``). A shard is one file (an
+Arrow file of a Hugging Face dataset), or one row group of a Parquet file with several, listed in a stable order. Reading a
 shard yields Arrow record batches whose columns follow the spec's column mapping: ``image``
 (encoded bytes), ``label`` (int64), ``text`` (string), ``key`` (the sample's key or the file and
 row it came from), and every other field of the source under its own name and Arrow type.
@@ -22,10 +23,11 @@ import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
 from lance_hpc.errors import UserError
-from lance_hpc.spec.choices import INGEST_COLUMNS, check_registry
+from lance_hpc.spec.choices import INGEST_COLUMNS, SHARD_FORMATS, check_registry
 from lance_hpc.storage.checkpoint_store import filesystem_arguments
 
-FORMATS = ("parquet", "jsonl", "webdataset")
+FORMATS = ("parquet", "jsonl", "webdataset", "hf")
+check_registry(FORMATS, SHARD_FORMATS, "data.ingest.source formats")
 # Extensions of a WebDataset sample's image file, in the order one is picked when a sample has several.
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")
 # Rows per record batch a shard is read in: bounded memory whatever the shard's size.
@@ -121,8 +123,52 @@ def _matches(source: Source) -> list[pafs.FileInfo]:
     return found
 
 
+def _read_json(source: Source, path: str) -> Any:
+    try:
+        with source.filesystem.open_input_stream(path) as handle:
+            return json.loads(handle.read())
+    except FileNotFoundError:
+        return None
+
+
+def _hf_shards(source: Source) -> list[Shard]:
+    """The Arrow files of a Hugging Face dataset saved with ``save_to_disk``, in its own order."""
+    directory = source.pattern.rstrip("/")
+    splits = _read_json(source, f"{directory}/dataset_dict.json")
+    if splits is not None:
+        names = ", ".join(splits.get("splits", []))
+        raise UserError(
+            f"hf:{source.uri(directory)} holds several splits ({names}): name one, e.g. hf:{source.uri(directory)}/"
+            f"{(splits.get('splits') or ['train'])[0]}"
+        )
+    state = _read_json(source, f"{directory}/state.json")
+    if state is None or not state.get("_data_files"):
+        raise UserError(
+            f"hf:{source.uri(directory)} is not a Hugging Face dataset saved with save_to_disk (no state.json listing "
+            "its data files)\n  fix: point hf: at the directory save_to_disk wrote (one split)"
+        )
+    shards = []
+    for entry in state["_data_files"]:
+        path = f"{directory}/{entry['filename']}"
+        size = source.filesystem.get_file_info(path).size or 0
+        shards.append(Shard(path, path, "hf", size))
+    return shards
+
+
+def hf_class_names(source: Source, field_name: str) -> list[str] | None:
+    """The names of a ``ClassLabel`` field of a saved Hugging Face dataset, if it is one."""
+    if source.format != "hf":
+        return None
+    info = _read_json(source, f"{source.pattern.rstrip('/')}/dataset_info.json") or {}
+    feature = (info.get("features") or {}).get(field_name) or {}
+    names = feature.get("names") if feature.get("_type") == "ClassLabel" else None
+    return [str(name) for name in names] if names else None
+
+
 def list_shards(source: Source) -> list[Shard]:
     """The source's shards in a stable order (sorted paths; a Parquet file's row groups in order)."""
+    if source.format == "hf":
+        return _hf_shards(source)
     infos = sorted(_matches(source), key=lambda info: info.path)
     if not infos:
         raise UserError(
@@ -166,6 +212,13 @@ def _raw_batches(source: Source, shard: Shard) -> Iterator[pa.RecordBatch]:
         with _jsonl_stream(source, shard.path) as stream:
             reader = pajson.open_json(stream, read_options=pajson.ReadOptions(block_size=1 << 20))
             for batch in reader:
+                for start in range(0, batch.num_rows, BATCH_ROWS):
+                    part = batch.slice(start, BATCH_ROWS)
+                    yield _with_row_keys(part, shard.id, row)
+                    row += part.num_rows
+    elif shard.format == "hf":
+        with source.filesystem.open_input_stream(shard.path) as stream:
+            for batch in pa.ipc.open_stream(stream):
                 for start in range(0, batch.num_rows, BATCH_ROWS):
                     part = batch.slice(start, BATCH_ROWS)
                     yield _with_row_keys(part, shard.id, row)

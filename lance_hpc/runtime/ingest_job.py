@@ -38,7 +38,7 @@ POLL_S = 2.0
 
 
 def ingest_plan(spec: JobSpec, *, check_targets: bool = True) -> Plan:
-    """The plan of a ``job: ingest`` spec (or of a training spec's parquet:, jsonl:, webdataset: source)."""
+    """The plan of a ``job: ingest`` spec (or of a training spec's parquet:, jsonl:, webdataset:, hf: source)."""
     data, ingest = spec.data, spec.data.ingest
     if ingest is None:
         raise UserError("data.ingest is not set: an ingest job needs data.ingest.source")

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 
 from lance_hpc.errors import UserError
 from lance_hpc.imports import is_import_path, load_callable
-from lance_hpc.spec.choices import SAMPLERS, STYLES
+from lance_hpc.spec.choices import SAMPLERS, SHARD_FORMATS, STYLES
 from lance_hpc.spec.problems import Problem, from_pydantic, section_of
 from lance_hpc.spec.schema import SlurmSpec, TrainSpec, parse_time_limit
 from lance_hpc.storage.checkpoint_store import unsupported
@@ -181,6 +181,18 @@ def cross_field_problems(raw: Mapping[str, Any]) -> list[Problem]:
                 "train with sharded_batch or sharded_fragment; full_scan is for evaluation (data.val_sampler: full_scan)",
             )
         )
+    if raw.get("job") == "ingest":
+        ingest = data.get("ingest")
+        source = ingest.get("source") if isinstance(ingest, Mapping) else None
+        if not isinstance(source, str) or source.split(":", 1)[0] not in SHARD_FORMATS:
+            problems.append(
+                Problem(
+                    "data.ingest.source",
+                    f"job: ingest splits its source into shards between the ranks, which {source!r} is not",
+                    f"use {', '.join(f'{name}:<glob>' for name in SHARD_FORMATS[:-1])} or hf:<dir>; "
+                    "other sources are ingested by a training job's start or by lance-hpc ingest",
+                )
+            )
     time_value = slurm.get("time", SlurmSpec.model_fields["time"].default)
     try:
         limit = parse_time_limit(str(time_value))

@@ -163,11 +163,11 @@ class IngestSpec(_Section):
     )
     columns: dict[str, str] = Field(
         default_factory=dict,
-        description="parquet:, jsonl:, webdataset: sources: which field is image, label, text or key, e.g. {image: png}; "
+        description="parquet:, jsonl:, webdataset:, hf: sources: which field is image, label, text or key, e.g. {image: png}; "
         "'' for none; other fields are kept as columns.",
     )
     append: bool = Field(
-        False, description="parquet:, jsonl:, webdataset: sources: add the rows to the dataset at data.uri as a new version."
+        False, description="parquet:, jsonl:, webdataset:, hf: sources: add the rows to the dataset at data.uri as a new version."
     )
     on_corrupt: str = Field(
         "skip", description="An image that cannot be read at ingest: skip (counted in the summary) or fail the ingest."
@@ -339,8 +339,8 @@ class JobSpec(_Section):
     name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="Job name.")
     job: str = Field(
         "train",
-        description="What the ranks run: train (the built-in loop, or entry), or ingest (data.ingest's parquet:, jsonl: "
-        "or webdataset: source into data.uri, its shards split between the ranks, one commit at the end).",
+        description="What the ranks run: train (the built-in loop, or entry), or ingest (data.ingest's parquet:, jsonl:, "
+        "webdataset: or hf: source into data.uri, its shards split between the ranks, one commit at the end).",
     )
     slurm: SlurmSpec = Field(default_factory=SlurmSpec, description="Resources and submission.")
     data: DataSpec = Field(..., description="Dataset and loading strategy.")
@@ -361,21 +361,6 @@ class JobSpec(_Section):
     )
 
     check_job = field_validator("job")(_choice(lambda: JOB_KINDS))
-
-    @model_validator(mode="after")
-    def ingest_job_has_a_shard_source(self) -> JobSpec:
-        if self.job != "ingest":
-            return self
-        source = self.data.ingest.source if self.data.ingest else None
-        if source is None or source.split(":", 1)[0] not in ("parquet", "jsonl", "webdataset"):
-            raise PydanticCustomError(
-                "ingest_source",
-                "job: ingest writes data.ingest.source into data.uri with many workers, and takes parquet:<glob>, "
-                "jsonl:<glob> or webdataset:<glob> sources (got {source}); other sources are ingested by a training "
-                "job's start or by lance-hpc ingest",
-                {"source": repr(source)},
-            )
-        return self
 
     @model_validator(mode="after")
     def default_io_timeout(self) -> JobSpec:

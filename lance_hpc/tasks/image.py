@@ -27,7 +27,7 @@ from lance_hpc.data.decode import (
     normalize,
     to_grey,
 )
-from lance_hpc.data.ingest import CLASS_NAMES_KEY
+from lance_hpc.data.target import CLASS_NAMES_KEY
 from lance_hpc.tasks.base import (
     Batch,
     DatasetInfo,
