@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping
 
 from lance_hpc.errors import UserError
 
@@ -84,3 +84,18 @@ def _import(module_name: str) -> Any:
     if Path(getattr(module, "__file__", "") or "").resolve() != file:
         raise UserError(f"{file}: the module name {file.stem!r} is already taken by {module.__file__}\n  fix: rename the file")
     return module
+
+
+def lazy_exports(package: str, module_of: Mapping[str, str]) -> Callable[[str], Any]:
+    """A package's ``__getattr__`` that loads each public name from its module when first used
+    (and keeps it), so importing the package costs nothing its caller does not use."""
+
+    def attribute(name: str) -> Any:
+        module = module_of.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        setattr(sys.modules[package], name, value)
+        return value
+
+    return attribute

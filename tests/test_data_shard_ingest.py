@@ -55,32 +55,12 @@ def test_webdataset_to_lance_with_checked_images_kept_keys_and_extra_fields(tmp_
 def test_parquet_row_groups_are_shards_and_the_column_mapping_renames_fields(tmp_path: Path, capsys) -> None:
     rows = digit_rows()
     write_parquet(tmp_path / "pq", rows, per_file=25, row_group=10)
-    code = ingest(
-        f"parquet:{tmp_path}/pq/*.parquet",
-        tmp_path / "train.lance",
-        "--column",
-        "image=image_bytes",
-        "--column",
-        "label=class_id",
-        "--column",
-        "key=uid",
-        "--dry-run",
-        "--nproc",
-        "2",
-    )
+    mapping = ["--column", "image=image_bytes", "--column", "label=class_id", "--column", "key=uid"]
+    code = ingest(f"parquet:{tmp_path}/pq/*.parquet", tmp_path / "train.lance", *mapping, "--dry-run", "--nproc", "2")
     printed = capsys.readouterr().out
     assert code == 0 and "7 shards" in printed and "worker 1:" in printed  # row groups: 3 + 3 + 1
     assert not (tmp_path / "train.lance").exists()
-    code = ingest(
-        f"parquet:{tmp_path}/pq/*.parquet",
-        tmp_path / "train.lance",
-        "--column",
-        "image=image_bytes",
-        "--column",
-        "label=class_id",
-        "--column",
-        "key=uid",
-    )
+    code = ingest(f"parquet:{tmp_path}/pq/*.parquet", tmp_path / "train.lance", *mapping)
     assert code == 0, capsys.readouterr().err
     table = lance.dataset(str(tmp_path / "train.lance")).to_table()
     assert table.schema.field("label").type == pa.int64() and table.schema.field("quality").type == pa.float64()

@@ -15,12 +15,11 @@ import lance
 import pytest
 
 from lance_hpc.data.ingest import main as ingest_main
-from lance_hpc.launch.render import write_job_files
+from lance_hpc.launch.paths import JobPaths
 from lance_hpc.manage.queue import FINAL_STATES
 from lance_hpc.spec import load_spec
-from tests.support.jobs import REPO_ROOT
 from tests.support.shards import digit_rows, write_webdataset
-from tests.support.slurm import environ, job_fields, wait_for_text
+from tests.support.slurm import environ, job_fields, sbatch, wait_for_text
 from tests.support.slurm_cluster import SlurmCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
@@ -84,17 +83,8 @@ data:
 """
     )
     spec = load_spec(tmp_path / "job.yaml").spec
-    spec_file, script = write_job_files(spec)
-    submitted = subprocess.run(
-        ["sbatch", "--parsable", str(script)],
-        env=environ(slurm_cluster),
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    job_id = submitted.stdout.strip().split(";")[0]
-    rank1 = rank_process(str(spec_file), 1)
+    job_id = sbatch(slurm_cluster, spec)
+    rank1 = rank_process(str(JobPaths.of(spec).spec_file), 1)
     os.kill(rank1, signal.SIGSTOP)  # still importing: none of its shards is written
     out = Path(spec.slurm.log_dir) / f"{spec.name}-{job_id}.out"
     wait_for_text(out, "waiting for the other ranks", timeout_s=90)  # rank 0's six shards are recorded

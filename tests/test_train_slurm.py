@@ -39,7 +39,7 @@ from tests.support.jobs import (
     same_weights,
     write_spec,
 )
-from tests.support.slurm import signal_steps
+from tests.support.slurm import sbatch, signal_steps
 from tests.support.slurm_cluster import SlurmCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
@@ -82,15 +82,6 @@ def job_spec(directory: Path, dataset: Digits, cluster: SlurmCluster, **sections
 
 def environ(cluster: SlurmCluster) -> dict[str, str]:
     return {**os.environ, **cluster.env, "PYTHONPATH": str(REPO_ROOT)}
-
-
-def sbatch(cluster: SlurmCluster, spec: JobSpec) -> str:
-    """Render and submit the job as a user's own sbatch would; returns the job id."""
-    _, script = write_job_files(spec)
-    submitted = subprocess.run(
-        ["sbatch", "--parsable", str(script)], env=environ(cluster), cwd=REPO_ROOT, capture_output=True, text=True, check=True
-    )
-    return submitted.stdout.strip().split(";")[0]
 
 
 def job_state(cluster: SlurmCluster, job_id: str) -> tuple[str, int]:

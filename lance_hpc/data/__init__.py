@@ -8,8 +8,9 @@ ingest worker (``lance_hpc.data.shard_ingest``) does not import torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from lance_hpc.imports import lazy_exports
 
 _MODULE_OF = {
     "ensure_dataset": "lance_hpc.data.ingest",
@@ -40,13 +41,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module 'lance_hpc.data' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _MODULE_OF)
 
 
 if TYPE_CHECKING:

@@ -19,7 +19,9 @@ from typing import Iterator, Mapping
 
 import pytest
 
+from lance_hpc.launch.render import write_job_files
 from lance_hpc.manage.queue import FINAL_STATES
+from lance_hpc.spec import JobSpec
 from tests.support import slurm_cluster as cluster_module
 from tests.support.jobs import REPO_ROOT
 
@@ -80,3 +82,12 @@ def wait_for_text(path: Path, marker: str, timeout_s: float = 300) -> None:
             return
         time.sleep(0.5)
     raise AssertionError(f"{marker!r} never appeared in {path}")
+
+
+def sbatch(cluster: cluster_module.SlurmCluster, spec: JobSpec) -> str:
+    """Render and submit the job as a user's own sbatch would; returns the job id."""
+    _, script = write_job_files(spec)
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", str(script)], env=environ(cluster), cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    )
+    return submitted.stdout.strip().split(";")[0]
