@@ -44,6 +44,8 @@ from lance_hpc.errors import UserError
 from lance_hpc.storage.datasets import dataset_exists, open_dataset
 
 MODES = ("create", "append", "overwrite")
+# Seconds between progress lines of a local run with several workers.
+PROGRESS_S = 2.0
 # Hash buckets of the validation split: a row is validation when its key's bucket is below the fraction's share.
 SPLIT_BUCKETS = 1_000_000
 
@@ -231,17 +233,22 @@ class Records:
     def _file(self, index: int) -> str:
         return f"{self.path}/shard-{index:06d}.json"
 
-    def finished(self) -> dict[int, ShardRecord]:
+    def finished(self, known: dict[int, ShardRecord] | None = None) -> dict[int, ShardRecord]:
+        """Every recorded shard by index; records already in ``known`` are not read again."""
         try:
             infos = self.store.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
         except OSError:
-            return {}
+            return dict(known or {})
         found = {}
         for info in infos:
             name = info.base_name
             if info.type == pafs.FileType.File and name.startswith("shard-") and name.endswith(".json"):
+                index = int(name[len("shard-") : -len(".json")])
+                if known is not None and index in known:
+                    found[index] = known[index]
+                    continue
                 with self.store.open_input_stream(info.path) as handle:
-                    found[int(name[len("shard-") : -len(".json")])] = ShardRecord(**json.loads(handle.read()))
+                    found[index] = ShardRecord(**json.loads(handle.read()))
         return found
 
     def write(self, index: int, record: ShardRecord) -> None:
@@ -571,15 +578,25 @@ def _shower(records: Records, plan: Plan) -> Callable[[ShardRecord], None]:
 
 
 def _wait_for(workers: list[Any], records: Records, plan: Plan) -> None:
-    """Wait for the worker processes, showing shards done; a failed worker fails the ingest
-    (what the others recorded stays for the rerun)."""
-    shown = -1
+    """Wait for the worker processes, showing shards and rows written, the rate and the time left;
+    a failed worker fails the ingest (what the others recorded stays for the rerun)."""
+    known = records.finished()
+    earlier, started, shown, printed_at = set(known), time.monotonic(), -1, 0.0
+    total_bytes = sum(shard.bytes for shard in plan.shards)
     while True:
         codes = [worker.poll() for worker in workers]
-        finished = len(records.finished())
-        if finished != shown:
-            print(f"{finished}/{len(plan.shards)} shards written", flush=True)
-            shown = finished
+        known = records.finished(known)
+        # a line when shards were written, at most every PROGRESS_S (and the last one)
+        if len(known) != shown and (time.monotonic() - printed_at >= PROGRESS_S or len(known) == len(plan.shards)):
+            shown, printed_at = len(known), time.monotonic()
+            rows = sum(sum(record.rows.values()) for record in known.values())
+            line = f"{shown}/{len(plan.shards)} shards written, {rows:,} rows"
+            written_now = sum(record.bytes for index, record in known.items() if index not in earlier)
+            if written_now:
+                rate = written_now / max(time.monotonic() - started, 1e-9)
+                left = total_bytes - sum(record.bytes for record in known.values())
+                line += f", {rate / 2**20:,.1f} MiB/s, about {left / rate:,.0f} s left"
+            print(line, flush=True)
         if all(code is not None for code in codes):
             break
         failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
