@@ -28,7 +28,8 @@ COMMANDS = {
     "cancel": ("lance_hpc.manage.cancel", "main", "stop a job after it saves a checkpoint; --now at once"),
     "plan": ("lance_hpc.data.plan", "main", "show how the data splits over ranks, steps and workers"),
     "ingest": ("lance_hpc.data.ingest", "main", "write an image or text source into a Lance dataset"),
-    "bench": ("lance_hpc.bench.cli", "main", "benchmark data-loading strategies"),
+    "tokenizer": ("lance_hpc.data.tokenizer", "main", "train a BPE tokenizer offline for text ingest (tokenizer train)"),
+    "bench": ("lance_hpc.bench.cli", "main", "benchmark a job's data pipeline (and, in a checkout, the peers)"),
 }
 
 

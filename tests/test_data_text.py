@@ -10,6 +10,7 @@ import pyarrow as pa
 import pytest
 
 from lance_hpc.data import text as text_module
+from lance_hpc.data.corpus import STDLIB_SKIPPED_DIRS, document_paths, is_text_source, stdlib_paths
 from lance_hpc.data.ingest import ensure_dataset, main
 from lance_hpc.data.plan import plan_data
 from lance_hpc.data.target import Ingested
@@ -20,14 +21,11 @@ from lance_hpc.data.text import (
     KIND_KEY,
     SEQUENCE_LENGTH_KEY,
     SOURCE_KEY,
-    STDLIB_SKIPPED_DIRS,
     TOKENIZER_KEY,
     VOCAB_SIZE_KEY,
     TokenInfo,
     ingest_text,
-    is_text_source,
     sequences_before_ingest,
-    stdlib_paths,
 )
 from lance_hpc.errors import UserError
 from lance_hpc.spec import DataSpec, IngestSpec
@@ -99,7 +97,7 @@ def corpus(tmp_path):
 
 def documents_in_order(source: str) -> list[str]:
     """The non-empty documents of a text: source, decoded as ingest decodes them, in ingest order."""
-    paths = text_module.document_paths(source)
+    paths = document_paths(source)
     return [text for text in (path.read_bytes().decode("utf-8", errors="replace") for path in paths) if text]
 
 
@@ -254,7 +252,7 @@ def test_clear_errors(tmp_path, corpus):
         ingest_text(f"text:{tmp_path}/nothing/**/*.txt", uri, None, sequence_length=8)
     with pytest.raises(UserError, match=r"(?s)cannot import 'no_such_package.tok'.*ModuleNotFoundError.*PYTHONPATH"):
         ingest_text(corpus, uri, None, sequence_length=8, tokenizer="no_such_package.tok:make")
-    with pytest.raises(UserError, match="unknown tokenizer 'gpt9': use bytes or an import path"):
+    with pytest.raises(UserError, match="unknown tokenizer 'gpt9': use bytes, hf:<tokenizer.json> or an import path"):
         ingest_text(corpus, uri, None, sequence_length=8, tokenizer="gpt9")
     with pytest.raises(UserError, match=r"training split has [\d,]+ tokens from \d+ documents, but sequence_length 100000 needs"):
         ingest_text(corpus, uri, None, sequence_length=100_000)

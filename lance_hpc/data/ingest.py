@@ -43,6 +43,7 @@ import numpy as np
 import pyarrow as pa
 
 from lance_hpc.data import sources
+from lance_hpc.data.corpus import is_text_source
 from lance_hpc.data.image_check import ENCODED_BYTES, MAX_PIXELS
 from lance_hpc.data.shard_ingest import ingest_shards_command
 from lance_hpc.data.shards import is_shard_source
@@ -60,7 +61,7 @@ from lance_hpc.data.target import (
     targets,
     write_lance,
 )
-from lance_hpc.data.text import ingest_text, is_text_source
+from lance_hpc.data.text import ingest_text
 from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.spec import load_spec
 from lance_hpc.storage.datasets import dataset_exists

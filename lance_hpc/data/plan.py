@@ -10,6 +10,7 @@ import argparse
 import sys
 from typing import Sequence
 
+from lance_hpc.data.corpus import is_text_source
 from lance_hpc.data.ingest import resolve_source
 from lance_hpc.data.reader import fragment_table
 from lance_hpc.data.sampling import (
@@ -18,7 +19,7 @@ from lance_hpc.data.sampling import (
     eval_batches,
     plan_from_table,
 )
-from lance_hpc.data.text import is_text_source, sequences_before_ingest
+from lance_hpc.data.text import sequences_before_ingest
 from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.spec import DataSpec, load_spec
 from lance_hpc.storage.datasets import dataset_exists, open_dataset, preflight_uri

@@ -16,10 +16,7 @@ and optionally ``eod_id``.
 
 from __future__ import annotations
 
-import glob
-import os
 import sys
-import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
@@ -27,6 +24,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 
+from lance_hpc.data.corpus import document_paths
 from lance_hpc.data.target import (
     COMMAND_LINE_NAMES,
     Ingested,
@@ -37,6 +35,7 @@ from lance_hpc.data.target import (
     targets,
     write_lance,
 )
+from lance_hpc.data.tokenizer import encoder, load_hf
 from lance_hpc.errors import UserError
 from lance_hpc.imports import is_import_path, load_callable
 
@@ -51,12 +50,6 @@ BYTES_PER_TOKEN_KEY = b"bytes_per_token"
 DOCUMENTS_KEY = b"documents"
 SOURCE_KEY = b"source"
 
-STDLIB_MAX_MB = 8.0
-# Tests and their data (some deliberately invalid Python), the IDE, the deprecated lib2to3, demos and
-# installed packages: not the library's own code.
-STDLIB_SKIPPED_DIRS = frozenset(
-    {"site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib", "lib2to3", "turtledemo", "__pycache__"}
-)
 WRITE_CHUNK_ROWS = 4096
 
 
@@ -82,11 +75,18 @@ TOKENIZERS: dict[str, Callable[[], Tokenizer]] = {"bytes": _bytes_tokenizer}
 
 
 def load_tokenizer(name: str) -> Tokenizer:
-    """The tokenizer ``name``: a registered one or the factory an import path names."""
+    """The tokenizer ``name``: a registered one, ``hf:<tokenizer.json>``, or the factory an import
+    path names."""
     if name in TOKENIZERS:
         return TOKENIZERS[name]()
+    if name.startswith("hf:"):
+        hf_tokenizer, hf_vocab, hf_eod = load_hf(name[len("hf:") :])
+        return Tokenizer(name, encoder(hf_tokenizer), hf_vocab, hf_eod)
     if not is_import_path(name):
-        raise UserError(f"unknown tokenizer {name!r}: use {', '.join(TOKENIZERS)} or an import path package.module:factory")
+        raise UserError(
+            f"unknown tokenizer {name!r}: use {', '.join(TOKENIZERS)}, hf:<tokenizer.json> or an import path "
+            "package.module:factory"
+        )
     try:
         loaded = load_callable(name, "tokenizer")()
     except UserError:
@@ -108,53 +108,6 @@ def load_tokenizer(name: str) -> Tokenizer:
         return ids
 
     return Tokenizer(name, encode, vocab_size, int(eod_id))
-
-
-def is_text_source(source: str) -> bool:
-    """True for the sources this module ingests: ``text:<glob>`` and ``python-stdlib[:...]``."""
-    return source.startswith("text:") or source.partition(":")[0] == "python-stdlib"
-
-
-def document_paths(source: str) -> list[Path]:
-    """The files of a text source, one document each, in a deterministic (sorted) order."""
-    kind, _, rest = source.partition(":")
-    if kind == "text" and rest:
-        paths = sorted(Path(match) for match in glob.glob(rest, recursive=True) if os.path.isfile(match))
-        if not paths:
-            raise UserError(f"text source: no files match the glob {rest!r}: fix the pattern (** matches any directories)")
-        return paths
-    if kind == "python-stdlib":
-        return stdlib_paths(_max_mb(rest))
-    raise UserError(f"unknown text source {source!r}: use text:<glob> or python-stdlib[:max_mb=N]")
-
-
-def _max_mb(options: str) -> float:
-    if not options:
-        return STDLIB_MAX_MB
-    key, _, value = options.partition("=")
-    try:
-        max_mb = float(value) if key.strip() == "max_mb" else 0.0
-    except ValueError:
-        max_mb = 0.0
-    if not max_mb > 0:
-        raise UserError(f"python-stdlib option {options!r}: the only option is max_mb=N (N > 0), e.g. python-stdlib:max_mb=8")
-    return max_mb
-
-
-def stdlib_paths(max_mb: float = STDLIB_MAX_MB) -> list[Path]:
-    """The ``.py`` files of this interpreter's standard library, sorted, whole files while their
-    total stays within ``max_mb`` megabytes (10**6 bytes)."""
-    found: list[Path] = []
-    for directory, subdirectories, files in os.walk(sysconfig.get_paths()["stdlib"]):
-        subdirectories[:] = [name for name in subdirectories if name not in STDLIB_SKIPPED_DIRS]
-        found += [Path(directory, name) for name in files if name.endswith(".py")]
-    taken, total, limit = [], 0, int(max_mb * 1_000_000)
-    for path in sorted(found):
-        total += path.stat().st_size
-        if total > limit:
-            break
-        taken.append(path)
-    return taken
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,132 @@
+"""Real tokenizers for text ingest: a Hugging Face ``tokenizers`` file, and training one offline.
+
+``tokenizer: hf:path/to/tokenizer.json`` (or ``--tokenizer hf:...``) loads any ``tokenizer.json``
+the ``tokenizers`` library reads (GPT-2's, Llama's, one trained here). Its end-of-document id is
+the first of the usual end-of-text special tokens it has; a vocabulary without one gets an extra
+id for it. ``lance-hpc tokenizer train SOURCE OUT.json`` trains a byte-level BPE on a text source
+(``text:<glob>``, ``python-stdlib[:max_mb=N]``), offline, with ``<|endoftext|>`` as its end of
+document, so a cluster with no internet can have a tokenizer fitted to its own corpus.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from lance_hpc.data.corpus import document_paths
+from lance_hpc.errors import ExitCode, UserError
+
+# End-of-document tokens, in the order one is looked for in a loaded vocabulary.
+EOD_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<eod>", "[SEP]")
+DEFAULT_VOCAB = 8192
+
+
+def load_hf(path: str) -> tuple[object, int, int]:
+    """(tokenizer, vocab_size, eod_id) of a ``tokenizer.json``; eod_id may equal vocab_size - 1
+    when it was added."""
+    from tokenizers import Tokenizer as HfTokenizer
+
+    if not Path(path).is_file():
+        raise UserError(
+            f"tokenizer hf:{path}: no such file\n  fix: name a tokenizer.json, or train one: lance-hpc tokenizer train"
+        )
+    try:
+        loaded = HfTokenizer.from_file(path)
+    except Exception as error:  # the library's parse error, in its words
+        raise UserError(f"tokenizer hf:{path} is not a tokenizers file: {error}") from None
+    vocab_size = loaded.get_vocab_size(with_added_tokens=True)
+    eod = next((loaded.token_to_id(token) for token in EOD_TOKENS if loaded.token_to_id(token) is not None), None)
+    if eod is None:
+        return loaded, vocab_size + 1, vocab_size
+    return loaded, vocab_size, int(eod)
+
+
+def encoder(loaded: object) -> Callable[[str], np.ndarray]:
+    """``text -> ids`` for a loaded ``tokenizers`` tokenizer, without special tokens added."""
+
+    def encode(text: str) -> np.ndarray:
+        return np.asarray(loaded.encode(text, add_special_tokens=False).ids, dtype=np.int64)  # type: ignore[attr-defined]
+
+    return encode
+
+
+def _texts(paths: Sequence[Path]) -> Iterator[str]:
+    for path in paths:
+        try:
+            yield path.read_text(encoding="utf-8", errors="replace")
+        except OSError as error:
+            print(f"skipped {path}: {error}", file=sys.stderr)
+
+
+def train(source: str, out: Path, vocab_size: int = DEFAULT_VOCAB, min_frequency: int = 2) -> dict[str, float]:
+    """A byte-level BPE trained on ``source``'s documents, saved to ``out``; returns its figures."""
+    from tokenizers import Tokenizer as HfTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < 300:
+        raise UserError(f"--vocab-size {vocab_size}: a byte-level BPE needs at least 300 (256 bytes, merges, <|endoftext|>)")
+    if out.exists():
+        raise UserError(f"{out} exists: a tokenizer is never written over\n  fix: name a new file, or move {out} away")
+    paths = document_paths(source)
+    tokenizer = HfTokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=[EOD_TOKENS[0]],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=sys.stderr.isatty(),
+    )
+    started = time.monotonic()
+    tokenizer.train_from_iterator(_texts(paths), trainer=trainer, length=len(paths))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f".{out.name}.partial")
+    tokenizer.save(str(partial))
+    partial.rename(out)
+    sample = "".join(_texts(paths[: min(len(paths), 50)]))
+    tokens = len(tokenizer.encode(sample).ids) if sample else 0
+    return {
+        "documents": float(len(paths)),
+        "vocab_size": float(tokenizer.get_vocab_size()),
+        "bytes_per_token": len(sample.encode()) / tokens if tokens else 0.0,
+        "seconds": time.monotonic() - started,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``lance-hpc tokenizer train SOURCE OUT.json [--vocab-size N]``."""
+    parser = argparse.ArgumentParser(
+        prog="lance-hpc tokenizer",
+        description="Train a byte-level BPE tokenizer offline on a text source, for text ingest "
+        "(tokenizer: hf:OUT.json in a spec, --tokenizer hf:OUT.json on the command line).",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    training = commands.add_parser("train", help="train a BPE on a text source and save its tokenizer.json")
+    training.add_argument("source", help="text:<glob> (one document per file) or python-stdlib[:max_mb=N]")
+    training.add_argument("out", help="the tokenizer.json to write (never written over)")
+    training.add_argument(
+        "--vocab-size", type=int, default=DEFAULT_VOCAB, help=f"tokens in the vocabulary (default {DEFAULT_VOCAB})"
+    )
+    training.add_argument("--min-frequency", type=int, default=2, help="pairs seen fewer times are not merged (default 2)")
+    args = parser.parse_args(argv)
+    try:
+        figures = train(args.source, Path(args.out), args.vocab_size, args.min_frequency)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return ExitCode.USER_ERROR
+    print(
+        f"trained a {figures['vocab_size']:.0f}-token BPE on {figures['documents']:.0f} documents of {args.source} in "
+        f"{figures['seconds']:.1f} s: {figures['bytes_per_token']:.2f} bytes per token on a sample; wrote {args.out}\n"
+        f"use it: tokenizer: hf:{args.out}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

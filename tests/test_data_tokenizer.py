@@ -1,0 +1,66 @@
+"""Real tokenizers: a byte-level BPE trained offline on the standard library's sources, loaded with
+hf:<tokenizer.json>, used by text ingest; and a tokenizers file without an end-of-text token."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lance
+import numpy as np
+import pytest
+
+from lance_hpc.data.text import BYTES_PER_TOKEN_KEY, EOD_ID_KEY, VOCAB_SIZE_KEY, ingest_text, load_tokenizer
+from lance_hpc.data.tokenizer import main as tokenizer_main
+from lance_hpc.errors import UserError
+
+SOURCE = "python-stdlib:max_mb=0.5"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tokenizer") / "bpe.json"
+    assert tokenizer_main(["train", SOURCE, str(out), "--vocab-size", "1000"]) == 0
+    return out
+
+
+def test_a_trained_bpe_encodes_with_its_end_of_text_token_and_round_trips(trained: Path, capsys) -> None:
+    from tokenizers import Tokenizer as HfTokenizer
+
+    tokenizer = load_tokenizer(f"hf:{trained}")
+    assert tokenizer.vocab_size == 1000 and tokenizer.eod_id == HfTokenizer.from_file(str(trained)).token_to_id("<|endoftext|>")
+    text = "def main(argv):\n    return sorted(argv)  # ünïcode\n"
+    ids = tokenizer.encode(text)
+    assert ids.dtype == np.int64 and 0 < len(ids) < len(text.encode()) and ids.max() < 1000
+    assert HfTokenizer.from_file(str(trained)).decode(ids.tolist()) == text
+    assert tokenizer_main(["train", SOURCE, str(trained)]) == 2  # never written over
+    assert "exists: a tokenizer is never written over" in capsys.readouterr().err
+
+
+def test_text_ingest_with_the_trained_tokenizer_packs_fewer_tokens_than_bytes(trained: Path, tmp_path: Path) -> None:
+    ingest_text(SOURCE, str(tmp_path / "train.lance"), str(tmp_path / "val.lance"), sequence_length=64, tokenizer=f"hf:{trained}")
+    dataset = lance.dataset(str(tmp_path / "train.lance"))
+    metadata = dataset.schema.metadata
+    assert int(metadata[VOCAB_SIZE_KEY]) == 1000 and int(metadata[EOD_ID_KEY]) < 1000
+    assert float(metadata[BYTES_PER_TOKEN_KEY]) > 2.0  # a BPE fitted to Python code: several bytes a token
+    tokens = dataset.to_table().column("tokens").to_pylist()
+    assert len(tokens[0]) == 65 and max(max(row) for row in tokens) < 1000
+
+
+def test_a_tokenizers_file_without_an_end_of_text_token_gets_one_more_id(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer as HfTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    vocab = {chr(code): code - 97 for code in range(97, 123)}
+    plain = HfTokenizer(models.WordLevel(vocab=vocab, unk_token="a"))
+    plain.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    plain.save(str(tmp_path / "letters.json"))
+    tokenizer = load_tokenizer(f"hf:{tmp_path / 'letters.json'}")
+    assert (tokenizer.vocab_size, tokenizer.eod_id) == (27, 26)
+    assert tokenizer.encode("abc").tolist() == [0, 1, 2]
+
+    (tmp_path / "broken.json").write_text(json.dumps({"not": "a tokenizer"}))
+    with pytest.raises(UserError, match="is not a tokenizers file"):
+        load_tokenizer(f"hf:{tmp_path / 'broken.json'}")
+    with pytest.raises(UserError, match="no such file"):
+        load_tokenizer(f"hf:{tmp_path / 'missing.json'}")
