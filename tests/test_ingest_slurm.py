@@ -17,9 +17,9 @@ import pytest
 from lance_hpc.data.ingest import main as ingest_main
 from lance_hpc.launch.paths import JobPaths
 from lance_hpc.manage.queue import FINAL_STATES
-from lance_hpc.spec import load_spec
+from lance_hpc.spec import JobSpec, load_spec
 from tests.support.shards import digit_rows, write_webdataset
-from tests.support.slurm import environ, job_fields, sbatch, wait_for_text
+from tests.support.slurm import environ, job_fields, sbatch, signal_steps, wait_for_text
 from tests.support.slurm_cluster import SlurmCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
@@ -56,25 +56,24 @@ def wait_until(cluster: SlurmCluster, job_id: str, done: Callable[[dict[str, str
     raise AssertionError(f"job {job_id}: {job_fields(cluster, job_id)}")
 
 
-def test_a_killed_rank_then_requeue_writes_only_the_missing_shards_and_equals_a_local_ingest(
-    tmp_path: Path, slurm_cluster: SlurmCluster, capsys
-) -> None:
+def ingest_job(tmp_path: Path, cluster: SlurmCluster) -> tuple[JobSpec, str]:
+    """A 2-rank ingest job of 12 shards (6 per rank), and the source ingested locally by one
+    worker into local.lance for comparison; returns the spec and the source."""
     rows = digit_rows(96)
-    write_webdataset(tmp_path / "wds", rows, per_tar=8)  # 12 shards, 6 per rank
+    write_webdataset(tmp_path / "wds", rows, per_tar=8)
     source = f"webdataset:{tmp_path}/wds/*.tar"
     assert ingest_main([source, str(tmp_path / "local.lance")]) == 0
-    capsys.readouterr()
-
     (tmp_path / "job.yaml").write_text(
         f"""
 name: ingest2
 job: ingest
 slurm:
-  partition: {slurm_cluster.partition}
+  partition: {cluster.partition}
   nodes: 2
   tasks_per_node: 1
   cpus_per_task: 1
   time: "00:10:00"
+  max_requeues: 2
   log_dir: {tmp_path / "logs"}
 data:
   uri: {tmp_path / "cluster.lance"}
@@ -82,25 +81,22 @@ data:
     source: {source}
 """
     )
-    spec = load_spec(tmp_path / "job.yaml").spec
-    job_id = sbatch(slurm_cluster, spec)
-    rank1 = rank_process(str(JobPaths.of(spec).spec_file), 1)
-    os.kill(rank1, signal.SIGSTOP)  # still importing: none of its shards is written
-    out = Path(spec.slurm.log_dir) / f"{spec.name}-{job_id}.out"
-    wait_for_text(out, "waiting for the other ranks", timeout_s=90)  # rank 0's six shards are recorded
-    os.kill(rank1, signal.SIGKILL)
-    fields = wait_until(slurm_cluster, job_id, lambda f: f.get("JobState") in FINAL_STATES, 120)
-    assert fields["JobState"] != "COMPLETED", fields
-    with pytest.raises(ValueError):  # nothing committed: no dataset to read
-        lance.dataset(str(tmp_path / "cluster.lance"))
+    return load_spec(tmp_path / "job.yaml").spec, source
 
-    subprocess.run(["scontrol", "requeue", job_id], env=environ(slurm_cluster), check=True)
-    fields = wait_until(
-        slurm_cluster,
-        job_id,
-        lambda f: f.get("JobState") in FINAL_STATES and int(f.get("Restarts", 0)) >= 1,
-        300,
-    )
+
+def start_with_rank1_stopped(cluster: SlurmCluster, spec: JobSpec) -> tuple[str, int, Path]:
+    """Submit ``spec``; stop rank 1 while it is still importing (none of its shards written) and
+    wait until rank 0 has written its six and waits for rank 1. Returns job id, rank 1's pid, log."""
+    job_id = sbatch(cluster, spec)
+    rank1 = rank_process(str(JobPaths.of(spec).spec_file), 1)
+    os.kill(rank1, signal.SIGSTOP)
+    out = Path(spec.slurm.log_dir) / f"{spec.name}-{job_id}.out"
+    wait_for_text(out, "waiting for the other ranks", timeout_s=90)
+    return job_id, rank1, out
+
+
+def assert_finished_like_local(tmp_path: Path, cluster: SlurmCluster, job_id: str, out: Path) -> str:
+    fields = wait_until(cluster, job_id, lambda f: f.get("JobState") in FINAL_STATES and int(f.get("Restarts", 0)) >= 1, 300)
     log = out.read_text()
     assert fields["JobState"] == "COMPLETED", log
     assert "rank 0: 0 shard(s) written, 6 written before" in log, log
@@ -109,3 +105,28 @@ data:
     dataset = lance.dataset(str(tmp_path / "cluster.lance"))
     assert dataset.version == 1
     assert dataset.to_table().to_pylist() == lance.dataset(str(tmp_path / "local.lance")).to_table().to_pylist()
+    return log
+
+
+def test_a_killed_rank_then_requeue_writes_only_the_missing_shards_and_equals_a_local_ingest(
+    tmp_path: Path, slurm_cluster: SlurmCluster
+) -> None:
+    spec, _ = ingest_job(tmp_path, slurm_cluster)
+    job_id, rank1, out = start_with_rank1_stopped(slurm_cluster, spec)
+    os.kill(rank1, signal.SIGKILL)
+    fields = wait_until(slurm_cluster, job_id, lambda f: f.get("JobState") in FINAL_STATES, 120)
+    assert fields["JobState"] != "COMPLETED", fields
+    with pytest.raises(ValueError):  # nothing committed: no dataset to read
+        lance.dataset(str(tmp_path / "cluster.lance"))
+    subprocess.run(["scontrol", "requeue", job_id], env=environ(slurm_cluster), check=True)
+    assert_finished_like_local(tmp_path, slurm_cluster, job_id, out)
+
+
+def test_usr2_stops_the_ingest_at_a_shard_boundary_and_requeues_it(tmp_path: Path, slurm_cluster: SlurmCluster) -> None:
+    """USR2 while rank 0 waits for rank 1: rank 0 requeues the job (scontrol), writing nothing more;
+    the requeued run writes rank 1's shards and commits once."""
+    spec, _ = ingest_job(tmp_path, slurm_cluster)
+    job_id, _, out = start_with_rank1_stopped(slurm_cluster, spec)
+    signal_steps(environ(slurm_cluster), job_id)
+    log = assert_finished_like_local(tmp_path, slurm_cluster, job_id, out)
+    assert "ingest stopped with 6/12 shards written; requeued" in log, log
