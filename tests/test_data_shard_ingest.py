@@ -14,9 +14,12 @@ import lance
 import pyarrow as pa
 import pytest
 
+from lance_hpc.data import ensure_dataset
 from lance_hpc.data.ingest import main as ingest_main
 from lance_hpc.data.shard_ingest import Records, commit, make_plan, progress_lines, run_worker, split_of
 from lance_hpc.data.target import COMMAND_LINE_NAMES, targets
+from lance_hpc.spec import load_spec
+from tests.support.jobs import Digits, train_here, write_spec
 from tests.support.shards import digit_rows, write_parquet, write_webdataset
 
 
@@ -239,7 +242,7 @@ data:
 
 
 def test_an_ingest_job_takes_only_sources_written_by_shards(tmp_path: Path) -> None:
-    from lance_hpc.spec import SpecError, load_spec
+    from lance_hpc.spec import SpecError
 
     job = tmp_path / "ingest.yaml"
     job.write_text(f"name: x\njob: ingest\ndata: {{uri: {tmp_path / 't.lance'}, ingest: {{source: sklearn-digits}}}}\n")
@@ -282,3 +285,20 @@ def test_a_hugging_face_dataset_saved_to_disk_keeps_its_class_names_and_image_by
 
     assert ingest(f"hf:{tmp_path / 'hf_splits'}", tmp_path / "x.lance") == 2
     assert "holds several splits (train): name one" in capsys.readouterr().err
+
+
+def test_a_training_job_ingests_its_webdataset_source_at_start_and_trains_on_it(tmp_path: Path) -> None:
+    write_webdataset(tmp_path / "wds", digit_rows(120), per_tar=20)
+    dataset = Digits(str(tmp_path / "train.lance"), str(tmp_path / "val.lance"))
+    spec = write_spec(
+        tmp_path / "job",
+        dataset,
+        data={"ingest": {"source": f"webdataset:{tmp_path}/wds/*.tar", "val_fraction": 0.25}, "batch_size": 16},
+        train={"epochs": 1},
+    )
+    done = ensure_dataset(load_spec(spec).spec.data)  # what a job's start does, on rank 0
+    assert done.train + done.val == 120
+    summary = train_here(spec)
+    assert summary.status == "completed" and "val/accuracy" in summary.metrics
+    train, val = rows_of(dataset.train), rows_of(dataset.val)
+    assert len(train) + len(val) == 120 and all(split_of(row["key"], 0.25) == "val" for row in val)

@@ -45,7 +45,7 @@ import pyarrow as pa
 from lance_hpc.data import sources
 from lance_hpc.data.corpus import is_text_source
 from lance_hpc.data.image_check import ENCODED_BYTES, MAX_PIXELS
-from lance_hpc.data.shard_ingest import ingest_shards_command
+from lance_hpc.data.shard_ingest import ingest_here, ingest_shards_command
 from lance_hpc.data.shards import is_shard_source
 from lance_hpc.data.sources import ImageSource
 from lance_hpc.data.target import (
@@ -275,6 +275,9 @@ def ensure_dataset(data: Any, *, overwrite: bool = False) -> Ingested:
     )
     if not overwrite and existing_dataset(Target(data.uri, options, SPEC_NAMES.train)) is not None:
         return Ingested(kept=(data.uri,))
+    if is_shard_source(spec.source):
+        train_rows, val_rows = ingest_here(data, overwrite=overwrite)
+        return Ingested(train=train_rows, val=val_rows)
     if is_text_source(spec.source):
         return ingest_text(
             spec.source,

@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
@@ -39,9 +42,18 @@ from lance_hpc.data.shards import (
     mapped_batches,
     parse_source,
 )
-from lance_hpc.data.target import CLASS_NAMES_KEY, Target, existing_dataset, filesystem
-from lance_hpc.errors import UserError
+from lance_hpc.data.target import (
+    CLASS_NAMES_KEY,
+    COMMAND_LINE_NAMES,
+    SPEC_NAMES,
+    Target,
+    existing_dataset,
+    filesystem,
+    targets,
+)
+from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.storage.datasets import dataset_exists, open_dataset
+from lance_hpc.storage.options import storage_options
 
 MODES = ("create", "append", "overwrite")
 # Seconds between progress lines of a local run with several workers.
@@ -168,6 +180,40 @@ def make_plan(
         run_id,
         read_versions,
     )
+
+
+def plan_for_data(data: Any, *, check_targets: bool = True, overwrite: bool = False) -> Plan:
+    """The plan of a spec's ``data`` section: its ``ingest`` source into ``uri`` / ``val_uri``."""
+    ingest = data.ingest
+    if ingest is None:
+        raise UserError("data.ingest is not set: there is no source to ingest")
+    train, val = targets(
+        data.uri,
+        data.val_uri,
+        storage_options(data.uri, data.storage_options),
+        storage_options(data.val_uri, data.storage_options) if data.val_uri else None,
+        SPEC_NAMES,
+    )
+    return make_plan(
+        ingest.source,
+        train,
+        val,
+        columns=ColumnMap(**ingest.columns),
+        val_fraction=ingest.val_fraction if val is not None else 0.0,
+        rows_per_fragment=ingest.rows_per_fragment,
+        mode="append" if ingest.append else "overwrite" if ingest.overwrite or overwrite else "create",
+        on_corrupt=ingest.on_corrupt,
+        max_pixels=ingest.max_pixels,
+        check_targets=check_targets,
+    )
+
+
+def ingest_here(data: Any, *, overwrite: bool = False) -> tuple[int, int]:
+    """A spec's shard source ingested by this process alone (a training job's start); (train, val) rows."""
+    plan = plan_for_data(data, overwrite=overwrite)
+    run_worker(plan, 0, 1)
+    done = commit(plan)
+    return done.rows.get("train", 0), done.rows.get("val", 0)
 
 
 def _dataset_or_none(target: Target) -> Any | None:
@@ -495,13 +541,6 @@ def _column_map(pairs: Sequence[str]) -> ColumnMap:
 def ingest_shards_command(args: Any, argv: list[str]) -> int:
     """``lance-hpc ingest parquet:... URI [--nproc N]``: plan, the workers (this process for one,
     else N processes), then the commit, with a summary."""
-    import os
-    import subprocess
-    import sys
-
-    from lance_hpc.data.target import COMMAND_LINE_NAMES, targets
-    from lance_hpc.errors import ExitCode
-    from lance_hpc.storage.options import storage_options
 
     try:
         spec_options = dict(option.split("=", 1) for option in args.storage_option if "=" in option)

@@ -15,52 +15,27 @@ from __future__ import annotations
 import time
 
 from lance_hpc.data.shard_ingest import (
-    ColumnMap,
     Plan,
     Records,
     ShardRecord,
     commit,
     describe_skips,
-    make_plan,
+    plan_for_data,
     run_worker,
     shard_summary,
 )
-from lance_hpc.data.target import SPEC_NAMES, targets
-from lance_hpc.errors import UserError
 from lance_hpc.runtime.context import Summary
 from lance_hpc.runtime.environment import DistEnv
 from lance_hpc.runtime.preemption import Preemption, Requeue, after_preemption
 from lance_hpc.spec import JobSpec
-from lance_hpc.storage.options import storage_options
 
 # How often rank 0 looks for the other ranks' shard records while it waits to commit.
 POLL_S = 2.0
 
 
 def ingest_plan(spec: JobSpec, *, check_targets: bool = True) -> Plan:
-    """The plan of a ``job: ingest`` spec (or of a training spec's parquet:, jsonl:, webdataset:, hf: source)."""
-    data, ingest = spec.data, spec.data.ingest
-    if ingest is None:
-        raise UserError("data.ingest is not set: an ingest job needs data.ingest.source")
-    train, val = targets(
-        data.uri,
-        data.val_uri,
-        storage_options(data.uri, data.storage_options),
-        storage_options(data.val_uri, data.storage_options) if data.val_uri else None,
-        SPEC_NAMES,
-    )
-    return make_plan(
-        ingest.source,
-        train,
-        val,
-        columns=ColumnMap(**ingest.columns),
-        val_fraction=ingest.val_fraction if val is not None else 0.0,
-        rows_per_fragment=ingest.rows_per_fragment,
-        mode="append" if ingest.append else "overwrite" if ingest.overwrite else "create",
-        on_corrupt=ingest.on_corrupt,
-        max_pixels=ingest.max_pixels,
-        check_targets=check_targets,
-    )
+    """The plan of a ``job: ingest`` spec."""
+    return plan_for_data(spec.data, check_targets=check_targets)
 
 
 def run_ingest(spec: JobSpec, env: DistEnv, preemption: Preemption, requeue: Requeue) -> Summary:
