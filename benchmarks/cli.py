@@ -27,9 +27,6 @@ from lance_hpc.bench.cli import DEFAULT_OUT, _int_list
 from lance_hpc.bench.configs import Measurement
 from lance_hpc.bench.runner import run_rounds
 
-# ``lance-hpc bench`` hands its arguments to this module only when it finds this mark.
-LANCE_HPC_BENCHMARKS = True
-
 # The sections of the benchmark, in the order they are reported; --sections picks some.
 SECTIONS: dict[str, Section] = {
     "local": Section(

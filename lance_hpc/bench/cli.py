@@ -6,19 +6,19 @@ this machine without training, next to the decode limit of the same images, so w
 size can be tuned before the job is submitted.
 
 Without one, in a checkout of the repository: the comparison with the peer loaders, which lives
-outside the package (``python -m benchmarks``) and is handed the same arguments.
+outside the package (``python -m benchmarks``, run in its own process with the same arguments).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+import lance_hpc
 from lance_hpc.bench import report
 from lance_hpc.bench.configs import Measurement
 from lance_hpc.bench.runner import run_rounds
@@ -142,16 +142,12 @@ def parser() -> argparse.ArgumentParser:
     return result
 
 
-def comparison() -> Any:
-    """The repository's comparison benchmarks (``benchmarks/``), when run from a checkout; else None."""
-    try:
-        found = importlib.util.find_spec("benchmarks.cli")
-    except ModuleNotFoundError:
-        return None
-    if found is None or found.origin is None:
-        return None
-    module = importlib.import_module("benchmarks.cli")
-    return module if getattr(module, "LANCE_HPC_BENCHMARKS", False) else None
+def checkout_root() -> Path | None:
+    """The repository this lance_hpc runs from, when it holds the comparison benchmarks beside the
+    package (an editable install or a checkout on PYTHONPATH); None for an installed wheel. Only
+    that directory's ``benchmarks/`` is ever run: never one found in the working directory."""
+    root = Path(lance_hpc.__file__).resolve().parents[1]
+    return root if (root / "benchmarks" / "__main__.py").is_file() else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -159,13 +155,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, rest = parser().parse_known_args(argv)
     compare = any(arg.split("=", 1)[0] in COMPARISON_OPTIONS for arg in argv)
     if compare or (args.job is None and "-h" not in argv and "--help" not in argv):
-        benchmarks = comparison()
-        if benchmarks is None:
+        root = checkout_root()
+        if root is None:
             parser().error(
                 "give a job spec to measure its data pipeline; the comparison with the peer loaders runs from a "
                 "checkout of the repository: python -m benchmarks"
             )
-        return int(benchmarks.main(argv))
+        environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+        return subprocess.run([sys.executable, "-m", "benchmarks", *argv], env=environment).returncode
     if rest:
         parser().error(f"unrecognized arguments: {' '.join(rest)}")
     try:
