@@ -306,3 +306,13 @@ def test_without_a_job_spec_outside_a_checkout_the_command_says_where_the_compar
     assert stopped.value.code == 2
     error = capsys.readouterr().err
     assert "give a job spec" in error and "python -m benchmarks" in error
+
+
+def test_the_handover_runs_the_checkouts_benchmarks_never_one_in_the_working_directory(tmp_path, capfd, monkeypatch):
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "__init__.py").write_text("")
+    (tmp_path / "benchmarks" / "__main__.py").write_text("raise SystemExit('ran code from the working directory')\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["--sections", "local", "--help"]) == 0
+    printed = capfd.readouterr()
+    assert "usage: python -m benchmarks" in printed.out and "working directory" not in printed.err

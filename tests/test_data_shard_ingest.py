@@ -5,9 +5,11 @@ commit, and S3 through the loopback server."""
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import lance
@@ -127,7 +129,9 @@ def test_an_interrupted_ingest_resumes_with_only_the_missing_shards_and_equals_a
     assert rows_of(tmp_path / "part.lance") == rows_of(tmp_path / "whole.lance")
     assert lance.dataset(str(tmp_path / "part.lance")).version == 1  # one commit
     # Run again: nothing is written twice.
-    assert ingest(source, tmp_path / "part.lance", "--nproc", "2") == 2  # a dataset is there now: create refuses
+    capsys.readouterr()
+    assert ingest(source, tmp_path / "part.lance", "--nproc", "2") == 0
+    assert "already committed" in capsys.readouterr().out
     assert commit(plan).already
     assert progress_lines(source, train, world_size=2) == [
         "8 of 8 shards written (train 60 rows; skipped none)",
@@ -302,3 +306,66 @@ def test_a_training_job_ingests_its_webdataset_source_at_start_and_trains_on_it(
     assert summary.status == "completed" and "val/accuracy" in summary.metrics
     train, val = rows_of(dataset.train), rows_of(dataset.val)
     assert len(train) + len(val) == 120 and all(split_of(row["key"], 0.25) == "val" for row in val)
+
+
+def test_samples_with_different_fields_keep_them_all_and_source_sizes_give_way_to_measured_ones(tmp_path: Path) -> None:
+    """A tar whose first sample lacks a caption still keeps the others' captions; LAION-style JSON
+    width/height fields are replaced by the sizes measured from the image."""
+    rows = digit_rows(4)
+    (tmp_path / "wds").mkdir()
+    with tarfile.open(tmp_path / "wds" / "a.tar", "w") as tar:
+        for index, row in enumerate(rows):
+            members = {"jpg": row["jpg"], "json": json.dumps({"width": 999, "height": 999}).encode()}
+            if index:
+                members["txt"] = f"caption {index}".encode()
+            for extension, data in members.items():
+                info = tarfile.TarInfo(f"{row['id']}.{extension}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    assert ingest(f"webdataset:{tmp_path}/wds/*.tar", tmp_path / "t.lance") == 0
+    found = rows_of(tmp_path / "t.lance")
+    assert [row["text"] for row in found] == [None, "caption 1", "caption 2", "caption 3"]
+    assert {(row["width"], row["height"]) for row in found} == {(16, 16)}
+
+
+def test_unreadable_sources_are_one_clear_error_naming_the_file(tmp_path: Path, capsys) -> None:
+    (tmp_path / "j").mkdir()
+    (tmp_path / "j" / "bad.jsonl").write_bytes(b'{"text": "a\xff\xfe"}\n')
+    assert ingest(f"jsonl:{tmp_path}/j/*.jsonl", tmp_path / "j.lance") == 2
+    assert "bad.jsonl: cannot read it as jsonl" in capsys.readouterr().err
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "x.parquet").write_bytes(b"not parquet at all")
+    assert ingest(f"parquet:{tmp_path}/p/*.parquet", tmp_path / "p.lance") == 2
+    assert "x.parquet is not a Parquet file, or is damaged" in capsys.readouterr().err
+
+
+def test_a_glob_star_stays_in_its_directory_and_a_relative_target_works(tmp_path: Path, monkeypatch, capsys) -> None:
+    rows = digit_rows(20)
+    write_parquet(tmp_path / "pq", rows[:10], per_file=10, row_group=10)
+    write_parquet(tmp_path / "pq" / "old", rows[10:], per_file=10, row_group=10)
+    monkeypatch.chdir(tmp_path)
+    mapping = ["--column", "image=image_bytes", "--column", "label=class_id", "--column", "key=uid"]
+    assert ingest("parquet:pq/*.parquet", "out.lance", *mapping) == 0, capsys.readouterr().err
+    assert [row["key"] for row in rows_of(tmp_path / "out.lance")] == [row["id"] for row in rows[:10]]
+    assert ingest("parquet:pq/**/*.parquet", "all.lance", *mapping) == 0
+    assert len(rows_of(tmp_path / "all.lance")) == 20
+
+
+def test_an_append_run_again_after_its_commit_writes_nothing_and_another_schema_is_refused(tmp_path: Path, capsys) -> None:
+    rows = digit_rows(24)
+    write_webdataset(tmp_path / "first", rows[:12], per_tar=6)
+    write_webdataset(tmp_path / "second", rows[12:], per_tar=6)
+    target = tmp_path / "t.lance"
+    assert ingest(f"webdataset:{tmp_path}/first/*.tar", target) == 0
+    assert ingest(f"webdataset:{tmp_path}/second/*.tar", target, "--append") == 0
+    capsys.readouterr()
+    assert ingest(f"webdataset:{tmp_path}/second/*.tar", target, "--append") == 0
+    assert "already committed" in capsys.readouterr().out
+    assert lance.dataset(str(target)).count_rows() == 24 and lance.dataset(str(target)).version == 2
+
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.jsonl").write_text('{"text": "hello", "n": 1}\n')
+    assert ingest(f"jsonl:{tmp_path}/text/*.jsonl", target, "--append") == 2
+    assert "do not have the dataset's columns" in capsys.readouterr().err
+    assert ingest(f"jsonl:{tmp_path}/text/*.jsonl", target, "--overwrite") == 0  # a new version with other columns
+    assert sorted(lance.dataset(str(target)).to_table().column_names) == ["key", "n", "text"]

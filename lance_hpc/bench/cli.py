@@ -152,18 +152,20 @@ def checkout_root() -> Path | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args, rest = parser().parse_known_args(argv)
-    compare = any(arg.split("=", 1)[0] in COMPARISON_OPTIONS for arg in argv)
-    if compare or (args.job is None and "-h" not in argv and "--help" not in argv):
+    compare = any(arg.split("=", 1)[0] in COMPARISON_OPTIONS for arg in argv)  # before parsing: --help is theirs then
+    args, rest = parser().parse_known_args(argv) if not compare else (None, [])
+    if compare or (args is not None and args.job is None and "-h" not in argv and "--help" not in argv):
         root = checkout_root()
         if root is None:
             parser().error(
                 "give a job spec to measure its data pipeline; the comparison with the peer loaders runs from a "
                 "checkout of the repository: python -m benchmarks"
             )
-        environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-        return subprocess.run([sys.executable, "-m", "benchmarks", *argv], env=environment).returncode
-    if rest:
+        # runpy with the checkout first on sys.path: "python -m" would put the working directory first,
+        # and a benchmarks/ there (anyone's) would run instead
+        start = f"import runpy, sys; sys.path[0] = {str(root)!r}; runpy.run_module('benchmarks', run_name='__main__')"
+        return subprocess.run([sys.executable, "-c", start, *argv]).returncode
+    if rest or args is None:
         parser().error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return run_job_benchmark(args)

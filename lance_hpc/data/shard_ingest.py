@@ -25,8 +25,9 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -128,6 +129,7 @@ def make_plan(
     on_corrupt: str = "skip",
     max_pixels: int = MAX_PIXELS,
     check_targets: bool = True,
+    source_options: Mapping[str, str] | None = None,
 ) -> Plan:
     """The same plan on every worker: shards listed, the schema read from the first shard, targets
     checked (nothing that is not a Lance dataset is ever written into)."""
@@ -136,34 +138,41 @@ def make_plan(
     if val is None and val_fraction > 0:
         raise UserError(f"a validation fraction of {val_fraction} needs a validation dataset (--val-uri / data.val_uri)")
     columns = columns or ColumnMap()
-    source = parse_source(source_text, train.options)
+    if val is not None and columns.key == "":
+        raise UserError("a validation split is drawn by each row's key: with a validation dataset, do not map key to ''")
+    train, val = _absolute(train), _absolute(val) if val is not None else None
+    source = parse_source(source_text, source_options)
     shards = list_shards(source)
+    identity = json.dumps(
+        {
+            "source": source_text,
+            "shards": [[shard.id, shard.bytes] for shard in shards],
+            "columns": asdict(columns),
+            "target": train.uri,
+            "val": [val.uri if val else None, val_fraction],
+            "mode": mode,
+            "rows_per_fragment": rows_per_fragment,
+        },
+        sort_keys=True,
+    )
+    # Not the datasets' versions: the commit changes them, and a rerun must find its own records.
+    run_id = hashlib.blake2b(identity.encode(), digest_size=8).hexdigest()
+    committed = _committed(train, run_id)
     read_versions: dict[str, int | None] = {}
     for split, target in {"train": train, **({"val": val} if val else {})}.items():
         # A UserError for anything but a Lance dataset; a worker trusts the check of the command
         # that started it (other workers' fragments may be landing in the folder meanwhile).
         found = existing_dataset(target) if check_targets else _dataset_or_none(target)
-        if found is not None and mode == "create":
+        if found is not None and mode == "create" and committed is None:
             raise UserError(
                 f"{target.name} {target.uri} already holds a Lance dataset\n"
                 f"  fix: --append to add these rows as a new version, --overwrite to make them the new version "
                 "(the earlier versions stay), or point it at a new path"
             )
         read_versions[split] = int(found.version) if found is not None else None
+        if found is not None and mode == "append" and committed is None:
+            _check_append_schema(found, source, shards[0], columns, on_corrupt, max_pixels, target)
     schema = _schema(source, shards[0], columns, on_corrupt, max_pixels)
-    identity = json.dumps(
-        {
-            "source": source_text,
-            "shards": [[shard.id, shard.bytes] for shard in shards],
-            "columns": asdict(columns),
-            "val": [val.uri if val else None, val_fraction],
-            "mode": mode,
-            "versions": read_versions,
-            "rows_per_fragment": rows_per_fragment,
-        },
-        sort_keys=True,
-    )
-    run_id = hashlib.blake2b(identity.encode(), digest_size=8).hexdigest()
     return Plan(
         source_text,
         source,
@@ -205,7 +214,15 @@ def plan_for_data(data: Any, *, check_targets: bool = True, overwrite: bool = Fa
         on_corrupt=ingest.on_corrupt,
         max_pixels=ingest.max_pixels,
         check_targets=check_targets,
+        source_options=source_options(ingest.source, data.storage_options),
     )
+
+
+def source_options(source_text: str, spec_options: Mapping[str, str] | None) -> dict[str, str]:
+    """Storage options for an object-store source, from its own URI (region, endpoint and
+    credentials from the spec and the AWS_* variables), not from the target's."""
+    pattern = source_text.partition(":")[2]
+    return storage_options(pattern, spec_options) if "://" in pattern else {}
 
 
 def ingest_here(data: Any, *, overwrite: bool = False) -> tuple[int, int]:
@@ -214,6 +231,38 @@ def ingest_here(data: Any, *, overwrite: bool = False) -> tuple[int, int]:
     run_worker(plan, 0, 1)
     done = commit(plan)
     return done.rows.get("train", 0), done.rows.get("val", 0)
+
+
+def _absolute(target: Target) -> Target:
+    """A local target as an absolute path: records and file systems need one."""
+    if "://" in target.uri:
+        return target
+    return Target(os.path.abspath(target.uri), target.options, target.name)
+
+
+def _committed(train: Target, run_id: str) -> dict[str, int] | None:
+    store, path = filesystem(f"{records_root(train.uri)}/{run_id}/committed.json", train.options)
+    try:
+        with store.open_input_stream(path) as handle:
+            return json.loads(handle.read())
+    except (FileNotFoundError, OSError):
+        return None
+
+
+def _check_append_schema(
+    found: Any, source: Source, shard: Shard, columns: ColumnMap, on_corrupt: str, max_pixels: int, target: Target
+) -> None:
+    """Rows appended must have the dataset's columns and types: one clear error before any shard."""
+    ours = _schema(source, shard, columns, on_corrupt, max_pixels)
+    theirs = {item.name: item.type for item in found.schema}
+    mine = {item.name: item.type for item in ours}
+    if mine != theirs:
+        differ = sorted(name for name in set(mine) | set(theirs) if mine.get(name) != theirs.get(name))
+        raise UserError(
+            f"{target.name} {target.uri}: these rows do not have the dataset's columns ({', '.join(differ)} differ), "
+            "so they cannot be appended\n  fix: map the columns to match (--column / data.ingest.columns), or "
+            "--overwrite to make these rows the new version"
+        )
 
 
 def _dataset_or_none(target: Target) -> Any | None:
@@ -263,6 +312,8 @@ def _checked(
         widths.append(found[0])
         heights.append(found[1])
     kept = batch.take(pa.array(keep, pa.int64())) if len(keep) < batch.num_rows else batch
+    # measured from the image itself: these replace a source's own width and height fields
+    kept = kept.drop_columns([name for name in ("width", "height") if name in kept.schema.names])
     kept = kept.append_column("width", pa.array(widths, pa.int32())).append_column("height", pa.array(heights, pa.int32()))
     return kept, skipped
 
@@ -300,7 +351,7 @@ class Records:
     def write(self, index: int, record: ShardRecord) -> None:
         """One PUT on an object store; locally a temporary file renamed into place: never half a record."""
         self.store.create_dir(self.path, recursive=True)
-        final, partial = self._file(index), self._file(index) + ".partial"
+        final, partial = self._file(index), f"{self._file(index)}.{os.getpid()}-{uuid.uuid4().hex[:8]}.partial"
         with self.store.open_output_stream(partial) as handle:
             handle.write(json.dumps(asdict(record)).encode())
         self.store.move(partial, final)
@@ -345,6 +396,11 @@ def write_shard(plan: Plan, index: int) -> ShardRecord:
         for reason, count in dropped.items():
             skipped[reason] = skipped.get(reason, 0) + count
         keys = checked.column("key").to_pylist() if plan.val is not None else []
+        if None in keys:
+            raise UserError(
+                f"{where}: a row has no key, which the validation split is drawn from\n"
+                "  fix: map columns.key to a field every row has, or leave it out to key rows by file and row"
+            )
         for split in plan.targets():
             part = checked
             if plan.val is not None:
@@ -378,8 +434,8 @@ def _write_fragment(plan: Plan, split: str, table: pa.Table, into: list[str]) ->
         table,
         target.uri,
         schema=plan.schema,
-        # Only the fragments' files: "create" where no version exists yet (what the commit will be), else "append".
-        mode="create" if plan.read_versions[split] is None else "append",
+        # Only the fragments' files, checked as the commit will be: a new dataset, new rows, or a new version.
+        mode="create" if plan.read_versions[split] is None else "overwrite" if plan.mode == "overwrite" else "append",
         max_rows_per_file=plan.rows_per_fragment,
         storage_options=target.options or None,
     )
@@ -566,6 +622,7 @@ def ingest_shards_command(args: Any, argv: list[str]) -> int:
             on_corrupt=args.on_corrupt,
             max_pixels=args.max_pixels,
             check_targets=not args.worker,
+            source_options=source_options(args.source, spec_options),
         )
         if args.worker:
             rank, _, world = args.worker.partition("/")
@@ -687,7 +744,7 @@ def progress_lines(source_text: str, train: Target, world_size: int) -> list[str
             with store.open_input_stream(info.path) as handle:
                 committed = json.loads(handle.read())
     try:
-        shards = list_shards(parse_source(source_text, train.options))
+        shards = list_shards(parse_source(source_text, source_options(source_text, None)))
     except UserError:
         shards = []
     total = len(shards) or None

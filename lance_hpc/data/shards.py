@@ -12,8 +12,8 @@ row it came from), and every other field of the source under its own name and Ar
 
 from __future__ import annotations
 
-import fnmatch
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
@@ -30,6 +30,8 @@ FORMATS = ("parquet", "jsonl", "webdataset", "hf")
 check_registry(FORMATS, SHARD_FORMATS, "data.ingest.source formats")
 # Extensions of a WebDataset sample's image file, in the order one is picked when a sample has several.
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")
+# JSON Lines are parsed in blocks this big; a line must fit in one (base64 images make long lines).
+JSON_BLOCK_BYTES = 16 << 20
 # Rows per record batch a shard is read in: bounded memory whatever the shard's size.
 BATCH_ROWS = 256
 
@@ -103,6 +105,35 @@ def parse_source(text: str, options: Mapping[str, str] | None = None) -> Source:
     return Source(kind, pattern, pafs.LocalFileSystem())
 
 
+def glob_pattern(pattern: str) -> re.Pattern[str]:
+    """A glob as a regular expression over ``/``-separated paths: ``*`` and ``?`` stay within one
+    path component, ``**`` spans any number of them, ``[...]`` is a character class."""
+    out, index = [], 0
+    while index < len(pattern):
+        char = pattern[index]
+        if pattern.startswith("**/", index):
+            out.append("(?:.*/)?")
+            index += 3
+            continue
+        if pattern.startswith("**", index):
+            out.append(".*")
+            index += 2
+            continue
+        if char == "*":
+            out.append("[^/]*")
+        elif char == "?":
+            out.append("[^/]")
+        elif char == "[" and "]" in pattern[index + 1 :]:
+            end = pattern.index("]", index + 1)
+            body = pattern[index + 1 : end]
+            out.append("[" + ("^" + body[1:] if body.startswith("!") else body) + "]")
+            index = end
+        else:
+            out.append(re.escape(char))
+        index += 1
+    return re.compile("".join(out) + r"\Z")
+
+
 def _matches(source: Source) -> list[pafs.FileInfo]:
     pattern = source.pattern
     static = pattern.split("*", 1)[0].split("?", 1)[0].split("[", 1)[0]
@@ -110,17 +141,25 @@ def _matches(source: Source) -> list[pafs.FileInfo]:
     if static == pattern:  # a single file
         info = source.filesystem.get_file_info(pattern)
         return [info] if info.type == pafs.FileType.File else []
+    relative = pattern[len(base) + 1 :] if base != "." else pattern
+    # only as deep as the pattern reaches: a glob of one directory does not walk a whole bucket
+    recursive = "**" in relative or "/" in relative
     try:
-        infos = source.filesystem.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
+        infos = source.filesystem.get_file_info(pafs.FileSelector(base, recursive=recursive, allow_not_found=True))
     except OSError as error:
         raise UserError(f"cannot list {source.uri(base)}: {error}") from None
-    relative = pattern[len(base) + 1 :] if base != "." else pattern
+    matcher = glob_pattern(relative)
     found = []
     for info in infos:
         name = info.path[len(base) + 1 :] if base != "." else info.path
-        if info.type == pafs.FileType.File and fnmatch.fnmatchcase(name, relative):
+        if info.type == pafs.FileType.File and matcher.match(name) and not _hidden(name):
             found.append(info)
     return found
+
+
+def _hidden(name: str) -> bool:
+    """Files under a hidden directory or named with a leading dot (an ingest's own records, say)."""
+    return any(part.startswith(".") for part in name.split("/"))
 
 
 def _read_json(source: Source, path: str) -> Any:
@@ -178,8 +217,11 @@ def list_shards(source: Source) -> list[Shard]:
     shards: list[Shard] = []
     for info in infos:
         if source.format == "parquet":
-            with source.filesystem.open_input_file(info.path) as handle:
-                groups = pq.ParquetFile(handle).metadata.num_row_groups
+            try:
+                with source.filesystem.open_input_file(info.path) as handle:
+                    groups = pq.ParquetFile(handle).metadata.num_row_groups
+            except (pa.ArrowInvalid, OSError) as error:
+                raise UserError(f"{source.uri(info.path)} is not a Parquet file, or is damaged: {error}") from None
             if groups > 1:
                 share = info.size // groups
                 shards += [Shard(f"{info.path}#{group}", info.path, "parquet", share, group) for group in range(groups)]
@@ -210,7 +252,7 @@ def _raw_batches(source: Source, shard: Shard) -> Iterator[pa.RecordBatch]:
                 row += batch.num_rows
     elif shard.format == "jsonl":
         with _jsonl_stream(source, shard.path) as stream:
-            reader = pajson.open_json(stream, read_options=pajson.ReadOptions(block_size=1 << 20))
+            reader = pajson.open_json(stream, read_options=pajson.ReadOptions(block_size=JSON_BLOCK_BYTES))
             for batch in reader:
                 for start in range(0, batch.num_rows, BATCH_ROWS):
                     part = batch.slice(start, BATCH_ROWS)
@@ -228,6 +270,9 @@ def _raw_batches(source: Source, shard: Shard) -> Iterator[pa.RecordBatch]:
 
 
 def _with_row_keys(batch: pa.RecordBatch, shard_id: str, first: int) -> pa.RecordBatch:
+    """The batch with a ``__key__`` of file and row, unless the source has a ``__key__`` of its own."""
+    if "__key__" in batch.schema.names:
+        return batch
     keys = pa.array([f"{shard_id}:{first + index}" for index in range(batch.num_rows)], pa.string())
     return batch.append_column("__key__", keys)
 
@@ -268,12 +313,21 @@ def _webdataset_batches(source: Source, shard: Shard) -> Iterator[pa.RecordBatch
             else:
                 current[extension] = data
             if len(records) >= BATCH_ROWS:
-                yield pa.RecordBatch.from_pylist(records)
+                yield _samples_batch(records, where)
                 records = []
     if current is not None:
         records.append(current)
     if records:
-        yield pa.RecordBatch.from_pylist(records)
+        yield _samples_batch(records, where)
+
+
+def _samples_batch(records: list[dict[str, Any]], where: str) -> pa.RecordBatch:
+    """Samples as columns: every field any of them has (missing ones null), not only the first's."""
+    names = dict.fromkeys(name for record in records for name in record)
+    try:
+        return pa.RecordBatch.from_pydict({name: [record.get(name) for record in records] for name in names})
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as error:
+        raise UserError(f"{where}: the samples' fields do not fit one type each: {error}") from None
 
 
 TAR_BLOCK = 512
@@ -364,11 +418,26 @@ def format_defaults(format: str, fields: list[str]) -> dict[str, str]:
     return {"image": "image", "label": "label", "text": "text", "key": "__key__"}
 
 
+def _readable(source: Source, shard: Shard) -> Iterator[pa.RecordBatch]:
+    """The shard's raw batches; a file that cannot be read as its format is one clear error naming it."""
+    where = source.uri(shard.path)
+    try:
+        for batch in _raw_batches(source, shard):
+            if shard.format == "jsonl":
+                batch.validate(full=True)  # pyarrow's JSON reader lets invalid UTF-8 through; Lance would not read it
+            yield batch
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OSError, ValueError) as error:
+        raise UserError(
+            f"{where}: cannot read it as {shard.format}: {error}\n"
+            "  fix: mend or remove the file, or point the source's glob past it"
+        ) from None
+
+
 def mapped_batches(source: Source, shard: Shard, columns: ColumnMap) -> Iterator[pa.RecordBatch]:
     """The shard's records with the mapped columns renamed (``image``, ``label``, ``text``, ``key``)
     and every other field kept; ``label`` as int64, ``image`` as binary, ``text`` and ``key`` as
     strings."""
-    for batch in _raw_batches(source, shard):
+    for batch in _readable(source, shard):
         fields = batch.schema.names
         chosen = columns.resolve(fields, format_defaults(shard.format, fields))
         arrays: dict[str, pa.Array] = {}

@@ -63,7 +63,9 @@ def run_ingest(spec: JobSpec, env: DistEnv, preemption: Preemption, requeue: Req
         flush=True,
     )
     if not env.is_main:
-        return Summary("stopped" if report.stopped else "completed", len(report.done), 0, None)
+        # Stopped or done, this rank's state is its shard records; rank 0 decides the job's end. A
+        # non-zero exit here would make srun end the step before rank 0 could requeue it.
+        return Summary("completed", len(report.done), 0, None)
     if not report.stopped:
         report.stopped = not _wait_for_all(plan, records, preemption)
     if report.stopped:
@@ -82,9 +84,10 @@ def run_ingest(spec: JobSpec, env: DistEnv, preemption: Preemption, requeue: Req
 
 def _wait_for_all(plan: Plan, records: Records, preemption: Preemption) -> bool:
     """Wait until every shard is recorded (True), or a stop signal arrives (False)."""
-    shown = -1
+    shown, known = -1, records.finished()
     while True:
-        finished = len(records.finished())
+        known = records.finished(known)  # only the records it has not read yet
+        finished = len(known)
         if finished == len(plan.shards):
             return True
         if preemption.received is not None:
