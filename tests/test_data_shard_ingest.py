@@ -119,7 +119,7 @@ def test_an_interrupted_ingest_resumes_with_only_the_missing_shards_and_equals_a
     assert report.stopped and len(report.done) == 2
     with pytest.raises(ValueError):  # written fragments are not a dataset before the commit
         lance.dataset(str(tmp_path / "part.lance"))
-    assert len(Records(plan).finished()) == 2
+    assert len(Records.of(plan).finished()) == 2
     progress = progress_lines(source, train, world_size=2)
     assert progress[0] == "2 of 8 shards written (train 16 rows; skipped none)" and "left:" in progress[1], progress
     capsys.readouterr()

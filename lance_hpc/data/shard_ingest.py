@@ -27,7 +27,7 @@ import sys
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -157,7 +157,8 @@ def make_plan(
     )
     # Not the datasets' versions: the commit changes them, and a rerun must find its own records.
     run_id = hashlib.blake2b(identity.encode(), digest_size=8).hexdigest()
-    committed = _committed(train, run_id)
+    committed = Records(f"{records_root(train.uri)}/{run_id}", train.options).committed()
+    schema = _schema(source, shards[0], columns, on_corrupt, max_pixels)
     read_versions: dict[str, int | None] = {}
     for split, target in {"train": train, **({"val": val} if val else {})}.items():
         # A UserError for anything but a Lance dataset; a worker trusts the check of the command
@@ -171,8 +172,7 @@ def make_plan(
             )
         read_versions[split] = int(found.version) if found is not None else None
         if found is not None and mode == "append" and committed is None:
-            _check_append_schema(found, source, shards[0], columns, on_corrupt, max_pixels, target)
-    schema = _schema(source, shards[0], columns, on_corrupt, max_pixels)
+            _check_append_schema(found, schema, target)
     return Plan(
         source_text,
         source,
@@ -240,20 +240,8 @@ def _absolute(target: Target) -> Target:
     return Target(os.path.abspath(target.uri), target.options, target.name)
 
 
-def _committed(train: Target, run_id: str) -> dict[str, int] | None:
-    store, path = filesystem(f"{records_root(train.uri)}/{run_id}/committed.json", train.options)
-    try:
-        with store.open_input_stream(path) as handle:
-            return json.loads(handle.read())
-    except (FileNotFoundError, OSError):
-        return None
-
-
-def _check_append_schema(
-    found: Any, source: Source, shard: Shard, columns: ColumnMap, on_corrupt: str, max_pixels: int, target: Target
-) -> None:
+def _check_append_schema(found: Any, ours: pa.Schema, target: Target) -> None:
     """Rows appended must have the dataset's columns and types: one clear error before any shard."""
-    ours = _schema(source, shard, columns, on_corrupt, max_pixels)
     theirs = {item.name: item.type for item in found.schema}
     mine = {item.name: item.type for item in ours}
     if mine != theirs:
@@ -324,8 +312,12 @@ def _checked(
 class Records:
     """The finished shards of one plan, one small JSON file each, beside the training dataset."""
 
-    def __init__(self, plan: Plan) -> None:
-        self.store, self.path = filesystem(plan.records, plan.train.options)
+    def __init__(self, uri: str, options: Mapping[str, str]) -> None:
+        self.store, self.path = filesystem(uri, options)
+
+    @classmethod
+    def of(cls, plan: Plan) -> Records:
+        return cls(plan.records, plan.train.options)
 
     def _file(self, index: int) -> str:
         return f"{self.path}/shard-{index:06d}.json"
@@ -477,7 +469,7 @@ def run_worker(
     progress: Callable[[ShardRecord], None] = lambda record: None,
 ) -> WorkerReport:
     """This worker's shards that have no record yet, one at a time; ``stop()`` is asked between shards."""
-    records = Records(plan)
+    records = Records.of(plan)
     finished = records.finished()
     report = WorkerReport()
     for index in plan.assignment(world_size)[rank]:
@@ -505,25 +497,26 @@ class Committed:
     already: bool = False  # committed by an earlier run of the same plan
 
 
-def missing_shards(plan: Plan) -> list[int]:
-    finished = Records(plan).finished()
-    return [index for index in range(len(plan.shards)) if index not in finished]
+def totals(records: Iterable[ShardRecord], splits: Iterable[str]) -> tuple[dict[str, int], dict[str, int]]:
+    """Rows per split (each of ``splits`` present) and skipped images by reason, over ``records``."""
+    rows = dict.fromkeys(splits, 0)
+    skipped: dict[str, int] = {}
+    for record in records:
+        for split, count in record.rows.items():
+            rows[split] = rows.get(split, 0) + count
+        for reason, count in record.skipped.items():
+            skipped[reason] = skipped.get(reason, 0) + count
+    return rows, skipped
 
 
 def commit(plan: Plan) -> Committed:
     """Every shard's fragments, once each and in plan order, as one commit per dataset."""
     import lance
 
-    records = Records(plan)
+    records = Records.of(plan)
     finished = records.finished()
     done_before = records.committed()
-    rows: dict[str, int] = {split: 0 for split in plan.targets()}
-    skipped: dict[str, int] = {}
-    for record in finished.values():
-        for split, count in record.rows.items():
-            rows[split] = rows.get(split, 0) + count
-        for reason, count in record.skipped.items():
-            skipped[reason] = skipped.get(reason, 0) + count
+    rows, skipped = totals(finished.values(), plan.targets())
     if done_before is not None:
         return Committed(done_before, rows, skipped, already=True)
     missing = [plan.shards[index].id for index in range(len(plan.shards)) if index not in finished]
@@ -563,6 +556,14 @@ def shard_summary(plan: Plan, world_size: int) -> list[str]:
     return lines
 
 
+def committed_line(plan: Plan, done: Committed) -> str:
+    """``committed: URI version N, ...; rows train N, val N; skipped ...`` (or ``already committed``)."""
+    where = ", ".join(f"{plan.targets()[split].uri} version {version}" for split, version in done.versions.items())
+    rows = ", ".join(f"{split} {count:,}" for split, count in done.rows.items())
+    state = "already committed" if done.already else "committed"
+    return f"{state}: {where}; rows {rows}; skipped {describe_skips(done.skipped)}"
+
+
 def describe_skips(skipped: dict[str, int]) -> str:
     return ", ".join(f"{count} {reason}" for reason, count in sorted(skipped.items())) or "none"
 
@@ -574,7 +575,7 @@ __all__: Sequence[str] = (
     "ShardRecord",
     "commit",
     "make_plan",
-    "missing_shards",
+    "totals",
     "run_worker",
     "shard_summary",
     "split_of",
@@ -632,7 +633,7 @@ def ingest_shards_command(args: Any, argv: list[str]) -> int:
             print("\n".join(shard_summary(plan, args.nproc)))
             print(f"schema: {', '.join(f'{item.name} ({item.type})' for item in plan.schema)}")
             return 0
-        records = Records(plan)
+        records = Records.of(plan)
         if records.committed() is None:
             before = len(records.finished())
             if before:
@@ -652,10 +653,7 @@ def ingest_shards_command(args: Any, argv: list[str]) -> int:
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return ExitCode.USER_ERROR
-    where = ", ".join(f"{plan.targets()[split].uri} version {version}" for split, version in done.versions.items())
-    state = "already committed" if done.already else "committed"
-    rows = ", ".join(f"{split} {count:,}" for split, count in done.rows.items())
-    print(f"{state}: {where}; rows {rows}; skipped {describe_skips(done.skipped)}")
+    print(committed_line(plan, done))
     return 0
 
 
@@ -734,25 +732,15 @@ def progress_lines(source_text: str, train: Target, world_size: int) -> list[str
     if not runs:
         return ["no shard written yet"]
     latest = max(runs, key=lambda info: info.mtime_ns or 0)
-    found: list[ShardRecord] = []
-    committed = None
-    for info in store.get_file_info(pafs.FileSelector(latest.path)):
-        if info.base_name.startswith("shard-") and info.base_name.endswith(".json"):
-            with store.open_input_stream(info.path) as handle:
-                found.append(ShardRecord(**json.loads(handle.read())))
-        elif info.base_name == "committed.json":
-            with store.open_input_stream(info.path) as handle:
-                committed = json.loads(handle.read())
+    records = Records(f"{records_root(train.uri)}/{latest.base_name}", train.options)
+    found = list(records.finished().values())
+    committed = records.committed()
     try:
         shards = list_shards(parse_source(source_text, source_options(source_text, None)))
     except UserError:
         shards = []
     total = len(shards) or None
-    rows = {split: sum(record.rows.get(split, 0) for record in found) for split in ("train", "val")}
-    skipped: dict[str, int] = {}
-    for record in found:
-        for reason, count in record.skipped.items():
-            skipped[reason] = skipped.get(reason, 0) + count
+    rows, skipped = totals(found, ("train", "val"))
     written = f"{len(found)} of {total} shards" if total else f"{len(found)} shards"
     rows_text = ", ".join(f"{split} {count:,}" for split, count in rows.items() if count or split == "train")
     lines = [f"{written} written ({rows_text} rows; skipped {describe_skips(skipped)})"]

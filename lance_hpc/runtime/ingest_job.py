@@ -19,7 +19,7 @@ from lance_hpc.data.shard_ingest import (
     Records,
     ShardRecord,
     commit,
-    describe_skips,
+    committed_line,
     plan_for_data,
     run_worker,
     shard_summary,
@@ -41,7 +41,7 @@ def ingest_plan(spec: JobSpec, *, check_targets: bool = True) -> Plan:
 def run_ingest(spec: JobSpec, env: DistEnv, preemption: Preemption, requeue: Requeue) -> Summary:
     """This rank's shards; on rank 0 also the wait for the others and the commit."""
     plan = ingest_plan(spec, check_targets=False)  # the launcher checked the targets before the ranks started
-    records = Records(plan)
+    records = Records.of(plan)
     if records.committed() is not None:
         if env.is_main:
             print(f"already committed: {plan.train.uri} (ingest {plan.run_id}); nothing to write", flush=True)
@@ -76,9 +76,7 @@ def run_ingest(spec: JobSpec, env: DistEnv, preemption: Preemption, requeue: Req
         print(f"ingest stopped with {len(records.finished())}/{len(plan.shards)} shards written; {message}", flush=True)
         return Summary("requeued" if requeued else "stopped", len(report.done), 0, None)
     done = commit(plan)
-    rows = ", ".join(f"{split} {count:,}" for split, count in done.rows.items())
-    where = ", ".join(f"{plan.targets()[split].uri} version {version}" for split, version in done.versions.items())
-    print(f"committed: {where}; rows {rows}; skipped {describe_skips(done.skipped)}", flush=True)
+    print(committed_line(plan, done), flush=True)
     return Summary("completed", len(plan.shards), 0, None, {f"rows/{split}": float(n) for split, n in done.rows.items()})
 
 
@@ -103,7 +101,7 @@ def check_ingest(spec: JobSpec) -> str:
     plan = ingest_plan(spec)
     lines = shard_summary(plan, spec.slurm.world_size)
     lines.append(f"columns: {', '.join(f'{item.name} ({item.type})' for item in plan.schema)}")
-    finished = len(Records(plan).finished())
+    finished = len(Records.of(plan).finished())
     if finished:
         lines.append(f"{finished} shard(s) already written by an earlier run of this ingest: the job writes the rest")
     return "\n".join(lines)
