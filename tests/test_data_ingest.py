@@ -54,17 +54,6 @@ def test_skimage_photos_with_options(tmp_path):
     assert class_names(str(tmp_path / "p.lance")) == list(PHOTO_NAMES)
 
 
-def test_imagefolder_source(tmp_path):
-    for index, (data, label) in enumerate(skimage_photo_crops(6, size=16)):
-        folder = tmp_path / "images" / ("cat" if label % 2 else "dog")
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"{index}.jpg").write_bytes(data)
-    (tmp_path / "images" / "dog" / "notes.txt").write_text("not an image")
-    written = ingest(f"imagefolder:{tmp_path / 'images'}", str(tmp_path / "t.lance"), str(tmp_path / "v.lance"), val_fraction=0.5)
-    assert written == Ingested(train=3, val=3)
-    assert class_names(str(tmp_path / "t.lance")) == ["cat", "dog"]
-
-
 def make_fake_food101(root: Path) -> None:
     base = root / "food-101"
     meta = {"train": {}, "test": {}}

@@ -1,5 +1,5 @@
-"""Ingest by many workers: Parquet, JSON Lines and WebDataset sources, the column mapping, image
-checks, a split that does not depend on the worker count, resume after an interrupted run, one
+"""Ingest by many workers: Parquet, JSON Lines, WebDataset and image-folder sources, the column
+mapping, image checks, a split that does not depend on the worker count, resume after an interrupted run, one
 commit, and S3 through the loopback server."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import re
 import subprocess
 import sys
 import tarfile
@@ -18,7 +19,9 @@ import pytest
 
 from lance_hpc.data import ensure_dataset
 from lance_hpc.data.ingest import main as ingest_main
-from lance_hpc.data.shard_ingest import Records, commit, make_plan, progress_lines, run_worker, split_of
+from lance_hpc.data.plan import plan_data
+from lance_hpc.data.shard_ingest import Records, commit, make_plan, progress_lines, run_worker
+from lance_hpc.data.shards import split_of
 from lance_hpc.data.target import COMMAND_LINE_NAMES, targets
 from lance_hpc.spec import load_spec
 from tests.support.jobs import Digits, train_here, write_spec
@@ -237,6 +240,8 @@ data:
     dry = subprocess.run([*command, "--dry-run"], capture_output=True, text=True)
     assert dry.returncode == 0, dry.stderr
     assert "8 shards of webdataset:" in dry.stdout and "worker 1: 4 shards" in dry.stdout
+    estimate = re.search(r"rows, estimated from the first shard: train about (\d+), val about (\d+)", dry.stdout)
+    assert estimate and 20 <= int(estimate[1]) + int(estimate[2]) <= 60, dry.stdout  # 40 rows, from one tar of 5
     assert not (tmp_path / "train.lance").exists()
     run = subprocess.run([*command, "--local", "--nproc", "2"], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -300,6 +305,8 @@ def test_a_training_job_ingests_its_webdataset_source_at_start_and_trains_on_it(
         data={"ingest": {"source": f"webdataset:{tmp_path}/wds/*.tar", "val_fraction": 0.25}, "batch_size": 16},
         train={"epochs": 1},
     )
+    planned = plan_data(load_spec(spec).spec.data, world_size=2)  # the dry run's plan, before the ingest
+    assert 60 <= planned.rows <= 120 and not Path(dataset.train).exists()
     done = ensure_dataset(load_spec(spec).spec.data)  # what a job's start does, on rank 0
     assert done.train + done.val == 120
     summary = train_here(spec)
@@ -369,3 +376,37 @@ def test_an_append_run_again_after_its_commit_writes_nothing_and_another_schema_
     assert "do not have the dataset's columns" in capsys.readouterr().err
     assert ingest(f"jsonl:{tmp_path}/text/*.jsonl", target, "--overwrite") == 0  # a new version with other columns
     assert sorted(lance.dataset(str(target)).to_table().column_names) == ["key", "n", "text"]
+
+
+def test_an_image_folder_is_ingested_by_many_workers_with_checked_images_keys_and_mixed_classes(tmp_path: Path, capsys) -> None:
+    rows = digit_rows(40)
+    folder = tmp_path / "images"
+    for index, row in enumerate(rows):
+        name = f"digit-{row['cls']}"
+        path = folder / name / ("nested" if index % 3 == 0 else "") / f"{row['id']}.jpg"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"" if index == 5 else row["jpg"])
+    (folder / "digit-0" / "notes.txt").write_text("not an image")
+    (folder / "loose.jpg").write_bytes(rows[0]["jpg"])  # not in a class directory
+    args = ["--val-uri", tmp_path / "v.lance", "--val-fraction", "0.25", "--files-per-shard", "7", "--rows-per-fragment", "4"]
+    assert ingest(f"imagefolder:{folder}", tmp_path / "one.lance", *args) == 0
+    assert "skipped 1 empty" in capsys.readouterr().out
+    train, val = rows_of(tmp_path / "one.lance"), rows_of(tmp_path / "v.lance")
+    assert len(train) + len(val) == 39 and val
+    classes = sorted({f"digit-{row['cls']}" for row in rows})
+    names = json.loads(lance.dataset(str(tmp_path / "one.lance")).schema.metadata[b"class_names"])
+    assert names == classes
+    by_id = {row["id"]: row for row in rows}
+    for row in train + val:
+        source = by_id[row["key"].rsplit("/", 1)[1].removesuffix(".jpg")]
+        assert row["key"].startswith(f"digit-{source['cls']}/") and names[row["label"]] == f"digit-{source['cls']}"
+        assert row["image"] == source["jpg"] and (row["width"], row["height"]) == (16, 16)
+        assert split_of(row["key"], 0.25) == ("val" if row in val else "train")
+    # rows in an order mixed by key, not class by class: a contiguous read sees several classes
+    assert len({row["label"] for row in train[:8]}) >= 3
+    # two workers write the same rows in the same order
+    args[1] = tmp_path / "v2.lance"
+    assert ingest(f"imagefolder:{folder}", tmp_path / "two.lance", *args, "--nproc", "2") == 0
+    assert rows_of(tmp_path / "two.lance") == train and rows_of(tmp_path / "v2.lance") == val
+    assert ingest(f"imagefolder:{tmp_path / 'nowhere'}", tmp_path / "x.lance") == 2
+    assert "has no images in class sub-directories" in capsys.readouterr().err

@@ -1,19 +1,21 @@
-"""Text ingest: split by document, packing, the schema contract, tokenizers, atomicity, sources, CLI."""
+"""Text ingest: documents streamed through shard workers, split by a hash of each document's key,
+packed per shard, the schema contract and its figures combined at the commit, tokenizers, the
+sample estimate, append, sources and the command line."""
 
 import os
 import re
 import sysconfig
+from pathlib import Path
 
 import lance
 import numpy as np
 import pyarrow as pa
 import pytest
 
-from lance_hpc.data import text as text_module
-from lance_hpc.data.corpus import STDLIB_SKIPPED_DIRS, document_paths, is_text_source, stdlib_paths
 from lance_hpc.data.ingest import ensure_dataset, main
+from lance_hpc.data.packing import Packer
 from lance_hpc.data.plan import plan_data
-from lance_hpc.data.target import Ingested
+from lance_hpc.data.shards import STDLIB_SKIPPED_DIRS, file_key, list_shards, parse_source, split_of
 from lance_hpc.data.text import (
     BYTES_PER_TOKEN_KEY,
     DOCUMENTS_KEY,
@@ -24,8 +26,7 @@ from lance_hpc.data.text import (
     TOKENIZER_KEY,
     VOCAB_SIZE_KEY,
     TokenInfo,
-    ingest_text,
-    sequences_before_ingest,
+    load_tokenizer,
 )
 from lance_hpc.errors import UserError
 from lance_hpc.spec import DataSpec, IngestSpec
@@ -95,10 +96,18 @@ def corpus(tmp_path):
     return f"text:{tmp_path}/corpus/**/*.txt"
 
 
-def documents_in_order(source: str) -> list[str]:
-    """The non-empty documents of a text: source, decoded as ingest decodes them, in ingest order."""
-    paths = document_paths(source)
-    return [text for text in (path.read_bytes().decode("utf-8", errors="replace") for path in paths) if text]
+def documents_in_order(source: str) -> list[tuple[str, str]]:
+    """(key, text) of the non-empty documents of a text: source, decoded as ingest decodes them, in
+    ingest order (sorted paths)."""
+    parsed = parse_source(source)
+    paths = [path for shard in list_shards(parsed) for path in shard.files]
+    texts = [(file_key(parsed, path), Path(path).read_bytes().decode("utf-8", errors="replace")) for path in paths]
+    return [(key, text) for key, text in texts if text]
+
+
+def ingest(source, train, val=None, *args: str) -> int:
+    """``lance-hpc ingest`` of a text source; its exit code."""
+    return main([source, str(train), *(["--val-uri", str(val)] if val else []), *args])
 
 
 def stream_of(documents: list[str]) -> np.ndarray:
@@ -118,39 +127,58 @@ def markers(rows: np.ndarray) -> set[str]:
     return found
 
 
-def test_split_by_document_and_packing(tmp_path, corpus):
+def test_split_by_document_key_and_packing_within_each_shard(tmp_path, corpus, capsys):
     train, val = tmp_path / "train.lance", tmp_path / "val.lance"
-    written = ingest_text(corpus, str(train), str(val), sequence_length=32, val_fraction=0.25, rows_per_fragment=8, seed=1)
+    code = ingest(
+        corpus, train, val, "--sequence-length", "32", "--val-fraction", "0.25", "--rows-per-fragment", "8",
+        "--files-per-shard", "100",
+    )  # fmt: skip
+    assert code == 0, capsys.readouterr().err
     documents = documents_in_order(corpus)
     assert len(documents) == DOCUMENTS  # the empty file is skipped
-    val_rows, train_rows = rows_of(val), rows_of(train)
-    assert (written.train, written.val, written.kept) == (len(train_rows), len(val_rows), ())
+    val_docs = [text for key, text in documents if split_of(key, 0.25) == "val"]
+    train_docs = [text for key, text in documents if split_of(key, 0.25) == "train"]
+    assert val_docs and train_docs
+    for uri, docs in ((val, val_docs), (train, train_docs)):
+        rows = rows_of(uri)
+        # One shard: consecutive rows overlap by one token; undone, they are the documents + EOD in order.
+        assert (rows[1:, 0] == rows[:-1, -1]).all()
+        stream = np.concatenate([rows[0], rows[1:, 1:].reshape(-1)])
+        expected = stream_of(docs)
+        assert len(expected) - 33 < len(stream) <= len(expected) and (stream == expected[: len(stream)]).all()
     assert {fragment.count_rows() for fragment in lance.dataset(str(train)).get_fragments()[:-1]} == {8}
-    # Consecutive validation rows overlap by one token; undone, they are the documents + EOD in order.
-    assert (val_rows[1:, 0] == val_rows[:-1, -1]).all()
-    val_stream = np.concatenate([val_rows[0], val_rows[1:, 1:].reshape(-1)])
-    val_documents = [doc for doc in documents if re.search(r"d(\d\d)w", doc)[1] in markers(val_rows)]
-    expected = stream_of(val_documents)
-    assert len(val_documents) == 3 and len(expected) - 32 < len(val_stream) <= len(expected)
-    assert (val_stream == expected[: len(val_stream)]).all()
-    # Training rows are the packing of the other documents, in a shuffled order.
-    expected_train = stream_of([doc for doc in documents if doc not in val_documents])
-    packed = np.lib.stride_tricks.sliding_window_view(expected_train, 33)[::32][: (len(expected_train) - 1) // 32]
-    assert sorted(map(tuple, train_rows)) == sorted(map(tuple, packed)) and (train_rows != packed).any()
     # No document is in both splits, and every document is in one; invalid UTF-8 became U+FFFD.
-    assert not markers(val_rows) & markers(train_rows)
-    assert markers(val_rows) | markers(train_rows) == {f"{index:02d}" for index in range(DOCUMENTS - 1)} | {"99"}
-    assert "Gr\ufffd\ufffde" in "".join(documents)
-    assert not any(name.startswith(".") for name in os.listdir(tmp_path))
+    assert not markers(rows_of(val)) & markers(rows_of(train))
+    everything = {f"{index:02d}" for index in range(DOCUMENTS - 1)} | {"99"}
+    # the tail of each split's stream (under one row) is not written: its documents may be missing
+    assert everything - markers(rows_of(val)) - markers(rows_of(train)) <= set(
+        re.findall(r"d(\d\d)w", val_docs[-1] + train_docs[-1])
+    )
+    assert "Gr\ufffd\ufffde" in "".join(text for _, text in documents)
+    assert sorted(name for name in os.listdir(tmp_path) if not name.startswith(".")) == ["corpus", "train.lance", "val.lance"]
 
 
-def test_schema_metadata_and_bytes_per_token(tmp_path, corpus):
+def test_the_split_is_the_same_for_any_worker_count_and_shard_size(tmp_path, corpus, capsys):
+    def split_markers(name, *args):
+        train, val = tmp_path / f"{name}-t.lance", tmp_path / f"{name}-v.lance"
+        assert ingest(corpus, train, val, "--sequence-length", "8", "--val-fraction", "0.3", *args) == 0
+        return rows_of(train), rows_of(val)
+
+    one = split_markers("one", "--files-per-shard", "3")
+    two = split_markers("two", "--files-per-shard", "3", "--nproc", "2")
+    assert all((a == b).all() for a, b in zip(one, two))  # the same rows, in the same order
+    big = split_markers("big", "--files-per-shard", "100")
+    assert markers(one[1]) <= markers(big[1]) and markers(one[0]) <= markers(big[0])
+    assert not markers(big[1]) & markers(one[0])
+
+
+def test_schema_metadata_and_bytes_per_token_combined_over_shards(tmp_path, corpus, capsys):
     uri = tmp_path / "t.lance"
-    ingest_text(corpus, str(uri), None, sequence_length=16)
+    assert ingest(corpus, uri, None, "--sequence-length", "16", "--files-per-shard", "4") == 0
     schema = lance.dataset(str(uri)).schema
     assert schema.field("tokens").type == pa.list_(pa.uint16(), 17)
     metadata = schema.metadata
-    documents = documents_in_order(corpus)
+    documents = [text for _, text in documents_in_order(corpus)]
     utf8_bytes = sum(len(doc.encode()) for doc in documents)
     assert metadata[KIND_KEY] == b"token_sequences" and metadata[SOURCE_KEY] == corpus.encode()
     assert (metadata[VOCAB_SIZE_KEY], metadata[EOD_ID_KEY], metadata[SEQUENCE_LENGTH_KEY]) == (b"257", b"256", b"16")
@@ -162,119 +190,154 @@ def test_schema_metadata_and_bytes_per_token(tmp_path, corpus):
         TokenInfo.from_metadata({b"class_names": b"[]"}, "images.lance")
 
 
-def test_custom_tokenizers_choose_int32_or_uint16(tmp_path, corpus):
+def test_custom_tokenizers_choose_int32_or_uint16(tmp_path, corpus, capsys):
     wide, narrow = tmp_path / "wide.lance", tmp_path / "narrow.lance"
-    ingest_text(corpus, str(wide), None, sequence_length=16, tokenizer="tests.test_data_text:make_tokenizer")
+    assert ingest(corpus, wide, None, "--sequence-length", "16", "--tokenizer", "tests.test_data_text:make_tokenizer") == 0
     schema = lance.dataset(str(wide)).schema
     assert schema.field("tokens").type == pa.list_(pa.int32(), 17)
     # No eod_id: EOD is vocab_size and the vocabulary grows by one.
     assert (schema.metadata[VOCAB_SIZE_KEY], schema.metadata[EOD_ID_KEY]) == (b"1114113", b"1114112")
-    documents = documents_in_order(corpus)
+    documents = [text for _, text in documents_in_order(corpus)]
     utf8_bytes, characters = sum(len(doc.encode()) for doc in documents), sum(len(doc) for doc in documents)
     assert float(schema.metadata[BYTES_PER_TOKEN_KEY]) == pytest.approx(utf8_bytes / (characters + len(documents)))
     assert 0x110000 in rows_of(wide)
 
-    ingest_text(corpus, str(narrow), None, sequence_length=16, tokenizer="tests.test_data_text:make_small_tokenizer")
+    tokenizer = "tests.test_data_text:make_small_tokenizer"
+    assert ingest(corpus, narrow, None, "--sequence-length", "16", "--tokenizer", tokenizer) == 0
     schema = lance.dataset(str(narrow)).schema
     assert schema.field("tokens").type == pa.list_(pa.uint16(), 17)
     assert (schema.metadata[VOCAB_SIZE_KEY], schema.metadata[EOD_ID_KEY]) == (b"65536", b"0")
 
 
-def test_same_seed_same_dataset_other_seed_other_order(tmp_path, corpus):
-    def tables(seed, name):
-        ingest_text(corpus, str(tmp_path / f"{name}-t"), str(tmp_path / f"{name}-v"), sequence_length=16, seed=seed)
-        return rows_of(tmp_path / f"{name}-t"), rows_of(tmp_path / f"{name}-v")
-
-    first, again, other = tables(5, "first"), tables(5, "again"), tables(6, "other")
-    assert all((a == b).all() for a, b in zip(first, again))
-    assert first[0].shape != other[0].shape or (first[0] != other[0]).any()
-
-
-def test_failing_tokenizer_leaves_no_dataset(tmp_path, corpus):
+def test_a_failing_tokenizer_is_one_clear_error_and_commits_nothing(tmp_path, corpus, capsys):
     train, val = tmp_path / "t.lance", tmp_path / "v.lance"
-    with pytest.raises(RuntimeError, match="tokenizer crashed"):
-        ingest_text(corpus, str(train), str(val), sequence_length=16, tokenizer="tests.test_data_text:make_failing_tokenizer")
-    assert os.listdir(tmp_path) == ["corpus"]
+    assert (
+        ingest(corpus, train, val, "--sequence-length", "16", "--tokenizer", "tests.test_data_text:make_failing_tokenizer") == 2
+    )
+    error = capsys.readouterr().err
+    assert "failed on document" in error and "RuntimeError: tokenizer crashed" in error and "Traceback" not in error
+    assert not lance_dataset_at(train) and not lance_dataset_at(val)
 
 
-def test_interrupted_write_leaves_no_partial_directory(tmp_path, corpus, monkeypatch):
-    uri = tmp_path / "t.lance"
-    real_batches = text_module._row_batches
-
-    def failing_batches(rows, order, schema):
-        for number, batch in enumerate(real_batches(rows, order, schema)):
-            if number == 2:
-                raise RuntimeError("node lost")
-            yield batch
-
-    monkeypatch.setattr(text_module, "_row_batches", failing_batches)
-    monkeypatch.setattr(text_module, "WRITE_CHUNK_ROWS", 4)
-    with pytest.raises(OSError, match="node lost"):  # Lance wraps what the batch reader raised
-        ingest_text(corpus, str(uri), None, sequence_length=16, rows_per_fragment=4)
-    assert os.listdir(tmp_path) == ["corpus"]
+def lance_dataset_at(uri) -> bool:
+    try:
+        lance.dataset(str(uri))
+    except (ValueError, OSError):
+        return False
+    return True
 
 
-def test_python_stdlib_paths_are_sorted_capped_and_skip_tests():
-    paths = stdlib_paths(max_mb=0.5)
-    assert paths and paths == sorted(paths) and all(path.suffix == ".py" for path in paths)
-    assert sum(path.stat().st_size for path in paths) <= 500_000
+def test_the_packer_holds_at_most_a_fragment_and_a_document_whatever_the_corpus():
+    packer = Packer(load_tokenizer("bytes"), 16)
+    rows_per_fragment, longest, written = 4, 0, 0
+    for index in range(2_000):
+        text = "x" * (index % 97)
+        longest = max(longest, len(text) + 1)
+        packer.add(text)
+        while packer.ready() >= rows_per_fragment:
+            written += len(packer.take(rows_per_fragment))
+        assert packer.pending_tokens <= rows_per_fragment * 16 + longest
+    assert written + packer.ready() == (packer.tokens - 1) // 16
+
+
+def test_python_stdlib_files_are_sorted_capped_and_skip_tests():
+    source = parse_source("python-stdlib:max_mb=0.5")
+    paths = [path for shard in list_shards(source) for path in shard.files]
+    assert paths and paths == sorted(paths) and all(path.endswith(".py") for path in paths)
+    assert sum(os.path.getsize(path) for path in paths) <= 500_000
     root = sysconfig.get_paths()["stdlib"]
-    assert not any(set(path.relative_to(root).parts) & STDLIB_SKIPPED_DIRS for path in stdlib_paths())
-    assert stdlib_paths(max_mb=0.5) == paths
-    assert is_text_source("python-stdlib") and is_text_source("python-stdlib:max_mb=2") and is_text_source("text:*.md")
-    assert not is_text_source("sklearn-digits") and not is_text_source("imagefolder:text")
+    everything = [path for shard in list_shards(parse_source("python-stdlib")) for path in shard.files]
+    assert not any(set(Path(path).relative_to(root).parts) & STDLIB_SKIPPED_DIRS for path in everything)
+    assert file_key(source, paths[0]) == str(Path(paths[0]).relative_to(root))
 
 
-def test_command_line_python_stdlib(tmp_path, capsys):
+def test_command_line_python_stdlib_and_its_estimate(tmp_path, capsys):
     train, val = tmp_path / "t.lance", tmp_path / "v.lance"
-    expected = sequences_before_ingest("python-stdlib:max_mb=1", 64, "bytes", 0.2, 0, has_val=True)
-    assert main(["python-stdlib:max_mb=1", str(train), "--val-uri", str(val), "--sequence-length", "64"]) == 0
-    assert f"wrote {expected:,} training rows" in capsys.readouterr().out
-    assert lance.dataset(str(train)).count_rows() == expected and lance.dataset(str(val)).count_rows() > 0
+    source = "python-stdlib:max_mb=1"
+    assert ingest(source, train, val, "--sequence-length", "64", "--dry-run") == 0
+    out = capsys.readouterr().out
+    estimated = int(re.search(r"train about ([\d,]+)", out)[1].replace(",", ""))
+    assert "schema: tokens (fixed_size_list<item: uint16>[65])" in out and not train.exists()
+    assert ingest(source, train, val, "--sequence-length", "64") == 0
+    rows = lance.dataset(str(train)).count_rows()
+    assert f"rows train {rows:,}" in capsys.readouterr().out and lance.dataset(str(val)).count_rows() > 0
+    assert 0.5 * rows < estimated < 2 * rows  # from one shard's sample, never a pass over the corpus
     metadata = lance.dataset(str(train)).schema.metadata
-    assert metadata[SEQUENCE_LENGTH_KEY] == b"64" and metadata[SOURCE_KEY] == b"python-stdlib:max_mb=1"
+    assert metadata[SEQUENCE_LENGTH_KEY] == b"64" and metadata[SOURCE_KEY] == source.encode()
     assert main(["python-stdlib:max_mb=many", str(tmp_path / "x.lance")]) == 2
     assert "max_mb=N" in capsys.readouterr().err
 
 
 def test_ensure_dataset_and_plan_route_text_sources(tmp_path, corpus):
-    data = DataSpec(uri=str(tmp_path / "t.lance"), val_uri=str(tmp_path / "v.lance"), ingest=IngestSpec(source=corpus))
+    data = DataSpec(
+        uri=str(tmp_path / "t.lance"), val_uri=str(tmp_path / "v.lance"), ingest=IngestSpec(source=corpus, sequence_length=16)
+    )
     planned = plan_data(data, world_size=1)
     ensure_dataset(data)
-    assert lance.dataset(data.uri).schema.metadata[SEQUENCE_LENGTH_KEY] == b"256"
-    assert lance.dataset(data.uri).count_rows() == planned.rows > 0
-    assert plan_data(data, world_size=1).rows == planned.rows
+    assert lance.dataset(data.uri).schema.metadata[SEQUENCE_LENGTH_KEY] == b"16"
+    rows = lance.dataset(data.uri).count_rows()
+    assert planned.rows > 0 and 0.5 * rows < planned.rows < 2 * rows
+    assert plan_data(data, world_size=1).rows == rows  # once written, planned from the dataset itself
 
 
-def test_clear_errors(tmp_path, corpus):
-    uri = str(tmp_path / "t.lance")
-    with pytest.raises(UserError, match=r"no files match the glob '.*nothing/\*\*/\*\.txt'"):
-        ingest_text(f"text:{tmp_path}/nothing/**/*.txt", uri, None, sequence_length=8)
-    with pytest.raises(UserError, match=r"(?s)cannot import 'no_such_package.tok'.*ModuleNotFoundError.*PYTHONPATH"):
-        ingest_text(corpus, uri, None, sequence_length=8, tokenizer="no_such_package.tok:make")
-    with pytest.raises(UserError, match="unknown tokenizer 'gpt9': use bytes, hf:<tokenizer.json> or an import path"):
-        ingest_text(corpus, uri, None, sequence_length=8, tokenizer="gpt9")
-    with pytest.raises(UserError, match=r"training split has [\d,]+ tokens from \d+ documents, but sequence_length 100000 needs"):
-        ingest_text(corpus, uri, None, sequence_length=100_000)
-    with pytest.raises(UserError, match="validation split has .* raise val_fraction"):
-        ingest_text(corpus, uri, str(tmp_path / "v.lance"), sequence_length=2_000, val_fraction=0.05)
-    single = tmp_path / "single.txt"
-    single.write_text("one document")
-    with pytest.raises(UserError, match="at least 2"):
-        ingest_text(f"text:{single}", uri, str(tmp_path / "v.lance"), sequence_length=4)
-    assert sorted(os.listdir(tmp_path)) == ["corpus", "single.txt"]
+def test_jsonl_text_tokenised_on_request_and_a_corpus_kept_as_documents_on_request(tmp_path, corpus, capsys):
+    import json
+
+    lines = [{"id": f"doc{index}", "body": f"{marked_words(index, 20)}"} for index in range(6)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (tmp_path / "empty.jsonl").write_text("")  # no record: nothing to write, not an error
+    tokens = tmp_path / "tokens.lance"
+    args = ("--tokenize", "--column", "text=body", "--column", "key=id", "--sequence-length", "8")
+    assert ingest(f"jsonl:{tmp_path}/*.jsonl", tokens, None, *args) == 0, capsys.readouterr().err
+    assert lance.dataset(str(tokens)).schema.names == ["tokens"] and markers(rows_of(tokens)) >= {"00", "01", "02"}
+    documents = tmp_path / "documents.lance"
+    assert ingest(corpus, documents, None, "--no-tokenize") == 0
+    table = lance.dataset(str(documents)).to_table()
+    assert set(table.column_names) == {"text", "key"} and table.num_rows == DOCUMENTS + 1  # the empty file too
+    assert ingest(f"jsonl:{tmp_path}/docs.jsonl", tmp_path / "x.lance", None, "--tokenize") == 2
+    assert "no text field to tokenise" in capsys.readouterr().err
 
 
-def test_text_ingest_refuses_what_it_did_not_write_and_writes_over_a_dataset_only_when_asked(tmp_path, corpus):
+def test_clear_errors(tmp_path, corpus, capsys):
+    uri = tmp_path / "t.lance"
+    assert ingest(f"text:{tmp_path}/nothing/**/*.txt", uri, None) == 2
+    assert "matches no file" in capsys.readouterr().err
+    assert ingest(corpus, uri, None, "--tokenizer", "no_such_package.tok:make") == 2
+    assert re.search(r"(?s)cannot import 'no_such_package.tok'.*ModuleNotFoundError.*PYTHONPATH", capsys.readouterr().err)
+    assert ingest(corpus, uri, None, "--tokenizer", "gpt9") == 2
+    assert "unknown tokenizer 'gpt9': use bytes, hf:<tokenizer.json> or an import path" in capsys.readouterr().err
+    assert ingest(corpus, uri, None, "--sequence-length", "100000") == 2
+    assert re.search(r"training split has [\d,]+ tokens from \d+ documents, which fill no sequence", capsys.readouterr().err)
+    assert ingest(corpus, uri, tmp_path / "v.lance", "--sequence-length", "2000", "--val-fraction", "0.05") == 2
+    assert re.search(r"(?s)validation split has .* raise val_fraction", capsys.readouterr().err)
+    assert sorted(name for name in os.listdir(tmp_path) if not name.startswith(".")) == ["corpus"] or not lance_dataset_at(uri)
+    assert not lance_dataset_at(uri)
+
+
+def test_text_ingest_refuses_what_it_did_not_write_appends_and_overwrites_only_when_asked(tmp_path, corpus, capsys):
     train, val = tmp_path / "t.lance", tmp_path / "v.lance"
     val.mkdir()
     (val / "keep.txt").write_text("mine")
-    with pytest.raises(UserError, match=r"--val-uri \S+v.lance exists and is not a Lance dataset \(it holds keep.txt\)"):
-        ingest_text(corpus, str(train), str(val), sequence_length=16, overwrite=True)
-    assert (val / "keep.txt").read_text() == "mine" and not train.exists()
-    assert ingest_text(corpus, str(train), None, sequence_length=16).train > 0
-    assert ingest_text(corpus, str(train), None, sequence_length=16) == Ingested(kept=(str(train),))
-    assert lance.dataset(str(train)).version == 1
-    ingest_text(corpus, str(train), None, sequence_length=32, overwrite=True)
-    assert lance.dataset(str(train)).version == 2 and lance.dataset(str(train)).schema.metadata[SEQUENCE_LENGTH_KEY] == b"32"
+    assert ingest(corpus, train, val, "--sequence-length", "16", "--overwrite") == 2
+    assert re.search(r"--val-uri \S+v.lance exists and is not a Lance dataset \(it holds keep.txt\)", capsys.readouterr().err)
+    assert (val / "keep.txt").read_text() == "mine" and not lance_dataset_at(train)
+    assert ingest(corpus, train, None, "--sequence-length", "16") == 0
+    assert ingest(corpus, train, None, "--sequence-length", "16") == 0  # the same ingest again: already committed
+    assert "already committed" in capsys.readouterr().out and lance.dataset(str(train)).version == 1
+    assert ingest(corpus, train, None, "--sequence-length", "32") == 2
+    assert "already holds a Lance dataset" in capsys.readouterr().err
+    assert ingest(corpus, train, None, "--sequence-length", "32", "--append") == 2
+    assert "sequence_length" in capsys.readouterr().err
+    before = lance.dataset(str(train))
+    other = tmp_path / "more"
+    other.mkdir()
+    (other / "extra.txt").write_text(marked_words(77, 60))
+    assert ingest(f"text:{other}/*.txt", train, None, "--sequence-length", "16", "--append") == 0
+    after = lance.dataset(str(train))
+    assert after.count_rows() > before.count_rows() and "77" in markers(rows_of(train))
+    assert int(after.schema.metadata[DOCUMENTS_KEY]) == int(before.schema.metadata[DOCUMENTS_KEY]) + 1
+    assert lance.dataset(str(train), version=before.version).count_rows() == before.count_rows()
+    assert ingest(corpus, train, None, "--sequence-length", "32", "--overwrite") == 0
+    latest = lance.dataset(str(train))
+    assert latest.schema.metadata[SEQUENCE_LENGTH_KEY] == b"32" and latest.version > after.version
     assert lance.dataset(str(train), version=1).schema.metadata[SEQUENCE_LENGTH_KEY] == b"16"

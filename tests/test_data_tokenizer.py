@@ -10,7 +10,10 @@ import lance
 import numpy as np
 import pytest
 
-from lance_hpc.data.text import BYTES_PER_TOKEN_KEY, EOD_ID_KEY, VOCAB_SIZE_KEY, ingest_text, load_tokenizer
+from lance_hpc.data.ingest import main as ingest_main
+from lance_hpc.data.shards import split_of
+from lance_hpc.data.text import BYTES_PER_TOKEN_KEY, DOCUMENTS_KEY, EOD_ID_KEY, VOCAB_SIZE_KEY, load_tokenizer
+from lance_hpc.data.tokenizer import documents
 from lance_hpc.data.tokenizer import main as tokenizer_main
 from lance_hpc.errors import UserError
 
@@ -38,7 +41,8 @@ def test_a_trained_bpe_encodes_with_its_end_of_text_token_and_round_trips(traine
 
 
 def test_text_ingest_with_the_trained_tokenizer_packs_fewer_tokens_than_bytes(trained: Path, tmp_path: Path) -> None:
-    ingest_text(SOURCE, str(tmp_path / "train.lance"), str(tmp_path / "val.lance"), sequence_length=64, tokenizer=f"hf:{trained}")
+    args = ["--val-uri", str(tmp_path / "val.lance"), "--sequence-length", "64", "--tokenizer", f"hf:{trained}"]
+    assert ingest_main([SOURCE, str(tmp_path / "train.lance"), *args]) == 0
     dataset = lance.dataset(str(tmp_path / "train.lance"))
     metadata = dataset.schema.metadata
     assert int(metadata[VOCAB_SIZE_KEY]) == 1000 and int(metadata[EOD_ID_KEY]) < 1000
@@ -64,3 +68,17 @@ def test_a_tokenizers_file_without_an_end_of_text_token_gets_one_more_id(tmp_pat
         load_tokenizer(f"hf:{tmp_path / 'broken.json'}")
     with pytest.raises(UserError, match="no such file"):
         load_tokenizer(f"hf:{tmp_path / 'missing.json'}")
+
+
+def test_training_leaves_out_the_documents_an_ingest_holds_out(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "bpe.json"
+    assert tokenizer_main(["train", SOURCE, str(out), "--vocab-size", "400", "--val-fraction", "0.2"]) == 0
+    assert "trained a 400-token BPE on" in capsys.readouterr().out
+    everything = list(documents(SOURCE))
+    kept = list(documents(SOURCE, 0.2))
+    assert 0 < len(kept) < len(everything)
+    assert ingest_main([SOURCE, str(tmp_path / "t.lance"), "--val-uri", str(tmp_path / "v.lance"), "--val-fraction", "0.2"]) == 0
+    assert int(lance.dataset(str(tmp_path / "t.lance")).schema.metadata[DOCUMENTS_KEY]) == len(kept)
+    assert split_of("json/decoder.py", 0.2) in ("train", "val")
+    assert tokenizer_main(["train", "sklearn-digits", str(tmp_path / "x.json")]) == 2
+    assert "give text:<glob>" in capsys.readouterr().err

@@ -19,13 +19,13 @@ A killed ingest leaves only its hidden directory, which the next ingest of that 
 not deleted: the ingest that made it may still be running on another node). A symlinked local path
 is written through: the dataset lands in the directory the link points to.
 
-Sources (``data.ingest.source`` or the first argument of ``lance-hpc ingest``):
-``sklearn-digits``, ``skimage-photos[:count=N,size=S,seed=K,min_side=A,max_side=B,quality=Q]``,
-``imagefolder:<dir>`` (one sub-directory per class) and ``torchvision:<Name>:<root>`` (a
-torchvision dataset already on disk, opened with ``download=False``: Food101, CIFAR10/100, ...;
-its official test split becomes the validation set). Text sources, ``text:<glob>`` and
-``python-stdlib[:max_mb=N]``, become token sequences for a language model: see
-:mod:`lance_hpc.data.text`.
+Sources (``data.ingest.source`` or the first argument of ``lance-hpc ingest``) written here, by one
+process: ``sklearn-digits``, ``skimage-photos[:count=N,size=S,seed=K,min_side=A,max_side=B,quality=Q]``
+and ``torchvision:<Name>:<root>`` (a torchvision dataset already on disk, opened with
+``download=False``: Food101, CIFAR10/100, ...; its official test split becomes the validation set).
+Every other source (``imagefolder:``, ``text:``, ``python-stdlib``, ``parquet:``, ``jsonl:``,
+``webdataset:``, ``hf:``) is split into shards and written by one or many workers: see
+:mod:`lance_hpc.data.shard_ingest`.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ import numpy as np
 import pyarrow as pa
 
 from lance_hpc.data import sources
-from lance_hpc.data.corpus import is_text_source
 from lance_hpc.data.image_check import ENCODED_BYTES, MAX_PIXELS
 from lance_hpc.data.shard_ingest import ingest_here, ingest_shards_command
 from lance_hpc.data.shards import is_shard_source
@@ -61,13 +60,11 @@ from lance_hpc.data.target import (
     targets,
     write_lance,
 )
-from lance_hpc.data.text import ingest_text
 from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.spec import load_spec
 from lance_hpc.storage.datasets import dataset_exists
 from lance_hpc.storage.options import storage_options
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 WRITE_CHUNK_ROWS = 256
 log = logging.getLogger("lance_hpc.data")
 
@@ -80,26 +77,6 @@ def _parse_options(text: str) -> dict[str, Any]:
             raise UserError(f"source option {pair!r} is not KEY=INTEGER, e.g. skimage-photos:count=8000,size=64")
         options[key.strip()] = int(value)
     return options
-
-
-def imagefolder_items(directory: str | Path) -> ImageSource:
-    """One sub-directory per class; files with image extensions, stored as their bytes."""
-    root = Path(directory)
-    if not root.is_dir():
-        raise UserError(f"imagefolder source {root} is not a directory")
-    classes = sorted(entry.name for entry in root.iterdir() if entry.is_dir())
-    files: list[tuple[Path, int]] = []
-    for label, name in enumerate(classes):
-        files += [
-            (path, label)
-            for path in sorted((root / name).rglob("*"))
-            if path.suffix.lower() in IMAGE_EXTENSIONS and path.is_file()
-        ]
-    if not files:
-        raise UserError(f"imagefolder source {root} has no images in class sub-directories (e.g. {root}/cat/1.jpg)")
-    return ImageSource(
-        f"imagefolder:{root}", tuple(classes), len(files), lambda index: (files[index][0].read_bytes(), files[index][1])
-    )
 
 
 def torchvision_items(dataset: Any, name: str) -> ImageSource:
@@ -160,14 +137,13 @@ def resolve_source(text: str) -> tuple[ImageSource, ImageSource | None]:
     if kind == "skimage-photos":
         options = {"count": 2000, **_parse_options(rest)}
         return sources.skimage_photo_crops(**options), None
-    if kind == "imagefolder" and rest:
-        return imagefolder_items(rest), None
     if kind == "torchvision" and ":" in rest:
         name, _, root = rest.partition(":")
         return open_torchvision(name, root)
     raise UserError(
-        f"unknown ingest source {text!r}: use sklearn-digits, skimage-photos[:count=N,size=S], "
-        "imagefolder:<dir> or torchvision:<Name>:<root> for images; text:<glob> or python-stdlib[:max_mb=N] for text"
+        f"unknown ingest source {text!r}: use sklearn-digits, skimage-photos[:count=N,size=S], imagefolder:<dir> or "
+        "torchvision:<Name>:<root> for images; text:<glob> or python-stdlib[:max_mb=N] for text; parquet:, jsonl:, "
+        "webdataset: or hf: for any rows"
     )
 
 
@@ -278,15 +254,6 @@ def ensure_dataset(data: Any, *, overwrite: bool = False) -> Ingested:
     if is_shard_source(spec.source):
         train_rows, val_rows = ingest_here(data, overwrite=overwrite)
         return Ingested(train=train_rows, val=val_rows)
-    if is_text_source(spec.source):
-        return ingest_text(
-            spec.source,
-            data.uri,
-            data.val_uri,
-            sequence_length=spec.sequence_length,
-            tokenizer=spec.tokenizer,
-            **common,
-        )
     return ingest(spec.source, data.uri, data.val_uri, **common)
 
 
@@ -326,9 +293,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--val-fraction", type=float, default=0.2, help="share of rows (text: of documents) for validation (default 0.2)"
     )
     parser.add_argument("--rows-per-fragment", type=int, default=1024, help="rows per Lance fragment (default 1024)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the split and row order")
-    parser.add_argument("--sequence-length", type=int, default=256, help="text: tokens per training sequence (default 256)")
-    parser.add_argument("--tokenizer", default="bytes", help="text: bytes (default) or an import path package.module:factory")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="sklearn-digits, skimage-photos, torchvision: seed of the split and row order"
+    )
     parser.add_argument(
         "--storage-option",
         action="append",
@@ -337,9 +304,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="object-store option (endpoint, region, allow_http); credentials come from AWS_* variables",
     )
     shards = parser.add_argument_group(
-        "parquet:, jsonl:, webdataset: and hf: sources (written by N workers, one commit at the end, resumable)"
+        "imagefolder:, text:, python-stdlib, parquet:, jsonl:, webdataset: and hf: sources (written by N workers, one "
+        "commit at the end, resumable; the validation split by a hash of each row's key)"
     )
     shards.add_argument("--nproc", type=int, default=1, help="workers on this machine (default 1)")
+    shards.add_argument("--files-per-shard", type=int, default=1000, help="imagefolder: and text: files per shard (default 1000)")
+    shards.add_argument(
+        "--tokenize",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="pack the text into token sequences for a language model (default: yes for text: and python-stdlib, "
+        "no for others; --no-tokenize keeps one row per document)",
+    )
+    shards.add_argument("--sequence-length", type=int, default=256, help="tokens per training sequence (default 256)")
+    shards.add_argument(
+        "--tokenizer",
+        default="bytes",
+        help="bytes (UTF-8, the default), hf:<tokenizer.json> (see lance-hpc tokenizer train) or an import path "
+        "package.module:factory",
+    )
     shards.add_argument(
         "--column",
         action="append",
@@ -380,12 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             val_options=storage_options(args.val_uri, spec_options) if args.val_uri else None,
             overwrite=args.overwrite,
         )
-        if is_text_source(args.source):
-            done = ingest_text(
-                args.source, args.uri, args.val_uri, sequence_length=args.sequence_length, tokenizer=args.tokenizer, **common
-            )
-        else:
-            done = ingest(args.source, args.uri, args.val_uri, **common)
+        done = ingest(args.source, args.uri, args.val_uri, **common)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return ExitCode.USER_ERROR

@@ -10,7 +10,6 @@ import argparse
 import sys
 from typing import Sequence
 
-from lance_hpc.data.corpus import is_text_source
 from lance_hpc.data.ingest import resolve_source
 from lance_hpc.data.reader import fragment_table
 from lance_hpc.data.sampling import (
@@ -19,7 +18,8 @@ from lance_hpc.data.sampling import (
     eval_batches,
     plan_from_table,
 )
-from lance_hpc.data.text import sequences_before_ingest
+from lance_hpc.data.shard_ingest import estimate_rows, plan_for_data
+from lance_hpc.data.shards import is_shard_source
 from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.spec import DataSpec, load_spec
 from lance_hpc.storage.datasets import dataset_exists, open_dataset, preflight_uri
@@ -28,18 +28,12 @@ from lance_hpc.storage.options import storage_options
 
 
 def _table_before_ingest(data: DataSpec) -> FragmentTable:
-    """The fragment layout ingest will write for the training split."""
+    """The fragment layout ingest will write for the training split (for a sharded source, estimated
+    from a sample of its first shard)."""
     spec = data.ingest
     assert spec is not None
-    if is_text_source(spec.source):
-        rows = sequences_before_ingest(
-            spec.source,
-            spec.sequence_length,
-            spec.tokenizer,
-            spec.val_fraction,
-            spec.seed,
-            has_val=bool(data.val_uri),
-        )
+    if is_shard_source(spec.source):
+        rows = estimate_rows(plan_for_data(data))["train"]
     else:
         train, official_val = resolve_source(spec.source)
         rows = len(train)

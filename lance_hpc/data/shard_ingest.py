@@ -11,10 +11,13 @@ dataset (a new dataset; a new version with ``overwrite``; more rows with ``appen
 appears whole or not at all, and its rows are in the same order whatever the number of workers or
 interruptions.
 
-The validation split is by a hash of each row's key (the sample key, or the file and row), so a
-row lands in the same split whatever the worker count. Images are checked as they are read
-(:mod:`lance_hpc.data.image_check`): ``width`` and ``height`` are stored, and an unreadable, truncated
-or oversized image is skipped and counted, or fails the ingest with ``on_corrupt: fail``.
+The validation split is by a hash of each row's key (the sample key, the file's path, or the file
+and row), so a row lands in the same split whatever the worker count. Images are checked as they
+are read (:mod:`lance_hpc.data.image_check`): ``width`` and ``height`` are stored, and an unreadable,
+truncated or oversized image is skipped and counted, or fails the ingest with ``on_corrupt: fail``.
+Text is tokenised and packed into sequences as it is read (:mod:`lance_hpc.data.packing`) when the
+plan has ``tokens``: the split is then by document, and the figures of the split (documents, bytes
+per token) are combined from the shard records at the commit.
 """
 
 from __future__ import annotations
@@ -33,15 +36,28 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from lance_hpc.data.image_check import ENCODED_BYTES, MAX_PIXELS, image_size
+from lance_hpc.data.packing import (
+    Packer,
+    Tokens,
+    rows_batch,
+    token_schema,
+    too_short,
+    with_split_figures,
+)
 from lance_hpc.data.shards import (
+    FILES_PER_SHARD,
     ColumnMap,
     Shard,
     Source,
+    class_names,
+    document_texts,
     format_defaults,
-    hf_class_names,
     list_shards,
     mapped_batches,
     parse_source,
+    row_keys,
+    split_of,
+    text_batches,
 )
 from lance_hpc.data.target import (
     CLASS_NAMES_KEY,
@@ -52,6 +68,7 @@ from lance_hpc.data.target import (
     filesystem,
     targets,
 )
+from lance_hpc.data.text import BYTES_PER_TOKEN_KEY, DOCUMENTS_KEY, KIND_KEY, Tokenizer, load_tokenizer
 from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.storage.datasets import dataset_exists, open_dataset
 from lance_hpc.storage.options import storage_options
@@ -59,8 +76,8 @@ from lance_hpc.storage.options import storage_options
 MODES = ("create", "append", "overwrite")
 # Seconds between progress lines of a local run with several workers.
 PROGRESS_S = 2.0
-# Hash buckets of the validation split: a row is validation when its key's bucket is below the fraction's share.
-SPLIT_BUCKETS = 1_000_000
+# Bytes of the first shard read to estimate an ingest's rows before it runs.
+SAMPLE_BYTES = 1 << 20
 
 
 @dataclass
@@ -73,6 +90,10 @@ class ShardRecord:
     skipped: dict[str, int] = field(default_factory=dict)
     bytes: int = 0
     seconds: float = 0.0
+    # token sequences: per split, the documents, their UTF-8 bytes and their tokens (EOD included)
+    documents: dict[str, int] = field(default_factory=dict)
+    utf8_bytes: dict[str, int] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -91,6 +112,16 @@ class Plan:
     schema: pa.Schema
     run_id: str
     read_versions: dict[str, int | None]
+    tokens: Tokens | None = None
+    _tokenizer: Tokenizer | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer of a token plan, loaded once per process."""
+        assert self.tokens is not None
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.tokens.tokenizer)
+        return self._tokenizer
 
     def targets(self) -> dict[str, Target]:
         return {"train": self.train, **({"val": self.val} if self.val is not None else {})}
@@ -112,11 +143,6 @@ class Plan:
         return f"{records_root(self.train.uri)}/{self.run_id}"
 
 
-def split_of(key: str, val_fraction: float) -> str:
-    digest = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
-    return "val" if digest % SPLIT_BUCKETS < val_fraction * SPLIT_BUCKETS else "train"
-
-
 def make_plan(
     source_text: str,
     train: Target,
@@ -130,9 +156,11 @@ def make_plan(
     max_pixels: int = MAX_PIXELS,
     check_targets: bool = True,
     source_options: Mapping[str, str] | None = None,
+    tokens: Tokens | None = None,
+    files_per_shard: int = FILES_PER_SHARD,
 ) -> Plan:
-    """The same plan on every worker: shards listed, the schema read from the first shard, targets
-    checked (nothing that is not a Lance dataset is ever written into)."""
+    """The same plan on every worker: shards listed, the schema read from the first shard (or made
+    by the tokenizer), targets checked (nothing that is not a Lance dataset is ever written into)."""
     if mode not in MODES:
         raise UserError(f"mode {mode!r}: use one of {', '.join(MODES)}")
     if val is None and val_fraction > 0:
@@ -141,7 +169,7 @@ def make_plan(
     if val is not None and columns.key == "":
         raise UserError("a validation split is drawn by each row's key: with a validation dataset, do not map key to ''")
     train, val = _absolute(train), _absolute(val) if val is not None else None
-    source = parse_source(source_text, source_options)
+    source = parse_source(source_text, source_options, files_per_shard=files_per_shard)
     shards = list_shards(source)
     identity = json.dumps(
         {
@@ -152,13 +180,19 @@ def make_plan(
             "val": [val.uri if val else None, val_fraction],
             "mode": mode,
             "rows_per_fragment": rows_per_fragment,
+            **({"tokens": asdict(tokens)} if tokens is not None else {}),
         },
         sort_keys=True,
     )
     # Not the datasets' versions: the commit changes them, and a rerun must find its own records.
     run_id = hashlib.blake2b(identity.encode(), digest_size=8).hexdigest()
     committed = Records(f"{records_root(train.uri)}/{run_id}", train.options).committed()
-    schema = _schema(source, shards[0], columns, on_corrupt, max_pixels)
+    tokenizer = load_tokenizer(tokens.tokenizer) if tokens is not None else None
+    if tokens is not None and tokenizer is not None:
+        next(text_batches(source, shards[0], columns), None)  # a source without text fails here, not in the workers
+        schema = token_schema(tokenizer, tokens.sequence_length, source_text)
+    else:
+        schema = _schema(source, shards[0], columns, on_corrupt, max_pixels)
     read_versions: dict[str, int | None] = {}
     for split, target in {"train": train, **({"val": val} if val else {})}.items():
         # A UserError for anything but a Lance dataset; a worker trusts the check of the command
@@ -188,7 +222,20 @@ def make_plan(
         schema,
         run_id,
         read_versions,
+        tokens,
+        tokenizer,
     )
+
+
+def tokens_of(source_text: str, tokenize: bool | None, tokenizer: str, sequence_length: int) -> Tokens | None:
+    """A text corpus (``text:``, ``python-stdlib``) is tokenised unless ``tokenize`` is false (then
+    its documents are rows); any other source only when ``tokenize`` is true."""
+    is_corpus = source_text.startswith("text:") or source_text.partition(":")[0] == "python-stdlib"
+    if tokenize or (tokenize is None and is_corpus):
+        if sequence_length < 1:
+            raise UserError(f"sequence_length {sequence_length}: give 1 or more tokens per sequence")
+        return Tokens(tokenizer, sequence_length)
+    return None
 
 
 def plan_for_data(data: Any, *, check_targets: bool = True, overwrite: bool = False) -> Plan:
@@ -215,6 +262,8 @@ def plan_for_data(data: Any, *, check_targets: bool = True, overwrite: bool = Fa
         max_pixels=ingest.max_pixels,
         check_targets=check_targets,
         source_options=source_options(ingest.source, data.storage_options),
+        tokens=tokens_of(ingest.source, ingest.tokenize, ingest.tokenizer, ingest.sequence_length),
+        files_per_shard=ingest.files_per_shard,
     )
 
 
@@ -241,9 +290,18 @@ def _absolute(target: Target) -> Target:
 
 
 def _check_append_schema(found: Any, ours: pa.Schema, target: Target) -> None:
-    """Rows appended must have the dataset's columns and types: one clear error before any shard."""
+    """Rows appended must have the dataset's columns and types (and token sequences, its tokenizer):
+    one clear error before any shard."""
     theirs = {item.name: item.type for item in found.schema}
     mine = {item.name: item.type for item in ours}
+    if KIND_KEY in (ours.metadata or {}):
+        shared = [key for key in (ours.metadata or {}) if key != b"source"]
+        differ = [key.decode() for key in shared if (found.schema.metadata or {}).get(key) != ours.metadata[key]]
+        if differ:
+            raise UserError(
+                f"{target.name} {target.uri}: its token sequences differ from these in {', '.join(differ)}, so these "
+                "cannot be appended\n  fix: ingest with the dataset's tokenizer and sequence_length, or --overwrite"
+            )
     if mine != theirs:
         differ = sorted(name for name in set(mine) | set(theirs) if mine.get(name) != theirs.get(name))
         raise UserError(
@@ -268,7 +326,7 @@ def _schema(source: Source, shard: Shard, columns: ColumnMap, on_corrupt: str, m
         ]
         metadata = {b"source": source.format.encode()}
         label_field = columns.label if columns.label is not None else format_defaults(shard.format, [])["label"]
-        names = hf_class_names(source, label_field) if label_field else None
+        names = class_names(source, label_field) if label_field else None
         if names:  # what image_classification reads its class names from
             metadata[CLASS_NAMES_KEY] = json.dumps(names).encode()
         return pa.schema(fields, metadata=metadata)
@@ -376,6 +434,8 @@ def write_shard(plan: Plan, index: int) -> ShardRecord:
     One pass over the shard: each split's rows gather until a fragment's worth
     (``rows_per_fragment``), which is written at once, so memory holds at most one fragment per
     split whatever the shard's size."""
+    if plan.tokens is not None:
+        return _write_token_shard(plan, index)
     shard = plan.shards[index]
     started = time.monotonic()
     skipped: dict[str, int] = {}
@@ -407,6 +467,50 @@ def write_shard(plan: Plan, index: int) -> ShardRecord:
         if left:
             _write_fragment(plan, split, pa.Table.from_batches(left, plan.schema), fragments[split])
     return ShardRecord(shard.id, fragments, rows, skipped, shard.bytes, time.monotonic() - started)
+
+
+def _write_token_shard(plan: Plan, index: int) -> ShardRecord:
+    """The shard's documents tokenised, split by document key and packed into rows; a fragment is
+    written whenever a split has a fragment's worth, so memory holds at most one per split."""
+    assert plan.tokens is not None
+    shard = plan.shards[index]
+    started = time.monotonic()
+    packers = {split: Packer(plan.tokenizer, plan.tokens.sequence_length) for split in plan.targets()}
+    fragments: dict[str, list[str]] = {split: [] for split in plan.targets()}
+    rows = dict.fromkeys(plan.targets(), 0)
+    for key, text in document_texts(text_batches(plan.source, shard, plan.columns)):
+        split = split_of(key, plan.val_fraction) if plan.val is not None else "train"
+        packer = packers[split]
+        try:
+            packer.add(text)
+        except UserError:
+            raise
+        except Exception as error:  # the tokenizer may be the user's code
+            raise UserError(
+                f"{plan.source.uri(shard.path)}: tokenizer {plan.tokens.tokenizer!r} failed on document {key!r}: "
+                f"{type(error).__name__}: {error}\n  fix: mend the tokenizer or the document; nothing was committed, and "
+                "a rerun goes on from the shards already written"
+            ) from None
+        while packer.ready() >= plan.rows_per_fragment:
+            rows[split] += _write_rows(plan, split, packer.take(plan.rows_per_fragment), fragments[split])
+    for split, packer in packers.items():
+        if packer.ready():
+            rows[split] += _write_rows(plan, split, packer.take(packer.ready()), fragments[split])
+    return ShardRecord(
+        shard.id,
+        fragments,
+        rows,
+        bytes=shard.bytes,
+        seconds=time.monotonic() - started,
+        documents={split: packer.documents for split, packer in packers.items()},
+        utf8_bytes={split: packer.utf8_bytes for split, packer in packers.items()},
+        tokens={split: packer.tokens for split, packer in packers.items()},
+    )
+
+
+def _write_rows(plan: Plan, split: str, rows: Any, into: list[str]) -> int:
+    _write_fragment(plan, split, pa.Table.from_batches([rows_batch(rows, plan.schema)]), into)
+    return len(rows)
 
 
 def _write_full(plan: Plan, split: str, batches: list[pa.RecordBatch], into: list[str]) -> list[pa.RecordBatch]:
@@ -525,6 +629,7 @@ def commit(plan: Plan) -> Committed:
             f"{len(missing)} of {len(plan.shards)} shards are not written yet (first: {missing[0]}); nothing was committed\n"
             "  fix: run the ingest again: it writes only the missing shards, then commits"
         )
+    schemas = _split_schemas(plan, finished.values())
     versions: dict[str, int] = {}
     # Validation first: the training set appearing is what marks the ingest as done.
     for split in sorted(plan.targets(), key=lambda name: name != "val"):
@@ -538,13 +643,82 @@ def commit(plan: Plan) -> Committed:
         if plan.mode == "append" and plan.read_versions[split] is not None:
             operation: Any = lance.LanceOperation.Append(fragments)
         else:
-            operation = lance.LanceOperation.Overwrite(plan.schema, fragments)
+            operation = lance.LanceOperation.Overwrite(schemas[split], fragments)
         dataset = lance.LanceDataset.commit(
             target.uri, operation, read_version=plan.read_versions[split], storage_options=options, max_retries=0
         )
+        if plan.mode == "append" and plan.tokens is not None and plan.read_versions[split] is not None:
+            # the split's figures over all its rows, old and new: one more version, metadata only
+            dataset.update_schema_metadata(_appended_figures(dataset, schemas[split], plan.read_versions[split]), replace=True)
         versions[split] = int(dataset.version)
     records.mark_committed(versions)
     return Committed(versions, rows, skipped)
+
+
+def _split_schemas(plan: Plan, records: Iterable[ShardRecord]) -> dict[str, pa.Schema]:
+    """Each split's schema: the plan's, with a token split's figures (documents, bytes per token)
+    summed over its shards; a token split that fills no sequence is an error before any commit."""
+    if plan.tokens is None:
+        return dict.fromkeys(plan.targets(), plan.schema)
+    records = list(records)
+    schemas = {}
+    for split in plan.targets():
+        rows = sum(record.rows.get(split, 0) for record in records)
+        documents = sum(record.documents.get(split, 0) for record in records)
+        tokens = sum(record.tokens.get(split, 0) for record in records)
+        if not rows:
+            raise too_short(split, tokens, documents, plan.tokens.sequence_length, plan.source_text)
+        utf8_bytes = sum(record.utf8_bytes.get(split, 0) for record in records)
+        schemas[split] = with_split_figures(plan.schema, documents, utf8_bytes, tokens)
+    return schemas
+
+
+def _appended_figures(dataset: Any, added: pa.Schema, read_version: int | None) -> dict[str, str | None]:
+    """Metadata of a token dataset after an append: documents summed, bytes per token weighted by rows."""
+    before = dataset.checkout_version(read_version).schema.metadata or {}
+    after = {key.decode(): value.decode() for key, value in (added.metadata or {}).items()}
+    old_rows = dataset.checkout_version(read_version).count_rows()
+    new_rows = dataset.count_rows() - old_rows
+    key_docs, key_bpt = DOCUMENTS_KEY.decode(), BYTES_PER_TOKEN_KEY.decode()
+    after[key_docs] = str(int(before.get(DOCUMENTS_KEY, b"0")) + int(after[key_docs]))
+    weighted = float(before.get(BYTES_PER_TOKEN_KEY, b"0")) * old_rows + float(after[key_bpt]) * new_rows
+    after[key_bpt] = repr(weighted / max(old_rows + new_rows, 1))
+    values: dict[str, str | None] = dict(after)
+    return values
+
+
+def estimate_rows(plan: Plan) -> dict[str, int]:
+    """Rows per split an ingest will write, before it runs (the dry run's plan): the first shard read
+    up to :data:`SAMPLE_BYTES` (its rows split by key, token plans' text tokenised), scaled by the
+    bytes of the whole source. Never a pass over the source."""
+    shard, total = plan.shards[0], sum(item.bytes for item in plan.shards)
+    sample: list[pa.RecordBatch] = []
+    consumed, whole = 0, True
+    for batch in mapped_batches(plan.source, shard, plan.columns):
+        sample.append(batch)
+        consumed += batch.nbytes
+        if consumed >= SAMPLE_BYTES:
+            whole = False
+            break
+    if whole and shard.bytes:
+        consumed = shard.bytes  # the whole shard was read: its size on the store is exact
+    scale = total / max(consumed, 1)
+    counts = dict.fromkeys(plan.targets(), 0)
+    for key, text in document_texts(sample) if plan.tokens is not None else _sample_keys(sample):
+        split = split_of(key, plan.val_fraction) if plan.val is not None else "train"
+        counts[split] += len(plan.tokenizer.encode(text)) + 1 if plan.tokens is not None and text else 1
+    per_row = plan.tokens.sequence_length if plan.tokens is not None else 1
+    return {split: int(count * scale / per_row) for split, count in counts.items()}
+
+
+def estimate_line(plan: Plan) -> str:
+    rows = estimate_rows(plan)
+    return "rows, estimated from the first shard: " + ", ".join(f"{split} about {count:,}" for split, count in rows.items())
+
+
+def _sample_keys(batches: list[pa.RecordBatch]) -> Iterable[tuple[str, str]]:
+    for batch in batches:
+        yield from ((key, "") for key in row_keys(batch))
 
 
 def shard_summary(plan: Plan, world_size: int) -> list[str]:
@@ -624,6 +798,8 @@ def ingest_shards_command(args: Any, argv: list[str]) -> int:
             max_pixels=args.max_pixels,
             check_targets=not args.worker,
             source_options=source_options(args.source, spec_options),
+            tokens=tokens_of(args.source, args.tokenize, args.tokenizer, args.sequence_length),
+            files_per_shard=args.files_per_shard,
         )
         if args.worker:
             rank, _, world = args.worker.partition("/")
@@ -632,6 +808,7 @@ def ingest_shards_command(args: Any, argv: list[str]) -> int:
         if args.dry_run:
             print("\n".join(shard_summary(plan, args.nproc)))
             print(f"schema: {', '.join(f'{item.name} ({item.type})' for item in plan.schema)}")
+            print(estimate_line(plan))
             return 0
         records = Records.of(plan)
         if records.committed() is None:
@@ -718,7 +895,7 @@ def records_root(train_uri: str) -> str:
     return f"{parent}/.{name}.ingest" if parent else f".{name}.ingest"
 
 
-def progress_lines(source_text: str, train: Target, world_size: int) -> list[str]:
+def progress_lines(source_text: str, train: Target, world_size: int, files_per_shard: int = FILES_PER_SHARD) -> list[str]:
     """How far the latest ingest into ``train`` got, from its shard records (no SLURM, no plan)."""
     store, root = filesystem(records_root(train.uri), train.options)
     try:
@@ -736,7 +913,7 @@ def progress_lines(source_text: str, train: Target, world_size: int) -> list[str
     found = list(records.finished().values())
     committed = records.committed()
     try:
-        shards = list_shards(parse_source(source_text, source_options(source_text, None)))
+        shards = list_shards(parse_source(source_text, source_options(source_text, None), files_per_shard=files_per_shard))
     except UserError:
         shards = []
     total = len(shards) or None

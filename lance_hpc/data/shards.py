@@ -2,20 +2,26 @@
 
 A source names files: ``parquet:<glob>``, ``jsonl:<glob>`` (``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``),
 ``webdataset:<glob of .tar>`` (LAION/DataComp style: the files of one sample share a key, e.g.
-``0001.jpg``, ``0001.cls``, ``0001.json``) or ``hf:<dir>`` (one split of a Hugging Face dataset saved
-with ``save_to_disk``), each local or on an object store (``s3://...``). A shard is one file (an
-Arrow file of a Hugging Face dataset), or one row group of a Parquet file with several, listed in a stable order. Reading a
+``0001.jpg``, ``0001.cls``, ``0001.json``), ``hf:<dir>`` (one split of a Hugging Face dataset saved
+with ``save_to_disk``), ``imagefolder:<dir>`` (one sub-directory per class, each file one image) or
+``text:<glob>`` (each file one document; ``python-stdlib[:max_mb=N]`` is this interpreter's standard
+library), each local or on an object store (``s3://...``). A shard is one file (an Arrow file of a
+Hugging Face dataset), one row group of a Parquet file with several, or a run of
+``files_per_shard`` files of an image folder or a text corpus, listed in a stable order. Reading a
 shard yields Arrow record batches whose columns follow the spec's column mapping: ``image``
-(encoded bytes), ``label`` (int64), ``text`` (string), ``key`` (the sample's key or the file and
-row it came from), and every other field of the source under its own name and Arrow type.
+(encoded bytes), ``label`` (int64), ``text`` (string), ``key`` (the sample's key, the file's path
+under the source's directory, or the file and row it came from), and every other field of the
+source under its own name and Arrow type.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import sysconfig
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -23,11 +29,14 @@ import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
 from lance_hpc.errors import UserError
-from lance_hpc.spec.choices import INGEST_COLUMNS, SHARD_FORMATS, check_registry
+from lance_hpc.spec.choices import INGEST_COLUMNS, SHARD_FORMATS, STDLIB_SOURCE, check_registry
 from lance_hpc.storage.checkpoint_store import filesystem_arguments
 
-FORMATS = ("parquet", "jsonl", "webdataset", "hf")
+FORMATS = ("parquet", "jsonl", "webdataset", "hf", "imagefolder", "text")
 check_registry(FORMATS, SHARD_FORMATS, "data.ingest.source formats")
+# Formats whose shards are runs of small files (one row each) rather than one file each.
+FILE_RUN_FORMATS = ("imagefolder", "text")
+FILES_PER_SHARD = 1000
 # Extensions of a WebDataset sample's image file, in the order one is picked when a sample has several.
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")
 # JSON Lines are parsed in blocks this big; a line must fit in one (base64 images make long lines).
@@ -72,10 +81,11 @@ class Shard:
     """One unit of ingest work: a file, or one row group of a Parquet file."""
 
     id: str  # stable and unique within the source: the path, with #row-group for a part of a Parquet file
-    path: str  # as the file system reads it (no scheme)
+    path: str  # as the file system reads it (no scheme); a run of files: the first one
     format: str
     bytes: int
     row_group: int | None = None
+    files: tuple[str, ...] = ()  # a run of files: each one a row (an image, a document)
 
 
 @dataclass
@@ -86,23 +96,73 @@ class Source:
     pattern: str
     filesystem: pafs.FileSystem = field(repr=False)
     scheme: str = ""  # "s3://" for an object store, "" locally
+    files_per_shard: int = FILES_PER_SHARD
+    max_bytes: int | None = None  # python-stdlib: whole files while their total stays within this
+    classes: tuple[str, ...] = ()  # an image folder's class directories, sorted, once listed
 
     def uri(self, path: str) -> str:
         return f"{self.scheme}{path}"
 
+    @property
+    def base(self) -> str:
+        """The directory the glob starts from: a file's key is its path under it."""
+        if self.format == "imagefolder":
+            return self.pattern.rstrip("/")
+        static = self.pattern.split("*", 1)[0].split("?", 1)[0].split("[", 1)[0]
+        if static == self.pattern:  # one file, or python-stdlib's directory
+            return static.rstrip("/") if self.max_bytes is not None else static.rsplit("/", 1)[0] if "/" in static else "."
+        return static.rsplit("/", 1)[0] if "/" in static else "."
+
+
+# Hash buckets of the validation split: a row is validation when its key's bucket is below the fraction's share.
+SPLIT_BUCKETS = 1_000_000
+
+
+def split_of(key: str, val_fraction: float) -> str:
+    """``val`` or ``train`` for a row's key: the same whatever the number of workers or the order."""
+    digest = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
+    return "val" if digest % SPLIT_BUCKETS < val_fraction * SPLIT_BUCKETS else "train"
+
 
 def is_shard_source(text: str) -> bool:
-    return text.split(":", 1)[0] in FORMATS and ":" in text
+    return (text.split(":", 1)[0] in FORMATS and ":" in text) or text.partition(":")[0] == STDLIB
 
 
-def parse_source(text: str, options: Mapping[str, str] | None = None) -> Source:
+STDLIB = STDLIB_SOURCE
+STDLIB_MAX_MB = 8.0
+# Tests and their data (some deliberately invalid Python), the IDE, the deprecated lib2to3, demos and
+# installed packages: not the library's own code.
+STDLIB_SKIPPED_DIRS = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib", "lib2to3", "turtledemo", "__pycache__"}
+)
+
+
+def parse_source(text: str, options: Mapping[str, str] | None = None, *, files_per_shard: int = FILES_PER_SHARD) -> Source:
     kind, _, pattern = text.partition(":")
+    if kind == STDLIB:
+        directory = sysconfig.get_paths()["stdlib"]
+        return Source("text", directory, pafs.LocalFileSystem(), "", files_per_shard, int(_max_mb(pattern) * 1_000_000))
     if kind not in FORMATS or not pattern:
-        raise UserError(f"source {text!r}: give {' | '.join(f'{name}:<glob>' for name in FORMATS)}")
+        raise UserError(f"source {text!r}: give {' | '.join(f'{name}:<glob>' for name in FORMATS)} | {STDLIB}[:max_mb=N]")
+    if files_per_shard < 1:
+        raise UserError(f"files_per_shard {files_per_shard}: give 1 or more")
     if pattern.startswith("s3://"):
         filesystem = pafs.S3FileSystem(**filesystem_arguments(options or {}))
-        return Source(kind, pattern[len("s3://") :], filesystem, "s3://")
-    return Source(kind, pattern, pafs.LocalFileSystem())
+        return Source(kind, pattern[len("s3://") :], filesystem, "s3://", files_per_shard)
+    return Source(kind, pattern, pafs.LocalFileSystem(), "", files_per_shard)
+
+
+def _max_mb(options: str) -> float:
+    if not options:
+        return STDLIB_MAX_MB
+    key, _, value = options.partition("=")
+    try:
+        max_mb = float(value) if key.strip() == "max_mb" else 0.0
+    except ValueError:
+        max_mb = 0.0
+    if not max_mb > 0:
+        raise UserError(f"{STDLIB} option {options!r}: the only option is max_mb=N (N > 0), e.g. {STDLIB}:max_mb=8")
+    return max_mb
 
 
 def glob_pattern(pattern: str) -> re.Pattern[str]:
@@ -194,8 +254,11 @@ def _hf_shards(source: Source) -> list[Shard]:
     return shards
 
 
-def hf_class_names(source: Source, field_name: str) -> list[str] | None:
-    """The names of a ``ClassLabel`` field of a saved Hugging Face dataset, if it is one."""
+def class_names(source: Source, field_name: str) -> list[str] | None:
+    """The class names of the label: an image folder's class directories, or the names of a
+    ``ClassLabel`` field of a saved Hugging Face dataset."""
+    if source.format == "imagefolder":
+        return list(source.classes) or None
     if source.format != "hf":
         return None
     info = _read_json(source, f"{source.pattern.rstrip('/')}/dataset_info.json") or {}
@@ -204,17 +267,90 @@ def hf_class_names(source: Source, field_name: str) -> list[str] | None:
     return [str(name) for name in names] if names else None
 
 
+def _stdlib_files(source: Source) -> list[pafs.FileInfo]:
+    """The ``.py`` files of this interpreter's standard library, sorted, whole files while their
+    total stays within the source's ``max_bytes``."""
+    assert source.max_bytes is not None
+    infos = source.filesystem.get_file_info(pafs.FileSelector(source.base, recursive=True))
+    found = [
+        info
+        for info in infos
+        if info.type == pafs.FileType.File
+        and info.path.endswith(".py")
+        and not STDLIB_SKIPPED_DIRS & set(info.path[len(source.base) + 1 :].split("/")[:-1])
+    ]
+    taken, total = [], 0
+    for info in sorted(found, key=lambda item: item.path):
+        total += info.size or 0
+        if total > source.max_bytes:
+            break
+        taken.append(info)
+    return taken
+
+
+def file_key(source: Source, path: str) -> str:
+    """A file's key: its path under the source's directory, the same wherever the source is mounted."""
+    return path[len(source.base) + 1 :] if source.base != "." else path
+
+
+def _image_folder_files(source: Source) -> list[pafs.FileInfo]:
+    """An image folder's images (``<dir>/<class>/.../<file>``), the class directories noted on the
+    source, in an order mixed by a hash of each file's key so that classes are mixed in every
+    shard and fragment (contiguous reads see every class), the same order on every run."""
+    try:
+        infos = source.filesystem.get_file_info(pafs.FileSelector(source.base, recursive=True, allow_not_found=True))
+    except OSError as error:
+        raise UserError(f"cannot list {source.uri(source.base)}: {error}") from None
+    images = [
+        info
+        for info in infos
+        if info.type == pafs.FileType.File
+        and "/" in file_key(source, info.path)
+        and not _hidden(file_key(source, info.path))
+        and info.path.rpartition(".")[2].lower() in IMAGE_EXTENSIONS
+    ]
+    if not images:
+        raise UserError(
+            f"imagefolder:{source.uri(source.base)} has no images in class sub-directories (e.g. "
+            f"{source.uri(source.base)}/cat/1.jpg)\n  fix: point it at the folder that holds one directory per class"
+        )
+    source.classes = tuple(sorted({file_key(source, info.path).split("/", 1)[0] for info in images}))
+    return sorted(
+        images, key=lambda info: (hashlib.blake2b(file_key(source, info.path).encode(), digest_size=8).digest(), info.path)
+    )
+
+
+def _file_runs(source: Source, infos: list[pafs.FileInfo]) -> list[Shard]:
+    """Consecutive runs of ``files_per_shard`` files, one shard each."""
+    shards = []
+    for start in range(0, len(infos), source.files_per_shard):
+        run = infos[start : start + source.files_per_shard]
+        paths = tuple(info.path for info in run)
+        shard_id = f"{source.uri(paths[0])}+{len(paths)}"
+        shards.append(Shard(shard_id, paths[0], source.format, sum(info.size or 0 for info in run), files=paths))
+    return shards
+
+
 def list_shards(source: Source) -> list[Shard]:
-    """The source's shards in a stable order (sorted paths; a Parquet file's row groups in order)."""
+    """The source's shards in a stable order (sorted paths; a Parquet file's row groups in order;
+    runs of files of an image folder or a text corpus)."""
     if source.format == "hf":
         return _hf_shards(source)
+    if source.format == "imagefolder":
+        return _file_runs(source, _image_folder_files(source))
+    if source.max_bytes is not None:
+        return _file_runs(source, _stdlib_files(source))
     infos = sorted(_matches(source), key=lambda info: info.path)
+    if source.format == "text":
+        infos = [info for info in infos if not _hidden(file_key(source, info.path))]
     if not infos:
         raise UserError(
             f"{source.format}:{source.uri(source.pattern)} matches no file\n"
             "  fix: check the path and the glob (quote it in a shell so the shell does not expand it)"
         )
     shards: list[Shard] = []
+    if source.format == "text":
+        return _file_runs(source, infos)
     for info in infos:
         if source.format == "parquet":
             try:
@@ -252,7 +388,12 @@ def _raw_batches(source: Source, shard: Shard) -> Iterator[pa.RecordBatch]:
                 row += batch.num_rows
     elif shard.format == "jsonl":
         with _jsonl_stream(source, shard.path) as stream:
-            reader = pajson.open_json(stream, read_options=pajson.ReadOptions(block_size=JSON_BLOCK_BYTES))
+            try:
+                reader = pajson.open_json(stream, read_options=pajson.ReadOptions(block_size=JSON_BLOCK_BYTES))
+            except pa.ArrowInvalid as error:
+                if "Empty JSON stream" in str(error):
+                    return  # an empty file (or one of blank lines) holds no record
+                raise
             for batch in reader:
                 for start in range(0, batch.num_rows, BATCH_ROWS):
                     part = batch.slice(start, BATCH_ROWS)
@@ -265,8 +406,42 @@ def _raw_batches(source: Source, shard: Shard) -> Iterator[pa.RecordBatch]:
                     part = batch.slice(start, BATCH_ROWS)
                     yield _with_row_keys(part, shard.id, row)
                     row += part.num_rows
+    elif shard.format == "imagefolder":
+        yield from _file_batches(source, shard, _image_record)
+    elif shard.format == "text":
+        yield from _file_batches(source, shard, _document_record)
     else:
         yield from _webdataset_batches(source, shard)
+
+
+def _image_record(source: Source, key: str, data: bytes) -> dict[str, Any]:
+    return {"image": data, "label": source.classes.index(key.split("/", 1)[0]), "__key__": key}
+
+
+def _document_record(source: Source, key: str, data: bytes) -> dict[str, Any]:
+    return {"text": data.decode("utf-8", errors="replace"), "__key__": key}
+
+
+# A batch of a run of files holds at most this many bytes (or BATCH_ROWS files).
+FILE_BATCH_BYTES = 16 << 20
+
+
+def _file_batches(
+    source: Source, shard: Shard, record: Callable[[Source, str, bytes], dict[str, Any]]
+) -> Iterator[pa.RecordBatch]:
+    """A run of files, each one record, in batches bounded in rows and bytes."""
+    records: list[dict[str, Any]] = []
+    size = 0
+    for path in shard.files:
+        with source.filesystem.open_input_stream(path) as handle:
+            data = handle.read()
+        records.append(record(source, file_key(source, path), data))
+        size += len(data)
+        if len(records) >= BATCH_ROWS or size >= FILE_BATCH_BYTES:
+            yield pa.RecordBatch.from_pylist(records)
+            records, size = [], 0
+    if records:
+        yield pa.RecordBatch.from_pylist(records)
 
 
 def _with_row_keys(batch: pa.RecordBatch, shard_id: str, first: int) -> pa.RecordBatch:
@@ -469,3 +644,29 @@ def _as_column(column: str, values: pa.Array, where: str, name: str) -> pa.Array
             f"{where}: field {name!r} ({values.type}) cannot become the {column} column ({wanted}): {error}\n"
             f"  fix: map columns.{column} to the right field"
         ) from None
+
+
+def row_keys(batch: pa.RecordBatch) -> list[str]:
+    """Each row's key, ``""`` where the source gives none."""
+    if "key" not in batch.schema.names:
+        return [""] * batch.num_rows
+    return [key or "" for key in batch.column("key").to_pylist()]
+
+
+def document_texts(batches: Iterable[pa.RecordBatch]) -> Iterator[tuple[str, str]]:
+    """``(key, text)`` of each row with text, over mapped batches."""
+    for batch in batches:
+        for key, text in zip(row_keys(batch), batch.column("text").to_pylist()):
+            if text is not None:
+                yield key, text
+
+
+def text_batches(source: Source, shard: Shard, columns: ColumnMap) -> Iterator[pa.RecordBatch]:
+    """The shard's mapped batches, each checked to have a ``text`` column."""
+    for batch in mapped_batches(source, shard, columns):
+        if "text" not in batch.schema.names:
+            raise UserError(
+                f"{source.uri(shard.path)}: no text field to tokenise (its fields: {', '.join(batch.schema.names)})\n"
+                "  fix: map columns.text to the field that holds the documents' text"
+            )
+        yield batch

@@ -4,8 +4,10 @@
 the ``tokenizers`` library reads (GPT-2's, Llama's, one trained here). Its end-of-document id is
 the first of the usual end-of-text special tokens it has; a vocabulary without one gets an extra
 id for it. ``lance-hpc tokenizer train SOURCE OUT.json`` trains a byte-level BPE on a text source
-(``text:<glob>``, ``python-stdlib[:max_mb=N]``), offline, with ``<|endoftext|>`` as its end of
-document, so a cluster with no internet can have a tokenizer fitted to its own corpus.
+(``text:<glob>``, ``python-stdlib[:max_mb=N]``, or the text field of ``parquet:``, ``jsonl:``,
+``hf:`` and ``webdataset:`` sources), offline, with ``<|endoftext|>`` as its end of document, so a
+cluster with no internet can have a tokenizer fitted to its own corpus. With ``--val-fraction``, the
+documents an ingest with that fraction holds out for validation are left out of the training.
 """
 
 from __future__ import annotations
@@ -18,7 +20,15 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from lance_hpc.data.corpus import document_paths
+from lance_hpc.data.shards import (
+    ColumnMap,
+    document_texts,
+    is_shard_source,
+    list_shards,
+    parse_source,
+    split_of,
+    text_batches,
+)
 from lance_hpc.errors import ExitCode, UserError
 
 # End-of-document tokens, in the order one is looked for in a loaded vocabulary.
@@ -55,16 +65,26 @@ def encoder(loaded: object) -> Callable[[str], np.ndarray]:
     return encode
 
 
-def _texts(paths: Sequence[Path]) -> Iterator[str]:
-    for path in paths:
-        try:
-            yield path.read_text(encoding="utf-8", errors="replace")
-        except OSError as error:
-            print(f"skipped {path}: {error}", file=sys.stderr)
+def documents(source_text: str, val_fraction: float = 0.0) -> Iterator[str]:
+    """The text of each document of a source, in its shards' order, leaving out those an ingest
+    with ``val_fraction`` puts in the validation split."""
+    if not is_shard_source(source_text):
+        raise UserError(
+            f"source {source_text!r}: give text:<glob>, python-stdlib[:max_mb=N], or a parquet:, jsonl:, hf: or "
+            "webdataset: source with a text field"
+        )
+    source = parse_source(source_text)
+    for shard in list_shards(source):
+        for key, text in document_texts(text_batches(source, shard, ColumnMap())):
+            if text and not (val_fraction and split_of(key, val_fraction) == "val"):
+                yield text
 
 
-def train(source: str, out: Path, vocab_size: int = DEFAULT_VOCAB, min_frequency: int = 2) -> dict[str, float]:
-    """A byte-level BPE trained on ``source``'s documents, saved to ``out``; returns its figures."""
+def train(
+    source: str, out: Path, vocab_size: int = DEFAULT_VOCAB, min_frequency: int = 2, val_fraction: float = 0.0
+) -> dict[str, float]:
+    """A byte-level BPE trained on ``source``'s documents (less the held-out ones), saved to ``out``;
+    returns its figures."""
     from tokenizers import Tokenizer as HfTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -72,7 +92,11 @@ def train(source: str, out: Path, vocab_size: int = DEFAULT_VOCAB, min_frequency
         raise UserError(f"--vocab-size {vocab_size}: a byte-level BPE needs at least 300 (256 bytes, merges, <|endoftext|>)")
     if out.exists():
         raise UserError(f"{out} exists: a tokenizer is never written over\n  fix: name a new file, or move {out} away")
-    paths = document_paths(source)
+    if not 0.0 <= val_fraction < 1.0:
+        raise UserError(f"--val-fraction {val_fraction}: give a fraction in [0, 1)")
+    count = sum(1 for _ in documents(source, val_fraction))  # the bar's length, and a clear error before training
+    if not count:
+        raise UserError(f"{source} holds no document with text to train on")
     tokenizer = HfTokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -84,15 +108,15 @@ def train(source: str, out: Path, vocab_size: int = DEFAULT_VOCAB, min_frequency
         show_progress=sys.stderr.isatty(),
     )
     started = time.monotonic()
-    tokenizer.train_from_iterator(_texts(paths), trainer=trainer, length=len(paths))
+    tokenizer.train_from_iterator(documents(source, val_fraction), trainer=trainer, length=count)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f".{out.name}.partial")
     tokenizer.save(str(partial))
     partial.rename(out)
-    sample = "".join(_texts(paths[: min(len(paths), 50)]))
+    sample = "".join(text for _, text in zip(range(50), documents(source, val_fraction)))
     tokens = len(tokenizer.encode(sample).ids) if sample else 0
     return {
-        "documents": float(len(paths)),
+        "documents": float(count),
         "vocab_size": float(tokenizer.get_vocab_size()),
         "bytes_per_token": len(sample.encode()) / tokens if tokens else 0.0,
         "seconds": time.monotonic() - started,
@@ -108,15 +132,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     training = commands.add_parser("train", help="train a BPE on a text source and save its tokenizer.json")
-    training.add_argument("source", help="text:<glob> (one document per file) or python-stdlib[:max_mb=N]")
+    training.add_argument(
+        "source",
+        help="text:<glob> (one document per file), python-stdlib[:max_mb=N], or a parquet:/jsonl:/hf:/webdataset: "
+        "source with a text field",
+    )
     training.add_argument("out", help="the tokenizer.json to write (never written over)")
     training.add_argument(
         "--vocab-size", type=int, default=DEFAULT_VOCAB, help=f"tokens in the vocabulary (default {DEFAULT_VOCAB})"
     )
     training.add_argument("--min-frequency", type=int, default=2, help="pairs seen fewer times are not merged (default 2)")
+    training.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.0,
+        help="leave out the documents an ingest with this val_fraction holds out, so validation text stays unseen",
+    )
     args = parser.parse_args(argv)
     try:
-        figures = train(args.source, Path(args.out), args.vocab_size, args.min_frequency)
+        figures = train(args.source, Path(args.out), args.vocab_size, args.min_frequency, args.val_fraction)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return ExitCode.USER_ERROR

@@ -101,7 +101,8 @@ def ingest_lines(spec: JobSpec) -> list[str]:
     """An ingest job's shards written (of how many), rows, skips, the commit or the time left."""
     assert spec.data.ingest is not None  # job: ingest requires it
     train = Target(spec.data.uri, storage_options(spec.data.uri, spec.data.storage_options), "data.uri")
-    found = shard_ingest.progress_lines(spec.data.ingest.source, train, spec.slurm.world_size)
+    ingest = spec.data.ingest
+    found = shard_ingest.progress_lines(ingest.source, train, spec.slurm.world_size, ingest.files_per_shard)
     return [f"  ingest      {found[0]}", *(f"              {line}" for line in found[1:])]
 
 

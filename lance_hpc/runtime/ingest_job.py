@@ -20,6 +20,7 @@ from lance_hpc.data.shard_ingest import (
     ShardRecord,
     commit,
     committed_line,
+    estimate_line,
     plan_for_data,
     run_worker,
     shard_summary,
@@ -101,6 +102,7 @@ def check_ingest(spec: JobSpec) -> str:
     plan = ingest_plan(spec)
     lines = shard_summary(plan, spec.slurm.world_size)
     lines.append(f"columns: {', '.join(f'{item.name} ({item.type})' for item in plan.schema)}")
+    lines.append(estimate_line(plan))
     finished = len(Records.of(plan).finished())
     if finished:
         lines.append(f"{finished} shard(s) already written by an earlier run of this ingest: the job writes the rest")

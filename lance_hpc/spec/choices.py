@@ -25,8 +25,10 @@ EVAL_MODES = ("sharded", "full_scan")
 ON_CORRUPT = ("skip", "fail")
 # job: what each rank runs (lance_hpc.runtime.rank.JOB_KINDS)
 JOB_KINDS = ("train", "ingest")
-# data.ingest.source formats a job: ingest splits into shards (lance_hpc.data.shards.FORMATS)
-SHARD_FORMATS = ("parquet", "jsonl", "webdataset", "hf")
+# data.ingest.source formats a job: ingest splits into shards (lance_hpc.data.shards.FORMATS), each
+# written <format>:<path or glob>; python-stdlib[:max_mb=N] is a text: corpus of this interpreter's library
+SHARD_FORMATS = ("parquet", "jsonl", "webdataset", "hf", "imagefolder", "text")
+STDLIB_SOURCE = "python-stdlib"
 # data.ingest.columns: the columns a source's fields map to (lance_hpc.data.shards.COLUMN_TYPES)
 INGEST_COLUMNS = ("image", "label", "text", "key")
 # slurm.container.runtime (lance_hpc.launch.container.RUNTIMES)

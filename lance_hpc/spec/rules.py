@@ -13,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 
 from lance_hpc.errors import UserError
 from lance_hpc.imports import is_import_path, load_callable
-from lance_hpc.spec.choices import SAMPLERS, SHARD_FORMATS, STYLES
+from lance_hpc.spec.choices import SAMPLERS, SHARD_FORMATS, STDLIB_SOURCE, STYLES
 from lance_hpc.spec.problems import Problem, from_pydantic, section_of
 from lance_hpc.spec.schema import SlurmSpec, TrainSpec, parse_time_limit
 from lance_hpc.storage.checkpoint_store import unsupported
@@ -184,12 +184,15 @@ def cross_field_problems(raw: Mapping[str, Any]) -> list[Problem]:
     if raw.get("job") == "ingest":
         ingest = data.get("ingest")
         source = ingest.get("source") if isinstance(ingest, Mapping) else None
-        if not isinstance(source, str) or source.split(":", 1)[0] not in SHARD_FORMATS:
+        if not isinstance(source, str) or (
+            source.split(":", 1)[0] not in SHARD_FORMATS and source.partition(":")[0] != STDLIB_SOURCE
+        ):
             problems.append(
                 Problem(
                     "data.ingest.source",
                     f"job: ingest splits its source into shards between the ranks, which {source!r} is not",
-                    f"use {', '.join(f'{name}:<glob>' for name in SHARD_FORMATS[:-1])} or hf:<dir>; "
+                    "use parquet:<glob>, jsonl:<glob>, webdataset:<glob>, hf:<dir>, imagefolder:<dir>, text:<glob> or "
+                    f"{STDLIB_SOURCE}; "
                     "other sources are ingested by a training job's start or by lance-hpc ingest",
                 )
             )

@@ -147,13 +147,32 @@ class IngestSpec(_Section):
     source: str = Field(
         ...,
         description="What to ingest when data.uri does not exist yet: sklearn-digits, skimage-photos, "
-        "imagefolder:<dir>, torchvision:<Name>:<root>, text:<glob> or python-stdlib.",
+        "torchvision:<Name>:<root>; or, by shards: imagefolder:<dir>, text:<glob>, python-stdlib, parquet:, jsonl:, "
+        "webdataset:, hf:.",
     )
     val_fraction: float = Field(0.2, ge=0.0, lt=1.0, description="Share of rows written to data.val_uri.")
     rows_per_fragment: int = Field(1024, ge=1, le=MAX_INT, description="Rows per Lance fragment.")
-    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of the train/validation split.")
+    seed: int = Field(
+        0,
+        ge=0,
+        le=MAX_SEED,
+        description="sklearn-digits, skimage-photos, torchvision: seed of the split and row order (sharded sources split "
+        "by a hash of each row's key).",
+    )
     sequence_length: int = Field(256, ge=2, le=MAX_INT, description="Text sources: tokens per training sequence.")
-    tokenizer: str = Field("bytes", description="Text sources: bytes (UTF-8, nothing to download) or pkg.mod:factory.")
+    tokenizer: str = Field(
+        "bytes",
+        description="Text sources: bytes (UTF-8, nothing to download), hf:<tokenizer.json> (e.g. one trained by "
+        "lance-hpc tokenizer train) or pkg.mod:factory.",
+    )
+    tokenize: bool | None = Field(
+        None,
+        description="Pack the source's text into token sequences for a language model: by default yes for text: and "
+        "python-stdlib (no: one row per document), no for other sources (yes: tokenise their text column).",
+    )
+    files_per_shard: int = Field(
+        1000, ge=1, le=MAX_INT, description="imagefolder: and text: sources: files per shard (a worker's unit of work)."
+    )
     overwrite: bool = Field(
         False,
         description=(
