@@ -19,7 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
-from benchmarks import gpu, ingest, local, object_storage, peer_loaders, report
+from benchmarks import gpu, ingest, local, object_storage, peer_loaders, report, text_ingest
 from benchmarks.datasets import DataSetSpec, prepare
 from benchmarks.sections import Context, Section
 from benchmarks.worker import WORKER
@@ -55,12 +55,20 @@ SECTIONS: dict[str, Section] = {
         runs=1,
     ),
     "ingest": Section(
-        "lance-hpc ingest of the photos' JPEG bytes from WebDataset tars and from Parquet with 1, 2 and 4 workers, "
-        "against lance_hpc's single-process imagefolder: ingest and, at 2 workers, MosaicML's MDSWriter + "
+        "lance-hpc ingest of the photos' JPEG bytes from WebDataset tars, Parquet and an image folder with 1, 2 and 4 "
+        "workers, against the one-process write lance_hpc had for image folders and, at 2 workers, MosaicML's MDSWriter + "
         "merge_index and LitData's optimize(): rows/s, CPU and peak memory, and the scaling chart",
         ingest.configs,
         ingest.section_report,
         runs=2,
+    ),
+    "text_ingest": Section(
+        "lance-hpc ingest --tokenize of a JSON Lines corpus built from the standard library's sources, at two sizes "
+        "four times apart, with 1 and 2 workers, byte-level and with a BPE trained here: tokens/s, and each "
+        "worker's peak memory against the corpus size (flat: the corpus grows, the worker does not)",
+        text_ingest.configs,
+        text_ingest.section_report,
+        runs=1,
     ),
     "gpu": Section(
         "ResNet-50 training on one CUDA GPU (bf16, channels-last), fed by the default strategy from local disk "

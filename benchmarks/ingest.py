@@ -2,8 +2,9 @@
 
 The main data set's JPEG bytes, four times over (once with ``--tiny``), copied as WebDataset
 tars, as Parquet files (several row groups each) and as an ImageFolder tree, are ingested by
-``lance-hpc ingest`` with 1, 2 and 4 workers, against the single-process ingest lance_hpc has for
-ImageFolder trees (``imagefolder:``, on the ImageFolder copy), and against the peers that convert
+``lance-hpc ingest`` with 1, 2 and 4 workers, against the single-process ingest lance_hpc had for
+ImageFolder trees before ``imagefolder:`` became a source of many workers (one Lance write of
+every file, on the ImageFolder copy), and against the peers that convert
 in parallel into their own formats with the same worker count: MosaicML streaming's ``MDSWriter`` (one process per worker,
 then ``merge_index``) and LitData's ``optimize()``. Each measurement is a fresh process, timed from
 the command's start to its last commit (or index); rows/s is the rows written over that time.
@@ -32,12 +33,13 @@ from lance_hpc.bench.resources import ResourceSampler
 from lance_hpc.bench.runner import Summary
 
 WORKER_COUNTS = (1, 2, 4)
+SOURCES = ("webdataset", "parquet", "imagefolder")
 REPEAT = 4  # the data set's rows, this many times over (--tiny: once, and 1 and 2 workers only)
 PEER_WORKERS = 2  # the peers are compared at the machine's two cores, with lance_hpc at the same count
 SAMPLES_PER_TAR = 256
 ROWS_PER_GROUP = 256
 GROUPS_PER_FILE = 4
-TODAY = "lance_hpc imagefolder: (1 process)"
+TODAY = "lance_hpc one-process write of an image folder"
 MDS = f"MosaicML MDSWriter + merge_index ({PEER_WORKERS} processes)"
 LITDATA = f"LitData optimize() ({PEER_WORKERS} workers)"
 SCALING_TARGET = 1.8  # 2 workers vs the single-process ingest
@@ -124,9 +126,21 @@ def _tar_samples(path: str) -> Iterator[dict[str, Any]]:
 
 
 def _run_today(config: Measurement, out: Path) -> int:
-    from lance_hpc.data.ingest import ingest
+    """The one-process ingest lance_hpc had for ImageFolder trees: every file read (by a thread
+    pool) in a seeded random order and written by one Lance write, no image checked."""
+    import numpy as np
 
-    return ingest(f"imagefolder:{config.data['source']}", str(out / "train.lance"), rows_per_fragment=1024).train
+    from lance_hpc.data.ingest import write_split
+    from lance_hpc.data.sources import ImageSource
+    from lance_hpc.data.target import COMMAND_LINE_NAMES, Target
+
+    root = Path(config.data["source"])
+    classes = sorted(entry.name for entry in root.iterdir() if entry.is_dir())
+    files = [(path, label) for label, name in enumerate(classes) for path in sorted((root / name).iterdir())]
+    items = ImageSource(str(root), tuple(classes), len(files), lambda index: (files[index][0].read_bytes(), files[index][1]))
+    target = Target(str(out / "train.lance"), {}, COMMAND_LINE_NAMES.train)
+    write_split(items, np.random.default_rng(0).permutation(len(files)), target, rows_per_fragment=1024)
+    return len(files)
 
 
 def _run_lance_hpc(config: Measurement, out: Path) -> int:
@@ -182,7 +196,12 @@ PEER_PACKAGES = {"ingest_mds": "streaming", "ingest_litdata": "litdata"}
 
 
 def measure(config: Measurement) -> Result:
-    """One ingest, timed whole, into a fresh directory that is removed afterwards."""
+    return timed(config, RUNNERS[config.kind])
+
+
+def timed(config: Measurement, run: Callable[[Measurement, Path], int]) -> Result:
+    """One ingest, timed whole, into a fresh directory that is removed afterwards; ``run`` returns
+    the rows (or tokens) it wrote."""
     out = Path(config.data["out"]) / config.label.replace(" ", "_").replace("/", "_").replace(":", "")
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -190,7 +209,7 @@ def measure(config: Measurement) -> Result:
         with ResourceSampler() as resources:
             first = resources.mark()
             started = time.perf_counter()
-            rows = RUNNERS[config.kind](config, out)
+            rows = run(config, out)
             elapsed = time.perf_counter() - started
             last = resources.mark()
     finally:
@@ -225,9 +244,13 @@ def configs(context: Context) -> list[Measurement]:
     found = [
         Measurement(TODAY, "ingest_today", num_workers=1, data={"out": work, "source": str(sources["imagefolder"])}, **common)
     ]
-    for source in ("webdataset", "parquet"):
+    for source in SOURCES:
         path = sources[source]
-        glob = f"{source}:{path}/*.{'tar' if source == 'webdataset' else 'parquet'}"
+        glob = {
+            "webdataset": f"webdataset:{path}/*.tar",
+            "parquet": f"parquet:{path}/*.parquet",
+            "imagefolder": f"imagefolder:{path}",
+        }[source]
         for workers in WORKER_COUNTS[:2] if context.tiny else WORKER_COUNTS:
             found.append(
                 Measurement(
@@ -277,7 +300,7 @@ def section_report(context: Context, summaries: Summaries) -> SectionReport:
         f"{SAMPLES_PER_TAR} per tar, {ROWS_PER_GROUP * GROUPS_PER_FILE} per Parquet file"
     )
     verdicts = []
-    for source in ("webdataset", "parquet"):
+    for source in SOURCES:
         two = found.get(label(source, 2))
         if two and today and today.images_per_s > 0:
             ratio = two.images_per_s / today.images_per_s
@@ -318,7 +341,7 @@ def section_report(context: Context, summaries: Summaries) -> SectionReport:
         source: {
             workers: found[label(source, workers)].images_per_s for workers in WORKER_COUNTS if label(source, workers) in found
         }
-        for source in ("webdataset", "parquet")
+        for source in SOURCES
     }
     return SectionReport(text, markdown, verdicts, charts, {"ingest_scaling": scaling})
 
@@ -331,7 +354,7 @@ def _chart(found: dict[str, Summary], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(7, 4))
-    for source, color in (("webdataset", "#1f77b4"), ("parquet", "#2ca02c")):
+    for source, color in zip(SOURCES, ("#1f77b4", "#2ca02c", "#ff7f0e")):
         points = [
             (workers, found[label(source, workers)].images_per_s) for workers in WORKER_COUNTS if label(source, workers) in found
         ]
