@@ -33,6 +33,7 @@ from lance_hpc.launch.ports import free_port
 from lance_hpc.launch.render import write_job_files
 from lance_hpc.runtime import lease
 from lance_hpc.runtime.environment import SLURM_VARS
+from lance_hpc.runtime.infer_job import check_infer
 from lance_hpc.runtime.ingest_job import check_ingest
 from lance_hpc.runtime.preemption import INTERRUPT_SIGNAL, PREEMPTION_SIGNALS
 from lance_hpc.spec import JobSpec, SweepRun, expand, load_spec
@@ -58,6 +59,8 @@ def run_local(spec_file: str | Path, nproc: int) -> int:
     try:
         if spec.job == "ingest":
             print(check_ingest(spec), flush=True)
+        elif spec.job in ("infer", "evaluate"):
+            print(check_infer(spec), flush=True)
         else:
             data.ensure_dataset(spec.data)
             load_task(spec)  # a column the task needs but the data lacks: one error here, not one per rank
@@ -159,7 +162,9 @@ def wait_for_ranks(ranks: Sequence[subprocess.Popen], stopped_at_once: Callable[
     """Wait for every rank; after the first failure give the others GRACE_S, then kill them."""
     failed: tuple[int, int] | None = None
     deadline = float("inf")
-    while any(process.poll() is None for process in ranks):
+    # every rank polled each time (not any(), which stops at the first one running): a rank that
+    # died is noticed even while rank 0 lives on, waiting for it without a collective to fail in
+    while None in [process.poll() for process in ranks]:
         if stopped_at_once():
             for process in ranks:
                 process.wait()
