@@ -281,21 +281,31 @@ class TrainLoader:
         self._epoch_source.planner = planner
 
 
-class EvalLoader:
-    """Evaluation batches of one rank: ``sharded`` (every row once over all ranks; step counts may
-    differ by one) or ``full_scan`` (every rank all rows), with eval transforms."""
+class RowsLoader:
+    """Batches of the given row ids of ``uri`` at ``version``, in the order given, with the decoder's
+    fields and ``row_id`` (a row the decoder cannot read is replaced as data.on_corrupt says: its
+    ``row_id`` then names the row that replaced it)."""
 
-    def __init__(self, data: DataSpec, decoder: Decoder, rank: int, world_size: int, *, pin_memory: bool = False):
-        if not data.val_uri:
-            raise UserError("data.val_uri is not set: there is no validation set to evaluate on")
-        dataset, options = _open(data, data.val_uri)
+    def __init__(
+        self,
+        data: DataSpec,
+        decoder: Decoder,
+        rank: int,
+        uri: str,
+        version: int | None,
+        batches: list[np.ndarray],
+        *,
+        pin_memory: bool = False,
+    ):
+        dataset, options = _open(data, uri)
+        if version is not None and int(dataset.version) != version:
+            dataset = dataset.checkout_version(version)
         self.dataset_version = int(dataset.version)
-        rows = dataset.count_rows()
-        self.batches = eval_batches(rows, rank, world_size, data.batch_size, data.val_sampler)
-        self.rows = sum(len(batch) for batch in self.batches)
-        reader = _reader(data, data.val_uri, self.dataset_version, options, decoder, rank)
+        self.batches = batches
+        self.rows = sum(len(batch) for batch in batches)
+        reader = _reader(data, uri, self.dataset_version, options, decoder, rank)
         self._loader = data_loader(
-            LanceMapDataset(reader, rows),
+            LanceMapDataset(reader, dataset.count_rows()),
             data,
             pin_memory,
             True,
@@ -318,6 +328,18 @@ class EvalLoader:
                 raise
             self.stats.add(stats)
             yield fields
+
+
+class EvalLoader(RowsLoader):
+    """Evaluation batches of one rank: ``sharded`` (every row once over all ranks; step counts may
+    differ by one) or ``full_scan`` (every rank all rows), with eval transforms."""
+
+    def __init__(self, data: DataSpec, decoder: Decoder, rank: int, world_size: int, *, pin_memory: bool = False):
+        if not data.val_uri:
+            raise UserError("data.val_uri is not set: there is no validation set to evaluate on")
+        rows = _open(data, data.val_uri)[0].count_rows()
+        batches = eval_batches(rows, rank, world_size, data.batch_size, data.val_sampler)
+        super().__init__(data, decoder, rank, data.val_uri, None, batches, pin_memory=pin_memory)
 
 
 class _FixedBatches(torch.utils.data.Sampler):

@@ -24,6 +24,7 @@ from lance_hpc.launch.paths import JobPaths
 from lance_hpc.launch.render import write_job_files
 from lance_hpc.manage.queue import FINAL_STATES, show_job
 from lance_hpc.manage.records import record_submission
+from lance_hpc.runtime.infer_job import check_infer
 from lance_hpc.runtime.ingest_job import check_ingest
 from lance_hpc.runtime.rank import SubmititJob
 from lance_hpc.spec import JobSpec, expand
@@ -58,6 +59,9 @@ def check_data(spec: JobSpec) -> None:
     """Fail before any GPU hour is spent if the job could not open its data."""
     if spec.job == "ingest":
         print(check_ingest(spec))
+        return
+    if spec.job in ("infer", "evaluate"):
+        print(check_infer(spec))
         return
     preflight(spec.data)
     print(f"data preflight ok: {spec.data.uri}" + (f" and {spec.data.val_uri}" if spec.data.val_uri else ""))

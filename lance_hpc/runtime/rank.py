@@ -36,6 +36,7 @@ from lance_hpc.runtime.environment import (
     lost_peer,
     process_group,
 )
+from lance_hpc.runtime.infer_job import run_infer
 from lance_hpc.runtime.ingest_job import run_ingest
 from lance_hpc.runtime.preemption import (
     INTERRUPT_SIGNAL,
@@ -70,6 +71,12 @@ def ingest_job(spec: JobSpec, env: DistEnv, requeue: Requeue, signals: tuple[int
     """``job: ingest``: this rank's shards of the source, and on rank 0 the commit."""
     with Preemption(signals) as preemption:
         return run_ingest(spec, env, preemption, requeue)
+
+
+def infer_job(spec: JobSpec, env: DistEnv, requeue: Requeue, signals: tuple[int, ...]) -> context.Summary:
+    """``job: infer`` / ``job: evaluate``: this rank's fragments through the model, and on rank 0 the commit or the report."""
+    with Preemption(signals) as preemption:
+        return run_infer(spec, env, preemption, requeue)
 
 
 def train_job(spec: JobSpec, env: DistEnv, requeue: Requeue, signals: tuple[int, ...]) -> context.Summary:
@@ -114,6 +121,8 @@ def train_job(spec: JobSpec, env: DistEnv, requeue: Requeue, signals: tuple[int,
 JOBS: dict[str, Callable[[JobSpec, DistEnv, Requeue, tuple[int, ...]], context.Summary]] = {
     "train": train_job,
     "ingest": ingest_job,
+    "infer": infer_job,
+    "evaluate": infer_job,
 }
 check_registry(JOBS, JOB_KINDS, "job")
 

@@ -23,8 +23,10 @@ UNEVEN_MODES = ("drop", "pad")
 EVAL_MODES = ("sharded", "full_scan")
 # data.on_corrupt: a row that cannot be decoded (lance_hpc.data.reader)
 ON_CORRUPT = ("skip", "fail")
-# job: what each rank runs (lance_hpc.runtime.rank.JOB_KINDS)
-JOB_KINDS = ("train", "ingest")
+# job: what each rank runs (lance_hpc.runtime.rank.JOBS)
+JOB_KINDS = ("train", "ingest", "infer", "evaluate")
+# infer.outputs: the Arrow value type of a new column (a vector output becomes a fixed-size list of it)
+OUTPUT_TYPES = ("float16", "float32", "float64", "int32", "int64")
 # data.ingest.source formats a job: ingest splits into shards (lance_hpc.data.shards.FORMATS), each
 # written <format>:<path or glob>; python-stdlib[:max_mb=N] is a text: corpus of this interpreter's library
 SHARD_FORMATS = ("parquet", "jsonl", "webdataset", "hf", "imagefolder", "text")

@@ -29,7 +29,7 @@ from lance_hpc.spec.rules import (
     moved_key_problems,
     task_problems,
 )
-from lance_hpc.spec.schema import CheckpointSpec, JobSpec, LoggingSpec, SlurmSpec
+from lance_hpc.spec.schema import CheckpointSpec, InferSpec, JobSpec, LoggingSpec, SlurmSpec
 from lance_hpc.spec.secrets import secret_problems
 from lance_hpc.spec.sweep import (
     SweepRun,
@@ -64,9 +64,12 @@ PATH_FIELDS: tuple[tuple[str | None, str], ...] = (
     ("slurm", "template"),
     ("task", "name"),
     (None, "entry"),
+    ("infer", "checkpoint"),
+    ("infer", "function"),
+    ("infer", "metrics_file"),
 )
 # Of those, the ones holding import paths: only a file path before the colon is resolved.
-IMPORT_PATH_FIELDS = (("task", "name"), (None, "entry"))
+IMPORT_PATH_FIELDS = (("task", "name"), (None, "entry"), ("infer", "function"))
 
 
 @dataclass(frozen=True)
@@ -298,6 +301,7 @@ _FIELD_DEFAULTS: dict[tuple[str | None, str], Any] = {
     ("checkpoint", "dir"): CheckpointSpec.model_fields["dir"].default,
     ("logging", "tensorboard_dir"): LoggingSpec.model_fields["tensorboard_dir"].default,
     ("slurm", "log_dir"): SlurmSpec.model_fields["log_dir"].default,
+    ("infer", "metrics_file"): InferSpec.model_fields["metrics_file"].default,
 }
 
 

@@ -181,6 +181,7 @@ def cross_field_problems(raw: Mapping[str, Any]) -> list[Problem]:
                 "train with sharded_batch or sharded_fragment; full_scan is for evaluation (data.val_sampler: full_scan)",
             )
         )
+    problems += infer_problems(raw)
     if raw.get("job") == "ingest":
         ingest = data.get("ingest")
         source = ingest.get("source") if isinstance(ingest, Mapping) else None
@@ -239,6 +240,42 @@ def cross_field_problems(raw: Mapping[str, Any]) -> list[Problem]:
 
 # Seconds between a read giving up and its rank leaving: the last attempt, decoding, the step.
 IO_TIMEOUT_MARGIN_S = 30
+
+
+def infer_problems(raw: Mapping[str, Any]) -> list[Problem]:
+    """job: infer and job: evaluate need an infer section naming a model (and, to infer, columns);
+    other jobs do not read one."""
+    job, infer = raw.get("job", "train"), raw.get("infer")
+    if job not in ("infer", "evaluate"):
+        if infer is not None:
+            return [Problem("infer", f"job: {job} does not read it", "set job: infer or job: evaluate, or remove the section")]
+        return []
+    if not isinstance(infer, Mapping):
+        example = "{checkpoint: checkpoints/<training job>, outputs: {embedding: float16, predicted: int64}}"
+        return [Problem("infer", f"job: {job} needs an infer section", f"add infer: {example}")]
+    problems = []
+    if not infer.get("checkpoint") and not infer.get("function"):
+        problems.append(
+            Problem(
+                "infer.checkpoint",
+                "no model to run",
+                "name a training job's checkpoint.dir (its latest checkpoint is read), or infer.function",
+            )
+        )
+    if job == "infer" and not infer.get("outputs"):
+        problems.append(
+            Problem(
+                "infer.outputs",
+                "job: infer writes no column",
+                "name the new columns and their types, e.g. {embedding: float16, predicted: int64}; job: evaluate reports "
+                "metrics without writing",
+            )
+        )
+    if job == "evaluate" and infer.get("outputs"):
+        problems.append(Problem("infer.outputs", "job: evaluate writes no column", "use job: infer to write them"))
+    if job == "evaluate" and not infer.get("checkpoint"):
+        problems.append(Problem("infer.checkpoint", "job: evaluate needs a checkpoint", "name a training job's checkpoint.dir"))
+    return problems
 
 
 def io_timeout_problems(data: Mapping[str, Any], train: Mapping[str, Any]) -> list[Problem]:

@@ -19,6 +19,7 @@ from lance_hpc.spec.choices import (
     INGEST_COLUMNS,
     JOB_KINDS,
     ON_CORRUPT,
+    OUTPUT_TYPES,
     SAMPLERS,
     STYLES,
     UNEVEN_MODES,
@@ -354,12 +355,48 @@ def entry_note(spec: JobSpec) -> str | None:
     )
 
 
+class InferSpec(_Section):
+    checkpoint: str | None = Field(
+        None,
+        description="The model: a training job's checkpoint.dir (its latest checkpoint is read), with this spec's task "
+        "section building the model and decoding the rows as in training.",
+    )
+    function: str | None = Field(
+        None,
+        description="Instead of the task's outputs: your function (my_pkg.infer:predict) taking (model, batch) on the "
+        "device and returning {column: tensor}; model is None without infer.checkpoint.",
+    )
+    outputs: dict[str, str] = Field(
+        default_factory=dict,
+        description="job: infer: the new columns and their value types (float16, float32, float64, int32, int64), e.g. "
+        "{embedding: float16, predicted: int64}; a vector per row becomes a fixed-size list.",
+    )
+    overwrite: bool = Field(
+        False, description="Columns the dataset has already are replaced in a new version (the earlier versions keep them)."
+    )
+    metrics_file: str = Field(
+        "runs/{name}/metrics.json", description="job: evaluate: where the metrics are written as JSON (rank 0)."
+    )
+
+    @field_validator("outputs")
+    @classmethod
+    def check_outputs(cls, outputs: dict[str, str]) -> dict[str, str]:
+        unknown = sorted({kind for kind in outputs.values() if kind not in OUTPUT_TYPES})
+        if unknown:
+            raise ValueError(f"{', '.join(unknown)}: an output's type is one of {', '.join(OUTPUT_TYPES)}")
+        bad = sorted(name for name in outputs if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", name))
+        if bad:
+            raise ValueError(f"{', '.join(bad)}: a column name is letters, digits and _, not starting with a digit")
+        return outputs
+
+
 class JobSpec(_Section):
     name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="Job name.")
     job: str = Field(
         "train",
-        description="What the ranks run: train (the built-in loop, or entry), or ingest (data.ingest's parquet:, jsonl:, "
-        "webdataset: or hf: source into data.uri, its shards split between the ranks, one commit at the end).",
+        description="What the ranks run: train (the built-in loop, or entry); ingest (data.ingest's source into data.uri, "
+        "its shards split between the ranks, one commit at the end); infer (a model over data.uri, new columns "
+        "per fragment, one commit); evaluate (a checkpoint's metrics on data.uri).",
     )
     slurm: SlurmSpec = Field(default_factory=SlurmSpec, description="Resources and submission.")
     data: DataSpec = Field(..., description="Dataset and loading strategy.")
@@ -372,6 +409,7 @@ class JobSpec(_Section):
         description="Script mode: your entry's own settings (ctx.options), checked against its Options model when it has one.",
     )
     train: TrainSpec = Field(default_factory=TrainSpec, description="Optimisation.")
+    infer: InferSpec | None = Field(None, description="job: infer and job: evaluate: the model and the new columns.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoints.")
     logging: LoggingSpec = Field(default_factory=LoggingSpec, description="TensorBoard and progress.")
     sweep: dict[str, list[Any]] = Field(

@@ -63,6 +63,8 @@ class Dataset(Protocol):
 
     def to_table(self, columns: Any = None) -> pa.Table: ...
 
+    def drop_columns(self, columns: list[str]) -> None: ...
+
 
 @dataclass
 class ReadStats:

@@ -153,6 +153,14 @@ class Task(ABC, Generic[OptionsT]):
         """Reported values (``{prefix}/loss``, ...) from all-reduced sums; ``seconds`` is the
         wall time the sums took, for rates (None for evaluation)."""
 
+    # What infer() can write as columns (job: infer's infer.outputs), each one value or a vector per row.
+    outputs: ClassVar[tuple[str, ...]] = ()
+
+    def infer(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
+        """Per-row outputs of the model on a batch on the device, by name (each of :attr:`outputs`),
+        every tensor's first dimension the batch's rows; a task without outputs has none to write."""
+        raise TaskError(type(self).__name__, ["this task has no outputs to write; give infer.function instead"])
+
     def headline(self, metrics: dict[str, float]) -> str:
         """One line on validation results, e.g. ``accuracy: 0.9944 (loss 0.0243)``."""
         main = f"val/{self.headline_metric}" if f"val/{self.headline_metric}" in metrics else "val/loss"

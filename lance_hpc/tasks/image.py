@@ -214,6 +214,29 @@ class ImageClassification(Task[ImageOptions]):
         samples = max(sums["samples"], 1.0)
         return {f"{prefix}/loss": sums["loss_sum"] / samples, f"{prefix}/accuracy": sums["correct"] / samples}
 
+    # embedding: the input of the model's last linear layer (the penultimate features); score: the
+    # top class's softmax probability; loss: each row's cross-entropy against its label
+    outputs = ("embedding", "logits", "predicted", "score", "loss")
+
+    def infer(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
+        head = [module for module in model.modules() if isinstance(module, nn.Linear)]
+        if not head:
+            raise TaskError("image_classification", ["the model has no linear layer, so no penultimate features to embed"])
+        features: list[torch.Tensor] = []
+        hook = head[-1].register_forward_pre_hook(lambda module, args: features.append(args[0]))
+        try:
+            logits = model(batch["image"])
+        finally:
+            hook.remove()
+        probabilities = torch.softmax(logits.float(), dim=1)
+        return {
+            "embedding": features[-1].flatten(1),
+            "logits": logits,
+            "predicted": logits.argmax(dim=1),
+            "score": probabilities.max(dim=1).values,
+            "loss": nn.functional.cross_entropy(logits.float(), batch["label"], reduction="none"),
+        }
+
 
 def class_names(info: DatasetInfo, label_column: str) -> list[str]:
     """Class names from the schema metadata that ingest writes; else "0".."max label"."""

@@ -1,0 +1,195 @@
+"""Inference and evaluation jobs: a trained checkpoint over a dataset's fragments on local ranks,
+new typed columns in row order committed once, the image files untouched, resume after a killed
+rank, columns that exist refused (or replaced in a new version), a dataset that moved on reported,
+an evaluation's metrics, and S3 through the loopback server."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import lance
+import numpy as np
+import pyarrow as pa
+import pytest
+import yaml
+
+from lance_hpc.data import ensure_dataset
+from lance_hpc.data.loader import RowsLoader
+from lance_hpc.runtime.environment import detect, select_device
+from lance_hpc.runtime.infer_job import load_model
+from lance_hpc.spec import DataSpec, IngestSpec, load_spec
+from tests.support.jobs import BASE_SPEC, REPO_ROOT, Digits, train_here, write_spec
+from tests.support.ranks import launch, rank_pid, read_until
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Digits, Path]:
+    """The digits in fragments of 64 rows (the validation set: 6 fragments) and a checkpoint of one epoch."""
+    root = tmp_path_factory.mktemp("infer")
+    dataset = Digits(str(root / "train.lance"), str(root / "val.lance"))
+    ingest = IngestSpec(source="sklearn-digits", val_fraction=0.2, rows_per_fragment=64, seed=0)
+    ensure_dataset(DataSpec(uri=dataset.train, val_uri=dataset.val, ingest=ingest))
+    spec = write_spec(root / "train", dataset, train={"epochs": 1})
+    assert train_here(spec).status == "completed"
+    return dataset, root / "train" / "checkpoints"
+
+
+def infer_spec(tmp_path: Path, uri: str, checkpoint: Path, job: str = "infer", **infer: object) -> Path:
+    raw = {
+        "name": "digits_infer",
+        "job": job,
+        "slurm": {"tasks_per_node": 2, "log_dir": str(tmp_path / "logs")},
+        "data": {"uri": uri, "batch_size": 32, "num_workers": 0},
+        "task": BASE_SPEC["task"],
+        "checkpoint": {"dir": str(tmp_path / "checkpoints")},
+        "logging": {"tensorboard_dir": str(tmp_path / "runs"), "progress": False},
+        "infer": {"checkpoint": str(checkpoint), **infer},
+    }
+    path = tmp_path / f"{job}.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+def copy_of(uri: str, tmp_path: Path) -> str:
+    target = tmp_path / "data.lance"
+    shutil.copytree(uri, target)
+    return str(target)
+
+
+def run_local(spec: Path) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "lance_hpc.submit", str(spec), "--local"]
+    return subprocess.run(
+        command, capture_output=True, text=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    )
+
+
+def data_files(uri: str) -> dict[str, int]:
+    return {path.name: path.stat().st_size for path in (Path(uri) / "data").glob("*.lance")}
+
+
+OUTPUTS = {"embedding": "float16", "predicted": "int64", "score": "float32", "logits": "float32", "loss": "float64"}
+
+
+def test_two_ranks_write_typed_columns_in_row_order_once_and_leave_the_images_alone(trained, tmp_path: Path) -> None:
+    dataset, checkpoint = trained
+    uri = copy_of(dataset.val, tmp_path)
+    before = data_files(uri)
+    spec = infer_spec(tmp_path, uri, checkpoint, outputs=OUTPUTS)
+    dry = subprocess.run([sys.executable, "-m", "lance_hpc.submit", str(spec), "--dry-run"], capture_output=True, text=True)
+    assert dry.returncode == 0 and "359 rows in 6 fragments" in dry.stdout, dry.stdout + dry.stderr
+    done = run_local(spec)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("committed:") == 1 and "for 359 rows" in done.stdout
+    table = lance.dataset(uri)
+    assert table.version == 2
+    types = {field.name: field.type for field in table.schema}
+    assert types["embedding"] == pa.list_(pa.float16(), 128) and types["logits"] == pa.list_(pa.float32(), 10)
+    assert (types["predicted"], types["score"], types["loss"]) == (pa.int64(), pa.float32(), pa.float64())
+    # the same model over the rows in order, in this process: the columns are each row's own
+    loaded = load_spec(spec).spec
+    from lance_hpc.data import load_task
+
+    task = load_task(loaded)
+    model = load_model(loaded, task, select_device(detect({})))
+    rows = np.arange(table.count_rows())
+    loader = RowsLoader(loaded.data, task.decoder(train=False), 0, uri, 1, [rows[i : i + 50] for i in range(0, len(rows), 50)])
+    import torch
+
+    with torch.inference_mode():
+        expected = [task.infer(model, task.to_device(batch, torch.device("cpu"))) for batch in loader]
+    predicted = np.concatenate([batch["predicted"].numpy() for batch in expected])
+    embedding = np.concatenate([batch["embedding"].numpy() for batch in expected])
+    written = table.to_table(columns=["predicted", "embedding", "label"])
+    assert (written.column("predicted").to_numpy() == predicted).all()
+    found = np.stack(written.column("embedding").to_numpy(zero_copy_only=False)).astype(np.float32)
+    assert np.allclose(found, embedding, rtol=1e-2, atol=1e-2)
+    assert (predicted == written.column("label").to_numpy()).mean() > 0.8
+    # the image files are the same files; the new ones hold only the new columns
+    after = data_files(uri)
+    assert {name: after[name] for name in before} == before
+    per_row = 128 * 2 + 8 + 4 + 10 * 4 + 8
+    assert sum(size for name, size in after.items() if name not in before) < 1.5 * per_row * 359
+    # run again: already committed, nothing written
+    again = run_local(spec)
+    assert again.returncode == 0 and "already committed" in again.stdout and lance.dataset(uri).version == 2
+
+
+def test_a_killed_rank_resumes_with_only_its_missing_fragments_and_equals_an_uninterrupted_run(trained, tmp_path: Path) -> None:
+    dataset, checkpoint = trained
+    uri = copy_of(dataset.val, tmp_path)
+    spec = infer_spec(tmp_path, uri, checkpoint, outputs={"predicted": "int64"}, function="tests.support.infer:slow_predict")
+    first = launch(spec)
+    read_until(first, "rank 1: fragment")
+    os.kill(rank_pid(first, 1), signal.SIGKILL)
+    first.wait(timeout=120)
+    assert first.returncode != 0
+    with pytest.raises(ValueError):
+        lance.dataset(uri).to_table(columns=["predicted"])  # nothing committed
+    done = run_local(spec)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "rank 1: 2 fragment(s) written, 1 written before" in done.stdout, done.stdout
+    whole = copy_of(dataset.val, tmp_path / "whole")
+    assert run_local(infer_spec(tmp_path / "whole", whole, checkpoint, outputs={"predicted": "int64"})).returncode == 0
+    assert lance.dataset(uri).to_table(columns=["predicted"]) == lance.dataset(whole).to_table(columns=["predicted"])
+
+
+def test_an_existing_column_is_refused_then_replaced_in_a_new_version_when_asked(trained, tmp_path: Path) -> None:
+    dataset, checkpoint = trained
+    uri = copy_of(dataset.val, tmp_path)
+    spec = infer_spec(
+        tmp_path, uri, None, outputs={"label": "int64", "twice": "int64"}, function="tests.support.infer:label_twice"
+    )  # type: ignore[arg-type]
+    raw = yaml.safe_load(spec.read_text())
+    raw["infer"].pop("checkpoint")
+    spec.write_text(yaml.safe_dump(raw))
+    refused = run_local(spec)
+    assert refused.returncode == 2 and "already has the column(s) label" in refused.stderr and "infer.overwrite" in refused.stderr
+    raw["infer"]["outputs"] = {"twice": "int64"}
+    spec.write_text(yaml.safe_dump(raw))
+    assert run_local(spec).returncode == 0
+    table = lance.dataset(uri).to_table(columns=["label", "twice"])
+    assert (table.column("twice").to_numpy() == 2 * table.column("label").to_numpy()).all()
+    again = run_local(spec)  # the same job again: its run is committed, nothing is written
+    assert again.returncode == 0 and "already committed" in again.stdout and lance.dataset(uri).version == 2
+    raw["infer"]["overwrite"] = True
+    spec.write_text(yaml.safe_dump(raw))
+    version = lance.dataset(uri).version
+    assert run_local(spec).returncode == 0
+    assert lance.dataset(uri).version == version + 2  # the column dropped, then written again
+    assert "twice" in lance.dataset(uri, version=version).schema.names
+
+
+def test_a_dataset_that_moved_on_is_reported_and_nothing_is_mixed(trained, tmp_path: Path) -> None:
+    dataset, checkpoint = trained
+    uri = copy_of(dataset.val, tmp_path)
+    spec = infer_spec(tmp_path, uri, checkpoint, outputs={"predicted": "int64"}, function="tests.support.infer:slow_predict")
+    first = launch(spec)
+    read_until(first, "rank 1: fragment")
+    os.kill(rank_pid(first, 1), signal.SIGKILL)
+    first.wait(timeout=120)
+    more = lance.dataset(uri).to_table().slice(0, 10)
+    lance.write_dataset(more, uri, mode="append")  # another writer adds rows meanwhile
+    done = run_local(spec)
+    assert done.returncode != 0
+    assert "changed since this job began" in done.stdout + done.stderr and "were not committed" in done.stdout + done.stderr
+    assert "predicted" not in lance.dataset(uri).schema.names
+
+
+def test_an_evaluation_job_reports_the_checkpoint_metrics_to_the_terminal_tensorboard_and_json(trained, tmp_path: Path) -> None:
+    dataset, checkpoint = trained
+    spec = infer_spec(tmp_path, dataset.val, checkpoint, job="evaluate", metrics_file=str(tmp_path / "metrics.json"))
+    done = run_local(spec)
+    assert done.returncode == 0, done.stdout + done.stderr
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["rows"] == 359 and 0.8 < metrics["metrics"]["eval/accuracy"] <= 1.0
+    assert f"accuracy {metrics['metrics']['eval/accuracy']:.4f}" in done.stdout
+    assert any((tmp_path / "runs").glob("events.out.tfevents.*"))
+    assert "predicted" not in lance.dataset(dataset.val).schema.names
