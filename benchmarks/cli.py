@@ -64,7 +64,7 @@ SECTIONS: dict[str, Section] = {
     ),
     "text_ingest": Section(
         "lance-hpc ingest --tokenize of a JSON Lines corpus built from the standard library's sources, at two sizes "
-        "four times apart, with 1 and 2 workers, byte-level and with a BPE trained here: tokens/s, and each "
+        "ten times apart, with 1 and 2 workers, byte-level and with a BPE trained here: tokens/s, and each "
         "worker's peak memory against the corpus size (flat: the corpus grows, the worker does not)",
         text_ingest.configs,
         text_ingest.section_report,

@@ -1,10 +1,10 @@
 """The text ingest section: tokens per second, and each worker's peak memory against the corpus size.
 
 A JSON Lines corpus is built from this interpreter's standard library sources (every ``.py`` file a
-document with an id), repeated under new ids until it reaches a size, at two sizes four times apart.
+document with an id), repeated under new ids until it reaches a size, at two sizes ten times apart.
 ``lance-hpc ingest jsonl:... --tokenize`` tokenises it with 1 and 2 workers (UTF-8 bytes, and a BPE
 trained here by ``lance-hpc tokenizer train``) and packs 1,024-token sequences. Memory is bounded
-when the largest worker's peak RSS stays the same at four times the corpus: the corpus, not the
+when the largest worker's peak RSS stays the same at ten times the corpus: the corpus, not the
 worker, grows.
 """
 
@@ -24,7 +24,7 @@ from lance_hpc.bench.configs import Measurement, Result
 from lance_hpc.bench.runner import Summary
 
 SEQUENCE_LENGTH = 1024
-SIZES_MB = (64, 256)  # --tiny: a sixteenth of each
+SIZES_MB = (256, 2560)  # --tiny: a sixty-fourth of each
 FILE_MB = 16  # the corpus's JSON Lines files (each a shard)
 BPE_VOCAB = 4096
 RSS_LIMIT_MIB = 1024  # the largest worker's peak, whatever the corpus size
@@ -93,7 +93,7 @@ def measure(config: Measurement) -> Result:
 
 
 def _sizes(context: Context) -> tuple[int, ...]:
-    return tuple(max(size // 16, 1) for size in SIZES_MB) if context.tiny else SIZES_MB
+    return tuple(max(size // 64, 1) for size in SIZES_MB) if context.tiny else SIZES_MB
 
 
 def configs(context: Context) -> list[Measurement]:
