@@ -19,7 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
-from benchmarks import gpu, ingest, local, object_storage, peer_loaders, report, text_ingest
+from benchmarks import gpu, infer, ingest, local, object_storage, peer_loaders, report, text_ingest
 from benchmarks.datasets import DataSetSpec, prepare
 from benchmarks.sections import Context, Section
 from benchmarks.worker import WORKER
@@ -69,6 +69,14 @@ SECTIONS: dict[str, Section] = {
         text_ingest.configs,
         text_ingest.section_report,
         runs=1,
+    ),
+    "infer": Section(
+        "job: infer on one local rank over the photos (a small CNN at 64 px, embedding and predicted written back as "
+        "new columns) against the same data pipeline alone and against a hand-written loop that rewrites the table: "
+        "images/s, and the bytes each wrote against the new columns' size",
+        infer.configs,
+        infer.section_report,
+        runs=2,
     ),
     "gpu": Section(
         "ResNet-50 training on one CUDA GPU (bf16, channels-last), fed by the default strategy from local disk "

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
-from benchmarks import ingest, text_ingest
+from benchmarks import infer, ingest, text_ingest
 from benchmarks.gpu import TrainStep, synthetic_batches
 from benchmarks.pipelines import build_pipeline, import_modules
 from benchmarks.s3_server import CounterWindow
@@ -40,7 +40,11 @@ PIPELINES = _worker.Pipelines(
     prepare=import_modules,
     train_step=train_step,
     store_window=store_window,
-    whole={**dict.fromkeys(ingest.RUNNERS, ingest.measure), **dict.fromkeys(text_ingest.RUNNERS, text_ingest.measure)},
+    whole={
+        **dict.fromkeys(ingest.RUNNERS, ingest.measure),
+        **dict.fromkeys(text_ingest.RUNNERS, text_ingest.measure),
+        **dict.fromkeys(infer.RUNNERS, infer.measure),
+    },
 )
 
 

@@ -69,6 +69,7 @@ class Result:
     store: dict[str, float] = field(default_factory=dict)  # the S3 server's counters over the window (s3_server)
     data_wait_share: float = 0.0  # with train_model: the window's share spent waiting for the next batch
     device_name: str = ""  # with train_model: the device it trained on (torch's name of the GPU)
+    bytes_written: int = 0  # what a measurement that writes (an inference job, a rewrite) added on disk
     error: str = ""
 
     @classmethod

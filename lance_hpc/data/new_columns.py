@@ -31,7 +31,10 @@ import pyarrow.fs as pafs
 
 from lance_hpc.data.target import filesystem
 from lance_hpc.errors import UserError
+from lance_hpc.spec import JobSpec
+from lance_hpc.storage.checkpoint_index import latest
 from lance_hpc.storage.datasets import open_dataset
+from lance_hpc.storage.options import storage_options
 
 # How often a rank waits for rank 0's pinned version, and for how long at most.
 WAIT_S, WAIT_LIMIT_S = 0.5, 600.0
@@ -205,6 +208,47 @@ def start(uri: str, options: dict[str, str], outputs: dict[str, str], run: str, 
         fragments.append(Fragment(fragment.fragment_id, start_row, rows))
         start_row += rows
     return ColumnPlan(uri, options, version, fragments, outputs, run)
+
+
+def model_name(spec: JobSpec) -> str:
+    """What names the model in the run: the checkpoint directory and its latest step (a newer
+    checkpoint is a new run), or the function; read from names only, nothing loaded."""
+    assert spec.infer is not None
+    if spec.infer.checkpoint is None:
+        return f"function {spec.infer.function}"
+    saved = latest(spec.infer.checkpoint)
+    if saved is None:
+        raise UserError(
+            f"infer.checkpoint {spec.infer.checkpoint} holds no checkpoint\n"
+            "  fix: name the checkpoint.dir of a training job that has saved one (lance-hpc status shows it)"
+        )
+    return f"{spec.infer.checkpoint} step {saved.step}" + (f" with {spec.infer.function}" if spec.infer.function else "")
+
+
+def run_records(spec: JobSpec, model: str) -> tuple[str, Records]:
+    """The run's folder beside the dataset, named by the dataset, the columns, the model and the job."""
+    assert spec.infer is not None
+    options = storage_options(spec.data.uri, spec.data.storage_options)
+    key = run_key(spec.data.uri, spec.infer.outputs, f"{model} overwrite={spec.infer.overwrite}", spec.job)
+    run = f"{records_root(spec.data.uri)}/{key}"
+    return run, Records(run, options)
+
+
+def progress_lines(spec: JobSpec) -> list[str]:
+    """How far an inference or evaluation job got, from its records (for lance-hpc status)."""
+    try:
+        _, records = run_records(spec, model_name(spec))
+    except UserError as error:
+        return [str(error).splitlines()[0]]
+    found = records.finished()
+    pinned, committed = records.pinned(), records.committed()
+    if pinned is None:
+        return ["not started: no version pinned yet"]
+    rows = sum(record.rows for record in found.values())
+    lines = [f"{len(found)} fragment(s) written ({rows:,} rows) of version {pinned}"]
+    if committed is not None:
+        lines.append(f"committed: version {committed}")
+    return lines
 
 
 # ---- one fragment's columns ---------------------------------------------------------------------

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from lance_hpc.data import shard_ingest
+from lance_hpc.data import new_columns, shard_ingest
 from lance_hpc.data.target import Target
 from lance_hpc.manage import (
     logs,
@@ -69,8 +69,9 @@ def report(ref: JobRef, job: queue.SlurmJob | None) -> list[str]:
         texts = [_read(path) for path in job_logs.files]
         outcome = progress.outcome_from_log(texts[0], "".join(texts[1:]))
         lines.append(f"  ended       {outcome or 'the log does not say how'}")
-    if spec.job == "ingest":
-        lines += ingest_lines(spec)
+    if spec.job in ("ingest", "infer", "evaluate"):
+        found = ingest_lines(spec) if spec.job == "ingest" else new_columns.progress_lines(spec)
+        lines += [f"  {spec.job:<11} {found[0]}", *(f"              {line}" for line in found[1:])]
         lines.append(f"  log         {job_logs.files[0]}")
         return lines
     saved = checkpoint_index.latest(spec.checkpoint.dir)  # names and manifests only: nothing is loaded
@@ -102,8 +103,7 @@ def ingest_lines(spec: JobSpec) -> list[str]:
     assert spec.data.ingest is not None  # job: ingest requires it
     train = Target(spec.data.uri, storage_options(spec.data.uri, spec.data.storage_options), "data.uri")
     ingest = spec.data.ingest
-    found = shard_ingest.progress_lines(ingest.source, train, spec.slurm.world_size, ingest.files_per_shard)
-    return [f"  ingest      {found[0]}", *(f"              {line}" for line in found[1:])]
+    return shard_ingest.progress_lines(ingest.source, train, spec.slurm.world_size, ingest.files_per_shard)
 
 
 def time_left_text(spec: JobSpec, step: int, seconds_per_step: float | None) -> str:

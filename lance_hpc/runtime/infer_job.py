@@ -36,7 +36,6 @@ from lance_hpc.runtime.environment import DistEnv, configure_process, select_dev
 from lance_hpc.runtime.metrics import build_logger
 from lance_hpc.runtime.preemption import Preemption, Requeue, after_preemption
 from lance_hpc.spec import JobSpec
-from lance_hpc.storage.checkpoint_index import latest
 from lance_hpc.storage.datasets import open_dataset
 from lance_hpc.storage.options import storage_options
 from lance_hpc.tasks import ROW_ID, Task
@@ -46,30 +45,6 @@ from lance_hpc.tasks.base import Batch
 POLL_S = 2.0
 
 Infer = Callable[[nn.Module | None, Batch], dict[str, torch.Tensor]]
-
-
-def model_name(spec: JobSpec) -> str:
-    """What names the model in the run: the checkpoint directory and its latest step (a newer
-    checkpoint is a new run), or the function; read from names only, nothing loaded."""
-    assert spec.infer is not None
-    if spec.infer.checkpoint is None:
-        return f"function {spec.infer.function}"
-    saved = latest(spec.infer.checkpoint)
-    if saved is None:
-        raise UserError(
-            f"infer.checkpoint {spec.infer.checkpoint} holds no checkpoint\n"
-            "  fix: name the checkpoint.dir of a training job that has saved one (lance-hpc status shows it)"
-        )
-    return f"{spec.infer.checkpoint} step {saved.step}" + (f" with {spec.infer.function}" if spec.infer.function else "")
-
-
-def run_records(spec: JobSpec, model: str) -> tuple[str, Records]:
-    """The run's folder beside the dataset, named by the dataset, the columns, the model and the job."""
-    assert spec.infer is not None
-    options = storage_options(spec.data.uri, spec.data.storage_options)
-    key = new_columns.run_key(spec.data.uri, spec.infer.outputs, f"{model} overwrite={spec.infer.overwrite}", spec.job)
-    run = f"{new_columns.records_root(spec.data.uri)}/{key}"
-    return run, Records(run, options)
 
 
 def load_model(spec: JobSpec, task: Task, device: torch.device) -> nn.Module | None:
@@ -103,8 +78,8 @@ def run_infer(spec: JobSpec, env: DistEnv, preemption: Preemption, requeue: Requ
     evaluating = spec.job == "evaluate"
     device = select_device(env)
     configure_process(spec.train.seed, False, env, device)
-    name = model_name(spec)
-    run, records = run_records(spec, name)
+    name = new_columns.model_name(spec)
+    run, records = new_columns.run_records(spec, name)
     if records.committed() is not None:
         if env.is_main:
             print(f"already committed: {spec.data.uri} version {records.committed()} ({name}); nothing to do", flush=True)
@@ -121,9 +96,9 @@ def run_infer(spec: JobSpec, env: DistEnv, preemption: Preemption, requeue: Requ
             f"over {env.world_size} rank(s)",
             flush=True,
         )
-        latest = plan.dataset().latest_version
-        if latest != plan.version:
-            print(f"  note: the dataset is at version {latest} now; this run goes on reading version {plan.version}", flush=True)
+        newest = plan.dataset().latest_version
+        if newest != plan.version:
+            print(f"  note: the dataset is at version {newest} now; this run goes on reading version {plan.version}", flush=True)
     done, already = _work(spec, env, plan, records, mine, task, model, infer_function(spec, task), preemption, device)
     print(
         f"rank {env.rank}: {len(done)} fragment(s) written, {len(already)} written before, {len(mine) - len(done) - len(already)} left",
@@ -311,8 +286,8 @@ def check_infer(spec: JobSpec) -> str:
     assert spec.infer is not None
     options = storage_options(spec.data.uri, spec.data.storage_options)
     dataset = open_dataset(spec.data.uri, None, options)
-    model = model_name(spec)
-    run, records = run_records(spec, model)
+    model = new_columns.model_name(spec)
+    run, records = new_columns.run_records(spec, model)
     if records.committed() is not None:
         return f"already committed by an earlier run of this job: {spec.data.uri} version {records.committed()} ({model})"
     if spec.job == "infer" and records.pinned() is None:
