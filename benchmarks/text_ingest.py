@@ -24,7 +24,7 @@ from lance_hpc.bench.configs import Measurement, Result
 from lance_hpc.bench.runner import Summary
 
 SEQUENCE_LENGTH = 1024
-SIZES_MB = (256, 2560)  # --tiny: a sixty-fourth of each
+SIZES_MB = (320, 3200)  # --tiny: a sixty-fourth of each
 FILE_MB = 16  # the corpus's JSON Lines files (each a shard)
 BPE_VOCAB = 4096
 RSS_LIMIT_MIB = 1024  # the largest worker's peak, whatever the corpus size
