@@ -35,13 +35,6 @@ def test_storage_options_take_credentials_from_the_environment_and_never_overrid
     assert redact("key AKID secret SECRET", options) == "key *** secret ***"
 
 
-@pytest.fixture
-def s3_env(s3_server, monkeypatch):
-    for key, value in s3_server.env.items():
-        monkeypatch.setenv(key, value)
-    return s3_server
-
-
 def s3_spec(server, name, **fields):
     defaults = dict(storage_options=server.storage_options, batch_size=32, num_workers=0)
     return DataSpec(uri=server.uri(f"{name}.lance"), val_uri=server.uri(f"{name}_val.lance"), **(defaults | fields))

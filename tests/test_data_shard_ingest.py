@@ -171,14 +171,6 @@ def test_a_worker_process_that_fails_fails_the_ingest_and_keeps_what_others_wrot
         lance.dataset(str(tmp_path / "t.lance"))
 
 
-@pytest.fixture
-def s3_env(s3_server, monkeypatch):
-    """The valid key in the environment, as a job's: worker processes inherit it."""
-    for key, value in s3_server.env.items():
-        monkeypatch.setenv(key, value)
-    return s3_server
-
-
 @pytest.mark.s3
 def test_ingest_from_and_to_s3(tmp_path: Path, s3_env, capsys) -> None:
     import pyarrow.fs as pafs
@@ -257,8 +249,17 @@ def test_an_ingest_job_takes_only_sources_written_by_shards(tmp_path: Path) -> N
     job.write_text(f"name: x\njob: ingest\ndata: {{uri: {tmp_path / 't.lance'}, ingest: {{source: sklearn-digits}}}}\n")
     with pytest.raises(SpecError, match="data.ingest.source: job: ingest splits its source into shards"):
         load_spec(job)
+    job.write_text(f"name: x\njob: export\ndata: {{uri: {tmp_path / 't.lance'}}}\n")
+    with pytest.raises(SpecError, match="train, ingest, infer, evaluate"):
+        load_spec(job)
     job.write_text(f"name: x\njob: infer\ndata: {{uri: {tmp_path / 't.lance'}}}\n")
-    with pytest.raises(SpecError, match="train, ingest"):
+    with pytest.raises(SpecError, match="infer: job: infer needs an infer section"):
+        load_spec(job)
+    job.write_text(f"name: x\njob: evaluate\ndata: {{uri: {tmp_path / 't.lance'}}}\ninfer: {{outputs: {{p: int64}}}}\n")
+    with pytest.raises(SpecError, match=r"(?s)infer.checkpoint: no model to run.*infer.outputs: job: evaluate writes no column"):
+        load_spec(job)
+    job.write_text(f"name: x\ndata: {{uri: {tmp_path / 't.lance'}}}\ninfer: {{checkpoint: c, outputs: {{p: int8}}}}\n")
+    with pytest.raises(SpecError, match=r"(?s)int8: an output's type is one of.*infer: job: train does not read it"):
         load_spec(job)
 
 

@@ -53,6 +53,7 @@ def infer_spec(tmp_path: Path, uri: str, checkpoint: Path, job: str = "infer", *
         "logging": {"tensorboard_dir": str(tmp_path / "runs"), "progress": False},
         "infer": {"checkpoint": str(checkpoint), **infer},
     }
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / f"{job}.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
@@ -73,6 +74,14 @@ def run_local(spec: Path) -> subprocess.CompletedProcess:
 
 def data_files(uri: str) -> dict[str, int]:
     return {path.name: path.stat().st_size for path in (Path(uri) / "data").glob("*.lance")}
+
+
+def kill_rank_1_after_its_first_fragment(spec: Path) -> None:
+    """Two local ranks; rank 1 killed once it has recorded a fragment: the launcher fails the job."""
+    launcher = launch(spec)
+    read_until(launcher, "rank 1: fragment")
+    os.kill(rank_pid(launcher, 1), signal.SIGKILL)
+    assert launcher.wait(timeout=120) != 0
 
 
 OUTPUTS = {"embedding": "float16", "predicted": "int64", "score": "float32", "logits": "float32", "loss": "float64"}
@@ -126,11 +135,7 @@ def test_a_killed_rank_resumes_with_only_its_missing_fragments_and_equals_an_uni
     dataset, checkpoint = trained
     uri = copy_of(dataset.val, tmp_path)
     spec = infer_spec(tmp_path, uri, checkpoint, outputs={"predicted": "int64"}, function="tests.support.infer:slow_predict")
-    first = launch(spec)
-    read_until(first, "rank 1: fragment")
-    os.kill(rank_pid(first, 1), signal.SIGKILL)
-    first.wait(timeout=120)
-    assert first.returncode != 0
+    kill_rank_1_after_its_first_fragment(spec)
     with pytest.raises(ValueError):
         lance.dataset(uri).to_table(columns=["predicted"])  # nothing committed
     done = run_local(spec)
@@ -171,10 +176,7 @@ def test_a_dataset_that_moved_on_is_reported_and_nothing_is_mixed(trained, tmp_p
     dataset, checkpoint = trained
     uri = copy_of(dataset.val, tmp_path)
     spec = infer_spec(tmp_path, uri, checkpoint, outputs={"predicted": "int64"}, function="tests.support.infer:slow_predict")
-    first = launch(spec)
-    read_until(first, "rank 1: fragment")
-    os.kill(rank_pid(first, 1), signal.SIGKILL)
-    first.wait(timeout=120)
+    kill_rank_1_after_its_first_fragment(spec)
     more = lance.dataset(uri).to_table().slice(0, 10)
     lance.write_dataset(more, uri, mode="append")  # another writer adds rows meanwhile
     done = run_local(spec)
@@ -193,3 +195,58 @@ def test_an_evaluation_job_reports_the_checkpoint_metrics_to_the_terminal_tensor
     assert f"accuracy {metrics['metrics']['eval/accuracy']:.4f}" in done.stdout
     assert any((tmp_path / "runs").glob("events.out.tfevents.*"))
     assert "predicted" not in lance.dataset(dataset.val).schema.names
+
+
+@pytest.mark.s3
+def test_columns_written_to_a_dataset_on_s3_equal_the_same_job_on_local_disk(trained, tmp_path: Path, s3_env) -> None:
+    dataset, checkpoint = trained
+    options = {**s3_env.storage_options, "access_key_id": s3_env.access_key_id, "secret_access_key": s3_env.secret_access_key}
+    uri = s3_env.uri("infer/val.lance")
+    lance.write_dataset(lance.dataset(dataset.val).to_table(), uri, max_rows_per_file=64, storage_options=options)
+    spec = infer_spec(tmp_path, uri, checkpoint, outputs={"predicted": "int64", "score": "float32"})
+    raw = yaml.safe_load(spec.read_text())
+    raw["data"]["storage_options"] = s3_env.storage_options
+    spec.write_text(yaml.safe_dump(raw))
+    done = run_local(spec)
+    assert done.returncode == 0, done.stdout + done.stderr
+    local = copy_of(dataset.val, tmp_path / "local")
+    assert (
+        run_local(
+            infer_spec(tmp_path / "local", local, checkpoint, outputs={"predicted": "int64", "score": "float32"})
+        ).returncode
+        == 0
+    )
+    remote = lance.dataset(uri, storage_options=options)
+    assert remote.version == 2
+    assert remote.to_table(columns=["predicted"]) == lance.dataset(local).to_table(columns=["predicted"])
+
+
+def test_a_filter_writes_values_for_its_rows_only_and_evaluates_only_them(trained, tmp_path: Path) -> None:
+    dataset, checkpoint = trained
+    uri = str(tmp_path / "sorted.lance")
+    table = lance.dataset(dataset.val).to_table().sort_by("label")  # the first fragments hold low labels only
+    lance.write_dataset(table, uri, max_rows_per_file=64)
+    spec = infer_spec(tmp_path, uri, checkpoint, outputs={"twice": "int64"}, function="tests.support.infer:label_twice")
+    raw = yaml.safe_load(spec.read_text())
+    raw["infer"]["filter"] = "label >= 5"
+    spec.write_text(yaml.safe_dump(raw))
+    done = run_local(spec)
+    assert done.returncode == 0, done.stdout + done.stderr
+    chosen = int((table.column("label").to_numpy() >= 5).sum())
+    assert f"for {chosen:,} rows" in done.stdout and f"{chosen:,} of 359 rows (infer.filter)" in done.stdout
+    written = lance.dataset(uri).to_table(columns=["label", "twice"]).to_pylist()
+    assert all(row["twice"] == 2 * row["label"] if row["label"] >= 5 else row["twice"] is None for row in written)
+    evaluation = infer_spec(tmp_path / "eval", uri, checkpoint, job="evaluate", metrics_file=str(tmp_path / "m.json"))
+    raw = yaml.safe_load(evaluation.read_text())
+    raw["infer"]["filter"] = "label = 3"
+    evaluation.write_text(yaml.safe_dump(raw))
+    assert run_local(evaluation).returncode == 0
+    assert json.loads((tmp_path / "m.json").read_text())["rows"] == int((table.column("label").to_numpy() == 3).sum())
+    raw["infer"]["filter"] = "nope > 1"
+    evaluation.write_text(yaml.safe_dump(raw))
+    refused = run_local(evaluation)
+    assert (
+        refused.returncode == 2
+        and "infer.filter 'nope > 1' does not run on" in refused.stderr
+        and "Traceback" not in refused.stderr
+    )

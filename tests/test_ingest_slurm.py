@@ -1,9 +1,10 @@
 """Ingest as a job on the real two-node SLURM test cluster: a rank killed before its shards are
-written fails the job; the requeued job writes only the missing shards and commits once, and the
+written, or in the middle of one, fails the job; the requeued job writes only the missing shards and commits once, and the
 dataset equals, row for row, a single-worker ingest of the same source on this machine."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import lance
 import pytest
 
 from lance_hpc.data.ingest import main as ingest_main
+from lance_hpc.data.shard_ingest import Records, plan_for_data
 from lance_hpc.launch.paths import JobPaths
 from lance_hpc.manage.queue import FINAL_STATES
 from lance_hpc.spec import JobSpec, load_spec
@@ -130,3 +132,59 @@ def test_usr2_stops_the_ingest_at_a_shard_boundary_and_requeues_it(tmp_path: Pat
     signal_steps(environ(slurm_cluster), job_id)
     log = assert_finished_like_local(tmp_path, slurm_cluster, job_id, out)
     assert "ingest stopped with 6/12 shards written; requeued" in log, log
+
+
+def test_a_rank_killed_in_the_middle_of_a_shard_is_redone_whole_on_requeue(tmp_path: Path, slurm_cluster: SlurmCluster) -> None:
+    """Rank 0's one big shard is being written (fragments on disk, no record yet) when the rank is
+    killed: the requeued job writes that shard again, the commit takes only recorded fragments, and
+    the dataset equals a single-worker local ingest row for row."""
+    rows = digit_rows(1200)
+    write_webdataset(tmp_path / "wds", rows[:1100], per_tar=1100)  # shard 0: rank 0's, written in 55 fragments
+    write_webdataset(tmp_path / "small", rows[1100:], per_tar=100)
+    (tmp_path / "wds" / "shard-0001.tar").write_bytes((tmp_path / "small" / "shard-0000.tar").read_bytes())
+    source = f"webdataset:{tmp_path}/wds/*.tar"
+    assert ingest_main([source, str(tmp_path / "local.lance"), "--rows-per-fragment", "20"]) == 0
+    (tmp_path / "job.yaml").write_text(
+        f"""
+name: ingest_mid
+job: ingest
+slurm: {{partition: {slurm_cluster.partition}, nodes: 2, tasks_per_node: 1, cpus_per_task: 1, time: "00:10:00",
+        max_requeues: 2, log_dir: {tmp_path / "logs"}}}
+data:
+  uri: {tmp_path / "cluster.lance"}
+  ingest: {{source: "{source}", rows_per_fragment: 20}}
+"""
+    )
+    spec = load_spec(tmp_path / "job.yaml").spec
+    records = Records.of(plan_for_data(spec.data, check_targets=False))
+    assert plan_for_data(spec.data, check_targets=False).assignment(2) == [[0], [1]]
+    job_id = sbatch(slurm_cluster, spec)
+    rank0 = rank_process(str(JobPaths.of(spec).spec_file), 0)
+    data = tmp_path / "cluster.lance" / "data"
+    deadline = time.monotonic() + 120
+    while not (data.is_dir() and len(list(data.glob("*.lance"))) >= 8):  # rank 1's shard, and rank 0's first fragments
+        assert time.monotonic() < deadline, "rank 0 never started writing its shard"
+        time.sleep(0.01)
+    os.kill(rank0, signal.SIGSTOP)
+    finished = records.finished()
+    recorded = {
+        json.loads(text)["files"][0]["path"]
+        for record in finished.values()
+        for texts in record.fragments.values()
+        for text in texts
+    }
+    written = {path.name for path in data.glob("*.lance")}
+    assert 0 not in finished and written - recorded, (sorted(finished), len(written))  # in the middle of shard 0
+    os.kill(rank0, signal.SIGKILL)
+    fields = wait_until(slurm_cluster, job_id, lambda f: f.get("JobState") in FINAL_STATES, 120)
+    assert fields["JobState"] != "COMPLETED", fields
+    subprocess.run(["scontrol", "requeue", job_id], env=environ(slurm_cluster), check=True)
+    fields = wait_until(
+        slurm_cluster, job_id, lambda f: f.get("JobState") in FINAL_STATES and int(f.get("Restarts", 0)) >= 1, 300
+    )
+    log = (Path(spec.slurm.log_dir) / f"{spec.name}-{job_id}.out").read_text()
+    assert fields["JobState"] == "COMPLETED", log
+    assert "rank 0: 1 shard(s) written, 0 written before" in log and "rank 1: 0 shard(s) written, 1 written before" in log, log
+    dataset = lance.dataset(str(tmp_path / "cluster.lance"))
+    assert dataset.version == 1 and dataset.count_rows() == 1200
+    assert dataset.to_table().to_pylist() == lance.dataset(str(tmp_path / "local.lance")).to_table().to_pylist()

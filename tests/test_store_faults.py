@@ -259,13 +259,6 @@ def write_rows(uri: str, fragments: int, rows: int, options: dict[str, str] | No
     return uri
 
 
-@pytest.fixture
-def s3_env(s3_server, monkeypatch):
-    for key, value in s3_server.env.items():
-        monkeypatch.setenv(key, value)
-    return s3_server
-
-
 def s3_options(server) -> dict[str, str]:
     return dict(server.storage_options, access_key_id=server.access_key_id, secret_access_key=server.secret_access_key)
 

@@ -19,17 +19,14 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import os
 import time
-import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.fs as pafs
 
-from lance_hpc.data.target import filesystem
+from lance_hpc.data.units import UnitRecords, balanced
 from lance_hpc.errors import UserError
 from lance_hpc.spec import JobSpec
 from lance_hpc.storage.checkpoint_index import latest
@@ -71,26 +68,32 @@ class ColumnPlan:
     fragments: list[Fragment]
     outputs: dict[str, str]
     run: str  # the run's folder: records and the pin
+    # with a filter: the offsets within each fragment of the rows it selects; a fragment that selects
+    # none reads its first row as a probe (its outputs' shapes), all of whose outputs are null
+    selected: dict[int, np.ndarray] | None = None
+    probes: frozenset[int] = frozenset()
 
     def assignment(self, world_size: int) -> list[list[int]]:
-        """Fragment indices per rank: the biggest first, each to the rank with the fewest rows so
-        far (ties to the lowest rank); each rank's list in dataset order."""
-        loads = [0] * world_size
-        mine: list[list[int]] = [[] for _ in range(world_size)]
-        for index in sorted(range(len(self.fragments)), key=lambda i: (-self.fragments[i].rows, i)):
-            rank = min(range(world_size), key=lambda r: (loads[r], r))
-            loads[rank] += max(self.fragments[index].rows, 1)
-            mine[rank].append(index)
-        return [sorted(indices) for indices in mine]
+        """Fragment indices per rank, balanced by rows (:func:`~lance_hpc.data.units.balanced`)."""
+        return balanced([fragment.rows for fragment in self.fragments], world_size)
 
     def batches(self, indices: Iterable[int], batch_size: int) -> list[np.ndarray]:
         """The row offsets of these fragments in batches that never cross a fragment's end."""
         found = []
         for index in indices:
             fragment = self.fragments[index]
-            for start in range(0, fragment.rows, batch_size):
-                found.append(np.arange(fragment.start + start, fragment.start + min(start + batch_size, fragment.rows)))
+            offsets = self.offsets(index) + fragment.start
+            found += [offsets[start : start + batch_size] for start in range(0, len(offsets), batch_size)]
         return found
+
+    def offsets(self, index: int) -> np.ndarray:
+        """The offsets within fragment ``index`` of the rows read: every row, or the filter's (or its probe)."""
+        if self.selected is None:
+            return np.arange(self.fragments[index].rows)
+        return self.selected[index]
+
+    def rows_selected(self, index: int) -> int:
+        return 0 if index in self.probes else len(self.offsets(index))
 
     def dataset(self) -> Any:
         return open_dataset(self.uri, self.version, self.options)
@@ -107,58 +110,25 @@ def run_key(uri: str, outputs: Mapping[str, str], model: str, job: str) -> str:
     return hashlib.blake2b(identity.encode(), digest_size=8).hexdigest()
 
 
-class Records:
+class Records(UnitRecords[FragmentRecord]):
     """The finished fragments of one run, a small JSON file each, and its pin and commit."""
 
     def __init__(self, run: str, options: Mapping[str, str]) -> None:
-        self.store, self.path = filesystem(run, options)
-
-    def _write(self, name: str, payload: dict[str, Any]) -> None:
-        """One PUT on an object store; locally a temporary file renamed into place."""
-        self.store.create_dir(self.path, recursive=True)
-        final = f"{self.path}/{name}"
-        partial = f"{final}.{os.getpid()}-{uuid.uuid4().hex[:8]}.partial"
-        with self.store.open_output_stream(partial) as handle:
-            handle.write(json.dumps(payload).encode())
-        self.store.move(partial, final)
-
-    def _read(self, name: str) -> Any:
-        try:
-            with self.store.open_input_stream(f"{self.path}/{name}") as handle:
-                return json.loads(handle.read())
-        except (FileNotFoundError, OSError):
-            return None
-
-    def finished(self, known: dict[int, FragmentRecord] | None = None) -> dict[int, FragmentRecord]:
-        """Every recorded fragment by its index in the plan; those in ``known`` are not read again."""
-        try:
-            infos = self.store.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
-        except OSError:
-            return dict(known or {})
-        found = {}
-        for info in infos:
-            name = info.base_name
-            if info.type == pafs.FileType.File and name.startswith("fragment-") and name.endswith(".json"):
-                index = int(name[len("fragment-") : -len(".json")])
-                found[index] = known[index] if known and index in known else FragmentRecord(**self._read(name))
-        return found
-
-    def write(self, index: int, record: FragmentRecord) -> None:
-        self._write(f"fragment-{index:06d}.json", asdict(record))
+        super().__init__(run, options, "fragment", FragmentRecord)
 
     def pinned(self) -> int | None:
-        found = self._read("started.json")
+        found = self.read_json("started.json")
         return int(found["version"]) if found else None
 
     def pin(self, version: int) -> None:
-        self._write("started.json", {"version": version})
+        self.write_json("started.json", {"version": version})
 
     def committed(self) -> int | None:
-        found = self._read("committed.json")
+        found = self.read_json("committed.json")
         return int(found["version"]) if found else None
 
     def mark_committed(self, version: int) -> None:
-        self._write("committed.json", {"version": version})
+        self.write_json("committed.json", {"version": version})
 
 
 def existing_columns(schema: pa.Schema, outputs: Mapping[str, str]) -> list[str]:
@@ -181,7 +151,16 @@ def check_columns(dataset: Any, uri: str, outputs: Mapping[str, str], overwrite:
         )
 
 
-def start(uri: str, options: dict[str, str], outputs: dict[str, str], run: str, *, main: bool, overwrite: bool) -> ColumnPlan:
+def start(
+    uri: str,
+    options: dict[str, str],
+    outputs: dict[str, str],
+    run: str,
+    *,
+    main: bool,
+    overwrite: bool,
+    filter: str | None = None,
+) -> ColumnPlan:
     """The run's plan. Rank 0 pins the version at the first start (dropping the columns an
     overwrite replaces: a new version); the other ranks wait for the pin."""
     records = Records(run, options)
@@ -201,13 +180,70 @@ def start(uri: str, options: dict[str, str], outputs: dict[str, str], run: str, 
             raise UserError(f"rank 0 did not pin the dataset version of {uri} within {WAIT_LIMIT_S:.0f} s: see its log")
         time.sleep(WAIT_S)
         version = records.pinned()
+    return plan_at(uri, options, version, outputs, run, filter)
+
+
+def plan_at(
+    uri: str, options: dict[str, str], version: int, outputs: dict[str, str], run: str, filter: str | None = None
+) -> ColumnPlan:
+    """The plan over ``version``'s fragments (and the rows ``filter`` selects in each)."""
     dataset = open_dataset(uri, version, options)
     fragments, start_row = [], 0
     for fragment in dataset.get_fragments():
         rows = fragment.count_rows()
         fragments.append(Fragment(fragment.fragment_id, start_row, rows))
         start_row += rows
-    return ColumnPlan(uri, options, version, fragments, outputs, run)
+    plan = ColumnPlan(uri, options, version, fragments, outputs, run)
+    if filter:
+        plan.selected, plan.probes = select(dataset, fragments, filter, uri)
+    return plan
+
+
+def select(dataset: Any, fragments: list[Fragment], filter: str, uri: str) -> tuple[dict[int, np.ndarray], frozenset[int]]:
+    """Each fragment's offsets of the rows ``filter`` selects (by their row addresses: fragment id
+    and offset); a fragment selecting none gets its first row as a probe."""
+    try:
+        addresses = dataset.to_table(columns=[], filter=filter, with_row_address=True).column("_rowaddr").to_numpy()
+    except (ValueError, OSError) as error:
+        reason = str(error).split(",")[0]
+        raise UserError(
+            f"infer.filter {filter!r} does not run on {uri}: {reason}\n  fix: a Lance SQL predicate over its columns"
+        ) from None
+    if not len(addresses):
+        raise UserError(f"infer.filter {filter!r} selects no row of {uri}\n  fix: loosen the predicate, or leave it out")
+    ids, offsets = (addresses >> 32).astype(np.int64), (addresses & 0xFFFFFFFF).astype(np.int64)
+    selected, probes = {}, set()
+    for index, fragment in enumerate(fragments):
+        mine = np.sort(offsets[ids == fragment.id])
+        if not len(mine):
+            mine = np.zeros(1, np.int64)
+            probes.add(index)
+        selected[index] = mine
+    return selected, frozenset(probes)
+
+
+def expand(
+    batches: Iterable[tuple[Mapping[str, np.ndarray], np.ndarray, np.ndarray]], rows: int, kinds: Mapping[str, str]
+) -> Iterator[pa.RecordBatch]:
+    """Output batches of the rows read (outputs, valid, offsets in the fragment) as batches over
+    every row of the fragment, in order: a row not read (outside the filter) is null."""
+    cursor, shapes = 0, {}
+    for outputs, valid, offsets in batches:
+        shapes = {name: (value.shape[1:], value.dtype) for name, value in outputs.items()}
+        end = int(offsets[-1]) + 1
+        if end - cursor == len(offsets):  # contiguous: the rows as they came
+            yield output_batch(outputs, kinds, valid)
+        else:
+            spread = {name: np.zeros((end - cursor, *value.shape[1:]), value.dtype) for name, value in outputs.items()}
+            known = np.zeros(end - cursor, bool)
+            for name, value in outputs.items():
+                spread[name][offsets - cursor] = value
+            known[offsets - cursor] = valid
+            yield output_batch(spread, kinds, known)
+        cursor = end
+    if cursor < rows:
+        empty = {name: np.zeros((rows - cursor, *shape), dtype) for name, (shape, dtype) in shapes.items()}
+        yield output_batch(empty, kinds, np.zeros(rows - cursor, bool))
 
 
 def model_name(spec: JobSpec) -> str:
@@ -229,7 +265,9 @@ def run_records(spec: JobSpec, model: str) -> tuple[str, Records]:
     """The run's folder beside the dataset, named by the dataset, the columns, the model and the job."""
     assert spec.infer is not None
     options = storage_options(spec.data.uri, spec.data.storage_options)
-    key = run_key(spec.data.uri, spec.infer.outputs, f"{model} overwrite={spec.infer.overwrite}", spec.job)
+    key = run_key(
+        spec.data.uri, spec.infer.outputs, f"{model} overwrite={spec.infer.overwrite} filter={spec.infer.filter}", spec.job
+    )
     run = f"{records_root(spec.data.uri)}/{key}"
     return run, Records(run, options)
 

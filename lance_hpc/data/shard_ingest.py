@@ -28,7 +28,6 @@ import os
 import subprocess
 import sys
 import time
-import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -69,6 +68,7 @@ from lance_hpc.data.target import (
     targets,
 )
 from lance_hpc.data.text import BYTES_PER_TOKEN_KEY, DOCUMENTS_KEY, KIND_KEY, Tokenizer, load_tokenizer
+from lance_hpc.data.units import UnitRecords, balanced
 from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.storage.datasets import dataset_exists, open_dataset
 from lance_hpc.storage.options import storage_options
@@ -127,15 +127,8 @@ class Plan:
         return {"train": self.train, **({"val": self.val} if self.val is not None else {})}
 
     def assignment(self, world_size: int) -> list[list[int]]:
-        """Shard indices per worker: biggest first, each to the worker with the fewest bytes so far
-        (ties to the lowest rank); each worker's list in plan order."""
-        loads = [0] * world_size
-        mine: list[list[int]] = [[] for _ in range(world_size)]
-        for index in sorted(range(len(self.shards)), key=lambda i: (-self.shards[i].bytes, i)):
-            worker = min(range(world_size), key=lambda w: (loads[w], w))
-            loads[worker] += max(self.shards[index].bytes, 1)
-            mine[worker].append(index)
-        return [sorted(indices) for indices in mine]
+        """Shard indices per worker, balanced by bytes (:func:`~lance_hpc.data.units.balanced`)."""
+        return balanced([shard.bytes for shard in self.shards], world_size)
 
     @property
     def records(self) -> str:
@@ -367,55 +360,22 @@ def _checked(
 # ---- records ------------------------------------------------------------------------------------
 
 
-class Records:
+class Records(UnitRecords[ShardRecord]):
     """The finished shards of one plan, one small JSON file each, beside the training dataset."""
 
     def __init__(self, uri: str, options: Mapping[str, str]) -> None:
-        self.store, self.path = filesystem(uri, options)
+        super().__init__(uri, options, "shard", ShardRecord)
 
     @classmethod
     def of(cls, plan: Plan) -> Records:
         return cls(plan.records, plan.train.options)
 
-    def _file(self, index: int) -> str:
-        return f"{self.path}/shard-{index:06d}.json"
-
-    def finished(self, known: dict[int, ShardRecord] | None = None) -> dict[int, ShardRecord]:
-        """Every recorded shard by index; records already in ``known`` are not read again."""
-        try:
-            infos = self.store.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
-        except OSError:
-            return dict(known or {})
-        found = {}
-        for info in infos:
-            name = info.base_name
-            if info.type == pafs.FileType.File and name.startswith("shard-") and name.endswith(".json"):
-                index = int(name[len("shard-") : -len(".json")])
-                if known is not None and index in known:
-                    found[index] = known[index]
-                    continue
-                with self.store.open_input_stream(info.path) as handle:
-                    found[index] = ShardRecord(**json.loads(handle.read()))
-        return found
-
-    def write(self, index: int, record: ShardRecord) -> None:
-        """One PUT on an object store; locally a temporary file renamed into place: never half a record."""
-        self.store.create_dir(self.path, recursive=True)
-        final, partial = self._file(index), f"{self._file(index)}.{os.getpid()}-{uuid.uuid4().hex[:8]}.partial"
-        with self.store.open_output_stream(partial) as handle:
-            handle.write(json.dumps(asdict(record)).encode())
-        self.store.move(partial, final)
-
     def committed(self) -> dict[str, int] | None:
-        try:
-            with self.store.open_input_stream(f"{self.path}/committed.json") as handle:
-                return json.loads(handle.read())
-        except (FileNotFoundError, OSError):
-            return None
+        found = self.read_json("committed.json")
+        return dict(found) if found is not None else None
 
     def mark_committed(self, versions: dict[str, int]) -> None:
-        with self.store.open_output_stream(f"{self.path}/committed.json") as handle:
-            handle.write(json.dumps(versions).encode())
+        self.write_json("committed.json", versions)
 
 
 # ---- one worker ---------------------------------------------------------------------------------

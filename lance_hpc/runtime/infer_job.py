@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
-import pyarrow as pa
 import torch
 from torch import nn
 
@@ -87,7 +86,15 @@ def run_infer(spec: JobSpec, env: DistEnv, preemption: Preemption, requeue: Requ
     task = data.load_task(spec)
     model = load_model(spec, task, device)
     options = storage_options(spec.data.uri, spec.data.storage_options)
-    plan = new_columns.start(spec.data.uri, options, spec.infer.outputs, run, main=env.is_main, overwrite=spec.infer.overwrite)
+    plan = new_columns.start(
+        spec.data.uri,
+        options,
+        spec.infer.outputs,
+        run,
+        main=env.is_main,
+        overwrite=spec.infer.overwrite,
+        filter=spec.infer.filter,
+    )
     mine = plan.assignment(env.world_size)[env.rank]
     if env.is_main:
         what = "evaluate" if evaluating else f"infer {', '.join(spec.infer.outputs)}"
@@ -164,12 +171,14 @@ def _work(
             break
         fragment = plan.fragments[index]
         expected = iter(plan.batches([index], spec.data.batch_size))
-        rows = _fragment_batches(batches, expected, task, model, infer, spec, device)
+        rows = _fragment_batches(batches, expected, fragment.start, index in plan.probes, task, model, infer, spec, device)
         if spec.job == "evaluate":
             record = _evaluate_fragment(index, plan, rows)
         else:
-            record = new_columns.write_fragment(plan, index, _arrow_batches(rows, spec.infer.outputs if spec.infer else {}))
+            kinds = spec.infer.outputs if spec.infer else {}
+            record = new_columns.write_fragment(plan, index, new_columns.expand(rows, fragment.rows, kinds))
             record.unreadable = rows.unreadable
+        record.rows = plan.rows_selected(index)
         records.write(index, record)
         done.append(index)
         print(f"rank {env.rank}: fragment {fragment.id}: {fragment.rows:,} rows in {record.seconds:.1f} s", flush=True)
@@ -180,18 +189,23 @@ class _Rows:
     """A fragment's batches through the model: per batch, the outputs (numpy) and which rows were
     readable (a row the decoder could not read was replaced by another: its outputs are null)."""
 
-    def __init__(self, source: Iterator[tuple[dict[str, np.ndarray], np.ndarray]]) -> None:
-        self.source, self.unreadable = source, 0
+    def __init__(self, source: Iterator[tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]], probe: bool) -> None:
+        self.source, self.unreadable, self.probe = source, 0, probe
 
-    def __iter__(self) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray]]:
-        for outputs, valid in self.source:
-            self.unreadable += int((~valid).sum())
-            yield outputs, valid
+    def __iter__(self) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]]:
+        for outputs, valid, offsets in self.source:
+            if self.probe:  # read for the outputs' shapes only: every value null
+                valid = np.zeros_like(valid)
+            else:
+                self.unreadable += int((~valid).sum())
+            yield outputs, valid, offsets
 
 
 def _fragment_batches(
     batches: Iterator[Batch],
     expected: Iterator[np.ndarray],
+    start: int,
+    probe: bool,
     task: Task,
     model: nn.Module | None,
     infer: Infer,
@@ -200,7 +214,7 @@ def _fragment_batches(
 ) -> _Rows:
     evaluating = spec.job == "evaluate"
 
-    def produce() -> Iterator[tuple[dict[str, np.ndarray], np.ndarray]]:
+    def produce() -> Iterator[tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]]:
         for rows in expected:
             batch = next(batches)
             valid = batch[ROW_ID].numpy() == rows
@@ -217,21 +231,18 @@ def _fragment_batches(
                     for name, value in outputs.items()
                 },
                 valid,
+                rows - start,
             )
 
-    return _Rows(produce())
-
-
-def _arrow_batches(rows: _Rows, kinds: dict[str, str]) -> Iterator[pa.RecordBatch]:
-    for outputs, valid in rows:
-        yield new_columns.output_batch(outputs, kinds, valid)
+    return _Rows(produce(), probe)
 
 
 def _evaluate_fragment(index: int, plan: ColumnPlan, rows: _Rows) -> FragmentRecord:
     started = time.monotonic()
     total: np.ndarray | None = None
-    for outputs, _ in rows:
-        total = outputs["sums"] if total is None else total + outputs["sums"]
+    for outputs, _, _ in rows:
+        if index not in plan.probes:  # a probe row is outside the filter: not counted
+            total = outputs["sums"] if total is None else total + outputs["sums"]
     sums = [] if total is None else total.tolist()
     fragment = plan.fragments[index]
     return FragmentRecord(
@@ -292,15 +303,20 @@ def check_infer(spec: JobSpec) -> str:
         return f"already committed by an earlier run of this job: {spec.data.uri} version {records.committed()} ({model})"
     if spec.job == "infer" and records.pinned() is None:
         new_columns.check_columns(dataset, spec.data.uri, spec.infer.outputs, spec.infer.overwrite)
-    fragments = dataset.get_fragments()
-    rows = sum(fragment.count_rows() for fragment in fragments)
+    plan = new_columns.plan_at(spec.data.uri, options, int(dataset.version), spec.infer.outputs, run, spec.infer.filter)
+    fragments = plan.fragments
+    rows = sum(fragment.rows for fragment in fragments)
+    rows_text = f"{rows:,} rows"
+    if spec.infer.filter:
+        chosen = sum(plan.rows_selected(index) for index in range(len(fragments)))
+        rows_text = f"{chosen:,} of {rows:,} rows (infer.filter)"
     what = (
         "evaluate" if spec.job == "evaluate" else f"new columns {', '.join(f'{n} ({t})' for n, t in spec.infer.outputs.items())}"
     )
     return "\n".join(
         [
             f"{what}: model {model}",
-            f"{rows:,} rows in {len(fragments)} fragments of {spec.data.uri} version {dataset.version}, "
+            f"{rows_text} in {len(fragments)} fragments of {spec.data.uri} version {dataset.version}, "
             f"over {spec.slurm.world_size} rank(s)",
         ]
     )

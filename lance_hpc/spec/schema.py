@@ -374,6 +374,11 @@ class InferSpec(_Section):
     overwrite: bool = Field(
         False, description="Columns the dataset has already are replaced in a new version (the earlier versions keep them)."
     )
+    filter: str | None = Field(
+        None,
+        description="A Lance SQL predicate (label = 3 AND score < 0.5): only the rows it selects are read and get values, "
+        "the others null (job: evaluate: only they are counted).",
+    )
     metrics_file: str = Field(
         "runs/{name}/metrics.json", description="job: evaluate: where the metrics are written as JSON (rank 0)."
     )

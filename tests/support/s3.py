@@ -119,6 +119,14 @@ def start_s3_server(bucket: str = "lance-hpc-test") -> S3Server:
     return S3Server(endpoint, bucket, key["AccessKeyId"], key["SecretAccessKey"], process=process)
 
 
+@pytest.fixture
+def s3_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    """The server's valid key in the environment, as a job's: worker processes and ranks inherit it."""
+    for key, value in s3_server.env.items():
+        monkeypatch.setenv(key, value)
+    return s3_server
+
+
 def stop_s3_server(server: S3Server) -> None:
     if server.process is not None:
         stop_process(server.process)

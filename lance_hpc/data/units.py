@@ -1,0 +1,75 @@
+"""The records that make a job of many workers resumable: one small JSON file per finished unit of
+work (an ingest's shard, an inference's fragment), in a run's folder beside the dataset, plus a few
+named files (the version an inference pinned, the commit).
+
+Every file is written whole or not at all: one PUT on an object store; locally a temporary file
+renamed into place. A rerun reads what is there and does only the units without a record.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from dataclasses import asdict
+from typing import Any, Generic, Mapping, TypeVar
+
+import pyarrow.fs as pafs
+
+from lance_hpc.data.target import filesystem
+
+Record = TypeVar("Record")
+
+
+def balanced(sizes: list[int], world_size: int) -> list[list[int]]:
+    """Unit indices per worker: the biggest unit first, each to the worker with the least so far
+    (ties to the lowest rank); each worker's list in the units' own order. The same on every worker."""
+    loads = [0] * world_size
+    mine: list[list[int]] = [[] for _ in range(world_size)]
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        worker = min(range(world_size), key=lambda w: (loads[w], w))
+        loads[worker] += max(sizes[index], 1)
+        mine[worker].append(index)
+    return [sorted(indices) for indices in mine]
+
+
+class UnitRecords(Generic[Record]):
+    """``<prefix>-<index>.json`` files of one run, each a ``record_type`` dataclass."""
+
+    def __init__(self, run: str, options: Mapping[str, str], prefix: str, record_type: type[Record]) -> None:
+        self.store, self.path = filesystem(run, options)
+        self.prefix, self.record_type = prefix, record_type
+
+    def write_json(self, name: str, payload: Any) -> None:
+        self.store.create_dir(self.path, recursive=True)
+        final = f"{self.path}/{name}"
+        partial = f"{final}.{os.getpid()}-{uuid.uuid4().hex[:8]}.partial"
+        with self.store.open_output_stream(partial) as handle:
+            handle.write(json.dumps(payload).encode())
+        self.store.move(partial, final)
+
+    def read_json(self, name: str) -> Any:
+        """The file's content; None when it is not there (yet)."""
+        try:
+            with self.store.open_input_stream(f"{self.path}/{name}") as handle:
+                return json.loads(handle.read())
+        except (FileNotFoundError, OSError):
+            return None
+
+    def write(self, index: int, record: Record) -> None:
+        self.write_json(f"{self.prefix}-{index:06d}.json", asdict(record))  # type: ignore[call-overload]
+
+    def finished(self, known: dict[int, Record] | None = None) -> dict[int, Record]:
+        """Every recorded unit by index; records already in ``known`` are not read again."""
+        try:
+            infos = self.store.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
+        except OSError:
+            return dict(known or {})
+        found = {}
+        start, end = f"{self.prefix}-", ".json"
+        for info in infos:
+            name = info.base_name
+            if info.type == pafs.FileType.File and name.startswith(start) and name.endswith(end):
+                index = int(name[len(start) : -len(end)])
+                found[index] = known[index] if known and index in known else self.record_type(**self.read_json(name))
+        return found
