@@ -23,6 +23,7 @@ from lance_hpc.data.plan import plan_data
 from lance_hpc.data.shard_ingest import Records, commit, make_plan, progress_lines, run_worker
 from lance_hpc.data.shards import split_of
 from lance_hpc.data.target import COMMAND_LINE_NAMES, targets
+from lance_hpc.errors import UserError
 from lance_hpc.spec import load_spec
 from tests.support.jobs import Digits, train_here, write_spec
 from tests.support.shards import digit_rows, write_parquet, write_webdataset
@@ -140,6 +141,23 @@ def test_an_interrupted_ingest_resumes_with_only_the_missing_shards_and_equals_a
         "8 of 8 shards written (train 60 rows; skipped none)",
         "committed: train version 1",
     ]
+
+
+def test_a_worker_starting_after_rank_0_committed_finds_its_shards_recorded_not_a_foreign_dataset(tmp_path: Path) -> None:
+    """Rank 0 may commit before a slower rank has even planned: between Lance's commit and the
+    commit record, that rank sees a dataset at the target and must not take it for another's."""
+    write_webdataset(tmp_path / "wds", digit_rows(16), per_tar=8)
+    source = f"webdataset:{tmp_path}/wds/*.tar"
+    train, _ = targets(str(tmp_path / "t.lance"), None, {}, None, COMMAND_LINE_NAMES)
+    plan = make_plan(source, train, None)
+    run_worker(plan, 0, 1)
+    commit(plan)
+    records = Records.of(plan)
+    records.store.delete_file(f"{records.path}/committed.json")  # the moment before rank 0 records its commit
+    late = make_plan(source, train, None, check_targets=False)  # a rank: the launcher checked the target
+    assert run_worker(late, 1, 2).already == late.assignment(2)[1]
+    with pytest.raises(UserError, match="already holds a Lance dataset"):  # the launcher's own check still refuses
+        make_plan(source, train, None)
 
 
 def test_append_adds_a_version_and_keeps_the_rows_before(tmp_path: Path, capsys) -> None:

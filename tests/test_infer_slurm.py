@@ -1,7 +1,8 @@
 """An inference job on the real two-node SLURM test cluster: USR2 in the middle stops each rank at
 a fragment boundary and rank 0 requeues the job; the requeued run writes only the fragments still
 missing and commits once; the column equals, row for row, a single-process run's; lance-hpc
-status shows the job's fragments and its commit."""
+status and logs show the job's fragments and its commit; lance-hpc cancel stops a second one at a
+fragment boundary with nothing committed."""
 
 from __future__ import annotations
 
@@ -104,3 +105,33 @@ def test_usr2_stops_an_inference_job_at_fragment_boundaries_and_its_requeue_comm
         env=environ(slurm_cluster),
     )
     assert "12 fragment(s) written" in status.stdout and "committed: version 2" in status.stdout, status.stdout + status.stderr
+    shown = subprocess.run(
+        [sys.executable, "-m", "lance_hpc", "logs", str(JobPaths.of(spec).spec_file)],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env=environ(slurm_cluster),
+    )
+    assert "committed:" in shown.stdout, shown.stdout + shown.stderr
+
+    raw = yaml.safe_load(spec_for(dataset.val, "infer3", 2).read_text())  # the same model, a new column
+    raw["infer"]["outputs"] = {"predicted_again": "int64"}
+    raw["data"]["batch_size"] = 4  # 2 s a fragment: time for lance-hpc cancel to start and signal
+    raw["infer"]["function"] = f"{REPO_ROOT}/tests/support/infer.py:slow_predict_again"
+    (tmp_path / "infer3.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    other = load_spec(tmp_path / "infer3.yaml").spec
+    job_id = sbatch(slurm_cluster, other)
+    out = Path(other.slurm.log_dir) / f"{other.name}-{job_id}.out"
+    wait_for_text(out, "fragment 1:", timeout_s=120)
+    cancelled = subprocess.run(
+        [sys.executable, "-m", "lance_hpc", "cancel", str(JobPaths.of(other).spec_file), "--timeout", "120"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env=environ(slurm_cluster),
+    )
+    assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
+    fields = wait_for(slurm_cluster, job_id, restarts=0)
+    log = out.read_text()
+    assert fields["JobState"] != "COMPLETED" and "stopped with" in log and "run or submit the same job again" in log, log
+    assert "predicted_again" not in lance.dataset(dataset.val).schema.names

@@ -191,6 +191,10 @@ def make_plan(
         # A UserError for anything but a Lance dataset; a worker trusts the check of the command
         # that started it (other workers' fragments may be landing in the folder meanwhile).
         found = existing_dataset(target) if check_targets else _dataset_or_none(target)
+        if found is not None and mode == "create" and committed is None and not check_targets:
+            # a worker: the command that started it checked the target; a dataset there now is this
+            # ingest's own commit landing (rank 0 finished first), and the records say what is left
+            found = None
         if found is not None and mode == "create" and committed is None:
             raise UserError(
                 f"{target.name} {target.uri} already holds a Lance dataset\n"

@@ -14,6 +14,11 @@ def slow_predict(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, 
     return {"predicted": model(batch["image"]).argmax(dim=1)}
 
 
+def slow_predict_again(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """:func:`slow_predict` under another column's name."""
+    return {"predicted_again": slow_predict(model, batch)["predicted"]}
+
+
 def label_twice(model: None, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """No model at all: twice each row's label."""
     return {"twice": batch["label"] * 2}
