@@ -43,7 +43,8 @@ def load_hf(path: str) -> tuple[object, int, int]:
 
     if not Path(path).is_file():
         raise UserError(
-            f"tokenizer hf:{path}: no such file\n  fix: name a tokenizer.json, or train one: lance-hpc tokenizer train"
+            f"tokenizer hf:{path}: no such file (relative paths start from the directory you run in)\n"
+            f"  fix: name a tokenizer.json, or train one offline: lance-hpc tokenizer train SOURCE {path} --vocab-size 8192"
         )
     try:
         loaded = HfTokenizer.from_file(path)
