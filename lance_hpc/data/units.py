@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import uuid
 from dataclasses import asdict
-from typing import Any, Generic, Mapping, TypeVar
+from typing import Any, Callable, Generic, Mapping, TypeVar
 
 import pyarrow.fs as pafs
 
@@ -73,3 +74,19 @@ class UnitRecords(Generic[Record]):
                 index = int(name[len(start) : -len(end)])
                 found[index] = known[index] if known and index in known else self.record_type(**self.read_json(name))
         return found
+
+
+def wait_for_all(records: UnitRecords[Any], total: int, stopped: Callable[[], bool], unit: str, poll_s: float = 2.0) -> bool:
+    """Rank 0 before its commit: wait until all ``total`` units are recorded (True), or ``stopped()``
+    (False), saying how many are in whenever that changes. Only records not seen yet are read."""
+    shown, known = -1, records.finished()
+    while True:
+        known = records.finished(known)
+        if len(known) == total:
+            return True
+        if stopped():
+            return False
+        if len(known) != shown:
+            print(f"rank 0: {len(known)}/{total} {unit}s written; waiting for the other ranks", flush=True)
+            shown = len(known)
+        time.sleep(poll_s)

@@ -27,6 +27,7 @@ from lance_hpc import data
 from lance_hpc.data import new_columns
 from lance_hpc.data.loader import RowsLoader
 from lance_hpc.data.new_columns import ColumnPlan, FragmentRecord, Records
+from lance_hpc.data.units import wait_for_all
 from lance_hpc.errors import UserError
 from lance_hpc.imports import load_callable
 from lance_hpc.runtime import checkpoint
@@ -113,7 +114,8 @@ def run_infer(spec: JobSpec, env: DistEnv, preemption: Preemption, requeue: Requ
     )
     if not env.is_main:
         return Summary("completed", len(done), 0, None)
-    stopped = preemption.received is not None or not _wait_for_all(plan, records, preemption)
+    received = lambda: preemption.received is not None  # noqa: E731
+    stopped = received() or not wait_for_all(records, len(plan.fragments), received, "fragment", POLL_S)
     if stopped:
         preemption.agreed_signal = preemption.received  # no collective: each rank honours its own signal
         requeued, message = after_preemption(env, spec, preemption, requeue)
@@ -248,21 +250,6 @@ def _evaluate_fragment(index: int, plan: ColumnPlan, rows: _Rows) -> FragmentRec
     return FragmentRecord(
         fragment.id, fragment.rows, sums={str(i): value for i, value in enumerate(sums)}, seconds=time.monotonic() - started
     )
-
-
-def _wait_for_all(plan: ColumnPlan, records: Records, preemption: Preemption) -> bool:
-    """Wait until every fragment is recorded (True), or a stop signal arrives (False)."""
-    shown, known = -1, records.finished()
-    while True:
-        known = records.finished(known)
-        if len(known) == len(plan.fragments):
-            return True
-        if preemption.received is not None:
-            return False
-        if len(known) != shown:
-            print(f"rank 0: {len(known)}/{len(plan.fragments)} fragments written; waiting for the other ranks", flush=True)
-            shown = len(known)
-        time.sleep(POLL_S)
 
 
 def _report(spec: JobSpec, task: Task, plan: ColumnPlan, finished: dict[int, FragmentRecord]) -> dict[str, float]:

@@ -12,8 +12,6 @@ the shards without a record.
 
 from __future__ import annotations
 
-import time
-
 from lance_hpc.data.shard_ingest import (
     Plan,
     Records,
@@ -25,6 +23,7 @@ from lance_hpc.data.shard_ingest import (
     run_worker,
     shard_summary,
 )
+from lance_hpc.data.units import wait_for_all
 from lance_hpc.runtime.context import Summary
 from lance_hpc.runtime.environment import DistEnv
 from lance_hpc.runtime.preemption import Preemption, Requeue, after_preemption
@@ -68,7 +67,7 @@ def run_ingest(spec: JobSpec, env: DistEnv, preemption: Preemption, requeue: Req
         # non-zero exit here would make srun end the step before rank 0 could requeue it.
         return Summary("completed", len(report.done), 0, None)
     if not report.stopped:
-        report.stopped = not _wait_for_all(plan, records, preemption)
+        report.stopped = not wait_for_all(records, len(plan.shards), lambda: preemption.received is not None, "shard", POLL_S)
     if report.stopped:
         preemption.agreed_signal = preemption.received  # no collective: each rank honours its own signal
         requeued, message = after_preemption(env, spec, preemption, requeue)
@@ -79,22 +78,6 @@ def run_ingest(spec: JobSpec, env: DistEnv, preemption: Preemption, requeue: Req
     done = commit(plan)
     print(committed_line(plan, done), flush=True)
     return Summary("completed", len(plan.shards), 0, None, {f"rows/{split}": float(n) for split, n in done.rows.items()})
-
-
-def _wait_for_all(plan: Plan, records: Records, preemption: Preemption) -> bool:
-    """Wait until every shard is recorded (True), or a stop signal arrives (False)."""
-    shown, known = -1, records.finished()
-    while True:
-        known = records.finished(known)  # only the records it has not read yet
-        finished = len(known)
-        if finished == len(plan.shards):
-            return True
-        if preemption.received is not None:
-            return False
-        if finished != shown:
-            print(f"rank 0: {finished}/{len(plan.shards)} shards written; waiting for the other ranks", flush=True)
-            shown = finished
-        time.sleep(POLL_S)
 
 
 def check_ingest(spec: JobSpec) -> str:
