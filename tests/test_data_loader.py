@@ -19,7 +19,13 @@ from lance_hpc.spec import DataSpec, IngestSpec
 from lance_hpc.tasks.image import ImageClassification, ImageOptions
 from tests.support.loaders import eval_loader, spec, train_loader, write_dataset
 
-STRATEGIES = [("map", "distributed"), ("iterable", "sharded_batch"), ("iterable", "sharded_fragment")]
+STRATEGIES = [
+    ("map", "distributed"),
+    ("map", "block"),
+    ("iterable", "block"),
+    ("iterable", "sharded_batch"),
+    ("iterable", "sharded_fragment"),
+]
 
 
 @pytest.fixture
@@ -125,6 +131,56 @@ def test_version_is_pinned(tmp_path):
     assert max(row for batch in epoch_labels(pinned, 0) for row in batch) < 20
 
 
+@pytest.mark.parametrize("style,sampler", STRATEGIES)
+def test_a_filter_is_planned_like_a_dataset_of_its_rows_and_resumes_on_another_world_size(layout_dataset, style, sampler):
+    """data.filter: only the matching rows, each once per epoch, equal steps; cut on 3 ranks and
+    resumed on 2 with another batch, the epoch's rows are read once."""
+    predicate = "label < 40 OR label >= 120"  # 77 rows in 3 fragments of the 7
+    data = spec(layout_dataset, style=style, sampler=sampler, filter=predicate)
+    before = [train_loader(data, rank, 3) for rank in range(3)]
+    assert before[0].plan.rows == 77 and "77 of 157 rows (49.0%) selected" in str(before[0].plan)
+    planned = collections.Counter(row for loader in before for batch in epoch_labels(loader, 2) for row in batch)
+    assert all(row < 40 or row >= 120 for row in planned) and len(planned) == 77 - before[0].plan.dropped
+    read = collections.Counter()
+    for loader in before:
+        loader.set_epoch(2)
+        for _, batch in zip(range(2), loader):
+            read.update(batch["label"].tolist())
+    saved = before[0].state_dict()
+    assert saved["pinned"] == {"uri": layout_dataset, "version": 7, "tag": None, "filter": predicate}
+    after = [
+        train_loader(spec(layout_dataset, style=style, sampler=sampler, filter=predicate, batch_size=5), r, 2) for r in range(2)
+    ]
+    for loader in after:
+        loader.load_state_dict(saved)
+        read.update(row for batch in epoch_labels(loader, 2) for row in batch)
+    assert read == planned
+
+
+def test_a_tag_pins_the_version_it_names_and_bad_filters_are_clear_errors(tmp_path, capsys):
+    import lance
+
+    uri = write_dataset(str(tmp_path / "t.lance"), [20])
+    lance.dataset(uri).tags.create("v1-clean", 1)
+    write_dataset(uri, [12], mode="append")
+    tagged = train_loader(spec(uri, tag="v1-clean"), 0, 1)
+    assert (tagged.dataset_version, tagged.plan.rows) == (1, 20)
+    with pytest.raises(UserError, match="has no tag 'v2' \\(its tags: v1-clean\\)"):
+        train_loader(spec(uri, tag="v2"), 0, 1)
+    with pytest.raises(UserError, match="(?s)No field named quality.*over the dataset's columns \\(image, label\\)"):
+        train_loader(spec(uri, filter="quality > 0.8"), 0, 1)
+    with pytest.raises(UserError, match="selects no rows"):
+        train_loader(spec(uri, filter="label > 1000"), 0, 1)
+    job = tmp_path / "job.yaml"
+    job.write_text(f"name: demo\ndata: {{uri: {uri}, tag: v1-clean, filter: 'label >= 5 AND lang = 1'}}\n")
+    assert plan_main([str(job), "--check"]) == 2
+    err = capsys.readouterr().err
+    assert "data.filter: Lance cannot apply the filter 'label >= 5 AND lang = 1': Schema error: No field named lang" in err
+    assert "Traceback" not in err and ".rs:" not in err
+    assert plan_main([str(job), "--set", "data.filter=label >= 5"]) == 0
+    assert "15 of 20 rows (75.0%) selected by filter 'label >= 5'" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("mode", ["sharded", "full_scan"])
 def test_eval_loader(tmp_path, mode):
     uri = write_dataset(str(tmp_path / "val.lance"), [9, 9, 5])
@@ -185,9 +241,13 @@ def test_read_ahead_takes_the_next_batches_on_background_threads_and_changes_not
         assert epoch_labels(loader, 1) == plain
     finally:
         type(reader).take = original
-    assert len(takes) == len({rows for rows, _ in takes}) == len(plain)  # every batch taken once
+    # every batch taken once; with sampler: block, every window once (one take for several batches)
+    reads = len(loader._planner(1).windows) if sampler == "block" else len(plain)
+    assert len(takes) == len({rows for rows, _ in takes}) == reads
     ahead = [name for _, name in takes if name.startswith("lance_hpc-read-ahead")]
-    assert len(ahead) == len(plain) - 1
+    assert len(ahead) == reads - 1
+    if sampler == "block":
+        assert 1 < reads < len(plain)
 
 
 def test_clear_errors(tmp_path, layout_dataset):

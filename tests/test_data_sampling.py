@@ -15,9 +15,19 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from lance_hpc.data.resume import EpochOrigin, ResumedEpoch, Segment, remainder_share_rows, rows_read
-from lance_hpc.data.sampling import FragmentTable, epoch_batches, eval_batches, plan_from_table, rank_share, worker_steps
+from lance_hpc.data.sampling import (
+    BlockPlan,
+    FragmentTable,
+    epoch_batches,
+    eval_batches,
+    plan_from_table,
+    rank_share,
+    read_hints,
+    runs_of,
+    worker_steps,
+)
 
-TRAIN_SAMPLERS = ("distributed", "sharded_batch", "sharded_fragment")
+TRAIN_SAMPLERS = ("distributed", "block", "sharded_batch", "sharded_fragment")
 REFERENCE_LAYOUT = [12_500] * 6 + [750]  # the reference example's Food101 train set
 
 
@@ -93,6 +103,7 @@ def test_same_order_for_same_seed_and_epoch_new_order_for_new_epoch(layout, samp
     # What a strategy can permute: rows, whole blocks of batch_size rows, or fragments.
     units = {
         "distributed": sum(layout) if sum(layout) // world_size else 0,
+        "block": sum(layout) if sum(layout) // world_size else 0,  # runs of one row by default
         "full_scan": sum(layout),
         "sharded_batch": sum(layout) // batch_size,
         "sharded_fragment": len(layout),
@@ -184,6 +195,79 @@ def test_an_epoch_resumed_on_other_world_sizes_reads_every_planned_row_once(
         assert before + rows_read(shares, steps, batch_size, index > 0, consumed) == sum(read.values())
         segments.append(Segment(world_size, batch_size, consumed))
     assert read == planned and sum(repeated.values()) < 8 * len(resumes)
+
+
+@property_settings
+@given(
+    layout=fragment_layouts,
+    world_size=st.integers(1, 8),
+    batch_size=st.integers(1, 16),
+    uneven=st.sampled_from(["drop", "pad"]),
+    run_rows=st.integers(1, 12),
+    window_runs=st.integers(1, 6),
+    num_workers=st.integers(1, 4),
+    epoch=st.integers(0, 20),
+)
+def test_block_reads_whole_runs_one_window_per_worker_with_equal_steps(
+    layout, world_size, batch_size, uneven, run_rows, window_runs, num_workers, epoch
+):
+    """sampler: block: equal steps and exactly-once coverage like every strategy; each batch lies in
+    one window, each window is read by one DataLoader worker only (the one the DataLoader deals its
+    batches to), and a window holds window_runs runs rounded up to whole batches (plus the pieces where a rank's or a
+    worker's share cuts a run), so a worker asks the store for about one read per run."""
+    table = FragmentTable.from_rows(layout)
+    options = dict(uneven=uneven, seed=5, epoch=epoch, num_workers=num_workers, run_rows=run_rows, window_runs=window_runs)
+    ranks = [epoch_batches(table, "block", rank, world_size, batch_size, **options) for rank in range(world_size)]
+    share = rank_share(table.total_rows, world_size, batch_size, uneven)
+    assert {len(batches) for batches in ranks} == {share.steps}
+    counts = collections.Counter(int(row) for batches in ranks for batch in batches for row in batch)
+    if uneven == "drop":
+        assert max(counts.values(), default=1) == 1 and table.total_rows - len(counts) == share.dropped
+    else:
+        assert len(counts) == table.total_rows
+    starts, _ = runs_of(table, run_rows)
+    run_of_row = np.searchsorted(starts, np.arange(table.total_rows), side="right") - 1
+    for batches in ranks:
+        assert isinstance(batches, BlockPlan)
+        owners = collections.defaultdict(set)
+        for index, batch in enumerate(batches):
+            window = batches.windows[batches.window_of[index]]
+            assert np.isin(batch, window).all()
+            owners[int(batches.window_of[index])].add(index % num_workers)
+            hint, _ = read_hints(batches, index, num_workers, depth=1)
+            assert hint is window
+        assert all(len(workers) == 1 for workers in owners.values())
+        window_rows = -(-run_rows * window_runs // batch_size) * batch_size  # at least one batch
+        for window in batches.windows:
+            assert len(np.unique(run_of_row[window])) <= -(-window_rows // run_rows) + 2 + (uneven == "pad") * window_rows
+
+
+@property_settings
+@given(
+    layout=fragment_layouts,
+    first=st.tuples(st.integers(1, 8), st.integers(1, 16), st.integers(1, 4)),
+    resumed=st.tuples(st.integers(1, 8), st.integers(1, 16)),
+    run_rows=st.integers(1, 9),
+    data=st.data(),
+)
+def test_a_block_epoch_resumed_on_another_layout_reads_every_row_once(layout, first, resumed, run_rows, data):
+    """Cut at any step on 1..8 ranks with 1..4 workers, resumed on 1..8 ranks with another batch:
+    the block plan of the first layout (its worker count included) is what the rest is cut from."""
+    table = FragmentTable.from_rows(layout)
+    world_size, batch_size, workers = first
+    assume(rank_share(table.total_rows, world_size, batch_size, "drop").steps > 0)
+    origin = EpochOrigin("block", "drop", True, seed=2, epoch=1, num_workers=workers, run_rows=run_rows, window_runs=3)
+    options = dict(seed=2, epoch=1, num_workers=workers, run_rows=run_rows, window_runs=3)
+    plans = [epoch_batches(table, "block", rank, world_size, batch_size, **options) for rank in range(world_size)]
+    consumed = data.draw(st.integers(0, len(plans[0])))
+    read = collections.Counter(int(row) for batches in plans for batch in batches[:consumed] for row in batch)
+    epoch = ResumedEpoch(origin, (Segment(world_size, batch_size, consumed), Segment(*resumed, 0)))
+    rest = [epoch.batches(table, rank) for rank in range(resumed[0])]
+    assert len({len(batches) for batches in rest}) == 1
+    shares = remainder_share_rows(epoch.epoch_rows(table) - epoch.rows_before(table), resumed[0])
+    read.update(int(row) for rank, batches in enumerate(rest) if shares[rank] for batch in batches for row in batch)
+    planned = collections.Counter(int(row) for batches in plans for batch in batches for row in batch)
+    assert read == planned
 
 
 @property_settings

@@ -68,7 +68,7 @@ def problems_of(raw: dict[str, Any], overrides: tuple[str, ...] = ()) -> str:
             with_fields(data={"sampler": "random"}),
             [
                 "data.sampler: 'random' is not a valid choice",
-                "use one of: distributed, sharded_batch, sharded_fragment, full_scan",
+                "use one of: distributed, block, sharded_batch, sharded_fragment, full_scan",
             ],
         ),
         (with_fields(data={"style": "stream"}), ["data.style: 'stream' is not a valid choice", "use one of: map, iterable"]),

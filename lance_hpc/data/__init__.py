@@ -15,6 +15,7 @@ from lance_hpc.imports import lazy_exports
 _MODULE_OF = {
     "ensure_dataset": "lance_hpc.data.ingest",
     "EvalLoader": "lance_hpc.data.loader",
+    "MixLoader": "lance_hpc.data.loader",
     "TrainLoader": "lance_hpc.data.loader",
     "build_eval_loader": "lance_hpc.data.loader",
     "build_train_loader": "lance_hpc.data.loader",
@@ -22,6 +23,7 @@ _MODULE_OF = {
     "load_task": "lance_hpc.data.loader",
     "plan_data": "lance_hpc.data.plan",
     "preflight": "lance_hpc.data.plan",
+    "check_selection": "lance_hpc.data.plan",
     "DataPlan": "lance_hpc.data.sampling",
     "worker_context": "lance_hpc.data.workers",
 }
@@ -29,9 +31,11 @@ _MODULE_OF = {
 __all__ = [
     "DataPlan",
     "EvalLoader",
+    "MixLoader",
     "TrainLoader",
     "build_eval_loader",
     "build_train_loader",
+    "check_selection",
     "dataset_info",
     "ensure_dataset",
     "load_task",
@@ -48,12 +52,13 @@ if TYPE_CHECKING:
     from lance_hpc.data.ingest import ensure_dataset
     from lance_hpc.data.loader import (
         EvalLoader,
+        MixLoader,
         TrainLoader,
         build_eval_loader,
         build_train_loader,
         dataset_info,
         load_task,
     )
-    from lance_hpc.data.plan import plan_data, preflight
+    from lance_hpc.data.plan import check_selection, plan_data, preflight
     from lance_hpc.data.sampling import DataPlan
     from lance_hpc.data.workers import worker_context

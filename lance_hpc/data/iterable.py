@@ -1,4 +1,4 @@
-"""Iterable strategies (``style: iterable``; ``sampler: sharded_batch | sharded_fragment | full_scan``).
+"""Iterable strategies (``style: iterable``; ``sampler: block | sharded_batch | sharded_fragment | full_scan``).
 
 Each DataLoader worker plans the rank's epoch itself (the same pure plan the main process uses)
 and reads every num_workers-th batch from the resume offset, so workers never duplicate rows and
@@ -9,13 +9,14 @@ reach persistent workers through a small shared-memory tensor, which pylance's s
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator
 
+import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from lance_hpc.data.reader import BatchReader
-from lance_hpc.data.sampling import EpochPlanner, worker_steps
+from lance_hpc.data.sampling import read_hints, worker_steps
 from lance_hpc.data.transport import SharedBatch
 from lance_hpc.storage.datasets import ReadStats
 from lance_hpc.tasks.base import Batch
@@ -24,7 +25,7 @@ from lance_hpc.tasks.base import Batch
 class LanceIterableDataset(IterableDataset):
     """Streams this rank's planned batches as (fields, corrupt rows replaced)."""
 
-    def __init__(self, reader: BatchReader, planner: EpochPlanner):
+    def __init__(self, reader: BatchReader, planner: Callable[[int], list[np.ndarray]]):
         self.reader = reader
         self.planner = planner
         # [epoch, first batch]: written by the main process before each pass, read by workers.
@@ -39,7 +40,6 @@ class LanceIterableDataset(IterableDataset):
         epoch, start = (int(value) for value in self.position.tolist())
         batches = self.planner(epoch)
         mine = list(worker_steps(len(batches), start, worker, num_workers))
-        depth = self.reader.io_depth
-        for position, index in enumerate(mine):
-            ahead = [batches[later] for later in mine[position + 1 : position + 1 + depth]]
-            yield self.reader.read(batches[index], epoch, index, ahead=ahead)
+        for index in mine:
+            window, ahead = read_hints(batches, index, num_workers, self.reader.io_depth)
+            yield self.reader.read(batches[index], epoch, index, ahead=ahead, window=window)

@@ -17,15 +17,12 @@ import numpy as np
 import torch
 
 from lance_hpc.data.iterable import LanceIterableDataset
-from lance_hpc.data.mapstyle import (
-    BatchRequest,
-    LanceMapDataset,
-    PlanBatchSampler,
-    ahead_of,
-)
-from lance_hpc.data.reader import BatchReader, fragment_table
+from lance_hpc.data.mapstyle import BatchRequest, LanceMapDataset, PlanBatchSampler
+from lance_hpc.data.mix import MixPart, MixPlanner, MixReader, MixSchedule, epoch_rows, mix_steps, source_name
+from lance_hpc.data.reader import BatchReader
 from lance_hpc.data.resume import EpochOrigin, ResumedEpoch, Segment, remainder_share_rows, rows_read
-from lance_hpc.data.sampling import DataPlan, EpochPlanner, epoch_planner, eval_batches, plan_from_table
+from lance_hpc.data.sampling import DataPlan, epoch_planner, eval_batches, plan_from_table, read_hints
+from lance_hpc.data.selection import select_training_rows
 from lance_hpc.data.workers import data_loader, stop_workers_after_failure, worker_context
 from lance_hpc.errors import UserError
 from lance_hpc.spec import DataSpec, JobSpec
@@ -89,9 +86,12 @@ class TrainLoader:
         self.data = data
         self.rank = rank
         self.world_size = world_size
-        dataset, options = _open(data, data.uri)
+        options = storage_options(data.uri, data.storage_options)
+        dataset, self.selection = select_training_rows(
+            data.uri, options, data.version, data.tag, data.filter, timeout_s=io_timeout(data)
+        )
         self.dataset_version: int = int(dataset.version)
-        table = self.table = fragment_table(dataset)
+        table = self.table = self.selection.table
         self.plan: DataPlan = plan_from_table(
             table,
             world_size,
@@ -101,6 +101,7 @@ class TrainLoader:
             uneven=data.uneven,
             uri=data.uri,
             version=self.dataset_version,
+            selected=self.selection.describe() if data.filter else "",
         )
         if self.plan.steps_per_rank == 0:
             raise UserError(
@@ -110,8 +111,21 @@ class TrainLoader:
         if data.sampler == "full_scan":
             log.warning("full_scan: every rank reads every row, so DDP ranks train on the same data")
         reader = _reader(data, data.uri, self.dataset_version, options, decoder, rank)
+        self.workers = max(1, data.num_workers)
+        self.run_rows = self.selection.run_rows(data.block_kb)
         planner = self._planner = epoch_planner(
-            table, data.sampler, rank, world_size, data.batch_size, uneven=data.uneven, shuffle=data.shuffle, seed=data.seed
+            table,
+            data.sampler,
+            rank,
+            world_size,
+            data.batch_size,
+            uneven=data.uneven,
+            shuffle=data.shuffle,
+            seed=data.seed,
+            num_workers=self.workers,
+            run_rows=self.run_rows,
+            window_runs=data.block_window,
+            rows=self.selection.offsets,
         )
         # What the next pass starts from: the batch sampler (map style) or the dataset (iterable).
         self._epoch_source: PlanBatchSampler | LanceIterableDataset
@@ -152,8 +166,18 @@ class TrainLoader:
         """Batches the next pass yields: the whole epoch, or the rest of a restored one."""
         return self.epoch_steps - self._resume_at
 
+    @property
+    def pinned(self) -> dict[str, Any]:
+        """What this loader reads, as the checkpoint keeps it for every later start."""
+        return {"uri": self.data.uri, "version": self.dataset_version, "tag": self.data.tag, "filter": self.data.filter}
+
     def _origin(self, epoch: int) -> EpochOrigin:
-        return EpochOrigin(self.data.sampler, self.data.uneven, self.data.shuffle, self.data.seed, epoch)
+        data = self.data
+        if data.sampler != "block":  # the block layout's settings mean nothing to the other strategies
+            return EpochOrigin(data.sampler, data.uneven, data.shuffle, data.seed, epoch)
+        return EpochOrigin(
+            data.sampler, data.uneven, data.shuffle, data.seed, epoch, self.workers, self.run_rows, data.block_window
+        )
 
     def _segments(self) -> tuple[EpochOrigin, tuple[Segment, ...]]:
         """The selected epoch as a chain of segments, the last one ending at the current position."""
@@ -233,7 +257,8 @@ class TrainLoader:
             "steps_per_epoch": self.epoch_steps,
             "world_size": self.world_size,
             "batch_size": self.data.batch_size,
-            "origin": {"sampler": origin.sampler, "uneven": origin.uneven, "shuffle": origin.shuffle, "seed": origin.seed},
+            "origin": origin.saved(),
+            "pinned": self.pinned,
             "segments": [[segment.world_size, segment.batch_size, segment.consumed] for segment in segments],
             "dataset_version": self.dataset_version,
             "skipped_rows": self.stats.skipped,
@@ -276,9 +301,162 @@ class TrainLoader:
         self._resumed_steps = len(batches)
         self._set_planner(replace(self._planner, fixed=(epoch, tuple(batches))))
 
-    def _set_planner(self, planner: EpochPlanner) -> None:
+    def _set_planner(self, planner: Callable[[int], list[np.ndarray]]) -> None:
         """The planner the next pass reads with (persistent workers get it when they start, on the first pass)."""
         self._epoch_source.planner = planner
+
+
+class MixLoader(TrainLoader):
+    """This rank's training batches of a weighted mix of datasets (``data.mix``; the semantics are
+    in :mod:`lance_hpc.data.mix`). Row ids carry their source (:func:`~lance_hpc.data.mix.source_of`).
+    Its position is the rows drawn over all ranks, so it resumes at any world size or batch size,
+    and with new weights."""
+
+    def __init__(self, data: DataSpec, decoder: Decoder, rank: int, world_size: int, *, pin_memory: bool = False):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world size {world_size}")
+        if data.num_workers > 0:
+            worker_context()
+        assert data.mix is not None
+        self.data, self.rank, self.world_size = data, rank, world_size
+        self.selections, readers, parts = [], [], []
+        for index, source in enumerate(data.mix):
+            options = storage_options(
+                source.uri, source.storage_options if source.storage_options is not None else data.storage_options
+            )
+            _, selection = select_training_rows(
+                source.uri, options, source.version, source.tag, source.filter, f"data.mix[{index}]", io_timeout(data)
+            )
+            self.selections.append(selection)
+            parts.append(MixPart(selection.table, selection.offsets, selection.run_rows(data.block_kb)))
+            readers.append(_reader(data, source.uri, selection.version, options, decoder, rank))
+        self.dataset_version = self.selections[0].version
+        self.schedule = MixSchedule(
+            tuple(parts), tuple(source.weight for source in data.mix), data.sampler, data.shuffle, data.seed, data.block_window
+        )
+        self.epoch_rows = epoch_rows(data, parts)
+        steps = mix_steps(self.epoch_rows, world_size, data.batch_size)
+        first = readers[0]
+        reader = MixReader(**{**first.__dict__, "_dataset": None}, parts=tuple(readers))
+        self.mix_planner = MixPlanner(self.schedule, world_size, data.batch_size, rank, steps)
+        self._epoch_source: PlanBatchSampler | LanceIterableDataset
+        if data.style == "map":
+            self._epoch_source = PlanBatchSampler(self.mix_planner, steps, data.num_workers, data.io_depth)
+            self._loader = data_loader(LanceMapDataset(reader, 0), data, pin_memory, True, batch_sampler=self._epoch_source)
+        else:
+            self._epoch_source = LanceIterableDataset(reader, self.mix_planner)
+            self._loader = data_loader(self._epoch_source, data, pin_memory, True, batch_size=None)
+        self.epoch, self.consumed, self._resume_at = 0, 0, 0
+        self.stats = ReadStats()
+        self.watch = None
+        self.resumed = None
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.mix_planner.steps_per_epoch
+
+    @property
+    def epoch_steps(self) -> int:
+        return self.mix_planner.steps(self.epoch)
+
+    @property
+    def pinned(self) -> dict[str, Any]:
+        assert self.data.mix is not None
+        return {
+            "sources": [
+                {
+                    "uri": source.uri,
+                    "version": selection.version,
+                    "tag": source.tag,
+                    "filter": source.filter,
+                    "weight": source.weight,
+                }
+                for source, selection in zip(self.data.mix, self.selections)
+            ]
+        }
+
+    def rows_drawn(self) -> int:
+        """Rows drawn over all ranks up to the current position."""
+        planner = self.mix_planner
+        return planner.start(self.epoch) + self.consumed * planner.rows_per_step
+
+    def source_figures(self) -> dict[str, float]:
+        """Per source: rows drawn over all ranks so far, and source epochs read (TensorBoard's data/mix/*)."""
+        assert self.data.mix is not None
+        draws = self.schedule.draws_at(self.rows_drawn())
+        figures = {}
+        for index, (source, part) in enumerate(zip(self.data.mix, self.schedule.parts)):
+            name = source_name(source, index)
+            figures[f"data/mix/{name}/rows"] = float(draws[index])
+            figures[f"data/mix/{name}/epochs"] = float(draws[index]) / part.rows
+        return figures
+
+    def epoch_fraction(self) -> float:
+        steps = self.epoch_steps
+        return min(1.0, self.consumed / steps) if steps else 1.0
+
+    def state_dict(self) -> dict[str, Any]:
+        planner = self.mix_planner
+        return {
+            "version": STATE_VERSION,
+            "epoch": self.epoch,
+            "batches_consumed": self.consumed,
+            "steps_per_epoch": self.epoch_steps,
+            "world_size": self.world_size,
+            "batch_size": self.data.batch_size,
+            "mix": {
+                "weights": list(self.schedule.weights),
+                "base_rows": self.schedule.base_rows,
+                "base_draws": list(self.schedule.base_draws),
+                "epoch_start_rows": planner.start(self.epoch),
+                "epoch_steps": self.epoch_steps,
+                "rows_per_step": planner.rows_per_step,
+            },
+            "pinned": self.pinned,
+            "dataset_version": self.dataset_version,
+            "skipped_rows": self.stats.skipped,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from the rows drawn so far: at the same layout and weights, from the same batch;
+        else the rest of the interrupted epoch's rows in this layout's steps, with today's weights."""
+        saved = state.get("mix")
+        if not saved:
+            raise UserError("this checkpoint was not written by a data.mix job: start over with a new checkpoint.dir")
+        epoch, consumed = int(state["epoch"]), int(state["batches_consumed"])
+        old = MixSchedule(
+            self.schedule.parts,
+            tuple(saved["weights"]),
+            self.schedule.sampler,
+            self.schedule.shuffle,
+            self.schedule.seed,
+            self.schedule.window_runs,
+            int(saved["base_rows"]),
+            tuple(int(value) for value in saved["base_draws"]),
+        )
+        step_rows, epoch_steps = int(saved["rows_per_step"]), int(saved["epoch_steps"])
+        drawn = int(saved["epoch_start_rows"]) + consumed * step_rows
+        planner = self.mix_planner
+        same_weights = tuple(old.weights) == tuple(self.schedule.weights)
+        if same_weights and step_rows == planner.rows_per_step:
+            self.schedule = old
+            anchor = replace(planner, schedule=old, anchor_epoch=epoch, anchor_rows=int(saved["epoch_start_rows"]))
+            anchor = replace(anchor, anchor_steps=epoch_steps)
+            self._resume_at = self.consumed = consumed
+        else:
+            self.schedule = old if same_weights else old.rebased(drawn, self.schedule.weights)
+            left = (epoch_steps - consumed) * step_rows
+            steps = left // planner.rows_per_step if left >= planner.rows_per_step else int(left > 0)
+            anchor = replace(planner, schedule=self.schedule, anchor_epoch=epoch, anchor_rows=drawn, anchor_steps=steps)
+            self._resume_at = self.consumed = 0
+            if not same_weights:
+                log.info("the mix's weights changed: its sources' draws so far are kept, the next follow the new weights")
+        self.epoch = epoch
+        self.stats = ReadStats(skipped=int(state.get("skipped_rows", 0)))
+        self.mix_planner = anchor
+        self._set_planner(anchor)
+        if isinstance(self._epoch_source, PlanBatchSampler):
+            self._epoch_source.steps = anchor.steps(epoch)
 
 
 class RowsLoader:
@@ -349,13 +527,17 @@ class _FixedBatches(torch.utils.data.Sampler):
 
     def __iter__(self) -> Iterator[BatchRequest]:
         for index in range(len(self.batches)):
-            yield 0, index, self.batches[index], ahead_of(self.batches, index, self.num_workers, self.io_depth)
+            window, ahead = read_hints(self.batches, index, self.num_workers, self.io_depth)
+            yield 0, index, self.batches[index], ahead, window
 
     def __len__(self) -> int:
         return len(self.batches)
 
 
 def build_train_loader(data: DataSpec, decoder: Decoder, rank: int, world_size: int, *, pin_memory: bool = False) -> TrainLoader:
+    """The loader of one dataset (filtered or not), or of a weighted mix of datasets (data.mix)."""
+    if data.mix is not None:
+        return MixLoader(data, decoder, rank, world_size, pin_memory=pin_memory)
     return TrainLoader(data, decoder, rank, world_size, pin_memory=pin_memory)
 
 

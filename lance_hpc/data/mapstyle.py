@@ -4,7 +4,8 @@ The batch sampler runs in the main process and hands each worker a whole batch o
 dataset's ``__getitems__`` reads it with one ``take`` of sorted ids and decodes it in the worker,
 returning the batch's fields as ready tensors (no per-row Python objects cross a process boundary).
 The DataLoader deals batches to its workers in turn, so the sampler also tells each worker the
-rows of the batches it will get next, for the reader to start reading them (``data.io_depth``).
+rows of the batches it will get next, for the reader to start reading them (``data.io_depth``), and
+with ``sampler: block`` the window each batch is cut from, which the worker reads whole.
 """
 
 from __future__ import annotations
@@ -15,19 +16,13 @@ import numpy as np
 from torch.utils.data import Dataset, Sampler
 
 from lance_hpc.data.reader import BatchReader
+from lance_hpc.data.sampling import read_hints
 from lance_hpc.data.transport import SharedBatch
 from lance_hpc.storage.datasets import ReadStats
 from lance_hpc.tasks.base import Batch
 
-# (epoch, batch index in the epoch, row ids, row ids of the batches the same worker reads next)
-BatchRequest = tuple[int, int, np.ndarray, tuple[np.ndarray, ...]]
-
-
-def ahead_of(batches: list[np.ndarray], index: int, num_workers: int, depth: int) -> tuple[np.ndarray, ...]:
-    """The next ``depth`` batches after ``index`` that go to the same worker (every
-    ``num_workers``-th: the DataLoader deals batches to its workers round-robin)."""
-    step = max(num_workers, 1)
-    return tuple(batches[index + step * k] for k in range(1, depth + 1) if index + step * k < len(batches))
+# (epoch, batch index in the epoch, row ids, rows to read ahead, the window the batch is cut from or None)
+BatchRequest = tuple[int, int, np.ndarray, tuple[np.ndarray, ...], "np.ndarray | None"]
 
 
 class LanceMapDataset(Dataset):
@@ -41,8 +36,8 @@ class LanceMapDataset(Dataset):
         return self.rows
 
     def __getitems__(self, request: BatchRequest) -> tuple[Batch, ReadStats] | SharedBatch:
-        epoch, batch_index, row_ids, ahead = request
-        return self.reader.read(row_ids, epoch, batch_index, ahead=ahead)
+        epoch, batch_index, row_ids, ahead, window = request
+        return self.reader.read(row_ids, epoch, batch_index, ahead=ahead, window=window)
 
     def __getitem__(self, row_id: int) -> Batch:
         read = self.reader.read(np.array([row_id]), 0, int(row_id), shared=False)
@@ -67,7 +62,8 @@ class PlanBatchSampler(Sampler[BatchRequest]):
     def __iter__(self) -> Iterator[BatchRequest]:
         batches = self.planner(self.epoch)
         for index in range(self.start, len(batches)):
-            yield self.epoch, index, batches[index], ahead_of(batches, index, self.num_workers, self.io_depth)
+            window, ahead = read_hints(batches, index, self.num_workers, self.io_depth)
+            yield self.epoch, index, batches[index], ahead, window
 
     def __len__(self) -> int:
         return self.steps - self.start

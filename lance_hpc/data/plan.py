@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from typing import Sequence
 
 from lance_hpc.data.ingest import resolve_source
-from lance_hpc.data.reader import fragment_table
+from lance_hpc.data.mix import MixPart, epoch_rows, mix_steps, probabilities, source_name
 from lance_hpc.data.sampling import (
     DataPlan,
     FragmentTable,
     eval_batches,
     plan_from_table,
 )
+from lance_hpc.data.selection import select_training_rows
 from lance_hpc.data.shard_ingest import estimate_rows, plan_for_data
 from lance_hpc.data.shards import is_shard_source
 from lance_hpc.errors import ExitCode, UserError
@@ -57,16 +59,53 @@ def plan_data(data: DataSpec, world_size: int) -> DataPlan:
             uneven=data.uneven,
             uri=f"{data.uri} (to be ingested from {data.ingest.source})",
         )
-    dataset = open_dataset(data.uri, data.version, options)
+    if data.mix is not None:
+        return plan_mix(data, world_size)
+    _, selection = select_training_rows(data.uri, options, data.version, data.tag, data.filter)
     return plan_from_table(
-        fragment_table(dataset),
+        selection.table,
         world_size,
         data.batch_size,
         style=data.style,
         sampler=data.sampler,
         uneven=data.uneven,
         uri=data.uri,
-        version=int(dataset.version),
+        version=selection.version,
+        selected=selection.describe() if data.filter else "",
+    )
+
+
+def plan_mix(data: DataSpec, world_size: int) -> DataPlan:
+    """The plan of a mix: each source's selected rows and share, then one job epoch's steps."""
+    assert data.mix is not None
+    selections = []
+    for index, source in enumerate(data.mix):
+        options = storage_options(
+            source.uri, source.storage_options if source.storage_options is not None else data.storage_options
+        )
+        selections.append(
+            select_training_rows(source.uri, options, source.version, source.tag, source.filter, f"data.mix[{index}]")[1]
+        )
+    parts = [MixPart(selection.table, selection.offsets) for selection in selections]
+    rows = epoch_rows(data, parts)
+    steps = mix_steps(rows, world_size, data.batch_size)
+    drawn = steps * world_size * data.batch_size
+    probs = probabilities([source.weight for source in data.mix])
+    lines = []
+    for index, (source, selection, share) in enumerate(zip(data.mix, selections, probs)):
+        epochs = drawn * share / selection.rows
+        lines.append(
+            f"{source_name(source, index)}: {source.uri} version {selection.version}, {selection.describe()}, "
+            f"weight {source.weight:g} ({share:.1%}, ~{share * data.batch_size:.1f} per rank per step), "
+            f"{epochs:.2f} of its epochs per job epoch"
+        )
+    return replace(
+        plan_from_table(
+            FragmentTable.from_rows([drawn]), world_size, data.batch_size, style=data.style, sampler=data.sampler, uri=data.uri
+        ),
+        rows=drawn,
+        fragments=sum(len(selection.table.rows) for selection in selections),
+        sources=tuple(lines),
     )
 
 
@@ -87,11 +126,39 @@ def preflight(data: DataSpec) -> None:
     unreachable endpoint or bucket, rejected credentials, missing dataset or version, a data file
     missing or cut short. Never prints secrets."""
     may_create = data.ingest is not None
-    for uri, version in ((data.uri, data.version), (data.val_uri, None)):
+    sources = [(data.uri, data.version, data.storage_options)] if data.mix is None else []
+    for source in data.mix or []:
+        sources.append(
+            (source.uri, source.version, source.storage_options if source.storage_options is not None else data.storage_options)
+        )
+    for uri, version, store in (*sources, (data.val_uri, None, data.storage_options)):
         if uri:
-            options = storage_options(uri, data.storage_options)
-            preflight_uri(uri, options, version, may_create)
+            options = storage_options(uri, store)
+            preflight_uri(uri, options, version, may_create and uri in (data.uri, data.val_uri))
             check_data_files(uri, options, version)
+    check_selection(data)
+
+
+def check_selection(data: DataSpec) -> list[str]:
+    """Resolve every tag and filter of the training data once, before any rank starts: a missing
+    tag, a filter Lance cannot apply, or one that selects no rows is one clear error here. Returns
+    a line per filtered or tagged source."""
+    sources = [("data", data.uri, data.version, data.tag, data.filter, data.storage_options)] if data.mix is None else []
+    for index, source in enumerate(data.mix or []):
+        store = source.storage_options if source.storage_options is not None else data.storage_options
+        sources.append((f"data.mix[{index}]", source.uri, source.version, source.tag, source.filter, store))
+    lines = []
+    for where, uri, version, tag, predicate, store in sources:
+        if tag is None and predicate is None:
+            continue
+        options = storage_options(uri, store)
+        if data.ingest is not None and not dataset_exists(uri, options):
+            continue  # ingest creates it first; the ranks check it then
+        _, selection = select_training_rows(uri, options, version, tag, predicate, where)
+        lines.append(
+            f"{where}: {uri} version {selection.version}" + (f" (tag {tag!r})" if tag else "") + f", {selection.describe()} rows"
+        )
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -61,11 +61,13 @@ class BatchReader:
     io_timeout_s: float = 120.0  # how long a take keeps retrying a failing store
     _dataset: Dataset | None = field(default=None, repr=False, compare=False)
     _ahead: Any = field(default=None, repr=False, compare=False)  # ReadAhead, per process
+    _window: tuple[bytes, Any] | None = field(default=None, repr=False, compare=False)  # (its rows, its table)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_dataset"] = None  # Lance is not fork-safe: each process opens its own
         state["_ahead"] = None  # threads do not cross processes
+        state["_window"] = None
         return state
 
     @property
@@ -114,18 +116,40 @@ class BatchReader:
             self._ahead = ReadAhead(self, self.io_depth)
         return self._ahead.get(unique, ahead)
 
+    def _from_window(self, window: np.ndarray, unique: np.ndarray, ahead: Sequence[np.ndarray]) -> tuple[Any, ReadStats]:
+        """The rows ``unique`` out of ``window`` (sorted row ids), which is read whole, once, and
+        kept until a batch of another window comes (``sampler: block``)."""
+        key = window.tobytes()
+        stats = ReadStats()
+        if self._window is None or self._window[0] != key:
+            self._window = None  # the old window's bytes go before the new ones come
+            table, stats = self._fetch(window, ahead)
+            self._window = (key, table)
+        return self._window[1].take(np.searchsorted(window, unique)), stats
+
     def read(
-        self, row_ids: np.ndarray, epoch: int, batch_index: int, *, shared: bool = True, ahead: Sequence[np.ndarray] = ()
+        self,
+        row_ids: np.ndarray,
+        epoch: int,
+        batch_index: int,
+        *,
+        shared: bool = True,
+        ahead: Sequence[np.ndarray] = (),
+        window: np.ndarray | None = None,
     ) -> tuple[Batch, ReadStats] | SharedBatch:
-        """(fields, read stats) of the rows ``row_ids``, in row-id order; ``ahead``: the rows of the
-        batches this process reads next, to start reading now (see the module doc).
+        """(fields, read stats) of the rows ``row_ids``, in row-id order; ``ahead``: the rows this
+        process reads next, to start reading now (see the module doc); ``window``: the sorted rows
+        the batch is cut from, read whole (``sampler: block``).
 
         In a DataLoader worker (and with ``shared``) the batch is written into one of the worker's
         shared buffers and reaches the main process as that same pair (see
         :mod:`lance_hpc.data.transport`)."""
         ids = np.asarray(row_ids, dtype=np.int64)
         unique, inverse = np.unique(ids, return_inverse=True)  # sorted: Lance reads in file order
-        table, stats = self._fetch(unique, ahead)
+        if window is None:
+            table, stats = self._fetch(unique, ahead)
+        else:
+            table, stats = self._from_window(np.asarray(window, dtype=np.int64), unique, ahead)
         if len(unique) != len(ids):  # padding can repeat a row within a batch
             table = table.take(inverse)
             unique = unique[inverse]

@@ -31,11 +31,28 @@ class EpochOrigin:
     shuffle: bool
     seed: int
     epoch: int
+    num_workers: int = 1  # sampler: block plans per worker
+    run_rows: int = 1
+    window_runs: int = 32
+
+    def saved(self) -> dict[str, object]:
+        """The fields a checkpoint keeps (the epoch is saved beside them)."""
+        return {name: value for name, value in self.__dict__.items() if name != "epoch"}
 
 
 def _origin_request(table: FragmentTable, origin: EpochOrigin, segment: Segment, rank: int) -> EpochRequest:
     return EpochRequest(
-        table, rank, segment.world_size, segment.batch_size, origin.uneven, origin.shuffle, origin.seed, origin.epoch
+        table,
+        rank,
+        segment.world_size,
+        segment.batch_size,
+        origin.uneven,
+        origin.shuffle,
+        origin.seed,
+        origin.epoch,
+        origin.num_workers,
+        origin.run_rows,
+        origin.window_runs,
     )
 
 

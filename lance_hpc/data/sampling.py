@@ -116,6 +116,9 @@ class EpochRequest:
     shuffle: bool
     seed: int
     epoch: int
+    num_workers: int = 1  # sampler: block: the DataLoader workers each window is dealt to
+    run_rows: int = 1  # sampler: block: rows of one read (a run of neighbouring rows)
+    window_runs: int = 32  # sampler: block: runs shuffled together
 
     @property
     def share(self) -> RankShare:
@@ -178,6 +181,82 @@ def sharded_fragment_batches(request: EpochRequest) -> list[np.ndarray]:
     return batches
 
 
+class BlockPlan(list):
+    """A rank's batches (a list of row-id arrays) that also knows the window each batch is cut from:
+    ``windows[window_of[index]]`` holds the sorted rows of batch ``index``'s window."""
+
+    def __init__(self, batches: list[np.ndarray], windows: list[np.ndarray], window_of: np.ndarray):
+        super().__init__(batches)
+        self.windows = windows
+        self.window_of = window_of
+
+    def mapped(self, rows: np.ndarray) -> BlockPlan:
+        """The same plan with every row id looked up in ``rows`` (a filtered dataset's row offsets)."""
+        return BlockPlan([rows[batch] for batch in self], [rows[window] for window in self.windows], self.window_of)
+
+
+def runs_of(table: FragmentTable, run_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """(first row, length) of every run: each fragment cut into pieces of ``run_rows`` rows."""
+    run_rows = max(1, run_rows)
+    counts = np.array([math.ceil(rows / run_rows) for rows in table.rows], dtype=np.int64)
+    fragment = np.repeat(np.arange(len(table.rows)), counts)
+    within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    starts = table.starts[fragment] + within * run_rows
+    lengths = np.minimum(run_rows, np.asarray(table.rows, dtype=np.int64)[fragment] - within * run_rows)
+    return starts.astype(np.int64), lengths.astype(np.int64)
+
+
+def expand_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The row ids of runs laid end to end."""
+    if len(starts) == 0:
+        return np.zeros(0, dtype=np.int64)
+    offsets = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.repeat(starts, lengths) + offsets
+
+
+def block_order(table: FragmentTable, run_rows: int, shuffle: bool, rng: np.random.Generator) -> np.ndarray:
+    """Every row once: runs of neighbouring rows from all fragments, in shuffled run order."""
+    starts, lengths = runs_of(table, run_rows)
+    order = rng.permutation(len(starts)) if shuffle else np.arange(len(starts))
+    return expand_runs(starts[order], lengths[order])
+
+
+def block_batches(request: EpochRequest) -> BlockPlan:
+    """Runs of ``run_rows`` neighbouring rows (about data.block_kb each, one read) from every
+    fragment in a shuffled order; each rank takes one contiguous share of that run sequence, cut
+    into one part per DataLoader worker, and each part into windows of ``window_runs`` runs (a
+    multiple of the batch). A window's rows are shuffled together and cut into that worker's
+    batches, so a worker reads each run once, in one request, and holds one window at a time.
+
+    Batch j of the rank comes from worker ``j % num_workers``, as the DataLoader deals them; the
+    plan depends on the worker count, which an epoch resumed at another layout keeps."""
+    table, share, batch_size = request.table, request.share, request.batch_size
+    rng = _rng(request.seed, request.epoch)
+    sequence = cyclic(block_order(table, request.run_rows, request.shuffle, rng), share.rows_per_rank * request.world_size)
+    mine = sequence[request.rank * share.rows_per_rank : (request.rank + 1) * share.rows_per_rank]
+    steps, workers = share.steps, max(1, request.num_workers)
+    window_rows = math.ceil(max(1, request.run_rows) * request.window_runs / batch_size) * batch_size
+    batches: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * steps
+    window_of = np.zeros(steps, dtype=np.int64)
+    windows: list[np.ndarray] = []
+    start = 0
+    for worker in range(min(workers, steps)):
+        indices = range(worker, steps, workers)
+        rows = len(indices) * batch_size - (batch_size - share.last_batch_rows if (steps - 1) % workers == worker else 0)
+        part = mine[start : start + rows]
+        start += rows
+        for first in range(0, len(part), window_rows):
+            window = part[first : first + window_rows]
+            if request.shuffle:
+                window = _rng(request.seed, request.epoch, 1 + request.rank, 1 + worker, first).permutation(window)
+            windows.append(np.unique(window))
+            for offset in range(0, len(window), batch_size):
+                index = indices[(first + offset) // batch_size]
+                batches[index] = window[offset : offset + batch_size]
+                window_of[index] = len(windows) - 1
+    return BlockPlan(batches, windows, window_of)
+
+
 def full_scan_batches(request: EpochRequest) -> list[np.ndarray]:
     """Every rank reads every row (evaluation and inference, not DDP training)."""
     rows = request.table.total_rows
@@ -187,6 +266,7 @@ def full_scan_batches(request: EpochRequest) -> list[np.ndarray]:
 
 STRATEGIES: dict[str, Callable[[EpochRequest], list[np.ndarray]]] = {
     "distributed": distributed_batches,
+    "block": block_batches,
     "sharded_batch": sharded_batch_batches,
     "sharded_fragment": sharded_fragment_batches,
     "full_scan": full_scan_batches,
@@ -210,11 +290,18 @@ class EpochPlanner:
     sampler: str
     layout: EpochRequest  # everything but the epoch, which each call supplies
     fixed: tuple[int, tuple[np.ndarray, ...]] | None = None
+    rows: np.ndarray | None = None  # a filtered dataset: the row offset of each selected row
 
     def __call__(self, epoch: int) -> list[np.ndarray]:
         if self.fixed is not None and epoch == self.fixed[0]:
-            return list(self.fixed[1])
-        return strategy_function(self.sampler)(replace(self.layout, epoch=epoch))
+            batches = list(self.fixed[1])
+        else:
+            batches = strategy_function(self.sampler)(replace(self.layout, epoch=epoch))
+        if self.rows is None:
+            return batches
+        if isinstance(batches, BlockPlan):
+            return batches.mapped(self.rows)
+        return [self.rows[batch] for batch in batches]
 
 
 def epoch_planner(
@@ -227,12 +314,20 @@ def epoch_planner(
     uneven: str = "drop",
     shuffle: bool = True,
     seed: int = 0,
+    num_workers: int = 1,
+    run_rows: int = 1,
+    window_runs: int = 32,
+    rows: np.ndarray | None = None,
 ) -> EpochPlanner:
-    """The planner of one rank; an unknown sampler or a rank outside the world fails here."""
+    """The planner of one rank; an unknown sampler or a rank outside the world fails here.
+    ``rows``: the row offsets of a filtered dataset's selected rows (``table`` counts them)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside world size {world_size}")
     strategy_function(sampler)
-    return EpochPlanner(sampler, EpochRequest(table, rank, world_size, batch_size, uneven, shuffle, seed, epoch=0))
+    request = EpochRequest(
+        table, rank, world_size, batch_size, uneven, shuffle, seed, 0, max(1, num_workers), run_rows, window_runs
+    )
+    return EpochPlanner(sampler, request, rows=rows)
 
 
 def epoch_batches(
@@ -241,6 +336,22 @@ def epoch_batches(
     """This rank's batches (arrays of row ids) for one epoch; the same count on every rank.
     ``options``: ``uneven``, ``shuffle`` and ``seed``, as :func:`epoch_planner` takes them."""
     return epoch_planner(table, sampler, rank, world_size, batch_size, **options)(epoch)
+
+
+def read_hints(
+    batches: list[np.ndarray], index: int, num_workers: int, depth: int
+) -> tuple[np.ndarray | None, tuple[np.ndarray, ...]]:
+    """(the window of batch ``index`` or None, the rows to start reading ahead) for the worker
+    that reads it: a block plan's next window of that worker, else its next ``depth`` batches
+    (every ``num_workers``-th: the DataLoader deals batches to its workers round-robin)."""
+    step = max(num_workers, 1)
+    if isinstance(batches, BlockPlan):
+        window = batches.window_of[index]
+        later = batches.window_of[index + step :: step]
+        following = later[later != window]
+        ahead = (batches.windows[int(following[0])],) if depth and len(following) else ()
+        return batches.windows[int(window)], ahead
+    return None, tuple(batches[index + step * k] for k in range(1, depth + 1) if index + step * k < len(batches))
 
 
 def worker_steps(steps: int, start: int, worker: int, num_workers: int) -> range:
@@ -284,6 +395,8 @@ class DataPlan:
     padded: int
     uri: str = ""
     version: int | None = None
+    selected: str = ""  # the rows a filter selects, when data.filter is set
+    sources: tuple[str, ...] = ()  # data.mix: a line per source
 
     @property
     def batches(self) -> int:
@@ -300,6 +413,7 @@ class DataPlan:
                 f"{self.rows:,} in {self.fragments:,} fragments"
                 + (f" ({self.min_fragment_rows:,}..{self.max_fragment_rows:,} rows each)" if self.fragments else ""),
             ),
+            ("selected", self.selected),
             ("world size", f"{self.world_size:,} ranks x batch {self.batch_size:,}"),
             ("rows per rank", f"{self.rows_per_rank:,}" + (" (every rank reads every row)" if every else "")),
             (
@@ -311,8 +425,11 @@ class DataPlan:
             ("dropped", f"{self.dropped:,} rows per epoch"),
             ("padded", f"{self.padded:,} rows per epoch (repeated)"),
         ]
-        if not self.uri:
-            lines = lines[1:]
+        if self.sources:  # a mix: its sources, then what a job epoch draws
+            lines[0] = ("dataset", f"a mix of {len(self.sources)} sources")
+            lines[2] = ("rows", f"{self.rows:,} drawn per epoch over all ranks")
+            lines[1:1] = [("source", line) for line in self.sources]
+        lines = [(name, value) for name, value in lines if value or name not in ("dataset", "selected")]
         width = max(len(name) for name, _ in lines)
         return "\n".join(f"  {name:<{width}}  {value}" for name, value in lines)
 
@@ -327,6 +444,7 @@ def plan_from_table(
     uneven: str = "drop",
     uri: str = "",
     version: int | None = None,
+    selected: str = "",
 ) -> DataPlan:
     """The DataPlan of a strategy on a fragment table; O(fragments), whatever the row count."""
     strategy_function(sampler)
@@ -349,6 +467,7 @@ def plan_from_table(
         padded=share.padded,
         uri=uri,
         version=version,
+        selected=selected,
     )
 
 

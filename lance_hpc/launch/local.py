@@ -63,6 +63,8 @@ def run_local(spec_file: str | Path, nproc: int) -> int:
             print(check_infer(spec), flush=True)
         else:
             data.ensure_dataset(spec.data)
+            for line in data.check_selection(spec.data):
+                print(f"data selected: {line}", flush=True)
             load_task(spec)  # a column the task needs but the data lacks: one error here, not one per rank
     except KeyboardInterrupt:
         print("\nlance_hpc: interrupted before training started; nothing to save", file=sys.stderr, flush=True)

@@ -9,6 +9,7 @@ rank 0 holds its lease (:mod:`lance_hpc.runtime.lease`, taken by :func:`writer_l
 
 from __future__ import annotations
 
+import logging
 import random
 import sys
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from pydantic import BaseModel, ValidationError
 from torch import nn
 
+from lance_hpc.data.mix import pinned_mix
 from lance_hpc.errors import UserError
 from lance_hpc.runtime import lease
 from lance_hpc.runtime.environment import DistEnv
@@ -42,6 +44,8 @@ from lance_hpc.storage.checkpoint_store import Location, NoSpace, locate, open_s
 FORMAT = 2
 # What the built-in trainer kept at the top of a checkpoint before FORMAT 2.
 EARLIER_TRAINER_OBJECTS = ("model", "optimizer")
+
+log = logging.getLogger("lance_hpc.checkpoint")
 
 
 def checkpoint_path(directory: str | Path, step: int) -> Location:
@@ -317,16 +321,32 @@ def find_resume_point(spec: JobSpec) -> Checkpoint | None:
 
 
 def pinned_data(data_spec: DataSpec, resumed: Checkpoint | None) -> DataSpec:
-    """A resumed job reads the dataset version its checkpoint was trained on."""
+    """A resumed job reads the rows its checkpoint was trained on: the same dataset version (the
+    one its tag named at the first start), the same filter, the same mix sources' versions."""
     if resumed is None:
         return data_spec
     version = resumed.state["dataset_version"]
+    pinned = resumed.state.get("data_pinned") or {}
+    start_over = "start over with checkpoint.resume: false and a new checkpoint.dir"
     if data_spec.version is not None and data_spec.version != version:
         raise UserError(
             f"data.version is {data_spec.version} but the checkpoint was trained on version {version}\n"
-            "  fix: remove data.version to resume, or start over with checkpoint.resume: false and a new checkpoint.dir"
+            f"  fix: remove data.version to resume, or {start_over}"
         )
-    return data_spec.model_copy(update={"version": version})
+    if "filter" in pinned and pinned["filter"] != data_spec.filter:
+        raise UserError(
+            f"data.filter is {data_spec.filter!r} but the checkpoint was trained on the rows of {pinned['filter']!r}\n"
+            f"  fix: set data.filter back to resume, or {start_over}"
+        )
+    if pinned.get("sources"):
+        return data_spec.model_copy(update={"mix": pinned_mix(data_spec, pinned["sources"], start_over)})
+    if version is None:
+        return data_spec
+    if data_spec.tag is not None:
+        log.info(
+            "resuming on version %s of %s, which data.tag %r named at the first start", version, data_spec.uri, data_spec.tag
+        )
+    return data_spec.model_copy(update={"version": version, "tag": None})
 
 
 def restore_rank(resumed: Checkpoint, env: DistEnv, seed: int) -> None:
@@ -361,6 +381,9 @@ def resume_message(resumed: Checkpoint, progress: float, world_size: int, batch_
     """What a resumed job continues from; at a new world size, what changed and what did not."""
     where = f"epoch {resumed.epoch + 1}" + (f" ({progress - int(progress):.0%} read)" if resumed.state["mid_epoch"] else "")
     text = f"resuming from {resumed.path} at step {resumed.step}, {where}"
+    pinned = pinned_text(resumed.state.get("data_pinned") or {})
+    if pinned:
+        text += f"\n  pinned at the first start: {pinned}"
     if resumed.world_size != world_size:
         before = resumed.state.get("spec", {}).get("data", {}).get("batch_size", batch_size)
         text += (
@@ -374,6 +397,23 @@ def resume_message(resumed: Checkpoint, progress: float, world_size: int, batch_
             )
         )
     return text
+
+
+def pinned_text(pinned: dict[str, Any]) -> str:
+    """The data a checkpoint pinned, in a few words: each source's version, tag and filter."""
+
+    def one(source: dict[str, Any]) -> str:
+        text = f"{source.get('uri')} version {source.get('version')}"
+        if source.get("tag"):
+            text += f" (tag {source['tag']!r})"
+        if source.get("filter"):
+            text += f", rows where {source['filter']}"
+        if source.get("weight") is not None:
+            text += f", weight {source['weight']:g}"
+        return text
+
+    sources = pinned.get("sources") or ([pinned] if pinned.get("uri") else [])
+    return "; ".join(one(source) for source in sources)
 
 
 def capture_rng() -> dict[str, Any]:

@@ -48,7 +48,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from lance_hpc import data
-from lance_hpc.data import EvalLoader, TrainLoader
+from lance_hpc.data import EvalLoader, MixLoader, TrainLoader
 from lance_hpc.errors import UserError
 from lance_hpc.runtime import checkpoint
 from lance_hpc.runtime.checkpoint import Checkpoint
@@ -393,6 +393,7 @@ class Context:
             "world_size": self.world_size,
             "objects": {name: _unwrapped(item).state_dict() for name, item in self._registered.items() if name not in loaders},
             "dataset_version": next(iter(loaders.values())).dataset_version if loaders else None,
+            "data_pinned": next(iter(loaders.values())).pinned if loaders else None,
             "spec": self.spec.redacted_dict(),
         }
         rank_state = {"loaders": {name: item.state_dict() for name, item in loaders.items()} if mid_epoch else {}}
@@ -524,6 +525,8 @@ class Context:
         sums, seconds, perf = self._window.reduce()
         if epoch_time_s is not None:
             perf["perf/epoch_time_s"] = epoch_time_s
+        if isinstance(self._stepping, MixLoader):  # the plan knows every rank's draws: no collective
+            perf.update(self._stepping.source_figures())
         reported = self.task.report(sums, "train", seconds) if has_sums else {}
         self._logger.log({**reported, **perf}, self._step)
         shown, self._shown = {**reported, **self._shown, **perf}, {}  # the task's values lead the line

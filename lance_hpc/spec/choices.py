@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 # data.sampler: how the rows of an epoch are split between ranks (lance_hpc.data.sampling.STRATEGIES)
-SAMPLERS = ("distributed", "sharded_batch", "sharded_fragment", "full_scan")
+SAMPLERS = ("distributed", "block", "sharded_batch", "sharded_fragment", "full_scan")
 # data.style, and the samplers each style runs; full_scan gives every rank every row (evaluation only)
 STYLES: dict[str, tuple[str, ...]] = {
-    "map": ("distributed",),
-    "iterable": ("sharded_batch", "sharded_fragment", "full_scan"),
+    "map": ("distributed", "block"),
+    "iterable": ("block", "sharded_batch", "sharded_fragment", "full_scan"),
 }
 # data.uneven: what a rank does with the rows left over when they do not split evenly
 UNEVEN_MODES = ("drop", "pad")

@@ -226,10 +226,50 @@ class CacheSpec(_Section):
         return directory
 
 
+class MixSource(_Section):
+    uri: str = Field(..., description="One dataset of the mix: local path or s3://bucket/path.lance.")
+    weight: float = Field(..., gt=0, description="Its share of every step's rows, relative to the other sources' weights.")
+    filter: str | None = Field(None, min_length=1, description="Lance SQL predicate choosing the source's rows.")
+    version: int | None = Field(None, ge=1, le=MAX_INT, description="Pinned version of the source.")
+    tag: str | None = Field(None, min_length=1, description="Pinned by tag name instead of version.")
+    storage_options: dict[str, str] | None = Field(None, description="Object-store options of this source [default: data's].")
+
+    @model_validator(mode="after")
+    def one_pin(self) -> MixSource:
+        if self.version is not None and self.tag is not None:
+            raise ValueError("set version or tag, not both")
+        return self
+
+
 class DataSpec(_Section):
-    uri: str = Field(..., description="Training dataset: local path or s3://bucket/path.lance.")
+    uri: str = Field(
+        ..., description="Training dataset: local path or s3://bucket/path.lance [default with mix: the first source]."
+    )
     val_uri: str | None = Field(None, description="Validation dataset; null skips evaluation.")
     version: int | None = Field(None, ge=1, le=MAX_INT, description="Pinned dataset version; null: latest at start.")
+    tag: str | None = Field(
+        None, min_length=1, description="Pinned by tag name (a version the dataset's owner named) instead of data.version."
+    )
+    filter: str | None = Field(
+        None,
+        min_length=1,
+        description="Train on the rows matching this Lance SQL predicate (e.g. quality > 0.8 AND lang = 'en'), pinned at first start.",
+    )
+    mix: list[MixSource] | None = Field(
+        None, min_length=1, description="Several datasets drawn by weight in every step, each with its own epoch (README: Mixes)."
+    )
+    mix_epoch_rows: int | None = Field(
+        None,
+        ge=1,
+        le=2**62,
+        description="Rows an epoch of a mix draws over all ranks [default: the sources' selected rows together].",
+    )
+    block_kb: int = Field(
+        1024, ge=1, le=2**20, description="sampler: block: the least bytes each read fetches (a run of neighbouring rows)."
+    )
+    block_window: int = Field(
+        32, ge=1, le=2**16, description="sampler: block: runs whose rows are shuffled together (each worker holds one window)."
+    )
     storage_options: dict[str, str] = Field(
         default_factory=dict,
         description="Object-store options (endpoint, region, allow_http); credentials come from env.",
@@ -264,6 +304,25 @@ class DataSpec(_Section):
         ),
     )
     cache: CacheSpec | None = Field(None, description="Node-local cache of fetched data files; null reads the store every epoch.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def uri_of_mix(cls, values: Any) -> Any:
+        """With a mix, data.uri is the first source's (where a dataset's files and checks are named)."""
+        if isinstance(values, dict) and "uri" not in values and isinstance(values.get("mix"), list) and values["mix"]:
+            first = values["mix"][0]
+            uri = first.get("uri") if isinstance(first, dict) else getattr(first, "uri", None)
+            if isinstance(uri, str):
+                return {**values, "uri": uri}
+        return values
+
+    @model_validator(mode="after")
+    def one_selection(self) -> DataSpec:
+        if self.version is not None and self.tag is not None:
+            raise ValueError("set data.version or data.tag, not both")
+        if self.mix is not None and (self.filter or self.version is not None or self.tag):
+            raise ValueError("with data.mix, set filter, version and tag on each source, not on data")
+        return self
 
     check_style = field_validator("style")(_choice(lambda: STYLES))
     check_sampler = field_validator("sampler")(_choice(lambda: SAMPLERS))

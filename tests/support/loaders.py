@@ -43,7 +43,7 @@ def write_dataset(uri, fragment_rows, corrupt=(), mode="create"):
 
 
 def spec(uri, **fields):
-    defaults = dict(batch_size=8, num_workers=0, seed=3)
+    defaults = dict(batch_size=8, num_workers=0, seed=3, block_kb=2, block_window=3)  # sampler: block: runs of a few rows
     return DataSpec(uri=uri, **(defaults | fields))
 
 
