@@ -349,3 +349,43 @@ def test_four_ranks_preempted_mid_epoch_continue_on_two_with_every_row_once(
     rest.update(row for batches in after for batch in batches for row in batch)
     assert rest == planned_rows(spec, TASKS, epoch=1)
     assert final_state(tmp_path)["epoch"] == 2
+
+
+def test_a_filtered_mix_requeued_by_usr2_draws_each_source_epoch_once(
+    slurm_cluster: SlurmCluster, digits: Digits, tmp_path: Path
+) -> None:
+    """A mix of the training digits below 5 (weight 3) and the validation digits (weight 1) on 4
+    ranks, sent USR2 early in epoch 2: the requeued job resumes with the versions and filter it
+    pinned, and over both runs each source's rows come once per source epoch (a row's count is its
+    source's whole epochs or one more), the filter holds, every step draws both sources."""
+    from lance_hpc.data.mix import offset_of, source_of
+
+    (tmp_path / "rows").mkdir()
+    mix = [
+        {"uri": digits.train, "weight": 3, "filter": "label < 5"},
+        {"uri": digits.val, "weight": 1},
+    ]
+    task = {
+        "name": f"{REPO_ROOT}/tests/custom_task.py:RowLoggingMLP",
+        "options": {"hidden": 16, "row_log": str(tmp_path / "rows")},
+    }
+    spec = job_spec(tmp_path, digits, slurm_cluster, task=task, data={"mix": mix}, train={"epochs": 2, "lr": 0.01})
+    _, output, stopped = interrupt_with_usr2(slurm_cluster, spec)
+    assert re.search(
+        rf"pinned at the first start: {digits.train} version \d+, rows where label < 5, weight 3; {digits.val} ", output
+    )
+    assert stopped["ranks"][0]["loaders"]["loader"]["mix"]["weights"] == [3.0, 1.0]
+    per_rank = logged_rows(tmp_path / "rows", TASKS)
+    steps = 2 * steps_per_epoch(spec)
+    assert [len(batches) for batches in per_rank] == [steps] * TASKS  # equal steps, none twice, none lost
+    rows = [row for batches in per_rank for batch in batches for row in batch]
+    ids = torch.tensor(rows).numpy()
+    sources, offsets = source_of(ids), offset_of(ids)
+    train = build_train_loader(spec.data, load_task(spec).decoder(train=True), 0, TASKS)
+    below_five = set(train.selections[0].offsets.tolist())
+    assert set(offsets[sources == 0].tolist()) <= below_five
+    for source, size in ((0, len(below_five)), (1, 359)):
+        counts = collections.Counter(offsets[sources == source].tolist())
+        whole = sum(counts.values()) // size
+        assert set(counts.values()) <= {whole, whole + 1}, source
+    assert all(len(set(source_of(torch.tensor(batch).numpy()).tolist())) == 2 for batches in per_rank for batch in batches)

@@ -322,6 +322,8 @@ class DataSpec(_Section):
             raise ValueError("set data.version or data.tag, not both")
         if self.mix is not None and (self.filter or self.version is not None or self.tag):
             raise ValueError("with data.mix, set filter, version and tag on each source, not on data")
+        if self.mix is not None and self.uri != self.mix[0].uri:
+            raise ValueError("with data.mix, leave data.uri out: it is the first source's uri")
         return self
 
     check_style = field_validator("style")(_choice(lambda: STYLES))
