@@ -10,8 +10,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lance_hpc.imports import lazy_exports
+from lance_hpc.quiet import quiet_dependencies
 
 __version__ = "0.1.0"
+quiet_dependencies()
 
 _PUBLIC: dict[str, tuple[str, ...]] = {
     "lance_hpc.runtime.context": ("Context", "Preempted", "Summary", "run_entry"),

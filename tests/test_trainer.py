@@ -274,6 +274,8 @@ def test_quickstart_prints_a_validation_accuracy_of_at_least_90_percent(tmp_path
     )
     assert finished.returncode == 0, finished.stdout + finished.stderr
     assert float(FINAL_ACCURACY.search(finished.stdout).group(1)) >= 0.90, finished.stdout
+    # Nothing a user cannot act on: no warning from the dependencies (see lance_hpc.quiet).
+    assert "Warning" not in finished.stderr, finished.stderr
 
 
 def catches(pid: int, signum: int) -> bool:

@@ -31,6 +31,7 @@ from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.launch.paths import JobPaths
 from lance_hpc.launch.ports import free_port
 from lance_hpc.launch.render import write_job_files
+from lance_hpc.quiet import exec_children
 from lance_hpc.runtime import lease
 from lance_hpc.runtime.environment import SLURM_VARS
 from lance_hpc.runtime.infer_job import check_infer
@@ -60,7 +61,7 @@ def run_local(spec_file: str | Path, nproc: int) -> int:
         if spec.job == "ingest":
             print(check_ingest(spec), flush=True)
         elif spec.job in ("infer", "evaluate"):
-            print(check_infer(spec), flush=True)
+            print(check_infer(spec, nproc), flush=True)
         else:
             data.ensure_dataset(spec.data)
             for line in data.check_selection(spec.data):
@@ -111,14 +112,15 @@ def run_local(spec_file: str | Path, nproc: int) -> int:
                 # the ranks import the same lance_hpc as this process, installed or not
                 "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
             }
-            ranks.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "lance_hpc.run", str(spec_file)],
-                    env=environ,
-                    start_new_session=True,
-                    preexec_fn=die_with_parent,
+            with exec_children():
+                ranks.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "lance_hpc.run", str(spec_file)],
+                        env=environ,
+                        start_new_session=True,
+                        preexec_fn=die_with_parent,
+                    )
                 )
-            )
         code = wait_for_ranks(ranks, stopped_at_once=lambda: len(interrupts) > 1)
         return ExitCode.INTERRUPTED if len(interrupts) > 1 else code
     finally:

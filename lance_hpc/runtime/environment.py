@@ -260,7 +260,14 @@ def process_group(env: DistEnv, timeout_s: float) -> Iterator[torch.device]:
         torch.cuda.set_device(device)
     if env.world_size == 1:
         # a single rank needs no rendezvous: an in-memory store spares it a port
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(
+            backend,
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            timeout=timeout,
+            device_id=device if device.type == "cuda" else None,
+        )
     else:
         dist.init_process_group(
             backend,

@@ -278,9 +278,9 @@ def _report(spec: JobSpec, task: Task, plan: ColumnPlan, finished: dict[int, Fra
     return metrics
 
 
-def check_infer(spec: JobSpec) -> str:
+def check_infer(spec: JobSpec, world_size: int | None = None) -> str:
     """Before any rank starts: the dataset, the columns and the checkpoint checked; the work in a
-    few lines (no model is loaded)."""
+    few lines (no model is loaded) for ``world_size`` ranks (default: the spec's)."""
     assert spec.infer is not None
     options = storage_options(spec.data.uri, spec.data.storage_options)
     dataset = open_dataset(spec.data.uri, None, options)
@@ -304,6 +304,6 @@ def check_infer(spec: JobSpec) -> str:
         [
             f"{what}: model {model}",
             f"{rows_text} in {len(fragments)} fragments of {spec.data.uri} version {dataset.version}, "
-            f"over {spec.slurm.world_size} rank(s)",
+            f"over {world_size or spec.slurm.world_size} rank(s)",
         ]
     )
