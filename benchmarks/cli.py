@@ -19,7 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
-from benchmarks import gpu, infer, ingest, local, object_storage, peer_loaders, report, text_ingest
+from benchmarks import choose, gpu, infer, ingest, local, object_storage, peer_loaders, report, shuffle_quality, text_ingest
 from benchmarks.datasets import DataSetSpec, prepare
 from benchmarks.sections import Context, Section
 from benchmarks.worker import WORKER
@@ -78,6 +78,19 @@ SECTIONS: dict[str, Section] = {
         infer.section_report,
         runs=2,
     ),
+    "choose": Section(
+        "what choosing the training rows costs, each against its peer in the same run: sampler: block over the S3 "
+        "server at 25 ms against itself and the default strategy on local disk (images/s, GET requests and KB per "
+        "image); data.filter selecting half the rows against those rows as their own dataset; data.mix of three "
+        "sources (0.5/0.3/0.2) against one; shuffle quality of every strategy on data in class order (distinct labels "
+        "and position spread per planned batch, and the quickstart model's validation accuracy trained with "
+        "distributed, block and sharded_fragment, one local job each); and a request-rate model (GET/s, MB/s and "
+        "GET cost per hour at 3,000 images/s per GPU for 1 to 512 GPUs, against S3's 5,500 GET/s per prefix)",
+        choose.configs,
+        choose.section_report,
+        runs=2,
+        once=(shuffle_quality.TRAIN_KIND,),
+    ),
     "gpu": Section(
         "ResNet-50 training on one CUDA GPU (bf16, channels-last), fed by the default strategy from local disk "
         "and over the S3 server at 25 ms, against synthetic batches already on the GPU: images/s and the share "
@@ -106,14 +119,16 @@ def _gather(
     context: Context, sections: dict[str, Section], runs: int | None
 ) -> tuple[list[Measurement], dict[tuple[str, str], int]]:
     """Every section's configurations, each (data set, label) once (sections that share a baseline
-    measure it once, as often as the section that runs it most), and its number of runs."""
+    measure it once, as often as the section that runs it most), and its number of runs (one for
+    the kinds a section measures once)."""
     found: dict[tuple[str, str], Measurement] = {}
     runs_of: dict[tuple[str, str], int] = {}
     for section in sections.values():
         for config in section.configs(context):
             key = (config.dataset, config.label)
             found.setdefault(key, config)
-            runs_of[key] = max(runs_of.get(key, 0), runs or section.runs)
+            count = 1 if config.kind in section.once else runs or section.runs
+            runs_of[key] = max(runs_of.get(key, 0), count)
     return list(found.values()), runs_of
 
 
@@ -234,7 +249,10 @@ def parser() -> argparse.ArgumentParser:
     )
     result.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT}/)")
     result.add_argument(
-        "--runs", type=int, help="runs per configuration (default: local and object_storage 2, peers 1; --tiny: 1)"
+        "--runs",
+        type=int,
+        help="runs per configuration (default: local and object_storage 2, peers 1; --tiny: 1; "
+        "the choose section's training jobs run once)",
     )
     result.add_argument(
         "--seconds",

@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from benchmarks import report
+from benchmarks.datasets import DataSet
 from benchmarks.local import set_configs
 from benchmarks.sections import (
     DEFAULT_STRATEGY,
@@ -52,6 +53,17 @@ def cache_parent(context: Context) -> Path:
     return (context.out / "work" / "node_cache").resolve()
 
 
+def s3_measurement(context: Context, data: DataSet, latency_ms: float, label: str, style: str, sampler: str) -> Measurement:
+    """A lance_hpc strategy reading ``data`` through the S3 server at ``latency_ms`` for a whole
+    epoch, with the server's counters over the window (the choose section shares these rows)."""
+    server = context.server(latency_ms)
+    fields = strategy_fields(
+        data, style, sampler, context.workers, context.s3_uri(server, data.lance_uri), server.storage_options()
+    )
+    common = {**common_fields(data, context), "dataset": dataset_name(data.spec.name, latency_ms)}
+    return Measurement(label, "lance_hpc", data=fields, store_counters=True, full_epoch=True, **common)
+
+
 def configs(context: Context) -> list[Measurement]:
     """Each strategy on local disk (shared with the local section when both run), then over S3 at
     each latency; every one reads a whole epoch (a few seconds), so local and S3 rows cover the same
@@ -60,12 +72,7 @@ def configs(context: Context) -> list[Measurement]:
     local_labels = {label for label, _, _ in STRATEGIES}
     found = [config for config in set_configs(data, context, with_ddp=False) if config.label in local_labels]
     for latency in latencies(context):
-        server = context.server(latency)
-        uri = context.s3_uri(server, data.lance_uri)
-        common = {**common_fields(data, context), "dataset": dataset_name(data.spec.name, latency)}
-        for label, style, sampler in STRATEGIES:
-            fields = strategy_fields(data, style, sampler, context.workers, uri, server.storage_options())
-            found.append(Measurement(label, "lance_hpc", data=fields, store_counters=True, full_epoch=True, **common))
+        found += [s3_measurement(context, data, latency, label, style, sampler) for label, style, sampler in STRATEGIES]
     server = context.server(CACHE_LATENCY_MS)
     fields = strategy_fields(
         data, "map", "distributed", context.workers, context.s3_uri(server, data.lance_uri), server.storage_options()

@@ -110,3 +110,4 @@ class Section:
     configs: Callable[[Context], list[Measurement]]
     report: Callable[[Context, Summaries], SectionReport]
     runs: int = 2  # runs per configuration unless --runs (or --tiny: 1) says otherwise
+    once: tuple[str, ...] = ()  # kinds measured once whatever --runs says (a training job of a minute)
