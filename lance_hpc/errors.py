@@ -48,3 +48,45 @@ def worker_message(message: str, name: str) -> str:
     marker = f"{name}: "
     position = message.rfind(marker)
     return message[position + len(marker) :].strip() if position >= 0 else message
+
+
+# Where a rank notes how it failed, for its launcher to name the rank whose error came first.
+FAILURE_DIR_VARIABLE = "LANCE_HPC_FAILURE_DIR"
+
+
+def note_failure(rank: int, message: str, lost_contact: bool, directory: str | None = None) -> None:
+    """Record that ``rank`` failed (with its own error, or by losing contact with another rank) in
+    the launcher's failure directory, when it set one."""
+    import json
+    import os
+    import socket
+    import time
+
+    folder = directory or os.environ.get(FAILURE_DIR_VARIABLE)
+    if not folder:
+        return
+    note = {"rank": rank, "host": socket.gethostname(), "time": time.time(), "lost_contact": lost_contact, "message": message}
+    path = os.path.join(folder, f"rank-{rank}.json")
+    try:
+        with open(f"{path}.tmp", "w") as file:
+            json.dump(note, file)
+        os.replace(f"{path}.tmp", path)
+    except OSError:
+        pass  # the launcher then names a rank by exit codes alone
+
+
+def first_error(directory: str) -> dict | None:
+    """The note of the rank whose own error came first (one that only lost contact with another
+    rank is never the cause while a rank with an error of its own exists), or None."""
+    import json
+    import os
+
+    notes = []
+    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
+        if name.startswith("rank-") and name.endswith(".json"):
+            try:
+                with open(os.path.join(directory, name)) as file:
+                    notes.append(json.load(file))
+            except (OSError, ValueError):
+                continue
+    return min(notes, key=lambda note: (note["lost_contact"], note["time"]), default=None)

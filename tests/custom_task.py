@@ -104,3 +104,25 @@ class RowLoggingMLP(PixelMLP):
             with open(f"{self.options.row_log}/rank-{dist.get_rank()}.txt", "a") as log:
                 log.write(" ".join(str(row) for row in batch["row_id"].tolist()) + "\n")
         return super().forward(model, batch)
+
+
+class FailOptions(PixelOptions):
+    fail_rank: int = 1
+    fail_step: int = 5
+
+
+class FailingMLP(PixelMLP):
+    """PixelMLP whose rank ``fail_rank`` raises at its ``fail_step``-th training batch, while the
+    other ranks go on into the next all-reduce: the cause is on one rank, the others lose contact."""
+
+    Options = FailOptions
+
+    def forward(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch.distributed as dist
+
+        if model.training:
+            self.batches = getattr(self, "batches", 0) + 1
+            rank = dist.get_rank()
+            if rank == self.options.fail_rank and self.batches == self.options.fail_step:
+                raise ValueError(f"bad batch on rank {rank} at step {self.batches}")
+        return super().forward(model, batch)

@@ -256,6 +256,19 @@ def test_a_killed_rank_ends_the_local_job_with_a_clear_error(tmp_path: Path, dig
 
 
 @pytest.mark.slow
+def test_the_launcher_names_the_rank_whose_error_came_first(tmp_path: Path, digits) -> None:
+    """Rank 1 raises in its task; rank 0 then loses contact with it. The launcher's last line names
+    rank 1 and its error, not rank 0, whatever order the two exited in."""
+    task = {"name": f"{REPO_ROOT}/tests/custom_task.py:FailingMLP", "options": {"hidden": 8, "fail_rank": 1, "fail_step": 5}}
+    spec_file = write_spec(tmp_path, digits, task=task, train={"epochs": 5}, logging={"progress": False})
+    output = launch(spec_file).communicate(timeout=300)[0]
+    last = [line for line in output.splitlines() if "the job failed" in line][-1]
+    assert "rank 1 (pid" in last and "exited with code 1: ValueError: bad batch on rank 1 at step 5" in last, output
+    assert "(rank 0 then lost contact with it)" in last, output
+    assert "ValueError: bad batch on rank 1 at step 5" in output  # its traceback too
+
+
+@pytest.mark.slow
 def test_quickstart_prints_a_validation_accuracy_of_at_least_90_percent(tmp_path: Path) -> None:
     """The README's main command, with its outputs moved under tmp_path."""
     overrides = {

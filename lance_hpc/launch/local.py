@@ -16,9 +16,11 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -27,7 +29,7 @@ from types import FrameType
 import lance_hpc
 from lance_hpc import data
 from lance_hpc.data import load_task
-from lance_hpc.errors import ExitCode, UserError
+from lance_hpc.errors import FAILURE_DIR_VARIABLE, ExitCode, UserError, first_error
 from lance_hpc.launch.paths import JobPaths
 from lance_hpc.launch.ports import free_port
 from lance_hpc.launch.render import write_job_files
@@ -74,6 +76,7 @@ def run_local(spec_file: str | Path, nproc: int) -> int:
     package_root = str(Path(lance_hpc.__file__).resolve().parents[1])
     ranks: list[subprocess.Popen] = []
     interrupts = []
+    failures = tempfile.mkdtemp(prefix="lance_hpc-failures-")  # each rank notes how it failed
 
     def forward(signum: int, frame: FrameType | None) -> None:
         if signum == INTERRUPT_SIGNAL:
@@ -109,6 +112,7 @@ def run_local(spec_file: str | Path, nproc: int) -> int:
                 "LOCAL_WORLD_SIZE": str(nproc),
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port),
+                FAILURE_DIR_VARIABLE: failures,
                 # the ranks import the same lance_hpc as this process, installed or not
                 "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
             }
@@ -121,9 +125,10 @@ def run_local(spec_file: str | Path, nproc: int) -> int:
                         preexec_fn=die_with_parent,
                     )
                 )
-        code = wait_for_ranks(ranks, stopped_at_once=lambda: len(interrupts) > 1)
+        code = wait_for_ranks(ranks, stopped_at_once=lambda: len(interrupts) > 1, failures=failures)
         return ExitCode.INTERRUPTED if len(interrupts) > 1 else code
     finally:
+        shutil.rmtree(failures, ignore_errors=True)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         for process in ranks:
@@ -162,8 +167,12 @@ def die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def wait_for_ranks(ranks: Sequence[subprocess.Popen], stopped_at_once: Callable[[], bool] = lambda: False) -> int:
-    """Wait for every rank; after the first failure give the others GRACE_S, then kill them."""
+def wait_for_ranks(
+    ranks: Sequence[subprocess.Popen], stopped_at_once: Callable[[], bool] = lambda: False, failures: str | None = None
+) -> int:
+    """Wait for every rank; after the first failure give the others GRACE_S, then kill them.
+    ``failures``: the directory where the ranks note how they failed (:func:`note_failure`): the
+    last line names the rank whose own error came first, not one that lost contact with it."""
     failed: tuple[int, int] | None = None
     deadline = float("inf")
     # every rank polled each time (not any(), which stops at the first one running): a rank that
@@ -197,8 +206,15 @@ def wait_for_ranks(ranks: Sequence[subprocess.Popen], stopped_at_once: Callable[
                 return code
         return ExitCode.OK
     rank, code = failed
+    note = first_error(failures) if failures else None
+    if note is not None and not note["lost_contact"] and 0 <= note["rank"] < len(ranks):
+        rank, code = note["rank"], ranks[note["rank"]].returncode
+        others = [str(other) for other, process in enumerate(ranks) if other != rank and process.returncode not in (0, None)]
+        cause = f": {note['message']}" + (f" (rank {', '.join(others)} then lost contact with it)" if others else "")
+    else:
+        cause = ""
     print(
-        f"lance_hpc.launch.local: the job failed: rank {rank} (pid {ranks[rank].pid}) {describe_exit(code)}",
+        f"lance_hpc.launch.local: the job failed: rank {rank} (pid {ranks[rank].pid}) {describe_exit(code)}{cause}",
         file=sys.stderr,
         flush=True,
     )

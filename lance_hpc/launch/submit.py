@@ -146,8 +146,14 @@ def wait_for(job: submitit.Job) -> int:
         if not failed:
             print(f"job {job.job_id} finished: {job.results()[0]}")
             return 0
-        # The task that failed first holds the cause; the others usually just lost contact with it.
-        first_index, first = min(failed, key=lambda item: item[1].paths.result_pickle.stat().st_mtime)
+        # The task whose own error came first holds the cause; the others usually just lost contact with it.
+        first_index, first = min(
+            failed,
+            key=lambda item: (
+                "lost contact with another rank" in str(item[1].exception()),
+                item[1].paths.result_pickle.stat().st_mtime,
+            ),
+        )
         print(f"job {job.job_id} failed; task {first_index} failed first: {first.exception()}", file=sys.stderr)
         others = [str(index) for index, _ in failed if index != first_index]
         if others:

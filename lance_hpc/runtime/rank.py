@@ -26,10 +26,11 @@ import torch.distributed as dist
 
 from lance_hpc import data
 from lance_hpc.data import load_task
-from lance_hpc.errors import ExitCode, UserError
+from lance_hpc.errors import ExitCode, UserError, note_failure
 from lance_hpc.imports import load_callable
 from lance_hpc.runtime import checkpoint, context, trainer
 from lance_hpc.runtime.environment import (
+    SLURM_VARS,
     DistEnv,
     detect,
     explain_failure,
@@ -173,18 +174,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lance_hpc.run", description=__doc__.splitlines()[0])
     parser.add_argument("spec_file", help="resolved job spec (YAML)")
     args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK") or os.environ.get(SLURM_VARS["rank"]) or 0)
     try:
         summary = run_job(args.spec_file, requeue_with_scontrol)
     except UserError as error:
         print(f"lance_hpc.run: {error}", file=sys.stderr, flush=True)
+        note_failure(rank, str(error), lost_contact=False)
         return ExitCode.USER_ERROR
     except StoreUnavailable as error:  # the store, not the code, failed: its message says it all
         print(f"lance_hpc.run: {error}", file=sys.stderr, flush=True)
+        note_failure(rank, str(error), lost_contact=False)
         return ExitCode.FAILED
     except TrainingFailed as error:
         if error.show_traceback:
             traceback.print_exception(error.__cause__, file=sys.stderr)
         print(f"lance_hpc.run: {error}", file=sys.stderr, flush=True)
+        cause = error.__cause__
+        own = f"{type(cause).__name__}: {cause}" if cause is not None and error.show_traceback else str(error)
+        note_failure(rank, own.strip().splitlines()[0], lost_contact=not error.show_traceback)
         return ExitCode.FAILED
     except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save yet
         return ExitCode.INTERRUPTED
