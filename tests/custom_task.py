@@ -126,3 +126,56 @@ class FailingMLP(PixelMLP):
             if rank == self.options.fail_rank and self.batches == self.options.fail_step:
                 raise ValueError(f"bad batch on rank {rank} at step {self.batches}")
         return super().forward(model, batch)
+
+
+class HangOptions(PixelOptions):
+    hang_rank: int = 1
+    hang_step: int = 5
+    where: str = Field("forward", description="forward: the rank's loop blocks; worker: its DataLoader worker stops answering.")
+    slow_s: float = Field(0.0, description="Instead of blocking: sleep this long in every forward of hang_rank (a straggler).")
+
+
+def rank_of_process() -> int:
+    """The rank of this process, or of the rank a DataLoader worker serves (workers inherit its environment)."""
+    import os
+
+    return int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
+
+
+class HangingDecoder(PixelDecoder):
+    """Stops answering, in a DataLoader worker of ``rank``, at its ``batch``-th batch."""
+
+    def __init__(self, side: int, rank: int, batch: int) -> None:
+        super().__init__(side)
+        self.rank, self.batch, self.seen = rank, batch, 0
+
+    def decode(self, table: pa.Table, out: Batch, rng: np.random.Generator) -> dict[int, str]:
+        import time
+
+        self.seen += 1
+        if rank_of_process() == self.rank and self.seen == self.batch:
+            time.sleep(3600)  # a read that never returns
+        return super().decode(table, out, rng)
+
+
+class HangingMLP(PixelMLP):
+    """PixelMLP whose rank ``hang_rank`` blocks at its ``hang_step``-th training batch (in its own
+    loop, or in its DataLoader worker), or is ``slow_s`` slower at every step: the watchdog's cases."""
+
+    Options = HangOptions
+
+    def decoder(self, train: bool) -> PixelDecoder:
+        if train and self.options.where == "worker" and not self.options.slow_s:
+            return HangingDecoder(self.options.side, self.options.hang_rank, self.options.hang_step)
+        return super().decoder(train)
+
+    def forward(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        import time
+
+        if model.training and rank_of_process() == self.options.hang_rank:
+            self.batches = getattr(self, "batches", 0) + 1
+            if self.options.slow_s:
+                time.sleep(self.options.slow_s)
+            elif self.options.where == "forward" and self.batches == self.options.hang_step:
+                time.sleep(3600)  # a user's code that never returns
+        return super().forward(model, batch)

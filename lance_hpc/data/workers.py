@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import multiprocessing
 import os
 import signal
@@ -19,10 +20,12 @@ from torch.utils.data import DataLoader
 
 from lance_hpc.data.reader import keep_batch
 from lance_hpc.runtime.preemption import PREEMPTION_SIGNALS
+from lance_hpc.runtime.watchdog import init_worker_dumps
 from lance_hpc.spec import DataSpec
 
 # What the worker server imports before any worker forks from it. Not Lance: a process that has
 # used Lance must not fork, so each worker imports it after the fork.
+PR_SET_PDEATHSIG = 1  # prctl(2)
 WORKER_PRELOAD = ("torch", "numpy", "simplejpeg", "PIL.Image", "pydantic")
 
 
@@ -91,12 +94,17 @@ def stop_workers_after_failure(loader: DataLoader, batches: Iterator[Any]) -> No
 
 def init_worker(_worker_id: int) -> None:
     """DataLoader worker setup: one intra-op thread per worker, so workers do not oversubscribe;
-    :data:`RANK_SIGNALS` ignored (torch's worker setup makes SIGTERM fatal); and no hold on the
-    worker server's life (see :func:`release_forkserver`)."""
+    :data:`RANK_SIGNALS` ignored (torch's worker setup makes SIGTERM fatal); no hold on the
+    worker server's life (see :func:`release_forkserver`); stacks written on the watchdog's signal."""
     torch.set_num_threads(1)
     for number in RANK_SIGNALS:
         signal.signal(number, signal.SIG_IGN)
     release_forkserver()
+    # SIGKILL when the worker server exits (it follows the rank): a worker stuck in a read that never
+    # returns, which never gets to torch's check that its parent lives, would otherwise outlive the job
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    init_worker_dumps(_worker_id)  # the rank's watchdog can ask for this worker's stacks
 
 
 def release_forkserver() -> None:

@@ -21,6 +21,7 @@ from lance_hpc.manage import (
     target_parser,
 )
 from lance_hpc.manage.records import JobRef
+from lance_hpc.runtime.watchdog import activity_line, watch_dir
 from lance_hpc.spec import JobSpec
 from lance_hpc.storage import checkpoint_index
 from lance_hpc.storage.options import storage_options
@@ -92,6 +93,9 @@ def report(ref: JobRef, job: queue.SlurmJob | None) -> list[str]:
     if not ended:
         step = max(logged.step or 0, saved.step if saved else 0)
         lines.append(f"  time left   {time_left_text(spec, step, logged.seconds_per_step)}")
+        activity = activity_line(watch_dir(spec.slurm.log_dir, spec.name, ref.job_id))
+        if activity:
+            lines.append(f"  ranks       {activity}")
     lines.append(f"  log         {job_logs.files[0]}")
     if ended and saved:
         lines.append(f"  resume      lance-hpc submit {ref.spec_source}  (continues from step {saved.step})")

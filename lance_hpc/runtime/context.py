@@ -44,6 +44,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
@@ -61,6 +62,7 @@ from lance_hpc.runtime.metrics import (
     flatten,
 )
 from lance_hpc.runtime.preemption import Preemption
+from lance_hpc.runtime.watchdog import Progress, Stragglers, Watchdog, watch_dir
 from lance_hpc.spec import JobSpec, TrainSpec
 from lance_hpc.spec.rules import entry_options
 from lance_hpc.tasks import ROW_ID, Batch, Decoder, Task
@@ -197,6 +199,10 @@ class Context:
         self._step_time_s = 0.0
         self._warned_direct = False
         self._window = TrainWindow(device, task.metrics)  # reduced once per log point: perf/* and train/*
+        self._activity = Progress()  # what this rank is doing, for the watchdog (lance_hpc.runtime.watchdog)
+        watchdog = spec.train.watchdog
+        self._stragglers = Stragglers(watchdog.straggler_factor) if watchdog is not None else None
+        self._own_s, self._wait_s, self._timed_steps = 0.0, 0.0, 0  # this rank's work and data wait since the last log point
         self._shown: dict[str, float] = {}  # scalars logged at the current log point: the bar and the log line
         self._bar: tqdm | None = None
 
@@ -337,7 +343,19 @@ class Context:
 
     def wrap(self, model: nn.Module) -> DistributedDataParallel:
         """``model`` on this rank's device, wrapped for DDP (call it before building the optimizer)."""
-        return wrap_model(model.to(self.device), self.device, self.spec.train.deterministic)
+        wrapped = wrap_model(model.to(self.device), self.device, self.spec.train.deterministic)
+        activity = self._activity
+
+        def all_reduce_noting_the_first_bucket(state: Any, bucket: dist.GradBucket) -> torch.futures.Future:
+            activity.first_bucket()  # the watchdog tells a rank waiting for others from a stuck one
+            return allreduce_hook(state, bucket)
+
+        # DDP checks the hook's annotations as objects (this module's are strings)
+        all_reduce_noting_the_first_bucket.__annotations__.update(
+            {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+        )
+        wrapped.register_comm_hook(None, all_reduce_noting_the_first_bucket)
+        return wrapped
 
     def to_device(self, batch: Batch) -> Batch:
         """A batch on this rank's device, as the task prepares it (normalised images, ...)."""
@@ -382,6 +400,7 @@ class Context:
 
     def save(self) -> str:
         """Collective: checkpoint every registered object now (steps() calls it for you)."""
+        self._activity.enter("checkpoint")
         loaders = {name: item for name, item in self._registered.items() if isinstance(item, TrainLoader)}
         mid_epoch = any(item.epoch == self._epoch and item.consumed > 0 for item in loaders.values())
         state = {
@@ -442,6 +461,7 @@ class Context:
             epoch_watch = Stopwatch()
             with self._progress_bar(total, done) as self._bar:
                 batches = iter(loader)
+                self._activity.new_pass()
                 while remaining > 0:
                     self._micro_batches = min(accumulate, remaining)
                     step_watch, data_wait = Stopwatch(), 0.0
@@ -449,8 +469,10 @@ class Context:
                     try:
                         for index in range(self._micro_batches):
                             wait = Stopwatch()
+                            self._activity.wait_for_batch(first_of_step=index == 0)
                             batch = next(batches)
                             data_wait += wait.lap()
+                            self._activity.got_batch()
                             self._window.add_samples(len(batch[ROW_ID]))
                             self._accumulating = index < self._micro_batches - 1
                             yield self._step, batch
@@ -460,6 +482,11 @@ class Context:
                     self._step += 1
                     self._step_time_s = step_watch.lap()
                     self._window.add_step(self._step_time_s, data_wait)
+                    own = self._activity.own_s
+                    self._own_s += own if own is not None else self._step_time_s - data_wait
+                    self._wait_s += data_wait
+                    self._timed_steps += 1
+                    self._activity.step_done(self._step, self._step_time_s)
                     self._bar.update()
                     epoch_end = remaining == 0
                     if epoch_end:
@@ -471,6 +498,7 @@ class Context:
                     if self._log_due:
                         self._log_window(epoch_watch.lap() if epoch_end else None)
                     if epoch_end or done_all:
+                        self._activity.enter("evaluate")
                         for hook in self._epoch_hooks:
                             hook()
                         self._shown.clear()  # an evaluation prints its own line
@@ -519,10 +547,12 @@ class Context:
     def _log_window(self, epoch_time_s: float | None) -> None:
         """Collective at a log point, one all-reduce: the task's train/* values (if the loop added
         metric sums) and the perf/* tags, the progress bar or log line, a store-retry note."""
+        self._activity.enter("log")
         if self._stepping is not None:
             self._window.count_store_retries(self._stepping.stats.retries)
         has_sums = self._window.has_sums
         sums, seconds, perf = self._window.reduce()
+        perf.update(self._rank_figures())
         if epoch_time_s is not None:
             perf["perf/epoch_time_s"] = epoch_time_s
         if isinstance(self._stepping, MixLoader):  # the plan knows every rank's draws: no collective
@@ -543,6 +573,26 @@ class Context:
                 file=sys.stderr,
                 flush=True,
             )
+
+    def _rank_figures(self) -> dict[str, float]:
+        """Collective: each rank's own work and data wait per step since the last log point, as
+        TensorBoard tags; a straggler is named in the log (see :class:`Stragglers`)."""
+        steps = max(self._timed_steps, 1)
+        mine = torch.tensor([self._own_s / steps, self._wait_s / steps], dtype=torch.float64, device=self.device)
+        self._own_s, self._wait_s, self._timed_steps = 0.0, 0.0, 0
+        gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(gathered, mine)
+        own = [float(value[0]) for value in gathered]
+        wait = [float(value[1]) for value in gathered]
+        if self.is_main and self._stragglers is not None:
+            named = self._stragglers.check(own, wait)
+            if named:
+                print(named, file=sys.stderr, flush=True)
+        if self.world_size == 1:
+            return {}
+        figures = {f"perf/rank/{rank}/own_work_s": value for rank, value in enumerate(own)}
+        figures.update({f"perf/rank/{rank}/data_wait_s": value for rank, value in enumerate(wait)})
+        return figures
 
     def _progress_bar(self, total: int, done: int) -> tqdm:
         # In a SLURM log (no terminal) a bar redrawn ten times a second buries everything else.
@@ -620,6 +670,7 @@ def run_entry(
         {**flatten(spec.redacted_dict()), "world_size": env.world_size}, (f"val/{task.headline_metric}", "val/loss")
     )
     context = Context(spec, env, device, task, logger, preemption, resumed, entry_options(entry, spec.entry_options))
+    watchdog = start_watchdog(spec, env, context._activity)
     try:
         result = entry(context)
     except Preempted as stop:
@@ -630,10 +681,25 @@ def run_entry(
         return Summary("unsaved", context.step, context.epoch, None)
     finally:
         logger.close()
+        if watchdog is not None:
+            watchdog.close()
     metrics = {key: float(value) for key, value in result.items()} if isinstance(result, dict) else {}
     if env.is_main:
         print(final_line(task, metrics, context.step), flush=True)
     return Summary("completed", context.step, context.epoch, context.last_checkpoint, metrics)
+
+
+def start_watchdog(spec: JobSpec, env: DistEnv, progress: Progress) -> Watchdog | None:
+    """This rank's watchdog thread (train.watchdog), started; None when the spec turns it off."""
+    settings = spec.train.watchdog
+    if settings is None:
+        return None
+    directory = watch_dir(spec.slurm.log_dir, spec.name, env.job_ref)
+    # fire well before the collective timeout ends the job with nothing said
+    ceiling = max(spec.train.collective_timeout_s * 0.5, 1.0)
+    watchdog = Watchdog(progress, directory, env.rank, env.world_size, settings.factor, settings.floor_s, ceiling)
+    watchdog.start()
+    return watchdog
 
 
 def final_line(task: Task, metrics: dict[str, float], step: int) -> str:

@@ -49,6 +49,7 @@ from lance_hpc.runtime.preemption import (
     requeue_with_scontrol,
     requeue_with_submitit,
 )
+from lance_hpc.runtime.watchdog import WATCH_DIR_VARIABLE, watch_dir
 from lance_hpc.spec import JobSpec, load_spec_text
 from lance_hpc.spec.choices import JOB_KINDS, check_registry
 from lance_hpc.spec.load import read_own_text
@@ -83,6 +84,8 @@ def infer_job(spec: JobSpec, env: DistEnv, requeue: Requeue, signals: tuple[int,
 def train_job(spec: JobSpec, env: DistEnv, requeue: Requeue, signals: tuple[int, ...]) -> context.Summary:
     """``job: train``: the built-in trainer or the spec's entry, on the public Context."""
     entry = load_callable(spec.entry, "entry") if spec.entry else trainer.train
+    if spec.train.watchdog is not None:  # before the worker server starts: its workers inherit it
+        os.environ[WATCH_DIR_VARIABLE] = str(watch_dir(spec.slurm.log_dir, spec.name, env.job_ref))
     if spec.data.num_workers > 0:
         data.worker_context()  # the DataLoader worker server imports torch while the process group forms
     try:

@@ -347,6 +347,21 @@ OPTIMIZERS = ("sgd", "adamw")
 PRECISIONS = ("bf16", "fp32")
 
 
+class WatchdogSpec(_Section):
+    factor: float = Field(
+        10.0, gt=1, le=10_000, description="A step this many times the recent median step time is a hang (at least floor_s)."
+    )
+    floor_s: float = Field(60.0, gt=0, le=MAX_INT, description="The shortest step that counts as a hang, in seconds.")
+    straggler_factor: float = Field(
+        1.5, gt=1, le=1_000, description="A rank whose own work per step is this many times the ranks' median is a straggler."
+    )
+
+
+class ProfileSpec(_Section):
+    start_step: int = Field(10, ge=0, le=MAX_INT, description="The step at which the PyTorch profiler starts.")
+    steps: int = Field(5, ge=1, le=1_000, description="Steps recorded (also what `lance-hpc profile JOB` records).")
+
+
 class TrainSpec(_Section):
     epochs: int = Field(10, ge=1, le=MAX_INT, description="Passes over the training data.")
     max_steps: int | None = Field(None, ge=1, le=MAX_INT, description="Stop after this many optimizer steps (quick runs).")
@@ -368,6 +383,14 @@ class TrainSpec(_Section):
         180, ge=10, le=MAX_INT, description="Seconds a collective may wait before the job fails with a clear error."
     )
     eval_every_epochs: int = Field(1, ge=1, le=MAX_INT, description="Evaluate every N epochs (and at the end).")
+    watchdog: WatchdogSpec | None = Field(
+        default_factory=WatchdogSpec,
+        description="Name a stuck or slow rank, with every rank's stacks, before the collective timeout; null turns it off.",
+    )
+    profile: ProfileSpec | None = Field(
+        None,
+        description="Record a PyTorch profiler trace of a few steps (TensorBoard's profiler, Perfetto); null: only on request.",
+    )
 
     check_lr_scaling = field_validator("lr_scaling")(_choice(lambda: LR_SCALING))
     check_optimizer = field_validator("optimizer")(_choice(lambda: OPTIMIZERS))
