@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lance_hpc.data.reader import keep_batch
-from lance_hpc.runtime.preemption import PREEMPTION_SIGNALS
+from lance_hpc.runtime.preemption import PREEMPTION_SIGNALS, PROFILE_SIGNAL
 from lance_hpc.runtime.watchdog import init_worker_dumps
 from lance_hpc.spec import DataSpec
 
@@ -33,8 +33,9 @@ WORKER_PRELOAD = ("torch", "numpy", "simplejpeg", "PIL.Image", "pydantic")
 # job step. The rank process turns them into a checkpoint at the next step boundary; the worker
 # server and the workers must not die of them first, which would fail the epoch instead (and lose
 # the batches they already prepared). SIGKILL, which follows SIGTERM, still ends them. The same
-# holds for SIGINT (Ctrl-C), which a terminal sends to every process of its foreground group.
-RANK_SIGNALS = PREEMPTION_SIGNALS
+# holds for SIGINT (Ctrl-C), which a terminal sends to every process of its foreground group, and for
+# USR1, which asks the rank for a profiler trace.
+RANK_SIGNALS = (*PREEMPTION_SIGNALS, PROFILE_SIGNAL)
 
 
 def worker_context() -> BaseContext:

@@ -38,7 +38,7 @@ from lance_hpc.runtime import lease
 from lance_hpc.runtime.environment import SLURM_VARS
 from lance_hpc.runtime.infer_job import check_infer
 from lance_hpc.runtime.ingest_job import check_ingest
-from lance_hpc.runtime.preemption import INTERRUPT_SIGNAL, PREEMPTION_SIGNALS
+from lance_hpc.runtime.preemption import INTERRUPT_SIGNAL, PREEMPTION_SIGNALS, PROFILE_SIGNAL
 from lance_hpc.spec import JobSpec, SweepRun, expand, load_spec
 
 # After one rank fails, the others get this long to notice (a broken connection) and exit.
@@ -100,7 +100,7 @@ def run_local(spec_file: str | Path, nproc: int) -> int:
             if process.poll() is None:
                 process.send_signal(signum)
 
-    previous = {signum: signal.signal(signum, forward) for signum in PREEMPTION_SIGNALS}
+    previous = {signum: signal.signal(signum, forward) for signum in (*PREEMPTION_SIGNALS, PROFILE_SIGNAL)}
     try:
         for rank in range(nproc):
             environ = {

@@ -62,6 +62,7 @@ from lance_hpc.runtime.metrics import (
     flatten,
 )
 from lance_hpc.runtime.preemption import Preemption
+from lance_hpc.runtime.profile import StepProfiler
 from lance_hpc.runtime.watchdog import Progress, Stragglers, Watchdog, watch_dir
 from lance_hpc.spec import JobSpec, TrainSpec
 from lance_hpc.spec.rules import entry_options
@@ -203,6 +204,7 @@ class Context:
         watchdog = spec.train.watchdog
         self._stragglers = Stragglers(watchdog.straggler_factor) if watchdog is not None else None
         self._own_s, self._wait_s, self._timed_steps = 0.0, 0.0, 0  # this rank's work and data wait since the last log point
+        self._profiler = StepProfiler(spec, env.rank, device)
         self._shown: dict[str, float] = {}  # scalars logged at the current log point: the bar and the log line
         self._bar: tqdm | None = None
 
@@ -465,6 +467,7 @@ class Context:
                 while remaining > 0:
                     self._micro_batches = min(accumulate, remaining)
                     step_watch, data_wait = Stopwatch(), 0.0
+                    self._profiler.before_step(self._step)
                     self._in_steps = True
                     try:
                         for index in range(self._micro_batches):
@@ -487,6 +490,7 @@ class Context:
                     self._wait_s += data_wait
                     self._timed_steps += 1
                     self._activity.step_done(self._step, self._step_time_s)
+                    self._profiler.after_step(self._step)
                     self._bar.update()
                     epoch_end = remaining == 0
                     if epoch_end:
@@ -671,6 +675,7 @@ def run_entry(
     )
     context = Context(spec, env, device, task, logger, preemption, resumed, entry_options(entry, spec.entry_options))
     watchdog = start_watchdog(spec, env, context._activity)
+    context._profiler.listen()
     try:
         result = entry(context)
     except Preempted as stop:
@@ -680,6 +685,7 @@ def run_entry(
             print(f"lance_hpc.run: {stop}", file=sys.stderr, flush=True)
         return Summary("unsaved", context.step, context.epoch, None)
     finally:
+        context._profiler.stop(context.step)
         logger.close()
         if watchdog is not None:
             watchdog.close()

@@ -35,6 +35,8 @@ STOP_SIGNAL = signal.SIGTERM
 # SIGINT: Ctrl-C on a local run: save and stop, like SIGTERM.
 INTERRUPT_SIGNAL = signal.SIGINT
 PREEMPTION_SIGNALS = (INTERRUPT_SIGNAL, STOP_SIGNAL, REQUEUE_SIGNAL)  # in rising precedence
+# Not a stop: record a profiler trace of the next train.profile.steps steps (lance_hpc.runtime.profile).
+PROFILE_SIGNAL = signal.SIGUSR1
 
 # Set by the script for a job in a container: the file whose existence asks the script to requeue.
 REQUEUE_REQUEST_VARIABLE = "LANCE_HPC_REQUEUE_REQUEST"
