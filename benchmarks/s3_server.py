@@ -484,6 +484,26 @@ class CounterWindow:
         return {**counters, "cpu_s": counters["cpu_s"] - self._cpu_at_start}
 
 
+class EpochCounterWindow(CounterWindow):
+    """A :class:`CounterWindow` that also counts from when it is made: :meth:`end` adds
+    ``epoch_<counter>`` for every counter of :data:`COUNTER_NAMES`, what the server did since then
+    (made before a loader starts, that is its whole epoch, the reads before the first batch included).
+    The window's own counters are those of :class:`CounterWindow`."""
+
+    def __init__(self, endpoint: str) -> None:
+        super().__init__(endpoint)
+        reset_counters(endpoint)
+        self._before_window: dict[str, float] = {}
+
+    def start(self) -> None:
+        self._before_window = reset_counters(self.endpoint)
+        self._cpu_at_start = self._before_window["cpu_s"]
+
+    def end(self) -> dict[str, float]:
+        window = super().end()
+        return {**window, **{f"epoch_{name}": self._before_window.get(name, 0.0) + window[name] for name in COUNTER_NAMES}}
+
+
 def stop_process(process: subprocess.Popen, timeout_s: float = 10.0) -> None:
     """Ask a server process to stop (SIGTERM); kill it if it has not within ``timeout_s``."""
     if process.poll() is None:

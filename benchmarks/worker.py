@@ -12,7 +12,7 @@ import sys
 from benchmarks import infer, ingest, shuffle_quality, text_ingest
 from benchmarks.gpu import TrainStep, synthetic_batches
 from benchmarks.pipelines import build_pipeline, import_modules
-from benchmarks.s3_server import CounterWindow
+from benchmarks.s3_server import EpochCounterWindow
 from lance_hpc.bench import _worker
 from lance_hpc.bench.configs import Measurement
 
@@ -31,8 +31,9 @@ def train_step(config: Measurement) -> TrainStep | None:
     return step
 
 
-def store_window(config: Measurement) -> CounterWindow | None:
-    return CounterWindow(config.data["storage_options"]["endpoint"]) if config.store_counters else None
+def store_window(config: Measurement) -> EpochCounterWindow | None:
+    """The S3 server's counters over the window, and (``epoch_*``) since the loader began."""
+    return EpochCounterWindow(config.data["storage_options"]["endpoint"]) if config.store_counters else None
 
 
 PIPELINES = _worker.Pipelines(
