@@ -300,8 +300,8 @@ class Stragglers:
         if not named:
             return None
         parts = [
-            f"rank {rank}{f' on {hosts[rank]}' if hosts else ''}: {own_s[rank]:.3f} s of its own work and {wait_s[rank]:.3f} s "
-            f"of data wait per step, against a median of {median:.3f} s"
+            f"rank {rank}{f' on {hosts[rank]}' if hosts else ''}: {work[rank]:.3f} s per step ({own_s[rank]:.3f} s of its own "
+            f"work, {wait_s[rank]:.3f} s of data wait) against a median of {median:.3f} s over the ranks"
             for rank in named
         ]
         return "lance_hpc.watchdog: straggler " + "; ".join(parts) + " (at two log points in a row; the other ranks wait for it)"
