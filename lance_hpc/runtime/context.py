@@ -669,7 +669,7 @@ def run_entry(
             ),
             flush=True,
         )
-    logger = build_logger(spec.logging.tensorboard_dir, env.is_main, purge_step=resumed.step if resumed else None)
+    logger = build_logger(spec, env.is_main, purge_step=resumed.step if resumed else None)
     logger.log_hparams(
         {**flatten(spec.redacted_dict()), "world_size": env.world_size}, (f"val/{task.headline_metric}", "val/loss")
     )

@@ -260,7 +260,7 @@ def _report(spec: JobSpec, task: Task, plan: ColumnPlan, finished: dict[int, Fra
         for position, value in record.sums.items():
             totals[int(position)] += value
     metrics = task.report(dict(zip(task.metrics, totals.tolist())), "eval")
-    logger = build_logger(spec.logging.tensorboard_dir, True)
+    logger = build_logger(spec, True)
     logger.log(metrics, 0)
     logger.close()
     path = Path(spec.infer.metrics_file)

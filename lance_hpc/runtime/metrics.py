@@ -13,6 +13,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from lance_hpc.spec import JobSpec
+
 # Tags every job writes; each task adds its own (``Task.tags``: train/loss, val/accuracy, ...).
 TAGS: dict[str, str] = {
     "train/lr": "learning rate of the logged step",
@@ -80,8 +82,21 @@ class TensorBoardLogger:
         self.writer.close()
 
 
-def build_logger(log_dir: str, is_main: bool, purge_step: int | None = None) -> MetricLogger:
-    return TensorBoardLogger(log_dir, purge_step) if is_main else NullLogger()
+def build_logger(spec: JobSpec, is_main: bool, purge_step: int | None = None) -> MetricLogger:
+    """Rank 0's loggers, as logging.trackers names them (TensorBoard, W&B, MLflow); a null logger elsewhere."""
+    if not is_main:
+        return NullLogger()
+    from lance_hpc.runtime.trackers import Loggers, MlflowLogger, WandbLogger
+
+    loggers: list[Any] = []
+    for tracker in spec.logging.trackers:
+        if tracker == "tensorboard":
+            loggers.append(TensorBoardLogger(spec.logging.tensorboard_dir, purge_step))
+        elif tracker == "wandb":
+            loggers.append(WandbLogger(spec))
+        elif tracker == "mlflow":
+            loggers.append(MlflowLogger(spec))
+    return loggers[0] if len(loggers) == 1 else Loggers(loggers)
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -404,10 +404,36 @@ class CheckpointSpec(_Section):
     resume: bool = Field(True, description="Start from the latest checkpoint in dir if there is one.")
 
 
+# logging.trackers: the package each needs (lance_hpc.runtime.trackers)
+TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+
+
 class LoggingSpec(_Section):
     tensorboard_dir: str = Field("runs/{name}", description="TensorBoard event directory (rank 0 writes).")
     log_every_steps: int = Field(20, ge=1, le=MAX_INT, description="Log scalars every N steps.")
     progress: bool = Field(True, description="Show a progress bar on rank 0.")
+    trackers: list[str] = Field(
+        default_factory=lambda: ["tensorboard"],
+        description="Where rank 0 logs: tensorboard, wandb, mlflow (credentials and servers from their environment variables).",
+    )
+    group: str | None = Field(None, description="Groups runs in the trackers (a sweep sets it to the sweep's name).")
+
+    @field_validator("trackers")
+    @classmethod
+    def check_trackers(cls, trackers: list[str]) -> list[str]:
+        import importlib.util
+
+        for tracker in trackers:
+            if tracker not in TRACKERS:
+                raise ValueError(f"unknown tracker {tracker!r}\n  fix: use some of {', '.join(TRACKERS)}")
+            if importlib.util.find_spec(TRACKERS[tracker]) is None:
+                raise ValueError(
+                    f"the {tracker} tracker needs the {TRACKERS[tracker]} package, which is not installed here\n"
+                    f"  fix: pip install {TRACKERS[tracker]} (on the cluster's Python too), or remove {tracker}"
+                )
+        if len(set(trackers)) != len(trackers):
+            raise ValueError("a tracker is named twice")
+        return trackers
 
 
 # The train fields only the built-in trainer reads: an entry of your own uses them only if it reads

@@ -150,6 +150,7 @@ def run_drafts(spec: JobSpec) -> list[tuple[int, dict[str, Any], str, dict[str, 
         raw["name"] = name
         raw["checkpoint"]["dir"] = f"{spec.checkpoint.dir.rstrip('/')}/{name}"
         raw["logging"]["tensorboard_dir"] = f"{spec.logging.tensorboard_dir.rstrip('/')}/{name}"
+        raw["logging"]["group"] = spec.logging.group or spec.name  # the trackers show a sweep's runs together
         for key, value in values.items():
             _set(raw, key, value)
         drafts.append((index, values, name, raw))
