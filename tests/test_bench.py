@@ -4,6 +4,7 @@ pipeline, and the pieces that judge the results."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import yaml
@@ -316,3 +317,36 @@ def test_the_handover_runs_the_checkouts_benchmarks_never_one_in_the_working_dir
     assert main(["--sections", "local", "--help"]) == 0
     printed = capfd.readouterr()
     assert "usage: python -m benchmarks" in printed.out and "working directory" not in printed.err
+
+
+@pytest.mark.slow
+def test_tune_searches_workers_prefetch_and_io_depth_and_writes_the_choice_back(tmp_path, capsys):
+    data = prepare(
+        DataSetSpec("small", count=128, image_size=32, batch_size=16, size=48, rows_per_fragment=50), tmp_path / "data"
+    )
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "# my job\n"
+        "name: bench-tune\n"
+        "slurm: {cpus_per_task: 2}\n"
+        "data:\n"
+        f"  uri: {data.lance_uri}   # the photos\n"
+        "  batch_size: 16\n"
+        "  num_workers: 1          # to be tuned\n"
+        "task: {name: image_classification, options: {image_size: 32}}\n"
+    )
+    code = main([str(job), "--tune", "--out", str(tmp_path / "out"), "--seconds", "0.5", "--budget-s", "600", "--write"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    tried = re.findall(r"num_workers=(\d+) prefetch_factor=(\d+) io_depth=(\d+) +([\d,]+) images/s", printed)
+    assert {row[0] for row in tried} == {"1", "2"} and {row[1] for row in tried} == {"2", "4"}
+    assert {row[2] for row in tried} == {"0", "4", "8"}
+    choice = re.search(r"choice: +num_workers=(\d+) prefetch_factor=(\d+) io_depth=(\d+): ([\d,]+) images/s", printed)
+    assert choice and "runner-up:" in printed, printed
+    rate = int(choice.group(4).replace(",", ""))
+    assert rate == max(int(row[3].replace(",", "")) for row in tried)  # the best measured
+    text = job.read_text()
+    assert text.startswith("# my job\n") and "# the photos" in text  # comments kept
+    written = yaml.safe_load(text)["data"]
+    assert (written["num_workers"], written["prefetch_factor"], written["io_depth"]) == tuple(int(v) for v in choice.groups()[:3])
+    assert "# to be tuned" in text or written["num_workers"] != 1

@@ -116,6 +116,103 @@ def run_job_benchmark(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+# What --tune searches, one setting at a time from the job's own: each a data.* field.
+TUNED = ("num_workers", "prefetch_factor", "io_depth")
+
+
+def _candidates(name: str, current: int, cap: int) -> list[int]:
+    if name == "num_workers":
+        return sorted({value for value in (1, 2, 4, 8, 16, 32, 64) if value <= cap} | {min(current, cap)})
+    if name == "prefetch_factor":
+        return sorted({2, 4, current})
+    return sorted({0, current, min(max(2 * current, 2), 16)})
+
+
+def tune(args: argparse.Namespace) -> int:
+    """Search data.num_workers, data.prefetch_factor and data.io_depth for the job's own data on
+    this machine, one setting at a time from the job's own (the best value of each is kept for the
+    next), within ``--budget-s``; print the choice and the runner-up, and ``--write`` them back."""
+    import time
+
+    from lance_hpc.data import ensure_dataset
+    from lance_hpc.spec import load_spec
+    from lance_hpc.spec.yaml_text import set_block_keys
+
+    spec = load_spec(args.job, overrides=args.overrides).spec
+    image = image_options(spec, args.job)
+    data = spec.data
+    ensure_dataset(data)
+    cores = len(os.sched_getaffinity(0))
+    cap = max(1, min(cores, spec.slurm.cpus_per_task))
+    seconds = args.seconds or 3.0
+    common: dict[str, Any] = dict(
+        dataset="job",
+        lance_uri=data.uri,
+        image_size=image.image_size,
+        image_column=image.image_column,
+        label_column=image.label_column,
+        augment=image.augment,
+        seconds=seconds,
+        data_world_size=spec.slurm.world_size,
+    )
+    best = {name: int(getattr(data, name)) for name in TUNED}
+    measured: dict[tuple[int, ...], float] = {}
+    deadline = time.monotonic() + args.budget_s
+    print(
+        f"tuning the data pipeline of {args.job} (rank 0 of {spec.slurm.world_size}) on {report.machine_description()}: "
+        f"{', '.join(f'data.{name}' for name in TUNED)}, up to {cap} workers (slurm.cpus_per_task {spec.slurm.cpus_per_task}, "
+        f"{cores} cores here), {seconds:g} s a measurement, {args.budget_s:g} s in all"
+    )
+    out_of_time = False
+    for name in TUNED:
+        stage: dict[int, float] = {}
+        for value in _candidates(name, best[name], cap):
+            trial = {**best, name: value}
+            key = tuple(trial[field] for field in TUNED)
+            if key not in measured:
+                if time.monotonic() > deadline:
+                    out_of_time = True
+                    break
+                fields = {**data.model_dump(mode="json"), **trial}
+                label = " ".join(f"{field}={trial[field]}" for field in TUNED)
+                config = Measurement(
+                    label, "lance_hpc", batch_size=data.batch_size, num_workers=trial["num_workers"], data=fields, **common
+                )
+                (summary,) = run_rounds([config], 1, Path(args.out) / "tune_work")
+                measured[key] = summary.images_per_s if summary.ok_runs else 0.0
+                print(f"  {label:<40} {measured[key]:>10,.0f} images/s", flush=True)
+            stage[value] = measured[key]
+        if stage:
+            best[name] = max(stage, key=lambda value: stage[value])
+        if out_of_time:
+            print(f"  (the {args.budget_s:g} s budget ran out: the settings not measured keep the job's values)")
+            break
+    ranked = sorted(measured, key=lambda key: measured[key], reverse=True)
+    if not ranked or measured[ranked[0]] == 0.0:
+        print("no configuration read any images: see the logs under " + str(Path(args.out) / "tune_work"), file=sys.stderr)
+        return 1
+    choice = dict(zip(TUNED, ranked[0]))
+    print(f"choice:    {' '.join(f'{k}={v}' for k, v in choice.items())}: {measured[ranked[0]]:,.0f} images/s")
+    if len(ranked) > 1:
+        second = ranked[1]
+        print(
+            f"runner-up: {' '.join(f'{k}={v}' for k, v in zip(TUNED, second))}: {measured[second]:,.0f} images/s "
+            f"({measured[second] / measured[ranked[0]]:.2f}x the choice)"
+        )
+    flags = " ".join(f"--set data.{name}={value}" for name, value in choice.items())
+    if not args.write:
+        print(f"apply it: lance-hpc submit {args.job} {flags}  (or bench again with --write to put it in {args.job})")
+        return 0
+    text = Path(args.job).read_text()
+    updated = set_block_keys(text, "data", choice)
+    if updated is None:
+        print(f"{args.job}: its data section is not a block mapping, so it was left as it is; apply it with: {flags}")
+        return 0
+    Path(args.job).write_text(updated)
+    print(f"wrote {', '.join(f'data.{k}: {v}' for k, v in choice.items())} into {args.job} (its comments kept)")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     result = argparse.ArgumentParser(
         prog="lance-hpc bench",
@@ -131,6 +228,14 @@ def parser() -> argparse.ArgumentParser:
     result.add_argument("--seconds", type=float, help="measuring window per run after the first batch (default 5)")
     result.add_argument("--workers", type=_int_list, help="data.num_workers values to sweep, e.g. 2,4,8")
     result.add_argument("--batch-size", type=_int_list, help="data.batch_size values to sweep, e.g. 64,128")
+    result.add_argument(
+        "--tune",
+        action="store_true",
+        help="search data.num_workers, data.prefetch_factor and data.io_depth for this job's data here, within "
+        "--budget-s; prints the choice and the runner-up",
+    )
+    result.add_argument("--budget-s", type=float, default=180.0, help="--tune: time for all its measurements (default 180)")
+    result.add_argument("--write", action="store_true", help="--tune: write the choice into the job spec, keeping its comments")
     result.add_argument(
         "--set",
         dest="overrides",
@@ -168,7 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rest or args is None:
         parser().error(f"unrecognized arguments: {' '.join(rest)}")
     try:
-        return run_job_benchmark(args)
+        return tune(args) if args.tune else run_job_benchmark(args)
     except UserError as error:
         print(error, file=sys.stderr)
         return 2

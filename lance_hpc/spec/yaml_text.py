@@ -214,3 +214,31 @@ def _yaml_error(error: yaml.YAMLError) -> Problem:
     mark = getattr(error, "problem_mark", None)
     where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "somewhere"
     return Problem("", f"not valid YAML at {where}: {getattr(error, 'problem', error)}")
+
+
+def set_block_keys(text: str, section: str, values: dict[str, Any]) -> str | None:
+    """``text`` (a spec file) with ``section.key: value`` set for each of ``values``, keeping every
+    comment and line around them: a key already there gets its value replaced in place, a missing
+    one a line of its own at the top of the section. None when the section is not a block mapping
+    (``data: {...}`` on one line), which only a rewrite of the file could change."""
+    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    if not isinstance(root, yaml.MappingNode):
+        return None
+    node = next((value for key, value in root.value if isinstance(key, yaml.ScalarNode) and key.value == section), None)
+    if not isinstance(node, yaml.MappingNode) or node.flow_style or not node.value:
+        return None
+    edits: list[tuple[int, int, str]] = []
+    present = {key.value: value for key, value in node.value if isinstance(key, yaml.ScalarNode)}
+    for key, value in values.items():
+        found = present.get(key)
+        if isinstance(found, yaml.ScalarNode):
+            edits.append((found.start_mark.index, found.end_mark.index, str(value)))
+        elif found is None:
+            first = node.value[0][0]
+            line_start = first.start_mark.index - first.start_mark.column
+            edits.append((line_start, line_start, f"{' ' * first.start_mark.column}{key}: {value}\n"))
+        else:
+            return None
+    for start, end, replacement in sorted(edits, reverse=True):
+        text = text[:start] + replacement + text[end:]
+    return text
