@@ -362,7 +362,7 @@ def test_a_filtered_mix_requeued_by_usr2_draws_each_source_epoch_once(
 
     (tmp_path / "rows").mkdir()
     mix = [
-        {"uri": digits.train, "weight": 3, "filter": "label < 5"},
+        {"uri": digits.train, "weight": 3, "filter": "label < 5", "val_uri": digits.val},
         {"uri": digits.val, "weight": 1},
     ]
     task = {
@@ -375,6 +375,9 @@ def test_a_filtered_mix_requeued_by_usr2_draws_each_source_epoch_once(
         rf"pinned at the first start: {digits.train} version \d+, rows where label < 5, weight 3; {digits.val} ", output
     )
     assert stopped["ranks"][0]["loaders"]["loader"]["mix"]["weights"] == [3.0, 1.0]
+    # data.val_uri and the first source's own validation set, each reported
+    assert re.search(r"step \d+: validation accuracy: [\d.]+ \(loss [\d.]+\) \(359 samples\)", output), output
+    assert re.search(r"step \d+: validation of 0_train accuracy: [\d.]+ \(loss [\d.]+\) \(359 samples\)", output), output
     per_rank = logged_rows(tmp_path / "rows", TASKS)
     steps = 2 * steps_per_epoch(spec)
     assert [len(batches) for batches in per_rank] == [steps] * TASKS  # equal steps, none twice, none lost

@@ -322,10 +322,11 @@ class Context:
         loader.watch = self._direct_batch
         return loader
 
-    def eval_loader(self, decoder: Decoder | None = None) -> EvalLoader:
-        """This rank's share of data.val_uri; ranks may get one batch more or less than each other."""
+    def eval_loader(self, decoder: Decoder | None = None, uri: str | None = None) -> EvalLoader:
+        """This rank's share of data.val_uri (or of ``uri``: a mix source's own validation set);
+        ranks may get one batch more or less than each other."""
         return data.build_eval_loader(
-            self.spec.data,
+            self.spec.data if uri is None else self.spec.data.model_copy(update={"val_uri": uri}),
             decoder or self.task.decoder(train=False),
             self.rank,
             self.world_size,

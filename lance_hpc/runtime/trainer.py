@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lance_hpc.data.mix import source_name
 from lance_hpc.runtime.context import Context
 from lance_hpc.spec import JobSpec, TrainSpec
 from lance_hpc.tasks import ROW_ID
@@ -133,28 +134,42 @@ def build_optimizer(model: nn.Module, train_spec: TrainSpec, lr: float) -> torch
 @torch.no_grad()
 def evaluate(ctx: Context, ddp: nn.Module) -> dict[str, float] | None:
     """All ranks evaluate their share, on the bare module (DDP's forward would add collectives,
-    and ranks may have different numbers of batches); one all-reduce sums the task's metrics."""
-    if ctx.spec.data.val_uri is None:
+    and ranks may have different numbers of batches); one all-reduce sums the task's metrics.
+    data.val_uri gives ``val/*``; each data.mix source with a val_uri of its own gives
+    ``val/<source>/*`` too (the headline stays the combined set's, else the first source's)."""
+    sets = [("val", ctx.spec.data.val_uri)] if ctx.spec.data.val_uri else []
+    for index, source in enumerate(ctx.spec.data.mix or []):
+        if source.val_uri:
+            sets.append((f"val/{source_name(source, index)}", source.val_uri))
+    if not sets:
         return None
-    task, device = ctx.task, ctx.device
     model = ddp.module if isinstance(ddp, nn.parallel.DistributedDataParallel) else ddp
     for buffer in model.buffers():  # BatchNorm statistics drift apart per rank: evaluate rank 0's, the saved ones
         dist.broadcast(buffer, src=0)
     model.eval()
+    results = [evaluate_set(ctx, model, prefix, None if prefix == "val" else uri) for prefix, uri in sets]
+    model.train()
+    metrics: dict[str, float] = {}
+    for values in results:
+        metrics.update(values)
+    headline = results[0] if sets[0][0] == "val" else {key.replace(sets[0][0], "val", 1): v for key, v in results[0].items()}
+    return {**metrics, **headline}
+
+
+def evaluate_set(ctx: Context, model: nn.Module, prefix: str, uri: str | None) -> dict[str, float]:
+    task, device = ctx.task, ctx.device
     sums = torch.zeros(len(task.metrics), dtype=torch.float64, device=device)
     samples = 0
-    for batch in ctx.eval_loader():
+    for batch in ctx.eval_loader(uri=uri):
         samples += len(batch[ROW_ID])
         with ctx.autocast():
             sums += task.forward(model, ctx.to_device(batch))[1].double()
     totals = torch.cat([sums, torch.tensor([float(samples)], dtype=torch.float64, device=device)])
     dist.all_reduce(totals)
-    model.train()
-    metrics = task.report(dict(zip(task.metrics, totals.tolist())), "val")
+    metrics = task.report(dict(zip(task.metrics, totals.tolist())), prefix)
     ctx.log(metrics)
     if ctx.is_main:
-        print(
-            f"epoch {ctx.epoch} step {ctx.step}: validation {task.headline(metrics)} ({int(totals[-1].item())} samples)",
-            flush=True,
-        )
+        named = {key.replace(prefix, "val", 1): value for key, value in metrics.items()}
+        where = "validation" if prefix == "val" else f"validation of {prefix.split('/', 1)[1]}"
+        print(f"epoch {ctx.epoch} step {ctx.step}: {where} {task.headline(named)} ({int(totals[-1].item())} samples)", flush=True)
     return metrics

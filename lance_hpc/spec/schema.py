@@ -233,6 +233,7 @@ class MixSource(_Section):
     version: int | None = Field(None, ge=1, le=MAX_INT, description="Pinned version of the source.")
     tag: str | None = Field(None, min_length=1, description="Pinned by tag name instead of version.")
     storage_options: dict[str, str] | None = Field(None, description="Object-store options of this source [default: data's].")
+    val_uri: str | None = Field(None, description="This source's own validation set, reported as val/<source>/* beside val/*.")
 
     @model_validator(mode="after")
     def one_pin(self) -> MixSource:
