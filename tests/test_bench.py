@@ -350,3 +350,29 @@ def test_tune_searches_workers_prefetch_and_io_depth_and_writes_the_choice_back(
     written = yaml.safe_load(text)["data"]
     assert (written["num_workers"], written["prefetch_factor"], written["io_depth"]) == tuple(int(v) for v in choice.groups()[:3])
     assert "# to be tuned" in text or written["num_workers"] != 1
+
+
+def test_request_rate_model_scales_measured_requests_per_image_to_gpus_and_prices_them():
+    from benchmarks.request_model import request_rates
+
+    rates = {(rate.strategy, rate.gpus): rate for rate in request_rates({"distributed": (1.0, 32.0), "block": (0.03, 32.0)})}
+    one = rates[("distributed", 64)]  # 64 GPUs x 3,000 img/s x 1 GET
+    assert one.gets_per_s == 192_000 and one.prefixes == 35 and one.mb_per_s == pytest.approx(6_144)
+    assert one.usd_per_hour == pytest.approx(192_000 * 3600 / 1000 * 0.0004)
+    assert rates[("block", 64)].prefixes == 2 and rates[("block", 8)].prefixes == 1
+
+
+def test_shuffle_statistics_tell_a_random_order_from_a_class_ordered_scan():
+    import numpy as np
+
+    from benchmarks.shuffle_quality import batch_order, expected_distinct_labels
+    from lance_hpc.data.sampling import FragmentTable
+
+    labels = np.repeat(np.arange(10), 100)  # written in class order, the worst case
+    table = FragmentTable.from_rows([250, 250, 250, 250])
+    assert expected_distinct_labels([100] * 10, 1) == pytest.approx(1.0)
+    shuffled = batch_order(labels, table, "distributed", 16, epochs=1)
+    scanned = batch_order(labels, table, "sharded_fragment", 16, epochs=1, shuffle=False)
+    blocks = batch_order(labels, table, "block", 16, epochs=1, run_rows=10, window_runs=16)
+    assert shuffled.distinct_ratio == pytest.approx(1.0, abs=0.05) and scanned.distinct_ratio < 0.2
+    assert 0.7 < blocks.distinct_ratio <= 1.05 and blocks.spread_ratio > 0.8 > scanned.spread_ratio
