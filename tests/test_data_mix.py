@@ -181,3 +181,26 @@ def test_a_mix_checkpoint_resumes_only_with_its_sources(two_sources, tmp_path):
     write_dataset(big, [5], mode="append")  # a new version: the checkpoint's is kept
     kept = pinned_mix(mix_spec([(small, {}), (big, {})], [5, 1]), pinned, "start over")
     assert [source.version for source in kept] == [2, 3] and [source.weight for source in kept] == [5, 1]
+
+
+def test_a_mix_spec_resolves_each_source_like_data_uri_and_names_the_first_as_data_uri(tmp_path):
+    from pathlib import Path
+
+    from lance_hpc.spec import load_spec
+
+    job = tmp_path / "mix.yaml"
+    job.write_text(
+        "name: mixed\n"
+        "data:\n"
+        "  mix:\n"
+        "    - {uri: data/web.lance, weight: 7, filter: \"lang = 'en'\", val_uri: data/web_val.lance}\n"
+        "    - {uri: s3://bucket/code.lance, weight: 3, tag: v3}\n"
+    )
+    spec = load_spec(job).spec
+    here = Path.cwd()  # relative paths resolve where the command runs, as data.uri's do
+    assert spec.data.uri == spec.data.mix[0].uri == str(here / "data" / "web.lance")
+    assert spec.data.mix[0].val_uri == str(here / "data" / "web_val.lance")
+    assert spec.data.mix[1].uri == "s3://bucket/code.lance"
+    resolved = tmp_path / "resolved.yaml"  # what the ranks read: the resolved spec loads as it is
+    resolved.write_text(spec.to_yaml())
+    assert load_spec(resolved).spec.data == spec.data

@@ -156,7 +156,7 @@ def check_selection(data: DataSpec) -> list[str]:
             continue  # ingest creates it first; the ranks check it then
         _, selection = select_training_rows(uri, options, version, tag, predicate, where)
         lines.append(
-            f"{where}: {uri} version {selection.version}" + (f" (tag {tag!r})" if tag else "") + f", {selection.describe()} rows"
+            f"{where}: {uri} version {selection.version}" + (f" (tag {tag!r})" if tag else "") + f", {selection.describe()}"
         )
     return lines
 

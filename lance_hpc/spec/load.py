@@ -294,6 +294,14 @@ def _resolve_paths(raw: dict[str, Any], base_dir: Path) -> tuple[list[Resolution
         if resolved != value:
             node[key] = resolved
             resolutions.append(Resolution(dotted, value, resolved))
+    data = raw.get("data")
+    mix = data.get("mix") if isinstance(data, dict) else None
+    for index, source in enumerate(mix if isinstance(mix, list) else []):
+        for key in ("uri", "val_uri"):  # each source's datasets, like data.uri
+            value = source.get(key) if isinstance(source, dict) else None
+            if isinstance(value, str) and "://" not in value and not Path(value).is_absolute():
+                source[key] = str((base_dir / value).resolve())
+                resolutions.append(Resolution(f"data.mix[{index}].{key}", value, source[key]))
     return resolutions, problems
 
 
