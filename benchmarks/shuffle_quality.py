@@ -29,6 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 import yaml
 
+from benchmarks.ingest import timed
 from lance_hpc.bench.configs import Measurement, Result
 from lance_hpc.data.sampling import FragmentTable, epoch_batches
 
@@ -248,8 +249,7 @@ def run_training(config: Measurement, out: Path) -> int:
 
 
 def measure(config: Measurement) -> Result:
-    from benchmarks.ingest import timed
-
+    """One training job timed whole, samples trained per second (its accuracy goes to the records file)."""
     return timed(config, run_training)
 
 
