@@ -593,7 +593,16 @@ def test_redaction_hides_text_under_credential_keys_but_keeps_numbers() -> None:
 
 
 # Float fields with an upper bound; lr, weight_decay and grad_clip (a gradient norm) have none that holds for every model.
-BOUNDED_FLOATS = ["data.cache.max_gb", "data.io_timeout_s", "data.ingest.val_fraction", "train.momentum", "train.warmup_epochs"]
+BOUNDED_FLOATS = [
+    "data.cache.max_gb",
+    "data.io_timeout_s",
+    "data.ingest.val_fraction",
+    "train.momentum",
+    "train.warmup_epochs",
+    "train.watchdog.factor",
+    "train.watchdog.floor_s",
+    "train.watchdog.straggler_factor",
+]
 
 
 @pytest.mark.parametrize("path", BOUNDED_FLOATS)
