@@ -191,7 +191,8 @@ def test_two_ranks_train_to_the_bar_and_log_tensorboard(reference_run: FinishedR
     steps_per_epoch = data.build_train_loader(spec.data, load_task(spec).decoder(train=True), 0, 2).steps_per_epoch
     total_steps = spec.train.epochs * steps_per_epoch
     logged = scalars(reference_run.directory / "runs")
-    assert set(logged) == set(TAGS) | set(ImageClassification.tags)
+    per_rank = {f"perf/rank/{rank}/{name}" for rank in (0, 1) for name in ("own_work_s", "data_wait_s")}  # the watchdog's
+    assert set(logged) == set(TAGS) | set(ImageClassification.tags) | per_rank
     assert [step for step, _ in logged["val/accuracy"]] == [steps_per_epoch * (epoch + 1) for epoch in range(4)]
     assert logged["val/accuracy"][-1][1] == pytest.approx(accuracy, abs=1e-4)
     assert logged["train/loss"][-1][0] == total_steps and logged["train/loss"][-1][1] < logged["train/loss"][0][1]
