@@ -7,9 +7,6 @@ Every warning lance_hpc prints itself says what to do; these come from its depen
   at once (``subprocess``), which runs nothing of Lance in the child, and its DataLoader workers
   come from a forkserver that never imported Lance: :func:`exec_children` silences the warning
   around those starts only, so a user's own fork of a Lance process still warns.
-- DDP warns that ``find_unused_parameters=True`` found no unused parameters: lance_hpc sets it on
-  purpose in deterministic runs (it keeps DDP's first gradient grouping, so a resumed job sums
-  gradients exactly as the uninterrupted one did).
 - torch 2.14 imports warn that ``isinstance(treespec, LeafSpec)`` is deprecated (its own code).
 """
 
@@ -20,10 +17,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 FORK_WARNING = r"lance is not fork-safe"
-NOT_ACTIONABLE = (
-    (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning),
-    (r"find_unused_parameters=True was specified in DDP constructor, but did not find any unused parameters", UserWarning),
-)
+NOT_ACTIONABLE = ((r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning),)
 
 
 def quiet_dependencies() -> None:

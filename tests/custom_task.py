@@ -129,10 +129,15 @@ class FailingMLP(PixelMLP):
 
 
 class HangOptions(PixelOptions):
-    hang_rank: int = 1
+    hang_rank: int = Field(-1, description="This rank's own loop blocks at its hang_step-th training batch (-1: none).")
     hang_step: int = 5
-    where: str = Field("forward", description="forward: the rank's loop blocks; worker: its DataLoader worker stops answering.")
-    slow_s: float = Field(0.0, description="Instead of blocking: sleep this long in every forward of hang_rank (a straggler).")
+    worker_hang_rank: int = Field(
+        -1, description="This rank's DataLoader worker stops answering at its worker_hang_step-th batch."
+    )
+    worker_hang_step: int = 5
+    worker_hang_s: float = Field(3600.0, description="For this long (then it answers again).")
+    slow_rank: int = Field(-1, description="This rank sleeps slow_s in every forward (a straggler).")
+    slow_s: float = 0.0
 
 
 def rank_of_process() -> int:
@@ -143,39 +148,41 @@ def rank_of_process() -> int:
 
 
 class HangingDecoder(PixelDecoder):
-    """Stops answering, in a DataLoader worker of ``rank``, at its ``batch``-th batch."""
+    """Stops answering for ``seconds``, in a DataLoader worker of ``rank``, at its ``batch``-th batch."""
 
-    def __init__(self, side: int, rank: int, batch: int) -> None:
+    def __init__(self, side: int, rank: int, batch: int, seconds: float) -> None:
         super().__init__(side)
-        self.rank, self.batch, self.seen = rank, batch, 0
+        self.rank, self.batch, self.seconds, self.seen = rank, batch, seconds, 0
 
     def decode(self, table: pa.Table, out: Batch, rng: np.random.Generator) -> dict[int, str]:
         import time
 
         self.seen += 1
         if rank_of_process() == self.rank and self.seen == self.batch:
-            time.sleep(3600)  # a read that never returns
+            time.sleep(self.seconds)  # a read that does not return
         return super().decode(table, out, rng)
 
 
 class HangingMLP(PixelMLP):
-    """PixelMLP whose rank ``hang_rank`` blocks at its ``hang_step``-th training batch (in its own
-    loop, or in its DataLoader worker), or is ``slow_s`` slower at every step: the watchdog's cases."""
+    """PixelMLP with the watchdog's cases, each on a rank of its own (or none): a rank whose own
+    loop blocks, a DataLoader worker that stops answering for a while, a rank slower at every step."""
 
     Options = HangOptions
 
     def decoder(self, train: bool) -> PixelDecoder:
-        if train and self.options.where == "worker" and not self.options.slow_s:
-            return HangingDecoder(self.options.side, self.options.hang_rank, self.options.hang_step)
+        options = self.options
+        if train and options.worker_hang_rank >= 0:
+            return HangingDecoder(options.side, options.worker_hang_rank, options.worker_hang_step, options.worker_hang_s)
         return super().decoder(train)
 
     def forward(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         import time
 
-        if model.training and rank_of_process() == self.options.hang_rank:
+        rank = rank_of_process()
+        if model.training and rank == self.options.slow_rank:
+            time.sleep(self.options.slow_s)
+        if model.training and rank == self.options.hang_rank:
             self.batches = getattr(self, "batches", 0) + 1
-            if self.options.slow_s:
-                time.sleep(self.options.slow_s)
-            elif self.options.where == "forward" and self.batches == self.options.hang_step:
+            if self.batches == self.options.hang_step:
                 time.sleep(3600)  # a user's code that never returns
         return super().forward(model, batch)

@@ -233,6 +233,7 @@ def test_interrupted_run_resumes_to_the_same_weights(reference_run: FinishedRun,
     output = resumed.communicate(timeout=300)[0]
     assert resumed.returncode == 0, output
     assert f"resuming from {stopped_path} at step {stopped['step']}" in output
+    assert "Warning" not in output and "find_unused_parameters" not in output, output
     final, reference = final_state(tmp_path), final_state(reference_run.directory)
     assert final["step"] == reference["step"] == spec.train.epochs * steps_per_epoch
     assert same_weights(final["objects"]["model"], reference["objects"]["model"]) == []

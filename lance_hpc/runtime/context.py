@@ -63,7 +63,7 @@ from lance_hpc.runtime.metrics import (
 )
 from lance_hpc.runtime.preemption import Preemption
 from lance_hpc.runtime.profile import StepProfiler
-from lance_hpc.runtime.watchdog import Progress, Stragglers, Watchdog, watch_dir
+from lance_hpc.runtime.watchdog import Progress, Stragglers, Watchdog, host_name, watch_dir
 from lance_hpc.spec import JobSpec, TrainSpec
 from lance_hpc.spec.rules import entry_options
 from lance_hpc.tasks import ROW_ID, Batch, Decoder, Task
@@ -85,10 +85,11 @@ class Summary:
 def wrap_model(model: nn.Module, device: torch.device, deterministic: bool) -> DistributedDataParallel:
     """DDP over ``model`` (already on ``device``): one device per rank on GPU, gloo on CPU.
 
-    DDP regroups its gradient buckets after the first iteration, which changes the order in which
-    all-reduce sums each gradient; a resumed job would sum its first step differently from the
-    uninterrupted one. find_unused_parameters keeps the first grouping for good (at the cost of one
-    graph traversal per step), so deterministic runs resume bit for bit.
+    DDP regroups its gradient buckets after the first iteration, in the order the gradients came,
+    which changes the order in which all-reduce sums each gradient: a resumed job would sum its
+    first step differently from the uninterrupted one. Deterministic runs group the buckets once,
+    at the start, in parameter order (:func:`_group_buckets_now`), so every run of the job sums
+    gradients alike from its first step and resumes bit for bit.
 
     Image inputs take the memory format of the model's convolution weights: pixels straight from
     the loader are channels-last, and a convolution over them gives channels-last weight gradients
@@ -97,9 +98,27 @@ def wrap_model(model: nn.Module, device: torch.device, deterministic: bool) -> D
     memory_format = _conv_memory_format(model)
     if memory_format is not None:
         model.register_forward_pre_hook(_InputLayout(memory_format))
-    return DistributedDataParallel(
-        model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=deterministic
-    )
+    device_ids = [device.index] if device.type == "cuda" else None
+    wrapped = DistributedDataParallel(model, device_ids=device_ids)
+    if deterministic:
+        _group_buckets_now(wrapped)
+    return wrapped
+
+
+def _group_buckets_now(wrapped: DistributedDataParallel) -> None:
+    """Make DDP's one regrouping of its gradient buckets now, before the first step, in parameter
+    order: DDP then never regroups (it does so only once), and no step depends on the order in
+    which the first backward pass of this particular run produced gradients.
+
+    This is the regrouping DDP's own Join makes for a rank that has run out of inputs; every rank
+    calls it here at the same point (it agrees the grouping with one broadcast). Buckets in
+    parameter order start their all-reduce only at the end of the backward pass, which costs the
+    overlap of communication with backward that ``deterministic: false`` keeps."""
+    reducer = wrapped.reducer
+    reducer._push_all_rebuilt_params()
+    if not reducer._rebuild_buckets():
+        raise RuntimeError("DDP did not regroup its gradient buckets before the first step")
+    wrapped._has_rebuilt_buckets = True
 
 
 def _conv_memory_format(model: nn.Module) -> torch.memory_format | None:
@@ -203,6 +222,7 @@ class Context:
         self._activity = Progress()  # what this rank is doing, for the watchdog (lance_hpc.runtime.watchdog)
         watchdog = spec.train.watchdog
         self._stragglers = Stragglers(watchdog.straggler_factor) if watchdog is not None else None
+        self._hosts: list[str] | None = None
         self._own_s, self._wait_s, self._timed_steps = 0.0, 0.0, 0  # this rank's work and data wait since the last log point
         self._profiler = StepProfiler(spec, env.rank, device)
         self._shown: dict[str, float] = {}  # scalars logged at the current log point: the bar and the log line
@@ -589,8 +609,12 @@ class Context:
         dist.all_gather(gathered, mine)
         own = [float(value[0]) for value in gathered]
         wait = [float(value[1]) for value in gathered]
+        if self._stragglers is not None and self._hosts is None:  # once: every rank's node, to name a straggler's
+            hosts: list[Any] = [None] * self.world_size
+            dist.all_gather_object(hosts, host_name())
+            self._hosts = [str(host) for host in hosts]
         if self.is_main and self._stragglers is not None:
-            named = self._stragglers.check(own, wait)
+            named = self._stragglers.check(own, wait, self._hosts)
             if named:
                 print(named, file=sys.stderr, flush=True)
         if self.world_size == 1:

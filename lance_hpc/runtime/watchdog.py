@@ -122,6 +122,27 @@ def top_frames(frame: Any, count: int = 3) -> list[str]:
     return [f"{entry.filename}:{entry.lineno} in {entry.name}: {(entry.line or '').strip()}" for entry in reversed(summary)]
 
 
+def host_name() -> str:
+    """This node by SLURM's name for it (what squeue and sinfo show), else the host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def is_descendant(pid: int, ancestor: int, generations: int = 3) -> bool:
+    """Whether process ``pid`` is a child of ``ancestor``, or a child's child (DataLoader workers
+    come from a forkserver the rank started), read from /proc."""
+    for _ in range(generations):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        pid = int(stat.rsplit(")", 1)[1].split()[1])  # the field after the state: the parent's pid
+        if pid == ancestor:
+            return True
+        if pid <= 1:
+            return False
+    return False
+
+
 def watch_dir(log_dir: str, name: str, job_id: str | None) -> Path:
     """Where a job's ranks publish their progress and write their stacks."""
     return Path(log_dir) / f"{name}.watch" / (job_id or "local")
@@ -136,9 +157,11 @@ def init_worker_dumps(worker_id: int) -> None:
     stacks = Path(directory) / "stacks"
     try:
         stacks.mkdir(parents=True, exist_ok=True)
-        target = open(stacks / f"rank-{rank}-worker-{worker_id}.txt", "w")  # noqa: SIM115 (held for faulthandler)
+        # Named by pid too: a rank's training and evaluation loaders each have a worker 0.
+        name = f"rank-{rank}-worker-{worker_id}-{os.getpid()}"
+        target = open(stacks / f"{name}.txt", "w")  # noqa: SIM115 (held for faulthandler)
         faulthandler.register(WORKER_DUMP_SIGNAL, file=target, all_threads=True, chain=False)
-        (stacks / f"rank-{rank}-worker-{worker_id}.pid").write_text(str(os.getpid()))
+        (stacks / f"{name}.pid").write_text(str(os.getpid()))
     except OSError:
         pass  # a worker without stack dumps still works
 
@@ -163,7 +186,7 @@ class Watchdog(threading.Thread):
         self.progress, self.directory, self.rank, self.world_size = progress, directory, rank, world_size
         self.factor, self.floor_s, self.ceiling_s = factor, floor_s, ceiling_s
         self.say, self.poll_s = say, poll_s
-        self.host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()  # SLURM's name for the node
+        self.host = host_name()
         self.stop = threading.Event()
         self.dumped_step: int | None = None
         self.reported_step: int | None = None
@@ -238,8 +261,12 @@ class Watchdog(threading.Thread):
         ]
         for pid_file in sorted(stacks.glob(f"rank-{self.rank}-worker-*.pid")):
             try:
-                os.kill(int(pid_file.read_text()), WORKER_DUMP_SIGNAL)
-                lines.append(f"DataLoader worker (pid {pid_file.read_text()}): {pid_file.with_suffix('.txt')}")
+                pid = int(pid_file.read_text())
+                if not is_descendant(pid, os.getpid()):  # a worker that ended (its pid may be another process's now)
+                    pid_file.unlink(missing_ok=True)
+                    continue
+                os.kill(pid, WORKER_DUMP_SIGNAL)
+                lines.append(f"DataLoader worker (pid {pid}): {pid_file.with_suffix('.txt')}")
             except (OSError, ValueError):
                 continue
         (stacks / f"rank-{self.rank}.txt").write_text("\n".join(lines) + "\n")

@@ -74,14 +74,14 @@ def wait_for_runs(cluster: cluster_module.SlurmCluster, jobs: list[str], timeout
     raise AssertionError(f"runs {jobs} did not end within {timeout_s} s: {states}")
 
 
-def wait_for_text(path: Path, marker: str, timeout_s: float = 300) -> None:
-    """Wait until the file at ``path`` (a job's log, say) contains ``marker``."""
+def wait_for_text(path: Path, marker: str, timeout_s: float = 300, count: int = 1) -> None:
+    """Wait until the file at ``path`` (a job's log, say) contains ``marker`` (``count`` times)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if path.exists() and marker in path.read_text():
+        if path.exists() and path.read_text().count(marker) >= count:
             return
         time.sleep(0.5)
-    raise AssertionError(f"{marker!r} never appeared in {path}")
+    raise AssertionError(f"{marker!r} never appeared {count} time(s) in {path}")
 
 
 def sbatch(cluster: cluster_module.SlurmCluster, spec: JobSpec) -> str:
@@ -91,3 +91,10 @@ def sbatch(cluster: cluster_module.SlurmCluster, spec: JobSpec) -> str:
         ["sbatch", "--parsable", str(script)], env=environ(cluster), cwd=REPO_ROOT, capture_output=True, text=True, check=True
     )
     return submitted.stdout.strip().split(";")[0]
+
+
+def is_rank_command(command: list[bytes]) -> bool:
+    """A /proc cmdline (split at NUL) of a rank itself, ``python3 -m lance_hpc.run SPEC``: not the
+    srun that started it, whose command line names the same and whose environment (the batch
+    step's) says SLURM_PROCID=0 as well."""
+    return os.path.basename(command[0]).startswith(b"python") and command[1:3] == [b"-m", b"lance_hpc.run"]
