@@ -3,25 +3,16 @@ the trace files are opened and checked (Chrome trace JSON with the steps and tor
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.support.jobs import write_spec
+from tests.support.jobs import check_trace, write_spec
 from tests.support.ranks import launch, read_until
 
 pytestmark = pytest.mark.slow
-
-
-def check_trace(path: Path) -> None:
-    trace = json.loads(path.read_text())
-    names = {event.get("name", "") for event in trace["traceEvents"]}
-    assert any(name.startswith("ProfilerStep#") for name in names), sorted(names)[:20]
-    assert any(name.startswith("aten::") for name in names)  # the model's operators
-    assert any("DistributedDataParallel" in name or "allreduce" in name.lower() for name in names)
 
 
 def test_the_spec_profiles_steps_and_usr1_profiles_a_running_job(tmp_path: Path, digits) -> None:

@@ -19,15 +19,19 @@ from lance_hpc.runtime.environment import detect
 from lance_hpc.runtime.metrics import NullLogger
 from lance_hpc.runtime.preemption import Preemption
 from lance_hpc.spec import JobSpec, load_spec, load_spec_text
-from tests.support.jobs import REPO_ROOT, final_state, same_weights, write_spec
+from tests.support.jobs import REPO_ROOT, check_trace, final_state, same_weights, write_spec
 from tests.support.ranks import launch, read_until
 
 EXAMPLE = f"{REPO_ROOT}/examples/script_mode/train.py:main"
 
 
-def script_spec(directory: Path, dataset) -> Path:
+def script_spec(directory: Path, dataset, **train) -> Path:
     return write_spec(
-        directory, dataset, entry=EXAMPLE, train={"epochs": 3, "lr": 0.01}, logging={"log_every_steps": 1, "progress": False}
+        directory,
+        dataset,
+        entry=EXAMPLE,
+        train={"epochs": 3, "lr": 0.01, **train},
+        logging={"log_every_steps": 1, "progress": False},
     )
 
 
@@ -70,9 +74,14 @@ def test_register_refuses_a_checkpoint_of_another_model_naming_a_few_keys(tmp_pa
 
 @pytest.mark.slow
 def test_script_mode_preempted_mid_epoch_resumes_to_the_same_weights(tmp_path: Path, digits) -> None:
-    reference = launch(script_spec(tmp_path / "reference", digits))
+    # The reference run also profiles two steps of the script's own loop (ctx.steps()).
+    reference = launch(script_spec(tmp_path / "reference", digits, profile={"start_step": 3, "steps": 2}))
     output = reference.communicate(timeout=600)[0]
     assert reference.returncode == 0 and "final validation accuracy" in output, output
+    traces = sorted((tmp_path / "reference" / "runs" / "profile").glob("*.pt.trace.json"))
+    assert [path.name for path in traces] == ["rank0.step3.pt.trace.json", "rank1.step3.pt.trace.json"], output
+    for path in traces:
+        check_trace(path)
     expected = final_state(tmp_path / "reference")
     steps_per_epoch = expected["step"] // 3
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,3 +174,12 @@ def train_here(spec_file: Path) -> Summary:
     spec = load_spec(spec_file).spec
     with Preemption() as preemption, process_group(detect({}), spec.train.collective_timeout_s) as device:
         return run_entry(trainer.train, spec, detect({}), device, preemption, load_task(spec))
+
+
+def check_trace(path: Path) -> None:
+    """A profiler trace file: Chrome trace JSON with step spans, torch's operators and DDP's all-reduce."""
+    trace = json.loads(path.read_text())
+    names = {event.get("name", "") for event in trace["traceEvents"]}
+    assert any(name.startswith("ProfilerStep#") for name in names), sorted(names)[:20]
+    assert any(name.startswith("aten::") for name in names)  # the model's operators
+    assert any("DistributedDataParallel" in name or "allreduce" in name.lower() for name in names)
