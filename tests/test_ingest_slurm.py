@@ -21,7 +21,7 @@ from lance_hpc.launch.paths import JobPaths
 from lance_hpc.manage.queue import FINAL_STATES
 from lance_hpc.spec import JobSpec, load_spec
 from tests.support.shards import digit_rows, write_webdataset
-from tests.support.slurm import environ, job_fields, sbatch, signal_steps, wait_for_text
+from tests.support.slurm import environ, is_rank_command, job_fields, sbatch, signal_steps, wait_for_text
 from tests.support.slurm_cluster import SlurmCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
@@ -36,7 +36,7 @@ def rank_process(spec_file: str, rank: int, timeout_s: float = 120) -> int:
                 continue
             try:
                 command = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-                if b"lance_hpc.run" not in command or spec_file.encode() not in command:
+                if not is_rank_command(command) or spec_file.encode() not in command:
                     continue
                 variables = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
             except OSError:

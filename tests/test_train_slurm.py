@@ -39,7 +39,7 @@ from tests.support.jobs import (
     same_weights,
     write_spec,
 )
-from tests.support.slurm import sbatch, signal_steps
+from tests.support.slurm import is_rank_command, sbatch, signal_steps
 from tests.support.slurm_cluster import SlurmCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
@@ -281,7 +281,7 @@ def task_pid(job_id: str, rank: int) -> int:
             environ = set((entry / "environ").read_bytes().split(b"\0"))
         except OSError:
             continue
-        if b"lance_hpc.run" in command and {f"SLURM_JOB_ID={job_id}".encode(), f"SLURM_PROCID={rank}".encode()} <= environ:
+        if is_rank_command(command) and {f"SLURM_JOB_ID={job_id}".encode(), f"SLURM_PROCID={rank}".encode()} <= environ:
             return int(entry.name)
     raise AssertionError(f"task {rank} of job {job_id} not found")
 
