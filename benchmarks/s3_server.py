@@ -220,11 +220,13 @@ def list_objects(store: Store, bucket: str, query: dict[str, str]) -> bytes:
 class Server:
     """The asyncio server: one coroutine per connection, keep-alive, one request at a time each."""
 
-    def __init__(self, root: Path, bucket: str = BUCKET, latency_ms: float = 0.0) -> None:
+    def __init__(self, root: Path, bucket: str = BUCKET, latency_ms: float = 0.0, request_log: Path | None = None) -> None:
         self.store = Store(root)
         self.bucket = bucket
         self.latency_s = latency_ms / 1000
         self.in_flight = 0
+        # One line per request answered: arrival and end (Unix time), method, key, body bytes sent.
+        self.request_log = open(request_log, "a") if request_log else None  # noqa: SIM115 (closed by serve)
         self.reset()
 
     def reset(self) -> None:
@@ -268,6 +270,7 @@ class Server:
         self.counts["requests"] += 1
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        arrived, sent = time.time(), 0
         try:
             if self.latency_s:
                 await asyncio.sleep(self.latency_s)  # first-byte latency: waits without a thread or CPU
@@ -276,7 +279,7 @@ class Server:
             try:
                 if bucket != self.bucket:
                     raise S3Error(404, "NoSuchBucket", f"this server has one bucket, {self.bucket!r}")
-                await self.object_request(method, key, query, headers, body, writer)
+                sent = await self.object_request(method, key, query, headers, body, writer)
             except S3Error as error:
                 self.counts["errors"] += 1
                 xml = (
@@ -287,10 +290,13 @@ class Server:
             await writer.drain()
         finally:
             self.in_flight -= 1
+            if self.request_log is not None:
+                self.request_log.write(f"{arrived:.4f}\t{time.time():.4f}\t{method}\t{url.path}\t{sent}\n")
 
     async def object_request(
         self, method: str, key: str, query: dict[str, str], headers: dict[str, str], body: bytes, writer: asyncio.StreamWriter
-    ) -> None:
+    ) -> int:
+        """Answers one request on an object or the bucket; returns the object bytes a GET sent."""
         if method in ("GET", "HEAD") and not key:
             if "list-type" not in query and method == "GET":
                 raise S3Error(400, "NotImplemented", "only ListObjectsV2 (list-type=2) is served")
@@ -298,7 +304,7 @@ class Server:
             listing = list_objects(self.store, self.bucket, query)
             send(writer, 200, {"Content-Type": "application/xml"}, listing if method == "GET" else b"", len(listing))
         elif method in ("GET", "HEAD"):
-            await self.read(method, key, headers, writer)
+            return await self.read(method, key, headers, writer)
         elif method == "PUT" and "uploadId" in query:
             self.counts["puts"] += 1
             self.counts["put_bytes"] += len(body)
@@ -344,9 +350,10 @@ class Server:
             send(writer, 204, {}, b"")
         else:
             raise S3Error(405, "MethodNotAllowed", f"{method} is not served")
+        return 0
 
-    async def read(self, method: str, key: str, headers: dict[str, str], writer: asyncio.StreamWriter) -> None:
-        """GET or HEAD of one object, whole or one byte range (206 with Content-Range)."""
+    async def read(self, method: str, key: str, headers: dict[str, str], writer: asyncio.StreamWriter) -> int:
+        """GET or HEAD of one object, whole or one byte range (206 with Content-Range); the bytes sent."""
         fd, stat = self.store.descriptor(key)
         start, end, status, extra = 0, stat.st_size, 200, b""
         if "range" in headers:
@@ -357,7 +364,7 @@ class Server:
         if method == "HEAD":
             self.counts["heads"] += 1
             writer.write(head)
-            return
+            return 0
         self.counts["gets"] += 1
         first = os.pread(fd, min(end - start, SEND_CHUNK), start)
         writer.write(head + first)
@@ -370,6 +377,7 @@ class Server:
             writer.write(piece)
             offset += len(piece)
         self.counts["get_bytes"] += end - start
+        return end - start
 
     def upload_dir(self, upload_id: str, create: bool = False) -> Path:
         directory = self.store.uploads / re.sub(r"[^0-9a-f]", "", upload_id)
@@ -421,9 +429,11 @@ def send(writer: asyncio.StreamWriter, status: int, fields: dict[str, str], body
     writer.write(response_head(status, len(body) if length is None else length, lines) + body)
 
 
-async def serve(root: Path, host: str, port: int, bucket: str, latency_ms: float, exit_with_parent: bool) -> None:
+async def serve(
+    root: Path, host: str, port: int, bucket: str, latency_ms: float, exit_with_parent: bool, request_log: Path | None = None
+) -> None:
     """Serves until SIGTERM, Ctrl-C or, with ``exit_with_parent``, the end of stdin."""
-    server = Server(root, bucket, latency_ms)
+    server = Server(root, bucket, latency_ms, request_log)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
@@ -449,6 +459,8 @@ async def serve(root: Path, host: str, port: int, bucket: str, latency_ms: float
     finally:
         server.store.forget()
         shutil.rmtree(server.store.uploads, ignore_errors=True)
+        if server.request_log is not None:
+            server.request_log.close()
 
 
 def _control(endpoint: str, method: str, command: str) -> dict[str, float]:
@@ -559,9 +571,15 @@ class S3BenchServer:
 
 
 def start_server(
-    root: Path, latency_ms: float = 0.0, port: int = 0, bucket: str = BUCKET, host: str = "127.0.0.1"
+    root: Path,
+    latency_ms: float = 0.0,
+    port: int = 0,
+    bucket: str = BUCKET,
+    host: str = "127.0.0.1",
+    request_log: Path | None = None,
 ) -> S3BenchServer:
-    """Serves ``root`` as ``s3://{bucket}`` from a new process; ``port`` 0 picks a free one."""
+    """Serves ``root`` as ``s3://{bucket}`` from a new process; ``port`` 0 picks a free one;
+    ``request_log``: a file that gets one line per request (see ``--request-log``)."""
     command = [
         sys.executable,
         "-m",
@@ -576,6 +594,7 @@ def start_server(
         "--latency-ms",
         str(latency_ms),
         "--exit-with-parent",
+        *(["--request-log", str(request_log)] if request_log else []),
     ]
     environment = dict(os.environ)
     package_root = str(Path(__file__).resolve().parents[1])  # the repository root, above benchmarks/
@@ -613,11 +632,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket", default=BUCKET, help=f"bucket name (default {BUCKET})")
     parser.add_argument("--latency-ms", type=float, default=0.0, help="first-byte latency of every request")
     parser.add_argument("--exit-with-parent", action="store_true", help="exit when stdin closes")
+    parser.add_argument(
+        "--request-log",
+        type=Path,
+        help="append one line per request to this file: arrival and end (Unix time), method, path, body bytes sent",
+    )
     args = parser.parse_args(argv)
     if not args.root.is_dir():
         parser.error(f"{args.root} is not a directory")
     try:
-        run_event_loop(serve(args.root, args.host, args.port, args.bucket, args.latency_ms, args.exit_with_parent))
+        run_event_loop(
+            serve(args.root, args.host, args.port, args.bucket, args.latency_ms, args.exit_with_parent, args.request_log)
+        )
     except KeyboardInterrupt:
         pass
     return 0
