@@ -25,4 +25,6 @@ python3 -m ruff format --check --quiet lance_hpc benchmarks tests examples
 python3 -m ruff check --quiet lance_hpc benchmarks tests examples
 python3 -m mypy
 
-python3 -m pytest -q -p no:cacheprovider "$@"
+# Two test processes (pytest-xdist): the SLURM cluster's tests, grouped in one (see tests/conftest.py),
+# spend much of their time waiting on the scheduler, which the other process's tests use.
+python3 -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup "$@"
