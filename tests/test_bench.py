@@ -376,3 +376,27 @@ def test_shuffle_statistics_tell_a_random_order_from_a_class_ordered_scan():
     blocks = batch_order(labels, table, "block", 16, epochs=1, run_rows=10, window_runs=16)
     assert shuffled.distinct_ratio == pytest.approx(1.0, abs=0.05) and scanned.distinct_ratio < 0.2
     assert 0.7 < blocks.distinct_ratio <= 1.05 and blocks.spread_ratio > 0.8 > scanned.spread_ratio
+
+
+def test_block_profile_splits_the_servers_requests_by_kind_and_times_them_in_flight(tmp_path):
+    from benchmarks.block_profile import requests_of
+
+    log = tmp_path / "requests.log"
+    log.write_text(
+        "".join(
+            [
+                "100.00\t100.10\tGET\t/bench/d/data/a.lance\t65536\n",  # a footer, when a worker opens a file
+                "100.05\t100.20\tGET\t/bench/d/data/a.lance\t2097152\n",  # a run of rows
+                "100.06\t100.20\tGET\t/bench/d/data/a.lance\t2097152\n",
+                "100.10\t100.12\tGET\t/bench/d/data/a.lance\t900\n",  # page metadata
+                "101.00\t101.00\tHEAD\t/bench/d/_latest.manifest\t0\n",
+                "101.80\t102.00\tGET\t/bench/d/data/a.lance\t1048576\n",
+            ]
+        )
+    )
+    found = requests_of(log, images=100)
+    assert found["gets_per_image"] == pytest.approx(0.05)
+    assert found["run_gets_per_image"] == pytest.approx(0.03)
+    assert found["footer_gets_per_image"] == pytest.approx(0.01) and found["small_gets_per_image"] == pytest.approx(0.01)
+    assert found["mb_per_run_get"] == pytest.approx(2.0)
+    assert found["requests_in_flight_share"] == pytest.approx(0.4 / 2.0, abs=0.02)  # 100.0-100.2 and 101.8-102.0

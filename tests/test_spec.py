@@ -613,3 +613,13 @@ def test_float_fields_with_an_obvious_limit_refuse_huge_values(path: str) -> Non
         "train.weight_decay",
         "train.grad_clip",
     }
+
+
+def test_the_sampler_defaults_to_block_on_object_storage_and_a_chosen_one_is_kept() -> None:
+    from lance_hpc.spec import DataSpec
+
+    assert DataSpec(uri="s3://bucket/train.lance").sampler == "block"
+    assert DataSpec(uri="gs://bucket/train.lance", style="iterable").sampler == "block"
+    assert DataSpec(uri="/data/train.lance").sampler == "distributed"
+    assert DataSpec(uri="s3://bucket/train.lance", sampler="distributed").sampler == "distributed"
+    assert DataSpec(mix=[{"uri": "s3://bucket/a.lance", "weight": 1}]).sampler == "block"  # the first source's store

@@ -334,6 +334,7 @@ def test_an_outage_longer_than_io_timeout_stops_every_rank_with_one_message(s3_d
             "storage_options": dict(s3_env.storage_options, endpoint=proxy.endpoint),
             "num_workers": 1,
             "io_timeout_s": io_timeout_s,
+            "sampler": "distributed",  # a read every batch (block would hold the digits' whole epoch already)
         },
         train={"epochs": 50},
         logging={"log_every_steps": 1, "progress": False},

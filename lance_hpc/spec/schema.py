@@ -25,6 +25,7 @@ from lance_hpc.spec.choices import (
     UNEVEN_MODES,
 )
 from lance_hpc.spec.secrets import redacted
+from lance_hpc.storage.options import is_remote
 
 # Bounds of every count and seed: what SLURM's and numpy's 32-bit fields hold. Past them a value
 # passes validation and then fails on every rank (numpy refuses a seed of -1 or 2**32).
@@ -266,7 +267,10 @@ class DataSpec(_Section):
         description="Rows an epoch of a mix draws over all ranks [default: the sources' selected rows together].",
     )
     block_kb: int = Field(
-        1024, ge=1, le=2**20, description="sampler: block: the least bytes each read fetches (a run of neighbouring rows)."
+        2048,
+        ge=1,
+        le=2**20,
+        description="sampler: block: KiB of neighbouring rows read as one run (a worker holds 2 windows of block_window runs).",
     )
     block_window: int = Field(
         32, ge=1, le=2**16, description="sampler: block: runs whose rows are shuffled together (each worker holds one window)."
@@ -276,7 +280,13 @@ class DataSpec(_Section):
         description="Object-store options (endpoint, region, allow_http); credentials come from env.",
     )
     style: str = Field("map", description="Dataset style: map | iterable.")
-    sampler: str = Field("distributed", description="Sampler: distributed (map) or sharded_batch | sharded_fragment (iterable).")
+    sampler: str = Field(
+        "distributed",
+        description=(
+            "Sampler: distributed or block (map), sharded_batch | sharded_fragment | block (iterable) "
+            "[default: block for a dataset on object storage (s3://, gs://, az://), else distributed]."
+        ),
+    )
     val_sampler: str = Field("sharded", description="Evaluation split: sharded across ranks, or full_scan on every rank.")
     uneven: str = Field("drop", description="How ranks get equal steps: drop the surplus rows or pad by repeating rows.")
     batch_size: int = Field(64, ge=1, le=MAX_INT, description="Samples per rank per step.")
@@ -308,13 +318,19 @@ class DataSpec(_Section):
 
     @model_validator(mode="before")
     @classmethod
-    def uri_of_mix(cls, values: Any) -> Any:
-        """With a mix, data.uri is the first source's (where a dataset's files and checks are named)."""
-        if isinstance(values, dict) and "uri" not in values and isinstance(values.get("mix"), list) and values["mix"]:
+    def defaults_of_uri(cls, values: Any) -> Any:
+        """With a mix, data.uri is the first source's (where a dataset's files and checks are named).
+        An unset sampler over object storage is block: runs of block_kb per request instead of about
+        one request per sample (see the README's "Shuffled reads that stay cheap")."""
+        if not isinstance(values, dict):
+            return values
+        if "uri" not in values and isinstance(values.get("mix"), list) and values["mix"]:
             first = values["mix"][0]
             uri = first.get("uri") if isinstance(first, dict) else getattr(first, "uri", None)
             if isinstance(uri, str):
-                return {**values, "uri": uri}
+                values = {**values, "uri": uri}
+        if "sampler" not in values and isinstance(values.get("uri"), str) and is_remote(values["uri"]):
+            values = {**values, "sampler": "block"}
         return values
 
     @model_validator(mode="after")
