@@ -70,9 +70,12 @@ def test_workers_read_s3_with_the_full_options(s3_env):
         s3_env, "photos", num_workers=1, ingest=IngestSpec(source="skimage-photos:count=64,size=24", rows_per_fragment=20)
     )
     ensure_dataset(data)
+    assert data.sampler == "block"  # a job on object storage that names no sampler
     loader = train_loader(data, 0, 1)
-    batches = [batch["label"] for batch in loader]
+    batches = [batch["row_id"].tolist() for batch in loader]
     assert len(batches) == loader.steps_per_epoch == 2
+    rows = lance.dataset(data.uri, storage_options=storage_options(data.uri, data.storage_options)).count_rows()
+    assert {row for batch in batches for row in batch} == set(range(rows))  # every row read
 
 
 @pytest.mark.s3
