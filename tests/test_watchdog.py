@@ -20,25 +20,32 @@ pytestmark = pytest.mark.slow
 WATCHDOG = {"watchdog": {"floor_s": 3, "factor": 5}, "collective_timeout_s": 60, "epochs": 50}
 
 
-# One job shows the three cases in turn: rank 1 is a straggler from the start; rank 0's DataLoader
-# worker stops answering for 12 s at its 25th batch (then answers: the job goes on); rank 1's own
-# loop blocks for good at its 45th batch. The watchdog names the straggler, then each hang.
-LOCAL_CASES = {
-    "slow_rank": 1,
-    "slow_s": 0.05,
-    "worker_hang_rank": 0,
-    "worker_hang_step": 25,
-    "worker_hang_s": 12,
-    "hang_rank": 1,
-    "hang_step": 45,
-}
+def three_faults(straggler: int, silent_worker: int, stuck: int) -> dict[str, float]:
+    """HangingMLP's options for one job that shows the three cases in turn: ``straggler`` is slower
+    at every step; ``silent_worker``'s DataLoader worker stops answering for 12 s at its 25th batch
+    (then answers: the job goes on); ``stuck``'s own loop blocks for good at its 45th batch."""
+    return {
+        "slow_rank": straggler,
+        "slow_s": 0.05,
+        "worker_hang_rank": silent_worker,
+        "worker_hang_step": 25,
+        "worker_hang_s": 12,
+        "hang_rank": stuck,
+        "hang_step": 45,
+    }
 
 
-def hanging_spec(tmp_path: Path, digits, **options) -> Path:
+def hanging_spec(tmp_path: Path, digits, options: dict[str, float], **sections) -> Path:
     task = {"name": f"{REPO_ROOT}/tests/custom_task.py:HangingMLP", "options": {"hidden": 8, **options}}
-    spec = write_spec(tmp_path, digits, task=task, train=WATCHDOG, logging={"progress": False, "log_every_steps": 5})
-    spec.write_text(spec.read_text().replace("num_workers: 0", "num_workers: 1"))  # a worker to hang
-    return spec
+    return write_spec(
+        tmp_path,
+        digits,
+        task=task,
+        train=WATCHDOG,
+        logging={"progress": False, "log_every_steps": 5},
+        data={"num_workers": 1},  # a worker to hang
+        **sections,
+    )
 
 
 def read_reports(launcher, count: int, timeout_s: float = 240) -> str:
@@ -69,7 +76,7 @@ def seconds_stuck(report: str) -> int:
 
 
 def test_a_straggler_a_silent_dataloader_worker_and_a_stuck_rank_are_each_named_with_their_stacks(tmp_path: Path, digits) -> None:
-    launcher = launch(hanging_spec(tmp_path, digits, **LOCAL_CASES))
+    launcher = launch(hanging_spec(tmp_path, digits, three_faults(straggler=1, silent_worker=0, stuck=1)))
     stacks = tmp_path / "logs" / "digits.watch" / "local" / "stacks"
     try:
         first = read_reports(launcher, 1)
@@ -126,21 +133,8 @@ def test_a_straggler_a_silent_worker_and_a_stuck_rank_on_the_cluster_are_named_a
     from lance_hpc.spec import load_spec
     from tests.support.slurm import environ, sbatch, wait_for_text
 
-    cases = {
-        "slow_rank": 3,
-        "slow_s": 0.05,
-        "worker_hang_rank": 1,
-        "worker_hang_step": 25,
-        "worker_hang_s": 12,
-        "hang_rank": 2,
-        "hang_step": 45,
-    }
-    task = {"name": f"{REPO_ROOT}/tests/custom_task.py:HangingMLP", "options": {"hidden": 8, **cases}}
     slurm = {"partition": slurm_cluster.partition, "nodes": 2, "tasks_per_node": 2, "cpus_per_task": 1, "time": "00:10:00"}
-    spec_path = write_spec(
-        tmp_path, digits, name="stuck", task=task, train=WATCHDOG, logging={"progress": False, "log_every_steps": 5}, slurm=slurm
-    )
-    spec_path.write_text(spec_path.read_text().replace("num_workers: 0", "num_workers: 1"))
+    spec_path = hanging_spec(tmp_path, digits, three_faults(straggler=3, silent_worker=1, stuck=2), name="stuck", slurm=slurm)
     spec = load_spec(spec_path).spec
     job_id = sbatch(slurm_cluster, spec)
     try:
