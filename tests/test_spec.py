@@ -623,3 +623,19 @@ def test_the_sampler_defaults_to_block_on_object_storage_and_a_chosen_one_is_kep
     assert DataSpec(uri="/data/train.lance").sampler == "distributed"
     assert DataSpec(uri="s3://bucket/train.lance", sampler="distributed").sampler == "distributed"
     assert DataSpec(mix=[{"uri": "s3://bucket/a.lance", "weight": 1}]).sampler == "block"  # the first source's store
+
+
+# ---- hostile values: storage options of a mix, filters Lance would cut, weights ------------------
+
+
+def with_mix(second: dict[str, Any], first_weight: float = 1.0) -> dict[str, Any]:
+    """A spec whose data is a mix of two sources, the second with ``second``'s fields."""
+    return {"name": "job", "data": {"mix": [{"uri": "/d/a.lance", "weight": first_weight}, {"uri": "/d/b.lance", **second}]}}
+
+
+def test_credentials_in_a_mix_sources_storage_options_are_refused() -> None:
+    raw = with_mix({"weight": 1, "storage_options": {"region": "eu-west-1", "aws_secret_access_key": "s3cr3t"}})
+    message = problems_of(raw)
+    assert "data.mix[1].storage_options.aws_secret_access_key: credentials must not be written in the spec" in message
+    assert "AWS_SECRET_ACCESS_KEY" in message.split("fix:")[1]
+    assert "region" not in message
