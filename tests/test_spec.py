@@ -639,3 +639,58 @@ def test_credentials_in_a_mix_sources_storage_options_are_refused() -> None:
     assert "data.mix[1].storage_options.aws_secret_access_key: credentials must not be written in the spec" in message
     assert "AWS_SECRET_ACCESS_KEY" in message.split("fix:")[1]
     assert "region" not in message
+
+
+def with_filter(where: str, predicate: str) -> dict[str, Any]:
+    if where == "data.mix[1].filter":
+        return with_mix({"weight": 1, "filter": predicate})
+    if where == "infer.filter":
+        return with_fields(infer={"filter": predicate})
+    return with_fields(data={"filter": predicate})
+
+
+@pytest.mark.parametrize("where", ["data.filter", "data.mix[1].filter", "infer.filter"])
+@pytest.mark.parametrize(
+    ("predicate", "expected"),
+    [
+        ("label > 3; label < 2", "has ';' at character 10: Lance would read only what comes before it, silently"),
+        ("label > 3) OR (label < 1", "the ')' at character 10 closes no '(': Lance would read only"),
+        ("(label > 3", "has 1 '(' never closed"),
+        ("name = 'a", "the string literal opened by ' at character 8 is never closed"),
+        ("label > 3 /* a", "the comment opened at character 11 is never closed"),
+    ],
+)
+def test_a_filter_lance_would_cut_short_is_refused_wherever_it_is(where: str, predicate: str, expected: str) -> None:
+    message = problems_of(with_filter(where, predicate))
+    path = where.replace("[1]", ".1")  # pydantic's path of a list item
+    assert f"{path}: {expected}" in message
+    assert "fix: " in message.split(f"{path}: ")[1]
+
+
+ACCEPTED_FILTERS = [
+    "label > 3",
+    "name = 'a;b' OR name = 'c)'",
+    "name = 'it''s (x'",
+    "`label` > 3 AND \"name\" <> ';'",
+    "label > 3 -- a comment ) ;",
+    "label > 3 /* ; ) */",
+    "((label > 1) AND (label < 5)) OR label = 9",
+]
+
+
+def test_semicolons_and_parentheses_in_quotes_and_comments_pass_and_lance_reads_them_whole(tmp_path: Path) -> None:
+    import lance
+    import pyarrow as pa
+
+    names = ["a;b", "c)", "it's (x", ";", "e", "f", "g", "h", "i", "j"]
+    dataset = lance.write_dataset(pa.table({"label": list(range(10)), "name": names}), str(tmp_path / "d.lance"))
+    for predicate in ACCEPTED_FILTERS:
+        for where in ("data.filter", "data.mix[1].filter", "infer.filter"):
+            raw = with_filter(where, predicate)
+            if where == "infer.filter":
+                raw["job"] = "infer"
+                raw["infer"] |= {"checkpoint": "/runs/train/checkpoints", "outputs": {"score": "float32"}}
+            validate_spec(raw)
+        # Lance read all of it: the same rows as with a condition after it, which a cut would drop
+        wrapped = f"({predicate}\n) AND label >= 0"
+        assert dataset.count_rows(filter=predicate) == dataset.count_rows(filter=wrapped) > 0, predicate

@@ -24,6 +24,7 @@ from lance_hpc.spec.choices import (
     STYLES,
     UNEVEN_MODES,
 )
+from lance_hpc.spec.predicates import check_predicate
 from lance_hpc.spec.secrets import redacted
 from lance_hpc.storage.options import is_remote
 
@@ -242,6 +243,8 @@ class MixSource(_Section):
             raise ValueError("set version or tag, not both")
         return self
 
+    check_filter = field_validator("filter")(check_predicate)
+
 
 class DataSpec(_Section):
     uri: str = Field(
@@ -348,6 +351,7 @@ class DataSpec(_Section):
     check_val_sampler = field_validator("val_sampler")(_choice(lambda: EVAL_MODES))
     check_uneven = field_validator("uneven")(_choice(lambda: UNEVEN_MODES))
     check_on_corrupt = field_validator("on_corrupt")(_choice(lambda: ON_CORRUPT))
+    check_filter = field_validator("filter")(check_predicate)
 
 
 class TaskSpec(_Section):
@@ -520,6 +524,8 @@ class InferSpec(_Section):
         if bad:
             raise ValueError(f"{', '.join(bad)}: a column name is letters, digits and _, not starting with a digit")
         return outputs
+
+    check_filter = field_validator("filter")(check_predicate)
 
 
 class JobSpec(_Section):
