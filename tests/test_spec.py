@@ -694,3 +694,23 @@ def test_semicolons_and_parentheses_in_quotes_and_comments_pass_and_lance_reads_
         # Lance read all of it: the same rows as with a condition after it, which a cut would drop
         wrapped = f"({predicate}\n) AND label >= 0"
         assert dataset.count_rows(filter=predicate) == dataset.count_rows(filter=wrapped) > 0, predicate
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "expected"),
+    [
+        (1e308, 1e-10, "data.mix: the weights 1e-10 and 1e+308 are more than 2**62 apart"),
+        (1.0, 2.0**-63, "more than 2**62 apart: the lighter source would never be drawn"),
+        (1.0, math.inf, "data.mix.1.weight: must be a finite number"),
+        (1.0, math.nan, "data.mix.1.weight: must be a finite number"),
+        (1.0, 0.0, "data.mix.1.weight: must be > 0"),
+    ],
+)
+def test_mix_weights_that_cannot_be_drawn_in_proportion_are_refused(first: float, second: float, expected: str) -> None:
+    assert expected in problems_of(with_mix({"weight": second}, first_weight=first))
+
+
+@pytest.mark.parametrize(("first", "second"), [(1e308, 1e308), (1e308, 1e308 * 2.0**-62), (5e-324, 5e-324)])
+def test_mix_weights_at_the_float_limits_within_2_62_of_each_other_pass(first: float, second: float) -> None:
+    mix = validate_spec(with_mix({"weight": second}, first_weight=first)).spec.data.mix
+    assert mix is not None and [source.weight for source in mix] == [first, second]
