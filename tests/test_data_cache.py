@@ -6,7 +6,9 @@ version's bytes, and processes sharing one cache download each file once.
 
 On a node shared by several users: each user's files live in a 0700 directory of their own,
 eviction deletes nothing the cache did not write, no symlink is followed, a cached file of the
-wrong size is fetched again, and a lock file that cannot be opened leaves its file uncached."""
+wrong size is fetched again, and a lock file that cannot be opened leaves its file uncached. A
+manifest naming a data file under any name Lance does not write (``../../victim``) never makes the
+cache write outside its root: those rows are read from the store, with one warning."""
 
 import multiprocessing
 import os
@@ -29,6 +31,7 @@ from lance_hpc.storage.cache import NodeCache, open_cache
 from lance_hpc.storage.cache_files import (
     GIB,
     PARTIAL,
+    ROOT_MARKER,
     CachedFile,
     Source,
     cache_root,
@@ -40,6 +43,7 @@ from lance_hpc.storage.cache_files import (
     manifest_names,
     user_directory,
 )
+from lance_hpc.storage.cache_names import OutsideRoot
 from lance_hpc.storage.datasets import ReadStats
 from lance_hpc.storage.files import replaced_atomically
 from lance_hpc.storage.options import storage_options
@@ -171,8 +175,8 @@ def test_a_download_shorter_than_the_manifest_says_is_never_renamed_into_place(t
 def cached_fragments(node, dataset):
     return [
         index
-        for index, fragment in enumerate(dataset.get_fragments())
-        if all((node.root / file.path).exists() for file in fragment_files(fragment))
+        for index, files in enumerate(map(fragment_files, dataset.get_fragments()))
+        if files is not None and all((node.root / file.path).exists() for file in files)
     ]
 
 
@@ -627,3 +631,105 @@ def test_a_lock_file_that_cannot_be_opened_warns_once_and_rows_come_from_the_sto
     assert table.equals(dataset.take(ids, columns=COLUMNS))
     assert stats.cache_hits == sum(len(fragment_rows(dataset, index)) for index in expected)
     node.close()
+
+
+ESCAPING_NAME = "../../../../victim/file"  # from <root>/data/: three levels above the root
+
+
+def craft_escaping_version(uri):
+    """Commit a version of ``uri`` whose first fragment names its data file ``ESCAPING_NAME``, as
+    a dataset's author could: the bytes lie both where Lance reads that name (escaped, inside
+    ``data/``) and where a path joined from it without checking leads, three levels above the
+    dataset. Returns where the latter is."""
+    dataset = lance.dataset(uri)
+    fragments = [fragment.metadata for fragment in dataset.get_fragments()]
+    honest = fragments[0].files[0]
+    data = Path(uri) / "data"
+    escaped = data / ESCAPING_NAME.replace("/", "%2F")  # the name Lance reads
+    joined = Path(os.path.normpath(data / ESCAPING_NAME))  # the name a plain join reaches
+    joined.parent.mkdir(parents=True)
+    for copy in (escaped, joined):
+        copy.write_bytes((data / honest.path).read_bytes())
+    fragments[0].files[0] = lance.fragment.DataFile(
+        ESCAPING_NAME,
+        honest.fields,
+        honest.column_indices,
+        honest.file_major_version,
+        honest.file_minor_version,
+        honest.file_size_bytes,
+    )
+    operation = lance.LanceOperation.Overwrite(dataset.schema, fragments)
+    lance.LanceDataset.commit(uri, operation, read_version=dataset.version)
+    return joined
+
+
+def test_a_manifest_naming_a_data_file_outside_the_dataset_never_makes_the_cache_write_outside(tmp_path, caplog):
+    uri = write_dataset(str(tmp_path / "a" / "b" / "c" / "photos.lance"), [25] * 4)
+    planted = craft_escaping_version(uri)
+    directory = tmp_path / "cache"
+    # where <dir>/lance_hpc-<uid>/<key>/data/ESCAPING_NAME leads: the reading user's ~/.bashrc, say
+    victim = Path(os.path.normpath(directory / "lance_hpc-uid" / "key" / "data" / ESCAPING_NAME))
+    victim.parent.mkdir(parents=True)
+    victim.write_bytes(b"the user's own file\n")
+    outside = [path for path in tmp_path.iterdir() if path != directory]
+    before = snapshot(*outside)
+    plain = train_loader(spec(uri), 0, 1)
+    cached = train_loader(spec(uri, cache=CacheSpec(dir=str(directory), max_gb=1.0)), 0, 1)
+    dataset = lance.dataset(uri)
+    with caplog.at_level("WARNING", logger="lance_hpc.data"):
+        for epoch in range(2):
+            plain.set_epoch(epoch)
+            cached.set_epoch(epoch)
+            labels = [b["label"].tolist() for b in plain]
+            assert [b["label"].tolist() for b in cached] == labels, "rows differ through the cache"
+            drained(open_cache(str(directory), 1.0, uri, dataset.version, {}, lambda: dataset))  # this process's
+    assert victim.read_bytes() == b"the user's own file\n", f"the cache wrote over {victim}"
+    assert snapshot(*outside) == before, "the cache changed files outside its directory"
+    node = open_cache(str(directory), 1.0, uri, dataset.version, {}, lambda: dataset)
+    assert node.files[0] is None and set(cached_fragments(node, dataset)) == {1, 2, 3}
+    rows_of_the_first = len(fragment_rows(dataset, 0))
+    assert cached.stats.cache_misses >= 2 * rows_of_the_first  # read from the store in both epochs
+    warnings = [record.getMessage() for record in caplog.records if ESCAPING_NAME in record.getMessage()]
+    assert len(warnings) == 1 and uri in warnings[0], f"warnings naming the data file: {warnings}"
+    assert planted.exists()
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "data/../../../victim.lance",
+        "data/../data/x.lance",
+        "/etc/victim.lance",
+        "data//x.lance",
+        "data/sub/x.lance",
+        "data/.lance",
+        "data/x.lance/",
+        "data/x.lance\n",
+        "data/ｘ.lance",  # a fullwidth letter: Lance writes only ASCII names
+        "data/x.partial",
+        "_versions/../../1.manifest",
+        "_deletions/1-2-3.arrow/..",
+        ".locks/data%x.lance.fill",
+        "x.lance",
+    ],
+)
+def test_fetch_refuses_a_name_lance_does_not_write(name, tmp_path):
+    root = cache_root(user_directory(tmp_path / "cache"), "key", "uri")
+    store = tmp_path / "store"
+    (store / "data").mkdir(parents=True)
+    with pytest.raises(OutsideRoot):
+        fetch(Source(str(store), {}), root, CachedFile(name))
+    written = [str(path) for path in tmp_path.rglob("*") if path.is_file() and path.name != ROOT_MARKER]
+    assert written == [], f"a refused name still wrote {written}"
+
+
+def test_fetch_refuses_a_directory_of_the_root_that_leads_outside_it(tmp_path):
+    dataset = write(str(tmp_path / "d.lance"))
+    root = cache_root(user_directory(tmp_path / "cache"), "key", dataset.uri)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (root / "data").symlink_to(elsewhere)  # made by hand: the cache never makes one
+    data_file = fragment_files(dataset.get_fragments()[0])[0]
+    with pytest.raises(OutsideRoot, match="resolves outside the cache root"):
+        fetch(Source(dataset.uri, {}), root, data_file)
+    assert list(elsewhere.iterdir()) == []

@@ -111,6 +111,23 @@ def test_new_weights_keep_every_draw_so_far_and_follow_the_new_proportions(sizes
         assert set(counts.values()) <= {whole, whole + 1}
 
 
+@pytest.mark.parametrize(
+    "weights,shares",
+    [
+        ([1e308, 1e308], [0.5, 0.5]),  # their sum is infinite
+        ([1e308, 1e308, 0.5e308], [0.4, 0.4, 0.2]),
+        ([1.7e308, 0.3e308], [0.85, 0.15]),
+        ([5e-324, 5e-324], [0.5, 0.5]),  # the smallest float: subnormal, but the same share
+    ],
+)
+def test_weights_near_the_float_limits_draw_in_their_proportion(weights, shares):
+    schedule = schedule_of([[40]] * len(weights), weights)
+    assert np.allclose(schedule.probs, shares), f"shares of {weights}: {schedule.probs}"
+    ids, drawn = drawn_rows(schedule, [(2, 10, 20)])
+    counts = np.bincount(source_of(ids), minlength=len(weights))
+    assert (np.abs(counts - drawn * np.asarray(shares)) <= len(weights)).all(), f"draws per source: {counts}"
+
+
 # ---- the loader, on real datasets ----------------------------------------------------------------
 
 
@@ -166,6 +183,14 @@ def test_a_mix_resumed_on_another_world_size_with_new_weights_reads_each_source_
         assert set(counts[source].values()) <= {whole, whole + 1}, source
     figures = resumed[0].source_figures()
     assert figures["data/mix/0_small/rows"] + figures["data/mix/1_big/rows"] == len(drawn)
+
+
+def test_a_mix_of_weights_whose_sum_overflows_reads_both_sources_through_the_loader(two_sources):
+    small, big = two_sources
+    loader = train_loader(mix_spec([(small, {}), (big, {})], [1e308, 1e308]), 0, 1)
+    drawn = np.concatenate(read(loader, 0))
+    counts = np.bincount(source_of(drawn), minlength=2)
+    assert abs(int(counts[0]) - int(counts[1])) <= 2, f"rows of each source: {counts.tolist()}"
 
 
 def test_a_mix_checkpoint_resumes_only_with_its_sources(two_sources, tmp_path):

@@ -623,3 +623,94 @@ def test_the_sampler_defaults_to_block_on_object_storage_and_a_chosen_one_is_kep
     assert DataSpec(uri="/data/train.lance").sampler == "distributed"
     assert DataSpec(uri="s3://bucket/train.lance", sampler="distributed").sampler == "distributed"
     assert DataSpec(mix=[{"uri": "s3://bucket/a.lance", "weight": 1}]).sampler == "block"  # the first source's store
+
+
+# ---- hostile values: storage options of a mix, filters Lance would cut, weights ------------------
+
+
+def with_mix(second: dict[str, Any], first_weight: float = 1.0) -> dict[str, Any]:
+    """A spec whose data is a mix of two sources, the second with ``second``'s fields."""
+    return {"name": "job", "data": {"mix": [{"uri": "/d/a.lance", "weight": first_weight}, {"uri": "/d/b.lance", **second}]}}
+
+
+def test_credentials_in_a_mix_sources_storage_options_are_refused() -> None:
+    raw = with_mix({"weight": 1, "storage_options": {"region": "eu-west-1", "aws_secret_access_key": "s3cr3t"}})
+    message = problems_of(raw)
+    assert "data.mix[1].storage_options.aws_secret_access_key: credentials must not be written in the spec" in message
+    assert "AWS_SECRET_ACCESS_KEY" in message.split("fix:")[1]
+    assert "region" not in message
+
+
+def with_filter(where: str, predicate: str) -> dict[str, Any]:
+    if where == "data.mix[1].filter":
+        return with_mix({"weight": 1, "filter": predicate})
+    if where == "infer.filter":
+        return with_fields(infer={"filter": predicate})
+    return with_fields(data={"filter": predicate})
+
+
+@pytest.mark.parametrize("where", ["data.filter", "data.mix[1].filter", "infer.filter"])
+@pytest.mark.parametrize(
+    ("predicate", "expected"),
+    [
+        ("label > 3; label < 2", "has ';' at character 10: Lance would read only what comes before it, silently"),
+        ("label > 3) OR (label < 1", "the ')' at character 10 closes no '(': Lance would read only"),
+        ("(label > 3", "has 1 '(' never closed"),
+        ("name = 'a", "the string literal opened by ' at character 8 is never closed"),
+        ("label > 3 /* a", "the comment opened at character 11 is never closed"),
+    ],
+)
+def test_a_filter_lance_would_cut_short_is_refused_wherever_it_is(where: str, predicate: str, expected: str) -> None:
+    message = problems_of(with_filter(where, predicate))
+    path = where.replace("[1]", ".1")  # pydantic's path of a list item
+    assert f"{path}: {expected}" in message
+    assert "fix: " in message.split(f"{path}: ")[1]
+
+
+ACCEPTED_FILTERS = [
+    "label > 3",
+    "name = 'a;b' OR name = 'c)'",
+    "name = 'it''s (x'",
+    "`label` > 3 AND \"name\" <> ';'",
+    "label > 3 -- a comment ) ;",
+    "label > 3 /* ; ) */",
+    "((label > 1) AND (label < 5)) OR label = 9",
+]
+
+
+def test_semicolons_and_parentheses_in_quotes_and_comments_pass_and_lance_reads_them_whole(tmp_path: Path) -> None:
+    import lance
+    import pyarrow as pa
+
+    names = ["a;b", "c)", "it's (x", ";", "e", "f", "g", "h", "i", "j"]
+    dataset = lance.write_dataset(pa.table({"label": list(range(10)), "name": names}), str(tmp_path / "d.lance"))
+    for predicate in ACCEPTED_FILTERS:
+        for where in ("data.filter", "data.mix[1].filter", "infer.filter"):
+            raw = with_filter(where, predicate)
+            if where == "infer.filter":
+                raw["job"] = "infer"
+                raw["infer"] |= {"checkpoint": "/runs/train/checkpoints", "outputs": {"score": "float32"}}
+            validate_spec(raw)
+        # Lance read all of it: the same rows as with a condition after it, which a cut would drop
+        wrapped = f"({predicate}\n) AND label >= 0"
+        assert dataset.count_rows(filter=predicate) == dataset.count_rows(filter=wrapped) > 0, predicate
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "expected"),
+    [
+        (1e308, 1e-10, "data.mix: the weights 1e-10 and 1e+308 are more than 2**62 apart"),
+        (1.0, 2.0**-63, "more than 2**62 apart: the lighter source would never be drawn"),
+        (1.0, math.inf, "data.mix.1.weight: must be a finite number"),
+        (1.0, math.nan, "data.mix.1.weight: must be a finite number"),
+        (1.0, 0.0, "data.mix.1.weight: must be > 0"),
+    ],
+)
+def test_mix_weights_that_cannot_be_drawn_in_proportion_are_refused(first: float, second: float, expected: str) -> None:
+    assert expected in problems_of(with_mix({"weight": second}, first_weight=first))
+
+
+@pytest.mark.parametrize(("first", "second"), [(1e308, 1e308), (1e308, 1e308 * 2.0**-62), (5e-324, 5e-324)])
+def test_mix_weights_at_the_float_limits_within_2_62_of_each_other_pass(first: float, second: float) -> None:
+    mix = validate_spec(with_mix({"weight": second}, first_weight=first)).spec.data.mix
+    assert mix is not None and [source.weight for source in mix] == [first, second]

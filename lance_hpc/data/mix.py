@@ -53,8 +53,14 @@ def offset_of(row_ids: np.ndarray) -> np.ndarray:
 
 
 def probabilities(weights: Sequence[float]) -> np.ndarray:
+    """Each source's share of the draws. Divided by the largest weight before they are summed:
+    the sum of weights near the float maximum (1e308) is infinite, every share 0, and then every
+    draw came from the first source."""
     values = np.asarray(weights, dtype=np.float64)
-    return values / values.sum()
+    if not (np.isfinite(values).all() and (values > 0).all()):
+        raise ValueError(f"a mix's weights must be finite and positive, got {list(weights)}")
+    scaled = values / values.max()
+    return scaled / scaled.sum()
 
 
 def draw_counts(n: int, probs: np.ndarray) -> np.ndarray:

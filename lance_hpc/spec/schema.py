@@ -24,9 +24,13 @@ from lance_hpc.spec.choices import (
     STYLES,
     UNEVEN_MODES,
 )
+from lance_hpc.spec.predicates import check_predicate
 from lance_hpc.spec.secrets import redacted
 from lance_hpc.storage.options import is_remote
 
+# The largest weight of a mix over its smallest: a source below 2**-62 of the largest would not be
+# drawn once in the largest epoch (mix_epoch_rows <= 2**62), and its share would underflow.
+MAX_WEIGHT_RATIO = 2.0**62
 # Bounds of every count and seed: what SLURM's and numpy's 32-bit fields hold. Past them a value
 # passes validation and then fails on every rank (numpy refuses a seed of -1 or 2**32).
 MAX_INT = 2**31 - 1
@@ -242,6 +246,8 @@ class MixSource(_Section):
             raise ValueError("set version or tag, not both")
         return self
 
+    check_filter = field_validator("filter")(check_predicate)
+
 
 class DataSpec(_Section):
     uri: str = Field(
@@ -348,6 +354,18 @@ class DataSpec(_Section):
     check_val_sampler = field_validator("val_sampler")(_choice(lambda: EVAL_MODES))
     check_uneven = field_validator("uneven")(_choice(lambda: UNEVEN_MODES))
     check_on_corrupt = field_validator("on_corrupt")(_choice(lambda: ON_CORRUPT))
+    check_filter = field_validator("filter")(check_predicate)
+
+    @field_validator("mix")
+    @classmethod
+    def check_weights(cls, mix: list[MixSource] | None) -> list[MixSource] | None:
+        weights = [source.weight for source in mix or ()]
+        if weights and max(weights) > MAX_WEIGHT_RATIO * min(weights):
+            raise ValueError(
+                f"the weights {min(weights):g} and {max(weights):g} are more than 2**62 apart: the lighter source "
+                "would never be drawn\n  fix: remove that source, or give the weights as shares of a few units (0.9, 0.1)"
+            )
+        return mix
 
 
 class TaskSpec(_Section):
@@ -520,6 +538,8 @@ class InferSpec(_Section):
         if bad:
             raise ValueError(f"{', '.join(bad)}: a column name is letters, digits and _, not starting with a digit")
         return outputs
+
+    check_filter = field_validator("filter")(check_predicate)
 
 
 class JobSpec(_Section):

@@ -1,10 +1,11 @@
 """Credentials never belong in a spec: the spec is copied into the job's files, its script, its
 checkpoints and TensorBoard's hparams, where anyone who can read those can read it.
 
-:func:`secret_problems` refuses, at validation, credential-looking ``data.storage_options`` keys
-(AWS, Azure and GCS keys alike), ``slurm.setup`` lines and ``slurm.extra_flags`` that assign a
-credential a literal value, and values that look like a credential wherever they are (an AWS key
-id, a PEM private key, an Azure SAS signature, a password in a URL). Each problem names the
+:func:`secret_problems` refuses, at validation, credential-looking keys of every
+``storage_options`` mapping (``data``'s and each ``data.mix`` source's; AWS, Azure and GCS keys
+alike), ``slurm.setup`` lines and ``slurm.extra_flags`` that assign a credential a literal value,
+and values that look like a credential wherever they are (an AWS key id, a PEM private key, an
+Azure SAS signature, a password in a URL). Each problem names the
 environment variable or credential file to use instead. :func:`redacted` is the second line: the
 copies of a spec that leave it go through it, so a credential-looking key's text is replaced by
 :data:`REDACTED` anywhere in the tree.
@@ -96,15 +97,13 @@ def credential_fix(key: str) -> str:
 def secret_problems(raw: Mapping[str, Any]) -> list[Problem]:
     """Every credential written into the spec ``raw``, each with where it should live instead."""
     problems = []
-    data = section_of(raw, "data")
     slurm = section_of(raw, "slurm")
-    options = data.get("storage_options")
-    if isinstance(options, dict):
+    for where, options in _storage_options(raw):
         for key in options:
             if is_credential_key(str(key)):
                 problems.append(
                     Problem(
-                        f"data.storage_options.{key}",
+                        f"{where}.{key}",
                         "credentials must not be written in the spec (it is copied into the job's files, script and checkpoints)",
                         credential_fix(str(key)),
                     )
@@ -202,6 +201,21 @@ def _is_literal(value: str) -> bool:
         return len(value) > 2
     unquoted = value.strip('"')
     return bool(unquoted) and not unquoted.startswith(("$", "`", "-"))
+
+
+def _storage_options(tree: Any, path: str = "") -> Iterator[tuple[str, Mapping[str, Any]]]:
+    """(YAML path, mapping) of every ``storage_options`` mapping in ``tree``: data's, each mix
+    source's (``data.mix[1].storage_options``), and any a section gains later."""
+    if isinstance(tree, Mapping):
+        for key, value in tree.items():
+            where = f"{path}.{key}" if path else str(key)
+            if key == "storage_options" and isinstance(value, Mapping):
+                yield where, value
+            else:
+                yield from _storage_options(value, where)
+    elif isinstance(tree, list):
+        for index, item in enumerate(tree):
+            yield from _storage_options(item, f"{path}[{index}]")
 
 
 def _strings(tree: Any, path: str = "") -> Iterator[tuple[str, str]]:

@@ -26,23 +26,22 @@ import pyarrow as pa
 from lance_hpc.errors import UserError
 from lance_hpc.storage.cache_files import (
     GIB,
-    MANIFEST_DIR,
     CachedFile,
     FileLock,
     Source,
-    UnusableLock,
     cache_root,
     dataset_key,
     evict,
     fetch,
     fragment_files,
     is_whole,
-    lock_path,
     manifest_names,
+    own_files,
     touch,
     user_directory,
     warn_once,
 )
+from lance_hpc.storage.cache_names import MANIFEST_DIR, Uncacheable, is_cached_name, lock_path
 from lance_hpc.storage.datasets import Dataset, ReadStats
 
 log = logging.getLogger("lance_hpc.data")
@@ -88,6 +87,7 @@ class NodeCache:
         self.source = Source(uri, options)
         fragments = dataset.get_fragments()
         self.files = [fragment_files(fragment) for fragment in fragments]
+        self._warn_of_foreign_names(uri, fragments)
         rows = [int(f.metadata.num_rows if f.metadata.num_rows is not None else f.count_rows()) for f in fragments]
         self.starts = np.concatenate([[0], np.cumsum(rows, dtype=np.int64)[:-1]]).astype(np.int64)
         self.ids = [fragment.fragment_id for fragment in fragments]
@@ -109,6 +109,29 @@ class NodeCache:
         self.filler: threading.Thread | None = None
         self.in_use = FileLock(Path(), shared=True)
         self.local = self._open_local()
+
+    def _warn_of_foreign_names(self, uri: str, fragments: list[Any]) -> None:
+        """One warning when the manifest names files under names Lance never writes (a manifest
+        written by hand, perhaps to make the cache write outside its directory): their fragments
+        are read from the store, uncached."""
+        foreign = [
+            (fragment.fragment_id, file.path)
+            for fragment, files in zip(fragments, self.files)
+            if files is None
+            for file in own_files(fragment) or ()
+            if not is_cached_name(file.path)
+        ]
+        if foreign:
+            warn_once(
+                f"foreign names of {uri} at {self.version}",
+                "node cache: in version %d of %s, %d of the fragments name files under names Lance never "
+                "writes (fragment %d: %r); the cache keeps only Lance's own names inside its directory, so these "
+                "fragments are read from the store, uncached",
+                self.version,
+                uri,
+                len({fragment for fragment, _ in foreign}),
+                *foreign[0],
+            )
 
     def _open_local(self) -> Any:
         """The cache root opened at this version: its manifest fetched (or checked against the
@@ -135,7 +158,7 @@ class NodeCache:
                     "node cache: %s holds another dataset's version %d; fetching its manifest again", self.root, self.version
                 )
                 (self.root / name).unlink(missing_ok=True)
-        except UnusableLock as error:
+        except Uncacheable as error:
             warn_once(
                 error.filename,
                 "node cache: reading version %d of %s from the store, uncached: %s",
@@ -291,7 +314,7 @@ class NodeCache:
             with self.lock:
                 self.failed[index] = time.monotonic()
             what = "the deletion files" if index == DELETIONS else f"fragment {self.ids[index]}"
-            if isinstance(error, UnusableLock):
+            if isinstance(error, Uncacheable):
                 warn_once(error.filename, "node cache: reading %s of %s from the store, uncached: %s", what, self.root, error)
                 return
             log.warning(

@@ -12,7 +12,8 @@ symlink, another user's, or open to others. Inside, a dataset root exists only w
 the cache wrote into it (the root is renamed into place with it), and eviction deletes only files
 of a marked root under the names the cache writes, never following a symlink: nothing else in
 ``<dir>`` is ever touched. Files are created 0600, temporary files exclusively, and no file is
-created or opened through a symlink.
+created or opened through a symlink. A file is mirrored only under a name Lance writes, inside its
+root (:mod:`lance_hpc.storage.cache_names`): the manifest's author chooses the names.
 
 - one process fetches a file: it holds an ``fcntl`` lock on the file's lock file under ``.locks/``
   while it downloads; the others find the lock taken and read from the store meanwhile (as does
@@ -31,6 +32,7 @@ created or opened through a symlink.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import logging
@@ -47,6 +49,18 @@ from typing import Any, Iterator, Mapping
 from pyarrow import fs
 
 from lance_hpc.errors import UserError
+from lance_hpc.storage.cache_names import (
+    CACHED_DIRS,
+    CACHED_NAMES,
+    MANIFEST_DIR,
+    PARTIAL,
+    PARTIAL_NAME,
+    OutsideRoot,
+    Uncacheable,
+    inside,
+    is_cached_name,
+    lock_path,
+)
 from lance_hpc.storage.checkpoint_store import filesystem_arguments
 from lance_hpc.storage.files import replaced_atomically
 
@@ -55,26 +69,6 @@ _warned: set[str] = set()  # warn_once keys already warned of
 
 
 CHUNK_BYTES = 16 * 2**20  # one ranged GET per chunk; the memory a fetch holds
-
-
-PARTIAL = ".partial"
-
-
-MANIFEST_DIR = "_versions"
-
-
-CACHED_DIRS = ("data", "_deletions", MANIFEST_DIR)
-
-
-# The names the cache writes under each of CACHED_DIRS (Lance's names): eviction deletes nothing else
-CACHED_NAMES = {
-    "data": re.compile(r"[\w-]+\.lance"),
-    "_deletions": re.compile(r"\d+-\d+-\d+\.(?:arrow|bin)"),
-    MANIFEST_DIR: re.compile(r"\d+\.manifest"),
-}
-
-
-PARTIAL_NAME = re.compile(rf"(?P<final>.+)\.\d+-\d+{re.escape(PARTIAL)}")  # <name>.<pid>-<thread>.partial
 
 
 ROOT_MARKER = ".lance_hpc-cache-root"
@@ -109,8 +103,15 @@ def manifest_names(version: int) -> tuple[str, str]:
 
 
 def fragment_files(fragment: Any) -> tuple[CachedFile, ...] | None:
-    """The files a fragment's rows are read from, or None when one lives under another base path
-    (the cache only mirrors the dataset's own root)."""
+    """The files a fragment's rows are read from, or None when the cache keeps not all of them (see
+    :func:`own_files`, and :func:`.cache_names.is_cached_name`): its rows are read from the store."""
+    files = own_files(fragment)
+    return files if files is not None and all(is_cached_name(file.path) for file in files) else None
+
+
+def own_files(fragment: Any) -> tuple[CachedFile, ...] | None:
+    """The files a fragment's rows are read from, as its manifest names them, or None when one
+    lives under another base path (the cache only mirrors the dataset's own root)."""
     metadata = fragment.metadata
     files = []
     for data_file in metadata.files:
@@ -150,7 +151,7 @@ class Source:
                 yield chunk
 
 
-class UnusableLock(OSError):
+class UnusableLock(Uncacheable):
     """A lock file the cache cannot open (a symlink, a directory, not writable): the file it guards
     is left uncached, and the rows read from the store."""
 
@@ -191,10 +192,6 @@ class FileLock:
             self.handle = None
 
 
-def lock_path(root: Path, path: str, kind: str) -> Path:
-    return root / ".locks" / f"{path.replace('/', '%')}.{kind}"
-
-
 def is_whole(path: Path, size: int | None) -> bool:
     """Whether ``path`` is a regular file (not a symlink) of ``size`` bytes (any size where None)."""
     try:
@@ -207,8 +204,11 @@ def is_whole(path: Path, size: int | None) -> bool:
 def fetch(source: Source, root: Path, file: CachedFile, wait: bool = False) -> int | None:
     """Copy ``file`` into ``root`` atomically unless it is there whole: the bytes downloaded, 0 if
     it was there, None if another process holds its lock (and ``wait`` is false). Raises
-    :class:`UnusableLock` when its lock file cannot be opened."""
-    final = root / file.path
+    :class:`UnusableLock` when its lock file cannot be opened, :class:`OutsideRoot` when its name
+    is not one Lance writes or leads outside ``root``."""
+    if not is_cached_name(file.path):
+        raise OutsideRoot(errno.EINVAL, "not a name Lance writes: the cache mirrors no other", file.path)
+    final = inside(root, file.path)
     if is_whole(final, file.size):
         return 0
     lock = FileLock(lock_path(root, file.path, "fill"), wait=wait)
