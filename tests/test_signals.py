@@ -1,14 +1,107 @@
-"""The watchdog signals a DataLoader worker only while the process its pid file names (pid and
+"""USR1 (a profiler trace, ``scancel --signal=USR1``) never ends a job: training takes it as a
+profile request, every other kind says once that it ignores it, and the DataLoader workers ignore
+it too. The watchdog signals a DataLoader worker only while the process its pid file names (pid and
 start time) still runs, and forgets the pid files an earlier attempt left."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Iterator
 
+import pytest
+import torch
+import yaml
+
+from lance_hpc.runtime import preemption
+from lance_hpc.runtime.preemption import PROFILE_SIGNAL, hold, ignore_profile_requests
+from lance_hpc.runtime.profile import StepProfiler
 from lance_hpc.runtime.watchdog import WORKER_DUMP_SIGNAL, Progress, Watchdog, start_time
+from lance_hpc.spec import load_spec
+from tests.support.jobs import BASE_SPEC, write_spec
+from tests.support.ranks import launch, rank_pid, read_until
+
+IGNORED = "USR1 ignored"
+_announced = False
+
+
+def slow_twice(model: None, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Twice each row's label, a third of a second per batch; says when its rank reads its first
+    batch, so that the test can signal the job while it runs."""
+    global _announced
+    if not _announced:
+        _announced = True
+        print(f"rank {os.environ.get('RANK')} reads its rows", flush=True)
+    time.sleep(0.3)
+    return {"twice": batch["label"] * 2}
+
+
+@pytest.fixture
+def usr1_restored() -> Iterator[None]:
+    """This process's USR1 handler and held signals as they were before the test."""
+    previous, held = signal.getsignal(PROFILE_SIGNAL), list(preemption.received)
+    yield
+    signal.signal(PROFILE_SIGNAL, previous)
+    preemption.received[:] = held
+
+
+@pytest.mark.parametrize("kind", ["ingest", "infer", "evaluate"])
+def test_a_job_kind_without_steps_to_profile_survives_usr1_and_says_so_on_rank_0(kind: str, usr1_restored, capfd) -> None:
+    hold()  # as python -m lance_hpc.run does on its first line
+    signal.raise_signal(PROFILE_SIGNAL)  # while the rank still starts
+    ignore_profile_requests(kind, 0)
+    signal.raise_signal(PROFILE_SIGNAL)  # while the kind runs
+    said = capfd.readouterr().err
+    assert said.count(IGNORED) == 2 and f"job: {kind}" in said, said
+    ignore_profile_requests(kind, 1)
+    signal.raise_signal(PROFILE_SIGNAL)
+    assert IGNORED not in capfd.readouterr().err  # one line for the job: rank 0's
+
+
+def test_usr1_held_while_a_training_rank_starts_becomes_its_profile_request(tmp_path: Path, digits, usr1_restored) -> None:
+    hold()
+    signal.raise_signal(PROFILE_SIGNAL)
+    profiler = StepProfiler(load_spec(write_spec(tmp_path, digits)).spec, 0, torch.device("cpu"))
+    profiler.listen()
+    assert profiler.requested, "a USR1 that came before the profiler listened was lost"
+
+
+@pytest.mark.slow
+def test_a_local_infer_job_signalled_usr1_in_every_process_mid_run_completes(tmp_path: Path, digits) -> None:
+    uri = tmp_path / "val.lance"
+    shutil.copytree(digits.val, uri)
+    raw = {
+        "name": "usr1_infer",
+        "job": "infer",
+        "slurm": {"tasks_per_node": 2, "log_dir": str(tmp_path / "logs")},
+        "data": {"uri": str(uri), "batch_size": 16, "num_workers": 1},  # a DataLoader worker to signal too
+        "task": BASE_SPEC["task"],
+        "checkpoint": {"dir": str(tmp_path / "checkpoints")},
+        "logging": {"tensorboard_dir": str(tmp_path / "runs"), "progress": False},
+        "infer": {"function": "tests.test_signals:slow_twice", "outputs": {"twice": "int64"}},
+    }
+    spec = tmp_path / "infer.yaml"
+    spec.write_text(yaml.safe_dump(raw, sort_keys=False))
+    launcher = launch(spec)
+    try:
+        output = read_until(launcher, "rank 0 reads its rows")
+        # as scancel --signal=USR1 does: every process of the job, the ranks' workers too (each
+        # local rank leads its own process group, which holds its worker server and workers)
+        for rank in (0, 1):
+            os.killpg(rank_pid(launcher, rank), PROFILE_SIGNAL)
+        output += launcher.communicate(timeout=300)[0]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate(timeout=60)
+    assert launcher.returncode == 0, output
+    assert output.count(IGNORED) == 1 and "job: infer" in output, output
+    assert "committed:" in output, output
 
 
 def sleeper() -> subprocess.Popen:
