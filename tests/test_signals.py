@@ -89,6 +89,7 @@ def test_a_local_infer_job_signalled_usr1_in_every_process_mid_run_completes(tmp
     spec.write_text(yaml.safe_dump(raw, sort_keys=False))
     launcher = launch(spec)
     try:
+        os.kill(first_handler(launcher, 0), PROFILE_SIGNAL)  # while rank 0 still starts (imports torch)
         output = read_until(launcher, "rank 0 reads its rows")
         # as scancel --signal=USR1 does: every process of the job, the ranks' workers too (each
         # local rank leads its own process group, which holds its worker server and workers)
@@ -100,8 +101,28 @@ def test_a_local_infer_job_signalled_usr1_in_every_process_mid_run_completes(tmp
             launcher.kill()
             launcher.communicate(timeout=60)
     assert launcher.returncode == 0, output
-    assert output.count(IGNORED) == 1 and "job: infer" in output, output
+    assert output.count(IGNORED) == 2 and "job: infer" in output, output  # rank 0's, held and mid-run
     assert "committed:" in output, output
+
+
+def first_handler(launcher: subprocess.Popen, rank: int, timeout_s: float = 60) -> int:
+    """The pid of local rank ``rank`` once it has a handler for USR1 (its /proc SigCgt mask shows
+    it), which must be before it loads torch: it holds USR1 from its first line."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            pid = rank_pid(launcher, rank)
+            caught = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("SigCgt:"))
+            loaded = "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+        except (AssertionError, OSError):
+            time.sleep(0.01)
+            continue
+        held = bool(int(caught.split()[1], 16) >> (PROFILE_SIGNAL - 1) & 1)
+        assert held or not loaded, f"rank {rank} loaded torch before it held USR1"
+        if held:
+            return pid
+        time.sleep(0.005)
+    raise AssertionError(f"rank {rank} never caught USR1 within {timeout_s} s")
 
 
 def sleeper() -> subprocess.Popen:
