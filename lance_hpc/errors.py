@@ -61,16 +61,16 @@ def note_failure(rank: int, message: str, lost_contact: bool, directory: str | N
     import os
     import socket
     import time
+    from pathlib import Path
+
+    from lance_hpc.storage.files import write_file
 
     folder = directory or os.environ.get(FAILURE_DIR_VARIABLE)
     if not folder:
         return
     note = {"rank": rank, "host": socket.gethostname(), "time": time.time(), "lost_contact": lost_contact, "message": message}
-    path = os.path.join(folder, f"rank-{rank}.json")
     try:
-        with open(f"{path}.tmp", "w") as file:
-            json.dump(note, file)
-        os.replace(f"{path}.tmp", path)
+        write_file(Path(folder) / f"rank-{rank}.json", json.dumps(note))
     except OSError:
         pass  # the launcher then names a rank by exit codes alone
 

@@ -23,11 +23,13 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Protocol
 
 from lance_hpc.bench.configs import Measurement, Result
 from lance_hpc.bench.pipeline import batch_images, lance_hpc_loader
 from lance_hpc.bench.resources import ResourceSampler, command_line, descendants
+from lance_hpc.storage.files import write_file
 
 # Bytes from each end of an image that go into its fingerprint (1.5 rows of a 224 px image): enough
 # to tell crops apart, and cheap for the consumer, which reads two pages of each image, not all.
@@ -315,9 +317,7 @@ def main(argv: list[str] | None = None, pipelines: Pipelines | None = None) -> i
             error=traceback.format_exc(limit=3),
         )
         status = 1
-    with open(config.result_path + ".tmp", "w") as handle:
-        json.dump(asdict(result), handle)
-    os.replace(config.result_path + ".tmp", config.result_path)
+    write_file(Path(config.result_path), json.dumps(asdict(result)))
     return status
 
 

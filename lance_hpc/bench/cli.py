@@ -23,6 +23,7 @@ from lance_hpc.bench import report
 from lance_hpc.bench.configs import Measurement
 from lance_hpc.bench.runner import run_rounds
 from lance_hpc.errors import UserError
+from lance_hpc.storage.files import write_file
 
 if TYPE_CHECKING:
     from lance_hpc.spec import JobSpec
@@ -141,6 +142,8 @@ def tune(args: argparse.Namespace) -> int:
     spec = load_spec(args.job, overrides=args.overrides).spec
     image = image_options(spec, args.job)
     data = spec.data
+    if args.write:  # an alias or anchor it could not write is refused now, not after the measurements
+        set_block_keys(Path(args.job).read_text(), "data", {name: int(getattr(data, name)) for name in TUNED}, args.job)
     ensure_dataset(data)
     cores = len(os.sched_getaffinity(0))
     cap = max(1, min(cores, spec.slurm.cpus_per_task))
@@ -203,13 +206,28 @@ def tune(args: argparse.Namespace) -> int:
     if not args.write:
         print(f"apply it: lance-hpc submit {args.job} {flags}  (or bench again with --write to put it in {args.job})")
         return 0
-    text = Path(args.job).read_text()
-    updated = set_block_keys(text, "data", choice)
+    return write_choice(args.job, choice, flags)
+
+
+def write_choice(job: str, choice: dict[str, int], flags: str) -> int:
+    """Put ``choice`` into the data section of the spec file ``job``, keeping its comments: the file
+    is replaced whole (temporary file, fsync, rename, its mode kept), so a full disk or a crash
+    leaves the spec as it was. A value that is an alias or an anchor is refused (UserError)."""
+    from lance_hpc.spec.yaml_text import set_block_keys
+
+    path = Path(os.path.realpath(job))  # a link to the spec: the file it names is the one to change
+    updated = set_block_keys(path.read_text(), "data", choice, job)
     if updated is None:
-        print(f"{args.job}: its data section is not a block mapping, so it was left as it is; apply it with: {flags}")
+        print(f"{job}: its data section is not a block mapping, so it was left as it is; apply it with: {flags}")
         return 0
-    Path(args.job).write_text(updated)
-    print(f"wrote {', '.join(f'data.{k}: {v}' for k, v in choice.items())} into {args.job} (its comments kept)")
+    try:
+        write_file(path, updated)
+    except OSError as error:
+        raise UserError(
+            f"could not write {job}: {error.strerror or error}; it was left as it is\n"
+            f"  fix: free space (or quota) there and tune again, or apply the choice: lance-hpc submit {job} {flags}"
+        ) from None
+    print(f"wrote {', '.join(f'data.{k}: {v}' for k, v in choice.items())} into {job} (its comments kept)")
     return 0
 
 

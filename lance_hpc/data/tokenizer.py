@@ -30,6 +30,7 @@ from lance_hpc.data.shards import (
     text_batches,
 )
 from lance_hpc.errors import ExitCode, UserError
+from lance_hpc.storage.files import write_file
 
 # End-of-document tokens, in the order one is looked for in a loaded vocabulary.
 EOD_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<eod>", "[SEP]")
@@ -111,9 +112,7 @@ def train(
     started = time.monotonic()
     tokenizer.train_from_iterator(documents(source, val_fraction), trainer=trainer, length=count)
     out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(f".{out.name}.partial")
-    tokenizer.save(str(partial))
-    partial.rename(out)
+    write_file(out, tokenizer.to_str(pretty=True))
     sample = "".join(text for _, text in zip(range(50), documents(source, val_fraction)))
     tokens = len(tokenizer.encode(sample).ids) if sample else 0
     return {

@@ -2,8 +2,9 @@
 work (an ingest's shard, an inference's fragment), in a run's folder beside the dataset, plus a few
 named files (the version an inference pinned, the commit).
 
-Every file is written whole or not at all: one PUT on an object store; locally a temporary file
-renamed into place. A rerun reads what is there and does only the units without a record.
+Every file is written whole or not at all: one PUT on an object store; locally a temporary file,
+fsynced and renamed into place (:func:`lance_hpc.storage.files.write_file`). A rerun reads what is
+there and does only the units without a record.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import os
 import time
 import uuid
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any, Callable, Generic, Mapping, TypeVar
 
 import pyarrow.fs as pafs
 
 from lance_hpc.data.target import filesystem
+from lance_hpc.storage.files import write_file
 
 Record = TypeVar("Record")
 
@@ -44,6 +47,9 @@ class UnitRecords(Generic[Record]):
     def write_json(self, name: str, payload: Any) -> None:
         self.store.create_dir(self.path, recursive=True)
         final = f"{self.path}/{name}"
+        if isinstance(self.store, pafs.LocalFileSystem):  # fsynced too: a record outlives a crash of the node
+            write_file(Path(final), json.dumps(payload))
+            return
         partial = f"{final}.{os.getpid()}-{uuid.uuid4().hex[:8]}.partial"
         with self.store.open_output_stream(partial) as handle:
             handle.write(json.dumps(payload).encode())

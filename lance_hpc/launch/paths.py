@@ -13,14 +13,15 @@ written 0600 (:func:`write_private`), and a directory lance_hpc creates for them
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from lance_hpc.spec import JobSpec
 from lance_hpc.spec.load import check_owned
+from lance_hpc.storage.files import write_file
 
 PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
 # In a sweep's run spec path, where the array task id goes.
 ARRAY_INDEX = "{index}"
 
@@ -70,9 +71,9 @@ def make_private_dirs(directory: Path) -> None:
 def write_private(path: Path, text: str) -> None:
     """Replace ``path`` by a file holding ``text``, readable and writable by its owner alone (0600).
 
-    The text is written to a fresh temporary file (mkstemp: 0600, never an existing file or link)
-    and renamed over ``path``: a link planted there is replaced, not followed, and an earlier
-    file's mode does not carry over. Another user's file there is refused: in a shared log
+    The text is written to a fresh temporary file (0600, an unguessable name, never an existing
+    file or link), fsynced and renamed over ``path``: a link planted there is replaced, not
+    followed, and an earlier file's mode does not carry over. Another user's file there is refused: in a shared log
     directory it is their job's spec or script, and their requeued job would run ours.
     """
     try:
@@ -84,11 +85,4 @@ def write_private(path: Path, text: str) -> None:
         )
     except FileNotFoundError:
         pass
-    descriptor, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(descriptor, "w") as file:
-            file.write(text)
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
+    write_file(path, text, mode=PRIVATE_FILE_MODE)

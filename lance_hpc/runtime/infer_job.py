@@ -37,6 +37,7 @@ from lance_hpc.runtime.metrics import build_logger
 from lance_hpc.runtime.preemption import Preemption, Requeue, after_preemption
 from lance_hpc.spec import JobSpec
 from lance_hpc.storage.datasets import open_dataset
+from lance_hpc.storage.files import write_file
 from lance_hpc.storage.options import storage_options
 from lance_hpc.tasks import ROW_ID, Task
 from lance_hpc.tasks.base import Batch
@@ -272,7 +273,7 @@ def _report(spec: JobSpec, task: Task, plan: ColumnPlan, finished: dict[int, Fra
         "rows": sum(record.rows for record in finished.values()),
         "metrics": metrics,
     }
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+    write_file(path, json.dumps(payload, indent=2) + "\n")
     values = ", ".join(f"{tag.split('/', 1)[1]} {value:.4f}" for tag, value in metrics.items())
     print(f"evaluation of {spec.infer.checkpoint} on {spec.data.uri} version {plan.version}: {values}; wrote {path}", flush=True)
     return metrics

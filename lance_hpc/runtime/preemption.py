@@ -2,8 +2,10 @@
 
 - SLURM sends USR2 ``signal_delay_s`` before the time limit (submitit uses the same signal); scancel
   and a preemption that SLURM requeues itself send SIGTERM; Ctrl-C on a local run sends SIGINT.
-- ``python -m lance_hpc.run`` holds USR2 from its first line (:func:`hold`: this module imports
-  nothing heavy), since its default action would kill a rank that is still importing torch.
+- ``python -m lance_hpc.run`` holds USR2 and USR1 from its first line (:func:`hold`: this module
+  imports nothing heavy), since their default action would kill a rank that is still importing
+  torch. USR1 asks for a profiler trace: a training job's profiler takes it over, every other job
+  kind says, on rank 0, that it ignores it (:func:`ignore_profile_requests`).
 - :class:`Preemption` takes over what was held and only remembers the signal; the ranks agree on it
   at a step boundary (:meth:`Preemption.agreed`), save, and stop together.
 - Rank 0 then decides (:func:`after_preemption`): only USR2 asks for a requeue, done with ``scontrol
@@ -13,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -42,13 +45,14 @@ PROFILE_SIGNAL = signal.SIGUSR1
 REQUEUE_REQUEST_VARIABLE = "LANCE_HPC_REQUEUE_REQUEST"
 # The shell function that acts on that request; a site template must include requeue_handler.
 REQUEUE_FUNCTION = "requeue_if_asked"
-# Held by hold() until Preemption takes over.
-HELD_SIGNALS = (signal.SIGUSR2,)
+# Held by hold() until Preemption (USR2), or the profiler or ignore_profile_requests (USR1), take over.
+HELD_SIGNALS = (REQUEUE_SIGNAL, PROFILE_SIGNAL)
 received: list[int] = []
 
 
-def hold() -> None:
-    for signum in HELD_SIGNALS:
+def hold(signals: tuple[int, ...] = HELD_SIGNALS) -> None:
+    """Remember ``signals`` instead of dying of them until the rank is ready to act on them."""
+    for signum in signals:
         signal.signal(signum, _remember)
 
 
@@ -59,6 +63,30 @@ def _remember(signum: int, frame: FrameType | None) -> None:
 def is_holding(handler: object) -> bool:
     """Whether ``handler`` (as signal.signal returned it) is this module's."""
     return handler is _remember
+
+
+def take_over(signum: int, handler: Callable[[int, FrameType | None], Any]) -> bool:
+    """Install ``handler`` for ``signum``; True when ``signum`` arrived while :func:`hold` held it."""
+    return is_holding(signal.signal(signum, handler)) and signum in received
+
+
+def ignore_profile_requests(kind: str, rank: int) -> None:
+    """For a job kind without training steps to profile (ingest, infer, evaluate): USR1, which
+    ``scancel --signal=USR1`` sends to every process of the job, must not end it. Rank 0 says so in
+    one line per request, written with one unbuffered write (a signal handler must not re-enter
+    the buffered stream the job may be printing to); the other ranks ignore it silently."""
+    line = (
+        f"lance_hpc.run: USR1 ignored: it asks for a profiler trace of training steps, which a job: {kind} "
+        "does not take (job: train records one)\n"
+    ).encode()
+
+    def say(signum: int, frame: FrameType | None) -> None:
+        if rank == 0:
+            with contextlib.suppress(OSError):
+                os.write(2, line)
+
+    if take_over(PROFILE_SIGNAL, say):
+        say(PROFILE_SIGNAL, None)
 
 
 class Preemption:

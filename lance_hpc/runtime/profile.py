@@ -9,14 +9,13 @@ reads with ``--logdir <tensorboard_dir>/profile``. CPU activity always; CUDA ker
 
 from __future__ import annotations
 
-import signal
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from lance_hpc.runtime.preemption import PROFILE_SIGNAL
+from lance_hpc.runtime.preemption import PROFILE_SIGNAL, take_over
 from lance_hpc.spec import JobSpec
 
 DEFAULT_STEPS = 5
@@ -38,8 +37,10 @@ class StepProfiler:
         self.written: list[Path] = []
 
     def listen(self) -> None:
-        """Take PROFILE_SIGNAL as a request for a trace of the next steps (main thread only)."""
-        signal.signal(PROFILE_SIGNAL, self._request)
+        """Take PROFILE_SIGNAL as a request for a trace of the next steps (main thread only); one
+        that came while the rank started (held since its first line) counts too."""
+        if take_over(PROFILE_SIGNAL, self._request):
+            self.requested = True
 
     def _request(self, signum: int, frame: Any) -> None:
         self.requested = True

@@ -42,10 +42,13 @@ from lance_hpc.runtime.ingest_job import run_ingest
 from lance_hpc.runtime.preemption import (
     INTERRUPT_SIGNAL,
     PREEMPTION_SIGNALS,
+    PROFILE_SIGNAL,
     REQUEUE_SIGNAL,
     Preemption,
     Requeue,
     after_preemption,
+    hold,
+    ignore_profile_requests,
     requeue_with_scontrol,
     requeue_with_submitit,
 )
@@ -58,6 +61,7 @@ from lance_hpc.storage.retry import StoreUnavailable
 
 def run_job(spec_file: str, requeue: Requeue, signals: tuple[int, ...] = PREEMPTION_SIGNALS) -> context.Summary:
     """Train this rank's part of the job described by ``spec_file``; requeue it when preempted."""
+    hold((PROFILE_SIGNAL,))  # held already in python -m lance_hpc.run; not yet in a submitit task
     # Loading the spec imports its task and entry, so a task file's directory is on sys.path
     # before the worker server starts and copies it (workers then unpickle the task's decoder).
     # Read only if this user owns it: the spec names the code this rank imports and runs.
@@ -66,7 +70,10 @@ def run_job(spec_file: str, requeue: Requeue, signals: tuple[int, ...] = PREEMPT
         raise UserError(
             f"{spec_file} is a sweep, not one run: submit it with lance-hpc submit, which runs each combination with its own spec"
         )
-    return JOBS[spec.job](spec, detect(), requeue, signals)
+    env = detect()
+    if spec.job not in PROFILED_JOBS:  # before the kind starts: USR1 must not end it
+        ignore_profile_requests(spec.job, env.rank)
+    return JOBS[spec.job](spec, env, requeue, signals)
 
 
 def ingest_job(spec: JobSpec, env: DistEnv, requeue: Requeue, signals: tuple[int, ...]) -> context.Summary:
@@ -129,6 +136,8 @@ JOBS: dict[str, Callable[[JobSpec, DistEnv, Requeue, tuple[int, ...]], context.S
     "evaluate": infer_job,
 }
 check_registry(JOBS, JOB_KINDS, "job")
+# The kinds whose steps USR1 profiles (train.profile; the built-in loop and script mode alike).
+PROFILED_JOBS = frozenset({"train"})
 
 
 def on_main_rank(action: Callable[[], object], what: str) -> None:

@@ -19,6 +19,7 @@ at two log points in a row is named in the log.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -33,6 +34,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+
+from lance_hpc.storage.files import write_file
 
 # The directory every process of a rank (its DataLoader workers too) writes its stacks under.
 WATCH_DIR_VARIABLE = "LANCE_HPC_WATCH_DIR"
@@ -143,6 +146,34 @@ def is_descendant(pid: int, ancestor: int, generations: int = 3) -> bool:
     return False
 
 
+def start_time(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (/proc/<pid>/stat field 22; the
+    fields after the command name, which may hold spaces, start at 3), or None if it is not there."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[22 - 3])
+    except OSError:
+        return None
+
+
+def recorded_worker(pid_file: Path) -> int | None:
+    """The pid a worker's ``.pid`` file names when that very process still runs (its start time is
+    the one recorded with it), else None: the worker ended, and its pid may be another process's."""
+    try:
+        pid_text, _, started = pid_file.read_text().partition(" ")
+        pid = int(pid_text)
+        return pid if started.strip() and start_time(pid) == int(started) else None
+    except (OSError, ValueError):
+        return None
+
+
+def forget_ended_workers(stacks: Path, rank: int) -> None:
+    """Delete the ``.pid`` files of ``rank``'s DataLoader workers that no longer run: those an
+    earlier attempt of this job left in its stacks folder."""
+    for pid_file in stacks.glob(f"rank-{rank}-worker-*.pid"):
+        if recorded_worker(pid_file) is None:
+            pid_file.unlink(missing_ok=True)
+
+
 def watch_dir(log_dir: str, name: str, job_id: str | None) -> Path:
     """Where a job's ranks publish their progress and write their stacks."""
     return Path(log_dir) / f"{name}.watch" / (job_id or "local")
@@ -161,7 +192,7 @@ def init_worker_dumps(worker_id: int) -> None:
         name = f"rank-{rank}-worker-{worker_id}-{os.getpid()}"
         target = open(stacks / f"{name}.txt", "w")  # noqa: SIM115 (held for faulthandler)
         faulthandler.register(WORKER_DUMP_SIGNAL, file=target, all_threads=True, chain=False)
-        (stacks / f"{name}.pid").write_text(str(os.getpid()))
+        write_file(stacks / f"{name}.pid", f"{os.getpid()} {start_time(os.getpid())}")  # the pair names this process
     except OSError:
         pass  # a worker without stack dumps still works
 
@@ -194,6 +225,7 @@ class Watchdog(threading.Thread):
         (directory / "stacks").mkdir(parents=True, exist_ok=True)
         path = self.status_path(rank)
         path.unlink(missing_ok=True)  # a status left by an earlier run of this job
+        forget_ended_workers(directory / "stacks", rank)  # and the workers it named
 
     def status_path(self, rank: int) -> Path:
         return self.directory / f"rank-{rank}.json"
@@ -259,16 +291,13 @@ class Watchdog(threading.Thread):
             f"{progress.phase} for {time.monotonic() - progress.phase_since:.1f} s",
             stack_text(skip=threading.get_ident()),
         ]
+        forget_ended_workers(stacks, self.rank)
         for pid_file in sorted(stacks.glob(f"rank-{self.rank}-worker-*.pid")):
-            try:
-                pid = int(pid_file.read_text())
-                if not is_descendant(pid, os.getpid()):  # a worker that ended (its pid may be another process's now)
-                    pid_file.unlink(missing_ok=True)
-                    continue
-                os.kill(pid, WORKER_DUMP_SIGNAL)
-                lines.append(f"DataLoader worker (pid {pid}): {pid_file.with_suffix('.txt')}")
-            except (OSError, ValueError):
-                continue
+            pid = recorded_worker(pid_file)
+            if pid is not None and is_descendant(pid, os.getpid()):  # not a worker of another run
+                with contextlib.suppress(OSError):
+                    os.kill(pid, WORKER_DUMP_SIGNAL)
+                    lines.append(f"DataLoader worker (pid {pid}): {pid_file.with_suffix('.txt')}")
         (stacks / f"rank-{self.rank}.txt").write_text("\n".join(lines) + "\n")
 
     def statuses(self) -> list[dict[str, Any]]:

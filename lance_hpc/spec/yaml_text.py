@@ -12,11 +12,13 @@ path to it.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import yaml
 
+from lance_hpc.errors import UserError
 from lance_hpc.spec.problems import Problem
 
 # A job spec holds hundreds of values; a sweep's lists or a task's class names a few thousand.
@@ -216,29 +218,87 @@ def _yaml_error(error: yaml.YAMLError) -> Problem:
     return Problem("", f"not valid YAML at {where}: {getattr(error, 'problem', error)}")
 
 
-def set_block_keys(text: str, section: str, values: dict[str, Any]) -> str | None:
-    """``text`` (a spec file) with ``section.key: value`` set for each of ``values``, keeping every
-    comment and line around them: a key already there gets its value replaced in place, a missing
-    one a line of its own at the top of the section. None when the section is not a block mapping
-    (``data: {...}`` on one line), which only a rewrite of the file could change."""
-    root = yaml.compose(text, Loader=yaml.SafeLoader)
+def set_block_keys(text: str, section: str, values: dict[str, Any], where: str = "the spec") -> str | None:
+    """``text`` (a spec file, ``where``) with ``section.key: value`` set for each of ``values``,
+    keeping every comment and line around them: a key already there gets its value replaced in
+    place, a missing one a line of its own at the top of the section. None when the section is not
+    a block mapping (``data: {...}`` on one line), which only a rewrite of the file could change.
+
+    Raises UserError, and changes nothing, where an edit in place would change more than the key:
+    a value that is an alias (``*cpus``: the edit would land in the anchor's text) or an anchor
+    (``&cpus 8``: every alias of it would change, or stop parsing). The result is read back and must
+    hold exactly the old values with these set, or nothing is returned but the error."""
+    loader = _AnchorRecordingLoader(text)
+    try:
+        root = loader.get_single_node()
+    finally:
+        loader.dispose()
     if not isinstance(root, yaml.MappingNode):
         return None
-    node = next((value for key, value in root.value if isinstance(key, yaml.ScalarNode) and key.value == section), None)
-    if not isinstance(node, yaml.MappingNode) or node.flow_style or not node.value:
+    entry = next(((key, value) for key, value in root.value if isinstance(key, yaml.ScalarNode) and key.value == section), None)
+    if entry is None or not isinstance(entry[1], yaml.MappingNode) or entry[1].flow_style or not entry[1].value:
         return None
+    _refuse_shared(section, entry[0], entry[1], loader.defined_anchors, where, values, section)
+    node = entry[1]
     edits: list[tuple[int, int, str]] = []
-    present = {key.value: value for key, value in node.value if isinstance(key, yaml.ScalarNode)}
+    present = {key.value: (key, value) for key, value in node.value if isinstance(key, yaml.ScalarNode)}
     for key, value in values.items():
         found = present.get(key)
-        if isinstance(found, yaml.ScalarNode):
-            edits.append((found.start_mark.index, found.end_mark.index, str(value)))
-        elif found is None:
+        if found is None:
             first = node.value[0][0]
             line_start = first.start_mark.index - first.start_mark.column
             edits.append((line_start, line_start, f"{' ' * first.start_mark.column}{key}: {value}\n"))
-        else:
+            continue
+        _refuse_shared(f"{section}.{key}", *found, loader.defined_anchors, where, values, section)
+        if not isinstance(found[1], yaml.ScalarNode):
             return None
+        edits.append((found[1].start_mark.index, found[1].end_mark.index, str(value)))
+    edited = text
     for start, end, replacement in sorted(edits, reverse=True):
-        text = text[:start] + replacement + text[end:]
-    return text
+        edited = edited[:start] + replacement + edited[end:]
+    _check_edit(text, edited, section, values, where)
+    return edited
+
+
+def _refuse_shared(
+    path: str,
+    key: yaml.Node,
+    value: yaml.Node,
+    anchors: dict[int, Anchor],
+    where: str,
+    values: dict[str, Any],
+    section: str,
+) -> None:
+    """Raise UserError when ``value`` (of ``key``, at YAML ``path``) is an alias or an anchor."""
+    name = path.rsplit(".", 1)[-1]
+    anchor = anchors.get(id(value))
+    if value.start_mark.index < key.end_mark.index:  # an alias: its node is the anchor's, written earlier
+        alias = f"*{anchor.name}" if anchor else "the alias"
+        what = f"is an alias of {anchor or 'an anchor'}: the new value would go into the anchor's text, changing every value that aliases it"
+        fix = f"write {name}'s value out in place of {alias} and run again"
+    elif anchor is not None:
+        what = f"holds {anchor}: writing the new value there would drop the anchor that other values alias"
+        fix = f"give {name} a plain value (without &{anchor.name}) and run again"
+    else:
+        return
+    flags = " ".join(f"--set {section}.{option}={setting}" for option, setting in values.items())
+    raise UserError(
+        f"{path} in {where} {what}; {where} was left as it is\n  fix: {fix}, or keep the file and pass the values: {flags}"
+    )
+
+
+def _check_edit(before: str, after: str, section: str, values: dict[str, Any], where: str) -> None:
+    """Read ``after`` back: it must parse, within the bounds, to ``before``'s value with ``values``
+    set in ``section`` and nothing else changed."""
+    original, _ = parse_yaml(before)
+    edited, problems = parse_yaml(after)
+    expected = copy.deepcopy(original)
+    if isinstance(expected, dict) and isinstance(expected.get(section), dict):
+        expected[section].update(values)
+    if problems or edited != expected:
+        found = edited.get(section) if isinstance(edited, dict) else None
+        read = "; ".join(problem.message for problem in problems) or f"{section} reads {found!r}"
+        raise UserError(
+            f"the edit of {where} did not read back as meant ({read}), so {where} was left as it is\n"
+            f"  fix: set {', '.join(f'{section}.{name}: {value}' for name, value in values.items())} by hand"
+        )

@@ -1,25 +1,49 @@
-"""Durable local files: written under a temporary name, then renamed into place, so a crash at
-any moment leaves either the whole new file or none under its final name."""
+"""Durable local files: written under a temporary name in the same directory, fsynced, then renamed
+into place, so a crash or a full disk at any moment leaves either the whole new file or the old one
+under its final name, never a truncated mix. Every file lance_hpc writes or rewrites for the user
+(a tuned spec, the resolved spec and script, records, checkpoints and their manifests, metrics)
+goes through :func:`replaced_atomically` or :func:`write_file`."""
 
 from __future__ import annotations
 
 import os
+import secrets
+import stat
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
+# A new file's mode before the umask, as open() gives it.
+NEW_FILE_MODE = 0o666
+PRIVATE_MODE = 0o600
+# Ends the name of the temporary file beside a final one that write_file and replaced_atomically make.
+TEMP_SUFFIX = ".tmp"
+
 
 @contextmanager
-def replaced_atomically(final: Path, temp: Path, *, mode: int = 0o666, exclusive: bool = False) -> Iterator[BinaryIO]:
-    """An open ``temp`` to write; on a clean exit it is fsynced, renamed over ``final`` and the
-    directory fsynced (which makes the rename itself durable). On an error, raised by the body
-    too (a size check, say), ``temp`` is deleted and ``final`` left as it was.
+def replaced_atomically(
+    final: Path, temp: Path | None = None, *, mode: int | None = None, exclusive: bool = False
+) -> Iterator[BinaryIO]:
+    """An open temporary file to write; on a clean exit it is fsynced, renamed over ``final`` and
+    the directory fsynced (which makes the rename itself durable). On an error, raised by the
+    body too (a size check, a full disk), the temporary file is deleted and ``final`` left as it was.
 
-    ``temp`` is created with ``mode`` (less the umask) and never through a symlink; ``exclusive``
-    refuses a ``temp`` that is already there instead of truncating it."""
+    ``temp`` names the temporary file (callers that clean up after a crash know their own names);
+    without it a fresh, unguessable name beside ``final`` is used, created exclusively. ``mode``
+    is the new file's mode (less the umask); without it the file keeps the mode of the one it
+    replaces exactly (a spec its owner made 0600 stays 0600), and a new file gets 0666 less the
+    umask, as open() would. The temporary file is never opened through a symlink, and with
+    ``exclusive`` one already there is refused instead of truncated."""
+    if temp is None:
+        temp, exclusive = final.with_name(f".{final.name}.{os.getpid()}-{secrets.token_hex(4)}{TEMP_SUFFIX}"), True
+    kept = _mode_of(final) if mode is None else None
     flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_EXCL if exclusive else os.O_TRUNC)
-    handle = os.open(temp, flags, mode)  # before the try: what is at ``temp`` when this fails is not ours to delete
+    # Owner-only until the kept mode is set: nobody else may open it in between and read it later.
+    created = PRIVATE_MODE if kept is not None else NEW_FILE_MODE if mode is None else mode
+    handle = os.open(temp, flags, created)  # before the try: what is at ``temp`` when this fails is not ours to delete
     try:
+        if kept is not None:
+            os.fchmod(handle, kept)  # exactly the owner's choice: the umask neither narrows nor widens it
         with open(handle, "wb") as file:
             yield file
             file.flush()
@@ -33,3 +57,19 @@ def replaced_atomically(final: Path, temp: Path, *, mode: int = 0o666, exclusive
         os.fsync(directory)
     finally:
         os.close(directory)
+
+
+def write_file(path: Path, content: str | bytes, *, mode: int | None = None) -> None:
+    """Replace (or create) ``path`` with ``content`` as :func:`replaced_atomically` does: all of it
+    or, after any failure, the file as it was and no temporary file beside it. ``mode`` as there:
+    without it an existing file keeps its mode."""
+    with replaced_atomically(path, mode=mode) as file:
+        file.write(content.encode() if isinstance(content, str) else content)
+
+
+def _mode_of(path: Path) -> int | None:
+    """The permission bits of the file at ``path`` (of a link's target), or None when there is none."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return None
