@@ -23,7 +23,6 @@ from lance_hpc.data.plan import plan_data
 from lance_hpc.data.shard_ingest import Records, commit, make_plan, progress_lines, run_worker
 from lance_hpc.data.shards import split_of
 from lance_hpc.data.target import COMMAND_LINE_NAMES, targets
-from lance_hpc.errors import UserError
 from lance_hpc.spec import load_spec
 from tests.support.jobs import Digits, train_here, write_spec
 from tests.support.shards import digit_rows, write_parquet, write_webdataset
@@ -156,8 +155,10 @@ def test_a_worker_starting_after_rank_0_committed_finds_its_shards_recorded_not_
     records.store.delete_file(f"{records.path}/committed.json")  # the moment before rank 0 records its commit
     late = make_plan(source, train, None, check_targets=False)  # a rank: the launcher checked the target
     assert run_worker(late, 1, 2).already == late.assignment(2)[1]
-    with pytest.raises(UserError, match="already holds a Lance dataset"):  # the launcher's own check still refuses
-        make_plan(source, train, None)
+    # the launcher run again: the dataset is this ingest's own commit (its transaction says so), recorded now
+    again = make_plan(source, train, None)
+    assert again.landed == {"train": 1} and commit(again).found == {"train": 1}
+    assert records.committed() == {"train": 1} and lance.dataset(str(tmp_path / "t.lance")).version == 1
 
 
 def test_append_adds_a_version_and_keeps_the_rows_before(tmp_path: Path, capsys) -> None:

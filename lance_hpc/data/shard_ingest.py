@@ -9,7 +9,9 @@ fragments it wrote, its rows, what it skipped and why. A rerun redoes only the s
 record. The commit takes every shard's fragments once, in the plan's order, as one Lance commit per
 dataset (a new dataset; a new version with ``overwrite``; more rows with ``append``): the dataset
 appears whole or not at all, and its rows are in the same order whatever the number of workers or
-interruptions.
+interruptions. Each split's commit carries the run id and is recorded as it lands
+(:mod:`lance_hpc.data.ingest_commits`): a rerun after a crash between the commits commits only what
+is missing, and records that name what the datasets no longer hold make the run start over.
 
 The validation split is by a hash of each row's key (the sample key, the file's path, or the file
 and row), so a row lands in the same split whatever the worker count. Images are checked as they
@@ -35,6 +37,16 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from lance_hpc.data.image_check import ENCODED_BYTES, MAX_PIXELS, image_size
+from lance_hpc.data.ingest_commits import (
+    COMMITTED_FILE,
+    landed_splits,
+    properties,
+    read_version_of,
+    record_intent,
+    record_landed,
+    stale_records,
+    start_over,
+)
 from lance_hpc.data.packing import (
     Packer,
     Tokens,
@@ -114,6 +126,8 @@ class Plan:
     read_versions: dict[str, int | None]
     tokens: Tokens | None = None
     _tokenizer: Tokenizer | None = field(default=None, repr=False, compare=False)
+    # splits whose commit by this run (an earlier process of it) the datasets hold: split -> version
+    landed: dict[str, int] = field(default_factory=dict)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -125,6 +139,11 @@ class Plan:
 
     def targets(self) -> dict[str, Target]:
         return {"train": self.train, **({"val": self.val} if self.val is not None else {})}
+
+    @property
+    def complete(self) -> bool:
+        """Whether every split's commit has landed: nothing is left to write."""
+        return set(self.landed) == set(self.targets())
 
     def assignment(self, world_size: int) -> list[list[int]]:
         """Shard indices per worker, balanced by bytes (:func:`~lance_hpc.data.units.balanced`)."""
@@ -179,7 +198,9 @@ def make_plan(
     )
     # Not the datasets' versions: the commit changes them, and a rerun must find its own records.
     run_id = hashlib.blake2b(identity.encode(), digest_size=8).hexdigest()
-    committed = Records(f"{records_root(train.uri)}/{run_id}", train.options).committed()
+    splits = {"train": train, **({"val": val} if val else {})}
+    # Read from the datasets, not the records alone: a record of a deleted dataset does not count.
+    ours = landed_splits(Records(f"{records_root(train.uri)}/{run_id}", train.options), splits, run_id)
     tokenizer = load_tokenizer(tokens.tokenizer) if tokens is not None else None
     if tokens is not None and tokenizer is not None:
         next(text_batches(source, shards[0], columns), None)  # a source without text fails here, not in the workers
@@ -187,22 +208,25 @@ def make_plan(
     else:
         schema = _schema(source, shards[0], columns, on_corrupt, max_pixels)
     read_versions: dict[str, int | None] = {}
-    for split, target in {"train": train, **({"val": val} if val else {})}.items():
+    for split, target in splits.items():
         # A UserError for anything but a Lance dataset; a worker trusts the check of the command
         # that started it (other workers' fragments may be landing in the folder meanwhile).
         found = existing_dataset(target) if check_targets else _dataset_or_none(target)
-        if found is not None and mode == "create" and committed is None and not check_targets:
+        if split in ours:  # this ingest's own commit, made by an earlier run of it
+            read_versions[split] = int(found.version) if found is not None else None
+            continue
+        if found is not None and mode == "create" and not check_targets:
             # a worker: the command that started it checked the target; a dataset there now is this
             # ingest's own commit landing (rank 0 finished first), and the records say what is left
             found = None
-        if found is not None and mode == "create" and committed is None:
+        if found is not None and mode == "create":
             raise UserError(
                 f"{target.name} {target.uri} already holds a Lance dataset\n"
                 f"  fix: --append to add these rows as a new version, --overwrite to make them the new version "
                 "(the earlier versions stay), or point it at a new path"
             )
         read_versions[split] = int(found.version) if found is not None else None
-        if found is not None and mode == "append" and committed is None:
+        if found is not None and mode == "append":
             _check_append_schema(found, schema, target)
     return Plan(
         source_text,
@@ -221,6 +245,7 @@ def make_plan(
         read_versions,
         tokens,
         tokenizer,
+        ours,
     )
 
 
@@ -274,7 +299,10 @@ def source_options(source_text: str, spec_options: Mapping[str, str] | None) -> 
 def ingest_here(data: Any, *, overwrite: bool = False) -> tuple[int, int]:
     """A spec's shard source ingested by this process alone (a training job's start); (train, val) rows."""
     plan = plan_for_data(data, overwrite=overwrite)
-    run_worker(plan, 0, 1)
+    for line in resume_lines(plan):
+        print(line, flush=True)
+    if not plan.complete:
+        run_worker(plan, 0, 1)
     done = commit(plan)
     return done.rows.get("train", 0), done.rows.get("val", 0)
 
@@ -375,11 +403,46 @@ class Records(UnitRecords[ShardRecord]):
         return cls(plan.records, plan.train.options)
 
     def committed(self) -> dict[str, int] | None:
-        found = self.read_json("committed.json")
+        """The versions recorded once every split was committed, as recorded (not checked against
+        the datasets: :func:`resume_lines` does that before a run writes anything)."""
+        found = self.read_json(COMMITTED_FILE)
         return dict(found) if found is not None else None
 
     def mark_committed(self, versions: dict[str, int]) -> None:
-        self.write_json("committed.json", versions)
+        self.write_json(COMMITTED_FILE, versions)
+
+
+def stale_parts(plan: Plan) -> list[str]:
+    """What this run's records name that the datasets no longer hold (none: every record counts)."""
+    records = Records.of(plan)
+    finished = records.finished()  # before the files are listed: a record is written after its files
+    fragments = {
+        split: [text for record in finished.values() for text in record.fragments.get(split, [])] for split in plan.targets()
+    }
+    return stale_records(records, plan.targets(), plan.run_id, fragments)
+
+
+def resume_lines(plan: Plan) -> list[str]:
+    """Before a run writes anything, in the one process that starts it: records naming what the
+    datasets no longer hold are discarded (the run starts over, the splits still committed kept),
+    and a line says so, or says which commits of an earlier run of this ingest were found."""
+    records = Records.of(plan)
+    stale = stale_parts(plan)
+    if stale:
+        dropped = start_over(records, keep=plan.landed)
+        return [
+            f"starting over: an earlier run of this ingest recorded {'; '.join(stale)} (deleted or rewritten since); "
+            f"its {dropped} shard record(s) are discarded and every shard is written again"
+        ]
+    if not plan.landed or records.committed() == plan.landed:
+        return []
+    order = sorted(plan.targets(), key=lambda name: name != "val")  # the order of the commits
+    found = ", ".join(
+        f"{split} ({plan.targets()[split].uri} version {plan.landed[split]})" for split in order if split in plan.landed
+    )
+    left = [split for split in order if split not in plan.landed]
+    rest = f"committing {', '.join(left)}" if left else "recording the ingest as committed"
+    return [f"found the commits of an earlier run of this ingest that stopped before the rest: {found}; {rest}"]
 
 
 # ---- one worker ---------------------------------------------------------------------------------
@@ -563,6 +626,7 @@ class Committed:
     rows: dict[str, int]
     skipped: dict[str, int]
     already: bool = False  # committed by an earlier run of the same plan
+    found: dict[str, int] = field(default_factory=dict)  # splits an earlier run committed, not recorded
 
 
 def totals(records: Iterable[ShardRecord], splits: Iterable[str]) -> tuple[dict[str, int], dict[str, int]]:
@@ -578,45 +642,57 @@ def totals(records: Iterable[ShardRecord], splits: Iterable[str]) -> tuple[dict[
 
 
 def commit(plan: Plan) -> Committed:
-    """Every shard's fragments, once each and in plan order, as one commit per dataset."""
-    import lance
-
+    """Every shard's fragments, once each and in plan order, as one commit per dataset; a split
+    whose commit by an earlier run of this ingest the dataset holds is not committed again."""
     records = Records.of(plan)
     finished = records.finished()
-    done_before = records.committed()
     rows, skipped = totals(finished.values(), plan.targets())
-    if done_before is not None:
-        return Committed(done_before, rows, skipped, already=True)
+    found = landed_splits(records, plan.targets(), plan.run_id)
+    if len(found) == len(plan.targets()) and records.committed() == found:
+        return Committed(found, rows, skipped, already=True)
     missing = [plan.shards[index].id for index in range(len(plan.shards)) if index not in finished]
-    if missing:
+    if missing and len(found) < len(plan.targets()):
         raise UserError(
             f"{len(missing)} of {len(plan.shards)} shards are not written yet (first: {missing[0]}); nothing was committed\n"
             "  fix: run the ingest again: it writes only the missing shards, then commits"
         )
-    schemas = _split_schemas(plan, finished.values())
+    schemas = _split_schemas(plan, finished.values()) if not missing else {}
     versions: dict[str, int] = {}
     # Validation first: the training set appearing is what marks the ingest as done.
     for split in sorted(plan.targets(), key=lambda name: name != "val"):
-        target = plan.targets()[split]
-        fragments = [
-            lance.FragmentMetadata.from_json(text)
-            for index in range(len(plan.shards))
-            for text in finished[index].fragments.get(split, [])
-        ]
-        options = target.options or None
-        if plan.mode == "append" and plan.read_versions[split] is not None:
-            operation: Any = lance.LanceOperation.Append(fragments)
-        else:
-            operation = lance.LanceOperation.Overwrite(schemas[split], fragments)
-        dataset = lance.LanceDataset.commit(
-            target.uri, operation, read_version=plan.read_versions[split], storage_options=options, max_retries=0
-        )
-        if plan.mode == "append" and plan.tokens is not None and plan.read_versions[split] is not None:
-            # the split's figures over all its rows, old and new: one more version, metadata only
-            dataset.update_schema_metadata(_appended_figures(dataset, schemas[split], plan.read_versions[split]), replace=True)
-        versions[split] = int(dataset.version)
+        # the version the commit was made on: an earlier run's, for a split it committed
+        read_version = read_version_of(records, split) if split in found else plan.read_versions[split]
+        versions[split] = found[split] if split in found else _commit_split(plan, split, schemas[split], finished)
+        if plan.mode == "append" and plan.tokens is not None and read_version is not None and split in schemas:
+            # the split's figures over all its rows, old and new: one more version, metadata only (the
+            # same values if an earlier run got this far, so a rerun may do it again)
+            dataset: Any = open_dataset(plan.targets()[split].uri, None, plan.targets()[split].options)
+            dataset.update_schema_metadata(_appended_figures(dataset, schemas[split], read_version), replace=True)
+        record_landed(records, split, read_version, versions[split])
     records.mark_committed(versions)
-    return Committed(versions, rows, skipped)
+    return Committed(versions, rows, skipped, found=found)
+
+
+def _commit_split(plan: Plan, split: str, schema: pa.Schema, finished: Mapping[int, ShardRecord]) -> int:
+    """One split's fragments as one Lance commit carrying the run's id; the version it made."""
+    import lance
+
+    target = plan.targets()[split]
+    fragments = [
+        lance.FragmentMetadata.from_json(text)
+        for index in range(len(plan.shards))
+        for text in finished[index].fragments.get(split, [])
+    ]
+    read_version = plan.read_versions[split]
+    if plan.mode == "append" and read_version is not None:
+        operation: Any = lance.LanceOperation.Append(fragments)
+    else:
+        operation = lance.LanceOperation.Overwrite(schema, fragments)
+    # Recorded first, so that a rerun after a crash at any point from here knows where to look.
+    record_intent(Records.of(plan), split, read_version)
+    transaction = lance.Transaction(read_version or 0, operation, transaction_properties=properties(plan.run_id, split))
+    dataset = lance.LanceDataset.commit(target.uri, transaction, storage_options=target.options or None, max_retries=0)
+    return int(dataset.version)
 
 
 def _split_schemas(plan: Plan, records: Iterable[ShardRecord]) -> dict[str, pa.Schema]:
@@ -774,8 +850,10 @@ def ingest_shards_command(args: Any, argv: list[str]) -> int:
             print(f"schema: {', '.join(f'{item.name} ({item.type})' for item in plan.schema)}")
             print(estimate_line(plan))
             return 0
+        for line in resume_lines(plan):
+            print(line, flush=True)
         records = Records.of(plan)
-        if records.committed() is None:
+        if not plan.complete:
             before = len(records.finished())
             if before:
                 print(f"resuming: {before} of {len(plan.shards)} shards were written by an earlier run", flush=True)

@@ -12,6 +12,8 @@ the shards without a record.
 
 from __future__ import annotations
 
+import time
+
 from lance_hpc.data.shard_ingest import (
     Plan,
     Records,
@@ -20,8 +22,10 @@ from lance_hpc.data.shard_ingest import (
     committed_line,
     estimate_line,
     plan_for_data,
+    resume_lines,
     run_worker,
     shard_summary,
+    stale_parts,
 )
 from lance_hpc.data.units import wait_for_all
 from lance_hpc.runtime.context import Summary
@@ -42,9 +46,14 @@ def run_ingest(spec: JobSpec, env: DistEnv, preemption: Preemption, requeue: Req
     """This rank's shards; on rank 0 also the wait for the others and the commit."""
     plan = ingest_plan(spec, check_targets=False)  # the launcher checked the targets before the ranks started
     records = Records.of(plan)
-    if records.committed() is not None:
+    if env.is_main:
+        for line in resume_lines(plan):  # records naming what the datasets lack are discarded here
+            print(line, flush=True)
+    elif not _records_hold(plan, preemption):
+        return Summary("stopped", 0, 0, None)
+    if plan.complete:  # every split committed by an earlier run: rank 0 makes sure it is recorded
         if env.is_main:
-            print(f"already committed: {plan.train.uri} (ingest {plan.run_id}); nothing to write", flush=True)
+            print(committed_line(plan, commit(plan)), flush=True)
         return Summary("completed", len(plan.shards), 0, None)
     mine = plan.assignment(env.world_size)[env.rank]
     if env.is_main:
@@ -78,6 +87,17 @@ def run_ingest(spec: JobSpec, env: DistEnv, preemption: Preemption, requeue: Req
     done = commit(plan)
     print(committed_line(plan, done), flush=True)
     return Summary("completed", len(plan.shards), 0, None, {f"rows/{split}": float(n) for split, n in done.rows.items()})
+
+
+def _records_hold(plan: Plan, preemption: Preemption) -> bool:
+    """A rank but rank 0, before it writes: wait while the run's records name what the datasets no
+    longer hold, until rank 0 has discarded them (a shard record kept now would skip a shard whose
+    files are gone); False when stopped meanwhile."""
+    while stale_parts(plan):
+        if preemption.received is not None:
+            return False
+        time.sleep(POLL_S)
+    return True
 
 
 def check_ingest(spec: JobSpec) -> str:
