@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import random
+import re
+import shutil
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +26,7 @@ import torch.distributed as dist
 from pydantic import BaseModel, ValidationError
 from torch import nn
 
+from lance_hpc.checkpoint.sharded import SHARDS_SUFFIX, ShardedSaver, shards_name
 from lance_hpc.data.mix import pinned_mix
 from lance_hpc.errors import UserError
 from lance_hpc.runtime import lease
@@ -38,7 +41,7 @@ from lance_hpc.storage.checkpoint_index import (
     manifest,
     manifest_name,
 )
-from lance_hpc.storage.checkpoint_store import Location, NoSpace, locate, open_store
+from lance_hpc.storage.checkpoint_store import LocalDirectory, Location, NoSpace, locate, open_store
 
 # The checkpoint layout Context.save writes: named objects, named loaders per rank.
 FORMAT = 2
@@ -46,6 +49,7 @@ FORMAT = 2
 EARLIER_TRAINER_OBJECTS = ("model", "optimizer")
 
 log = logging.getLogger("lance_hpc.checkpoint")
+SHARDS_PATTERN = re.compile(r"^step-(\d+)" + re.escape(SHARDS_SUFFIX) + "$")
 
 
 def checkpoint_path(directory: str | Path, step: int) -> Location:
@@ -68,35 +72,69 @@ def write_atomically(state: dict[str, Any], path: Location) -> None:
 
 
 def prune(directory: str | Path, keep: int) -> None:
-    """Delete all but the newest ``keep`` checkpoints with their manifests, and what a crash left."""
+    """Delete all but the newest ``keep`` checkpoints with their manifests and shards, and what a
+    crash left (temporary files, shards of a save that never completed)."""
     store = open_store(directory)
     names = store.names()
-    pruned = list(checkpoint_steps(names).items())[:-keep]
+    steps = checkpoint_steps(names)
+    pruned = list(steps.items())[:-keep]
     manifests = [manifest_name(step) for step, _ in pruned if manifest_name(step) in names]
     for name in [name for _, name in pruned] + manifests + leftovers(names):
         store.delete(name)
+    kept = set(steps) - {step for step, _ in pruned}
+    if isinstance(store, LocalDirectory):  # shards are a directory of files per checkpoint
+        for name in names:
+            match = SHARDS_PATTERN.match(name)
+            if match and int(match.group(1)) not in kept:
+                shutil.rmtree(store.location(name), ignore_errors=True)
 
 
-def save(directory: str | Path, step: int, state: dict[str, Any], rank_state: dict[str, Any], keep: int) -> Location:
+def save(
+    directory: str | Path,
+    step: int,
+    state: dict[str, Any],
+    rank_state: dict[str, Any],
+    keep: int,
+    sharded: tuple[ShardedSaver, dict[str, Any], bool] | None = None,
+) -> Location:
     """Collective: every rank calls it with the same step; rank 0 writes, then all ranks go on.
 
     ``state`` is rank 0's (the model and optimizer are the same on every rank). ``rank_state``
     and the RNG states of every rank are gathered into ``state["ranks"][rank]``, so each rank gets
     its own back on resume. A failed write raises on every rank (rank 0's error is broadcast)
     instead of leaving the others waiting.
+
+    ``sharded`` (saver, tensor state, in the background): the modules and optimizers are written
+    by every rank into the shards ``step-N.dcp`` first (see :mod:`lance_hpc.checkpoint.sharded`),
+    and ``step-N.pt`` names them; in the background, rank 0 writes it when the shards are complete.
     """
     ranks: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, {**rank_state, "rng": capture_rng()})
     path = checkpoint_path(directory, step)
+    if sharded is not None:
+        state = {**state, "shards": shards_name(step)}
+
+    def publish() -> None:
+        held = lease.held(directory)
+        if held is not None:
+            held.confirm()
+        write_atomically({**state, "ranks": ranks}, path)
+        open_store(directory).write_bytes(manifest_name(step), manifest({**state, "step": step}, len(ranks)))
+        prune(directory, keep)
+
+    if sharded is not None:
+        saver, tensors, background = sharded
+        if not isinstance(path, Path):
+            raise UserError(
+                f"checkpoint.dir {directory}: sharded checkpoints are written to a file system for now\n  fix: use a local or shared directory with train.parallelism: fsdp"
+            )
+        saver.save(tensors, path.with_name(shards_name(step)), publish, background)
+        if background:
+            return path
     outcome: list[Any] = [None]  # (message, whether it is a UserError) when rank 0 failed
     if dist.get_rank() == 0:
         try:
-            held = lease.held(directory)
-            if held is not None:
-                held.confirm()
-            write_atomically({**state, "ranks": ranks}, path)
-            open_store(directory).write_bytes(manifest_name(step), manifest({**state, "step": step}, len(ranks)))
-            prune(directory, keep)
+            publish()
         except UserError as error:  # the object store's message already names the URI and the fix
             outcome[0] = (str(error), True)
         except NoSpace as full:
@@ -191,6 +229,12 @@ class Checkpoint:
     def epoch(self) -> int:
         """The epoch being read when it was written (the next one, at an epoch end)."""
         return int(self.state["epoch"])
+
+    @property
+    def shards(self) -> Path | None:
+        """The directory of its model and optimizer shards (a sharded checkpoint); None for one file."""
+        name = self.state.get("shards")
+        return Path(self.path).with_name(name) if name else None
 
     @property
     def world_size(self) -> int:

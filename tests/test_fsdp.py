@@ -1,0 +1,159 @@
+"""Sharded training (train.parallelism: fsdp) on 2 and 3 local gloo ranks: a model built on the meta
+device and initialised on its shards, sharded checkpoints written in the background, resumed bit for
+bit, on another world size, and across ddp and fsdp."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from lance_hpc.errors import ExitCode
+from lance_hpc.parallel.materialise import BLOCK_ELEMENTS, _replay_rows, build_on_meta, materialise, to_empty
+from lance_hpc.runtime.checkpoint import load_latest
+from lance_hpc.spec import load_spec
+from lance_hpc.tasks.gpt import GPT
+from tests.support.jobs import FINAL_ACCURACY, same_weights, write_spec
+from tests.support.ranks import launch, read_until
+
+FSDP = {"parallelism": "fsdp"}
+
+
+def run(spec_file: Path, nproc: int = 2) -> str:
+    process = launch(spec_file, nproc)
+    output = process.communicate(timeout=600)[0]
+    assert process.returncode == 0, output
+    return output
+
+
+def sharded_model(directory: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
+    """The model of the newest checkpoint under ``directory``, whole, read from its shards (or its file)."""
+    found = load_latest(directory / "checkpoints")
+    assert found is not None, f"no checkpoint under {directory}"
+    if found.shards is None:
+        return found.objects["model"]
+    whole = tmp_path / f"{directory.name}-whole.pt"
+    dcp_to_torch_save(found.shards, whole)
+    return torch.load(whole, weights_only=False)["model"]
+
+
+def test_replayed_rows_do_not_depend_on_how_a_tensor_is_split() -> None:
+    """Rows drawn for a shard equal the same rows of the whole tensor, across block boundaries."""
+    meta = build_on_meta(lambda: GPT(vocab_size=3000, sequence_length=32, layers=1, width=512, heads=4))
+    assert meta.problem() is None
+    history = meta.histories["token_embedding.weight"]
+    whole = torch.empty(3000, 512)
+    _replay_rows(history, whole, 0, seed=7)
+    assert BLOCK_ELEMENTS // 512 < 3000  # the tensor spans several blocks
+    for first, last in ((0, 1000), (1000, 2000), (1500, 3000), (2047, 2049)):
+        part = torch.empty(last - first, 512)
+        _replay_rows(history, part, first, seed=7)
+        assert torch.equal(part, whole[first:last]), (first, last)
+    assert 0.015 < float(whole.std()) < 0.025  # GPT's normal(0, 0.02)
+
+
+def test_a_model_built_on_meta_keeps_its_ties_and_initialisation() -> None:
+    def build() -> GPT:
+        return GPT(vocab_size=100, sequence_length=16, layers=2, width=32, heads=2)
+
+    first, second = build_on_meta(build), build_on_meta(build)
+    models = []
+    for meta in (first, second):
+        model = to_empty(meta.model, torch.device("cpu"))
+        materialise(meta, torch.device("cpu"), seed=3)
+        models.append(model)
+    assert models[0].head.weight is models[0].token_embedding.weight
+    assert same_weights(models[0].state_dict(), models[1].state_dict()) == []
+    norm = models[0].blocks[0].attention_norm
+    assert torch.equal(norm.weight, torch.ones(32)) and torch.equal(norm.bias, torch.zeros(32))
+
+
+def test_a_constructor_that_cannot_be_replayed_is_named() -> None:
+    class Copied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.empty(4, 4))
+            with torch.no_grad():
+                self.weight.copy_(torch.eye(4))
+
+    assert "weight" in (build_on_meta(Copied).problem() or "")
+
+
+@pytest.fixture(scope="module")
+def fsdp_reference(digits, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two ranks train the digits under fsdp for 4 epochs, uninterrupted, saving synchronously."""
+    directory = tmp_path_factory.mktemp("fsdp-reference")
+    output = run(write_spec(directory, digits, train=FSDP))
+    assert float(FINAL_ACCURACY.search(output).group(1)) >= 0.90, output
+    assert "Warning" not in output, output
+    return directory
+
+
+@pytest.mark.slow
+def test_fsdp_trains_to_the_bar_and_writes_sharded_checkpoints(fsdp_reference: Path) -> None:
+    names = sorted(path.name for path in (fsdp_reference / "checkpoints").iterdir())
+    steps = sorted({name.split(".")[0] for name in names})
+    assert len(steps) == 2  # checkpoint.keep
+    for step in steps:
+        assert {f"{step}.pt", f"{step}.json", f"{step}.dcp"} <= set(names), names
+        shards = sorted(path.name for path in (fsdp_reference / "checkpoints" / f"{step}.dcp").iterdir())
+        assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"], shards  # each rank wrote its own
+
+
+@pytest.mark.slow
+def test_a_background_save_survives_usr2_and_resumes_bit_for_bit(fsdp_reference: Path, tmp_path: Path, digits) -> None:
+    """async_save: USR2 mid-epoch stops the ranks after the background write is complete; the
+    resumed run ends bit for bit where the uninterrupted (synchronously saved) run ends."""
+    spec_file = write_spec(tmp_path, digits, train=FSDP, checkpoint={"async_save": True})
+    interrupted = launch(spec_file)
+    read_until(interrupted, "step 50/")  # early in epoch 2 of 4 (45 steps each)
+    interrupted.send_signal(signal.SIGUSR2)
+    output = interrupted.communicate(timeout=120)[0]
+    assert interrupted.returncode == ExitCode.STOPPED, output
+    stopped = load_latest(tmp_path / "checkpoints")
+    assert stopped is not None and stopped.shards is not None and stopped.state["mid_epoch"], output
+    assert (stopped.shards / ".metadata").is_file()
+
+    output = run(spec_file)
+    assert f"resuming from {stopped.path} at step {stopped.step}" in output
+    assert same_weights(sharded_model(tmp_path, tmp_path), sharded_model(fsdp_reference, tmp_path)) == []
+
+
+@pytest.mark.slow
+def test_resumes_on_three_ranks_and_across_ddp_and_fsdp(tmp_path: Path, digits) -> None:
+    """fsdp on 2 ranks -> fsdp on 3 (DCP reshards) -> ddp on 2 (a sharded checkpoint into a whole
+    model) -> fsdp on 2 (a whole checkpoint into shards); each run continues where the last stopped.
+    A save cut short (shards without their step file) is never resumed from and is pruned."""
+    max_steps = {"max_steps": 20}
+    run(write_spec(tmp_path, digits, train={**FSDP, **max_steps}))
+    first = load_latest(tmp_path / "checkpoints")
+    assert first is not None and first.step == 20 and first.shards is not None
+    cut_short = first.shards.with_name("step-00000099.dcp")
+    shutil.copytree(first.shards, cut_short)
+    (cut_short / "__1_0.distcp").write_bytes(b"")
+
+    output = run(write_spec(tmp_path, digits, train={**FSDP, "max_steps": 40}), nproc=3)
+    assert f"resuming from {first.path} at step 20" in output and "continued by 3" in output, output
+    assert not cut_short.exists()
+    output = run(write_spec(tmp_path, digits, train={"max_steps": 60}))
+    assert "at step 40" in output, output
+    ddp = load_latest(tmp_path / "checkpoints")
+    assert ddp is not None and ddp.shards is None and ddp.step == 60
+    output = run(write_spec(tmp_path, digits, train={**FSDP, "epochs": 4}))
+    assert "at step 60" in output, output
+    assert float(FINAL_ACCURACY.search(output).group(1)) >= 0.90, output
+
+
+def test_sharding_settings_under_ddp_are_refused(tmp_path: Path, digits) -> None:
+    from lance_hpc.errors import UserError
+
+    spec_file = write_spec(tmp_path, digits, train={"activation_checkpointing": True}, checkpoint={"async_save": True})
+    with pytest.raises(UserError) as refused:
+        load_spec(spec_file)
+    message = str(refused.value)
+    assert "train.activation_checkpointing" in message and "checkpoint.async_save" in message
+    assert "train.parallelism: fsdp" in message
