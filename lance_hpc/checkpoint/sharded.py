@@ -16,11 +16,10 @@ preemption and the end of the job wait for that write.
 
 from __future__ import annotations
 
-import shutil
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+
+from lance_hpc.checkpoint import shard_files
+from lance_hpc.storage.checkpoint_store import open_store
 
 SHARDS_SUFFIX = ".dcp"
 
@@ -102,18 +104,27 @@ def by_parameter_name(saved: dict[str, Any], model: nn.Module, optimizer: torch.
     }
 
 
-def load_shards(objects: dict[str, Any], shards: Path) -> None:
-    """Collective: every rank reads its own rows of the shards in ``shards`` into ``objects``."""
+def load_shards(objects: dict[str, Any], directory: str | Path, name: str) -> None:
+    """Collective: every rank reads its own rows of the shards ``name`` in ``directory`` into ``objects``."""
     state = tensor_state(objects)
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(shards)))
+    dcp.load(state, storage_reader=shard_files.reader(directory, name))
     restore_tensor_state(objects, state)
+
+
+def _published(written: Future, publish: Callable[[], None] | None) -> float:
+    """In the background: the shards complete, then (rank 0) the step file that makes them a
+    checkpoint; returns when that was done (time.monotonic)."""
+    written.result()
+    if publish is not None:
+        publish()
+    return time.monotonic()
 
 
 class ShardedSaver:
     """Writes sharded checkpoints for one run; holds the one background write in flight.
 
-    ``finish(step_file_state)`` is rank 0's last act of a save: write ``step-N.pt``, the manifest,
-    prune (given by :mod:`lance_hpc.runtime.checkpoint`)."""
+    ``finish`` is rank 0's last act of a save: write ``step-N.pt``, the manifest, prune (given by
+    :func:`lance_hpc.runtime.checkpoint.save`)."""
 
     def __init__(self, signal_delay_s: float | None) -> None:
         self.signal_delay_s = signal_delay_s
@@ -121,21 +132,23 @@ class ShardedSaver:
         self.write_s = 0.0  # the last save's whole time, background write included
         self._group: Any = None
         self._pending: tuple[Future, float] | None = None
-        self._failure: list[BaseException] = []
+        self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lance_hpc-checkpoint")
         self._warned = False
 
-    def save(self, tensors: dict[str, Any], shards: Path, finish: Callable[[], None], background: bool) -> None:
-        """Collective: write ``tensors`` into ``shards``; rank 0 calls ``finish`` once every shard is there."""
+    def save(
+        self, tensors: dict[str, Any], directory: str | Path, name: str, finish: Callable[[], None], background: bool
+    ) -> None:
+        """Collective: write ``tensors`` into the shards ``name`` of ``directory``. In the background,
+        rank 0 calls ``finish`` once every shard is complete; otherwise the caller publishes."""
         self.wait()
         started = time.monotonic()
-        if shards.exists() and dist.get_rank() == 0:  # what a save of this step cut short left behind
-            shutil.rmtree(shards)
+        if dist.get_rank() == 0:  # what a save of this step cut short left behind
+            shard_files.delete_shards(open_store(directory), name)
         dist.barrier()
-        writer = dcp.FileSystemWriter(str(shards))
+        writer = shard_files.writer(directory, name)
         if not background:
             dcp.save(tensors, storage_writer=writer)
             self.blocked_s = self.write_s = time.monotonic() - started
-            self._finish_on_rank0(finish)
             self._warn_if_slow()
             return
         if self._group is None:  # the background thread's collectives must not mix with the loop's
@@ -143,9 +156,8 @@ class ShardedSaver:
         future = dcp.async_save(tensors, storage_writer=writer, process_group=self._group)
         assert isinstance(future, Future)
         self.blocked_s = time.monotonic() - started
-        if dist.get_rank() == 0:
-            future.add_done_callback(lambda done: self._finish_in_background(done, finish, started))
-        self._pending = (future, started)
+        publish = finish if dist.get_rank() == 0 else None
+        self._pending = (self._publisher.submit(_published, future, publish), started)
 
     def wait(self) -> None:
         """Collective: the background write in flight, if any, complete and published on every rank;
@@ -155,18 +167,17 @@ class ShardedSaver:
         future, started = self._pending
         self._pending = None
         error: BaseException | None = None
+        done = time.monotonic()
         try:
-            future.result()
+            done = future.result()
         except BaseException as failed:  # reported on every rank below
             error = failed
-        if dist.get_rank() == 0 and self._failure:
-            error = error or self._failure.pop()
         outcome = [None if error is None else f"{type(error).__name__}: {error}"]
         flags = torch.tensor([0 if outcome[0] is None else 1], dtype=torch.int64)
         dist.all_reduce(flags, group=self._group)
         if int(flags.item()):
             raise RuntimeError(f"a background checkpoint write failed: {outcome[0] or 'on another rank'}")
-        self.write_s = time.monotonic() - started
+        self.write_s = done - started
         self._warn_if_slow()
 
     def wait_quietly(self, timeout_s: float) -> None:
@@ -178,25 +189,6 @@ class ShardedSaver:
             except BaseException:  # the job is already failing with its own error
                 pass
             self._pending = None
-
-    def _finish_in_background(self, done: Future, finish: Callable[[], None], started: float) -> None:
-        if done.exception() is not None:
-            return
-        try:
-            finish()
-        except BaseException as error:  # raised at the next wait()
-            self._failure.append(error)
-
-    def _finish_on_rank0(self, finish: Callable[[], None]) -> None:
-        outcome: list[Any] = [None]
-        if dist.get_rank() == 0:
-            try:
-                finish()
-            except Exception as error:
-                outcome[0] = error
-        dist.broadcast_object_list(outcome, src=0)
-        if outcome[0] is not None:
-            raise outcome[0]
 
     def _warn_if_slow(self) -> None:
         """Said once: a save longer than the preemption warning would not finish before the job is killed."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import random
 import re
-import shutil
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,6 +25,7 @@ import torch.distributed as dist
 from pydantic import BaseModel, ValidationError
 from torch import nn
 
+from lance_hpc.checkpoint.shard_files import delete_shards, shard_directories
 from lance_hpc.checkpoint.sharded import SHARDS_SUFFIX, ShardedSaver, shards_name
 from lance_hpc.data.mix import pinned_mix
 from lance_hpc.errors import UserError
@@ -41,7 +41,7 @@ from lance_hpc.storage.checkpoint_index import (
     manifest,
     manifest_name,
 )
-from lance_hpc.storage.checkpoint_store import LocalDirectory, Location, NoSpace, locate, open_store
+from lance_hpc.storage.checkpoint_store import Location, NoSpace, locate, open_store
 
 # The checkpoint layout Context.save writes: named objects, named loaders per rank.
 FORMAT = 2
@@ -82,11 +82,10 @@ def prune(directory: str | Path, keep: int) -> None:
     for name in [name for _, name in pruned] + manifests + leftovers(names):
         store.delete(name)
     kept = set(steps) - {step for step, _ in pruned}
-    if isinstance(store, LocalDirectory):  # shards are a directory of files per checkpoint
-        for name in names:
-            match = SHARDS_PATTERN.match(name)
-            if match and int(match.group(1)) not in kept:
-                shutil.rmtree(store.location(name), ignore_errors=True)
+    for name in shard_directories(store):  # pruned, or of a save that never completed
+        match = SHARDS_PATTERN.match(name)
+        if match and int(match.group(1)) not in kept:
+            delete_shards(store, name)
 
 
 def save(
@@ -124,11 +123,7 @@ def save(
 
     if sharded is not None:
         saver, tensors, background = sharded
-        if not isinstance(path, Path):
-            raise UserError(
-                f"checkpoint.dir {directory}: sharded checkpoints are written to a file system for now\n  fix: use a local or shared directory with train.parallelism: fsdp"
-            )
-        saver.save(tensors, path.with_name(shards_name(step)), publish, background)
+        saver.save(tensors, directory, shards_name(step), publish, background)
         if background:
             return path
     outcome: list[Any] = [None]  # (message, whether it is a UserError) when rank 0 failed
@@ -231,10 +226,14 @@ class Checkpoint:
         return int(self.state["epoch"])
 
     @property
-    def shards(self) -> Path | None:
-        """The directory of its model and optimizer shards (a sharded checkpoint); None for one file."""
-        name = self.state.get("shards")
-        return Path(self.path).with_name(name) if name else None
+    def shards(self) -> str | None:
+        """The name of its model and optimizer shards beside it (a sharded checkpoint); None for one file."""
+        return self.state.get("shards")
+
+    @property
+    def directory(self) -> str:
+        """The checkpoint.dir that holds it."""
+        return str(self.path).rpartition("/")[0] if "://" in str(self.path) else str(Path(self.path).parent)
 
     @property
     def world_size(self) -> int:

@@ -481,7 +481,7 @@ class Context:
                 )
         if from_shards:
             assert self._resumed is not None and self._resumed.shards is not None
-            load_shards(from_shards, self._resumed.shards)
+            load_shards(from_shards, self._resumed.directory, self._resumed.shards)
         if whole:
             assert self._resumed is not None
             restore_tensor_state(whole, {name: self._resumed.objects[name] for name in whole}, whole=True)
