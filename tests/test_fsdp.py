@@ -4,8 +4,12 @@ bit, on another world size, and across ddp and fsdp."""
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +21,7 @@ from lance_hpc.parallel.materialise import BLOCK_ELEMENTS, _replay_rows, build_o
 from lance_hpc.runtime.checkpoint import load_latest
 from lance_hpc.spec import load_spec
 from lance_hpc.tasks.gpt import GPT
-from tests.support.jobs import FINAL_ACCURACY, same_weights, write_spec
+from tests.support.jobs import FINAL_ACCURACY, REPO_ROOT, same_weights, write_spec
 from tests.support.ranks import launch, read_until
 
 FSDP = {"parallelism": "fsdp"}
@@ -37,7 +41,7 @@ def sharded_model(directory: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
     if found.shards is None:
         return found.objects["model"]
     whole = tmp_path / f"{directory.name}-whole.pt"
-    dcp_to_torch_save(found.shards, whole)
+    dcp_to_torch_save(Path(found.directory) / found.shards, whole)
     return torch.load(whole, weights_only=False)["model"]
 
 
@@ -116,7 +120,7 @@ def test_a_background_save_survives_usr2_and_resumes_bit_for_bit(fsdp_reference:
     assert interrupted.returncode == ExitCode.STOPPED, output
     stopped = load_latest(tmp_path / "checkpoints")
     assert stopped is not None and stopped.shards is not None and stopped.state["mid_epoch"], output
-    assert (stopped.shards / ".metadata").is_file()
+    assert (tmp_path / "checkpoints" / stopped.shards / ".metadata").is_file()
 
     output = run(spec_file)
     assert f"resuming from {stopped.path} at step {stopped.step}" in output
@@ -132,8 +136,8 @@ def test_resumes_on_three_ranks_and_across_ddp_and_fsdp(tmp_path: Path, digits) 
     run(write_spec(tmp_path, digits, train={**FSDP, **max_steps}))
     first = load_latest(tmp_path / "checkpoints")
     assert first is not None and first.step == 20 and first.shards is not None
-    cut_short = first.shards.with_name("step-00000099.dcp")
-    shutil.copytree(first.shards, cut_short)
+    cut_short = tmp_path / "checkpoints" / "step-00000099.dcp"
+    shutil.copytree(tmp_path / "checkpoints" / first.shards, cut_short)
     (cut_short / "__1_0.distcp").write_bytes(b"")
 
     output = run(write_spec(tmp_path, digits, train={**FSDP, "max_steps": 40}), nproc=3)
@@ -157,3 +161,52 @@ def test_sharding_settings_under_ddp_are_refused(tmp_path: Path, digits) -> None
     message = str(refused.value)
     assert "train.activation_checkpointing" in message and "checkpoint.async_save" in message
     assert "train.parallelism: fsdp" in message
+
+
+@pytest.mark.slow
+def test_export_round_trips_into_the_tasks_model_and_evaluation_reads_the_shards(
+    fsdp_reference: Path, tmp_path: Path, digits
+) -> None:
+    """lance-hpc checkpoint export writes the sharded model as one state dict (.pt and .safetensors)
+    that loads into the task's own model; an evaluation job reads the shards directly and reports
+    the accuracy the training run reported."""
+    from safetensors.torch import load_file
+
+    from lance_hpc.tasks.models import build_model
+    from tests.test_infer import infer_spec, run_local
+
+    expected = sharded_model(fsdp_reference, tmp_path)
+    for name in ("model.pt", "model.safetensors"):
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "lance_hpc",
+                "checkpoint",
+                "export",
+                str(fsdp_reference / "checkpoints"),
+                str(tmp_path / name),
+            ],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        exported = torch.load(tmp_path / name) if name.endswith(".pt") else load_file(tmp_path / name)
+        assert same_weights(exported, expected) == []
+        model = build_model("small_cnn", 10, 3)
+        model.load_state_dict(exported)  # strict: every key of the task's model, nothing else
+
+    spec = infer_spec(
+        tmp_path / "eval", digits.val, fsdp_reference / "checkpoints", job="evaluate", metrics_file=str(tmp_path / "m.json")
+    )
+    done = run_local(spec)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads((tmp_path / "m.json").read_text())["metrics"]["eval/accuracy"] >= 0.90
+
+
+def test_export_refuses_an_unknown_format_and_an_empty_directory(tmp_path: Path) -> None:
+    from lance_hpc.checkpoint.export import main
+
+    assert main(["export", str(tmp_path), str(tmp_path / "model.bin")]) == ExitCode.USER_ERROR
+    assert main(["export", str(tmp_path), str(tmp_path / "model.pt")]) == ExitCode.USER_ERROR

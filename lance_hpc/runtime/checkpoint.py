@@ -260,6 +260,16 @@ class Checkpoint:
         return (loaders or {}).get(name)
 
 
+def load_step(directory: str | Path, step: int) -> Checkpoint:
+    """The checkpoint of ``step`` in ``directory``; a UserError listing the steps there when it has none."""
+    store = open_store(directory)
+    steps = checkpoint_steps(store.names())
+    if step not in steps:
+        kept = ", ".join(str(kept) for kept in steps) or "none"
+        raise UserError(f"{directory} holds no checkpoint of step {step} (it has: {kept})")
+    return Checkpoint(store.location(steps[step]), store.read(steps[step]))
+
+
 def load_latest(directory: str | Path) -> Checkpoint | None:
     """The newest checkpoint that loads; None when there is none."""
     store = open_store(directory)
