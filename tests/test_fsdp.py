@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -210,3 +211,25 @@ def test_export_refuses_an_unknown_format_and_an_empty_directory(tmp_path: Path)
 
     assert main(["export", str(tmp_path), str(tmp_path / "model.bin")]) == ExitCode.USER_ERROR
     assert main(["export", str(tmp_path), str(tmp_path / "model.pt")]) == ExitCode.USER_ERROR
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"activation_checkpointing": True, "cpu_offload": True}, {"compile": True}],
+    ids=["fsdp", "recompute-and-offload", "compile"],
+)
+def test_the_language_model_trains_to_the_ddp_bar_under_fsdp(tmp_path: Path, stdlib_tokens, settings: dict) -> None:
+    """The GPT sharded per transformer block reaches the bar its DDP test sets (tests/test_tasks.py),
+    also with activations recomputed and the shards offloaded to host memory."""
+    spec_file = write_spec(
+        tmp_path,
+        stdlib_tokens,
+        task={"name": "language_model", "options": {"layers": 1, "width": 64, "heads": 2}},
+        data={"num_workers": 1, "batch_size": 16},
+        train={"epochs": 1, "max_steps": 60, "lr": 0.003, "warmup_epochs": 0.05, **FSDP, **settings},
+    )
+    output = run(spec_file)
+    bits = float(re.search(r"final validation bits per byte: ([0-9.]+)", output).group(1))
+    assert bits < 5.0, output
+    assert "declares no blocks" not in output and "built whole on the CPU" not in output, output
