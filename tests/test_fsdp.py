@@ -233,3 +233,17 @@ def test_the_language_model_trains_to_the_ddp_bar_under_fsdp(tmp_path: Path, std
     bits = float(re.search(r"final validation bits per byte: ([0-9.]+)", output).group(1))
     assert bits < 5.0, output
     assert "declares no blocks" not in output and "built whole on the CPU" not in output, output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_out_of_memory_says_what_the_state_needs_per_rank_and_what_to_change(tmp_path: Path, digits, parallelism: str) -> None:
+    spec_file = write_spec(tmp_path, digits, entry="tests.support.oom:main", train={"parallelism": parallelism})
+    process = launch(spec_file)
+    output = process.communicate(timeout=300)[0]
+    assert process.returncode == ExitCode.USER_ERROR, output
+    assert "Traceback" not in output, output
+    assert f"under train.parallelism {parallelism} on 2 rank(s) each rank holds weights" in output, output
+    assert "adamw state" in output and "GiB before activations" in output, output
+    fix = "train.parallelism: fsdp" if parallelism == "ddp" else "train.activation_checkpointing: true"
+    assert fix in output and "data.batch_size" in output and "PyTorch said: CUDA out of memory" in output, output

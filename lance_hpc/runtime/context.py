@@ -55,6 +55,7 @@ from lance_hpc.errors import UserError
 from lance_hpc.parallel import fsdp
 from lance_hpc.parallel.fsdp import default_blocks, note_default_blocks
 from lance_hpc.parallel.materialise import MetaModel, build_on_meta, materialise, seeded, to_empty
+from lance_hpc.parallel.memory import out_of_memory_message
 from lance_hpc.runtime import checkpoint
 from lance_hpc.runtime.checkpoint import Checkpoint
 from lance_hpc.runtime.environment import DistEnv, configure_process
@@ -529,6 +530,15 @@ class Context:
         complete; steps() calls it before a preemption ends the job, lance_hpc at the end."""
         self._saver.wait()
 
+    def out_of_memory(self, error: BaseException) -> str:
+        """What the model's state needs per rank and what to change, for a device out of memory."""
+        models = [_unwrapped(item) for item in self._registered.values() if isinstance(_unwrapped(item), nn.Module)]
+        if not models:  # it ran out while the model was built or wrapped: count it on the meta device
+            models = [build_on_meta(self.task.build_model).model]
+        parameters = sum(parameter.numel() for model in models for parameter in model.parameters())
+        total = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
+        return out_of_memory_message(error, self.spec, parameters, self.world_size, str(self.device), total)
+
     def _sharded(self) -> bool:
         return any(fsdp.is_sharded(_unwrapped(item)) for item in self._registered.values() if isinstance(item, nn.Module))
 
@@ -796,6 +806,8 @@ def run_entry(
     try:
         result = entry(context)
         context.wait_for_checkpoint()
+    except torch.OutOfMemoryError as error:
+        raise UserError(context.out_of_memory(error)) from None
     except Preempted as stop:
         return Summary("preempted", stop.step, context.epoch, stop.saved)
     except StopNotHonoured as stop:
