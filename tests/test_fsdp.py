@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from lance_hpc.runtime.checkpoint import load_latest
 from lance_hpc.spec import load_spec
 from lance_hpc.tasks.gpt import GPT
 from tests.support.jobs import FINAL_ACCURACY, REPO_ROOT, same_weights, scalars, write_spec
-from tests.support.ranks import launch, read_until
+from tests.support.ranks import launch, rank_pid, read_until
 
 FSDP = {"parallelism": "fsdp"}
 
@@ -266,3 +267,39 @@ def test_stopped_on_two_ranks_the_first_loss_on_three_is_within_one_percent(tmp_
     assert f"at step {last - 1}" in output and "continued by 3" in output, output
     after = dict(scalars(resumed / "runs")["train/loss"])
     assert after[last] == pytest.approx(expected[last], rel=0.01), (last, after[last], expected[last])
+
+
+@pytest.mark.slow
+def test_a_save_killed_mid_write_leaves_the_previous_checkpoint_loadable(tmp_path: Path, stdlib_tokens) -> None:
+    """A GPT big enough that its shards take a while to write: rank 1 is stopped the moment its shard
+    file of step 20 appears (rank 0 cannot complete the save without it), then both ranks are killed.
+    Step 10 stays the latest checkpoint and the job resumes from it."""
+    spec_file = write_spec(
+        tmp_path,
+        stdlib_tokens,
+        task={"name": "language_model", "options": {"layers": 4, "width": 384, "heads": 4}},
+        data={"batch_size": 4},
+        train={**FSDP, "epochs": 1, "max_steps": 25, "lr": 0.001},
+        logging={"log_every_steps": 1, "progress": False},
+    )
+    directory = tmp_path / "checkpoints"
+    job = launch(spec_file)
+    read_until(job, "step 19/", timeout_s=300)
+    rank_1 = rank_pid(job, 1)
+    shard = directory / "step-00000020.dcp" / "__1_0.distcp"
+    deadline = time.monotonic() + 120
+    while not shard.exists() and time.monotonic() < deadline:
+        time.sleep(0.002)
+    os.kill(rank_1, signal.SIGSTOP)
+    assert shard.exists(), "rank 1 never began to write its shard of step 20"
+    for rank in (0, 1):
+        os.kill(rank_pid(job, rank), signal.SIGKILL)
+    output = job.communicate(timeout=120)[0]
+    assert job.returncode != 0, output
+    assert not (directory / "step-00000020.pt").exists(), "the save completed before the ranks were killed"
+    saved = load_latest(directory)
+    assert saved is not None and saved.step == 10
+
+    output = run(spec_file)
+    assert f"resuming from {saved.path} at step 10" in output, output
+    assert (directory / "step-00000020.pt").exists() and (directory / "step-00000020.dcp" / ".metadata").exists()
