@@ -96,6 +96,8 @@ def fsdp_reference(digits, tmp_path_factory: pytest.TempPathFactory) -> Path:
     output = run(write_spec(directory, digits, train=FSDP))
     assert float(FINAL_ACCURACY.search(output).group(1)) >= 0.90, output
     assert "Warning" not in output, output
+    # the small CNN declares no blocks: the job says what it wraps and how to choose
+    assert "declares no blocks to shard; fsdp wraps" in output and "blocks(self, model)" in output, output
     return directory
 
 
@@ -217,8 +219,8 @@ def test_export_refuses_an_unknown_format_and_an_empty_directory(tmp_path: Path)
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "settings",
-    [{}, {"activation_checkpointing": True, "cpu_offload": True}, {"compile": True}],
-    ids=["fsdp", "recompute-and-offload", "compile"],
+    [{}, {"activation_checkpointing": True, "cpu_offload": True}, {"compile": True}, {"grad_accum": 2, "grad_clip": 0.5}],
+    ids=["fsdp", "recompute-and-offload", "compile", "accumulate-and-clip"],
 )
 def test_the_language_model_trains_to_the_ddp_bar_under_fsdp(tmp_path: Path, stdlib_tokens, settings: dict) -> None:
     """The GPT sharded per transformer block reaches the bar its DDP test sets (tests/test_tasks.py),
