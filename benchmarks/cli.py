@@ -19,7 +19,19 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
-from benchmarks import choose, gpu, infer, ingest, local, object_storage, peer_loaders, report, shuffle_quality, text_ingest
+from benchmarks import (
+    choose,
+    gpu,
+    infer,
+    ingest,
+    local,
+    object_storage,
+    peer_loaders,
+    report,
+    sharded,
+    shuffle_quality,
+    text_ingest,
+)
 from benchmarks.datasets import DataSetSpec, prepare
 from benchmarks.sections import Context, Section
 from benchmarks.worker import WORKER
@@ -90,6 +102,14 @@ SECTIONS: dict[str, Section] = {
         choose.section_report,
         runs=2,
         once=(shuffle_quality.TRAIN_KIND,),
+    ),
+    "sharded": Section(
+        "a GPT of 110M parameters on 2 and 4 local gloo ranks (CPU) under ddp and fsdp: state bytes per rank, the "
+        "step loop's wait per save (ddp's one file, a synchronous and a background sharded save) and tokens/s; and "
+        "start-up to the first step of a 350M GPT, ddp's CPU build against fsdp on the meta device",
+        sharded.configs,
+        sharded.section_report,
+        runs=1,
     ),
     "gpu": Section(
         "ResNet-50 training on one CUDA GPU (bf16, channels-last), fed by the default strategy from local disk "

@@ -29,13 +29,18 @@ COMMANDS = {
     "plan": ("lance_hpc.data.plan", "main", "show how the data splits over ranks, steps and workers"),
     "ingest": ("lance_hpc.data.ingest", "main", "write an image or text source into a Lance dataset"),
     "tokenizer": ("lance_hpc.data.tokenizer", "main", "train a BPE tokenizer offline for text ingest (tokenizer train)"),
+    "checkpoint": (
+        "lance_hpc.checkpoint.export",
+        "main",
+        "export a checkpoint's model (sharded or not) as one .pt or .safetensors",
+    ),
     "bench": ("lance_hpc.bench.cli", "main", "benchmark a job's data pipeline (and, in a checkout, the peers)"),
 }
 
 
 def usage() -> str:
     lines = ["usage: lance-hpc COMMAND [ARGS...]   (lance-hpc COMMAND --help for its options)", "", "commands:"]
-    lines += [f"  {name:<9} {help_text}" for name, (_, _, help_text) in COMMANDS.items()]
+    lines += [f"  {name:<10} {help_text}" for name, (_, _, help_text) in COMMANDS.items()]
     lines += ["", "a first run: lance-hpc submit jobs/quickstart.yaml --local"]
     return "\n".join(lines)
 

@@ -342,3 +342,36 @@ def test_a_second_job_on_the_same_s3_checkpoint_dir_is_refused(run_uri: str, s3_
     finally:
         first.kill()
     assert lease.LEASE_NAME not in stored(s3_env, run_uri)  # a run that stopped gives it back
+
+
+@pytest.mark.s3
+@pytest.mark.slow
+def test_sharded_checkpoints_written_in_the_background_resume_from_s3(
+    run_uri: str, s3_env: S3Server, tmp_path: Path, digits
+) -> None:
+    """train.parallelism fsdp with async_save on an s3:// checkpoint.dir: each rank uploads its own
+    shards, USR2 stops the job once they are complete, and the job resumes from them and finishes;
+    pruning removes the shards of old checkpoints."""
+    spec_file = write_spec(
+        tmp_path, digits, train={"epochs": 2, "parallelism": "fsdp"}, checkpoint={"dir": run_uri, "async_save": True}
+    )
+    spec = load_spec(spec_file).spec
+    steps_per_epoch = data.build_train_loader(spec.data, load_task(spec).decoder(train=True), 0, 2).steps_per_epoch
+    interrupted = submit_local(spec_file)
+    read_until(interrupted, f"step {steps_per_epoch + 5}/")
+    interrupted.send_signal(signal.SIGUSR2)
+    output = interrupted.communicate(timeout=120)[0]
+    assert interrupted.returncode == ExitCode.STOPPED, output
+    stopped = checkpoint.load_latest(run_uri)
+    assert stopped is not None and stopped.shards is not None and stopped.state["mid_epoch"], output
+    objects = stored(s3_env, run_uri)
+    assert {f"{stopped.shards}/.metadata", f"{stopped.shards}/__0_0.distcp", f"{stopped.shards}/__1_0.distcp"} <= set(objects)
+    assert not list(tmp_path.rglob("*.distcp"))  # nothing went to a local directory
+
+    resumed = submit_local(spec_file)
+    output = resumed.communicate(timeout=300)[0]
+    assert resumed.returncode == 0, output
+    assert f"resuming from {stopped.path} at step {stopped.step}" in output
+    assert checkpoint.load_latest(run_uri).step == 2 * steps_per_epoch
+    steps = {name.split("/")[0].split(".")[0] for name in stored(s3_env, run_uri) if name.startswith("step-")}
+    assert len(steps) == spec.checkpoint.keep, stored(s3_env, run_uri)

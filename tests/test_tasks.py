@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from lance_hpc.data import build_train_loader, dataset_info, ensure_dataset, load_task
+from lance_hpc.data import build_train_loader, dataset_info, load_task
 from lance_hpc.errors import UserError
-from lance_hpc.spec import DataSpec, IngestSpec, SpecError, load_spec, validate_spec
+from lance_hpc.spec import DataSpec, SpecError, load_spec, validate_spec
 from lance_hpc.spec.choices import STYLES
 from lance_hpc.tasks import ROW_ID, TaskError, build_task
 from lance_hpc.tasks.language import LanguageModel
@@ -26,16 +26,6 @@ from tests.support.jobs import Digits, final_state, hparams_logged, same_weights
 from tests.support.ranks import launch
 
 TRAIN_SAMPLERS = [(style, sampler) for style, samplers in STYLES.items() for sampler in samplers if sampler != "full_scan"]
-
-
-@pytest.fixture(scope="session")
-def stdlib_tokens(tmp_path_factory: pytest.TempPathFactory) -> Digits:
-    """A slice of the standard library's sources as 33-token sequences (train and validation)."""
-    root = tmp_path_factory.mktemp("stdlib")
-    dataset = Digits(str(root / "train.lance"), str(root / "val.lance"))
-    ingest = IngestSpec(source="python-stdlib:max_mb=0.2", val_fraction=0.1, rows_per_fragment=500, seed=0, sequence_length=32)
-    ensure_dataset(DataSpec(uri=dataset.train, val_uri=dataset.val, ingest=ingest))
-    return dataset
 
 
 def builtin_task(name: str, dataset: Digits):

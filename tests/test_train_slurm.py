@@ -392,3 +392,17 @@ def test_a_filtered_mix_requeued_by_usr2_draws_each_source_epoch_once(
         whole = sum(counts.values()) // size
         assert set(counts.values()) <= {whole, whole + 1}, source
     assert all(len(set(source_of(torch.tensor(batch).numpy()).tolist())) == 2 for batches in per_rank for batch in batches)
+
+
+def test_a_sharded_job_saving_in_the_background_requeues_and_resumes(
+    slurm_cluster: SlurmCluster, digits: Digits, tmp_path: Path
+) -> None:
+    """train.parallelism fsdp on 4 ranks of 2 nodes, checkpoint.async_save: USR2 early in epoch 2
+    waits for the background write, requeues, and the requeued job resumes from the shards and trains
+    to the bar."""
+    spec = job_spec(tmp_path, digits, slurm_cluster, train={"epochs": 2, "parallelism": "fsdp"}, checkpoint={"async_save": True})
+    job_id, output, stopped = interrupt_with_usr2(slurm_cluster, spec)
+    assert stopped["shards"] == f"step-{stopped['step']:08d}.dcp", stopped.keys()
+    assert (Path(spec.checkpoint.dir) / stopped["shards"] / ".metadata").is_file()
+    assert float(FINAL_ACCURACY.search(output).group(1)) >= 0.85, output
+    assert "Traceback" not in output, output

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +25,8 @@ import torch.distributed as dist
 from pydantic import BaseModel, ValidationError
 from torch import nn
 
+from lance_hpc.checkpoint.shard_files import delete_shards, shard_directories
+from lance_hpc.checkpoint.sharded import SHARDS_SUFFIX, ShardedSaver, shards_name
 from lance_hpc.data.mix import pinned_mix
 from lance_hpc.errors import UserError
 from lance_hpc.runtime import lease
@@ -46,6 +49,7 @@ FORMAT = 2
 EARLIER_TRAINER_OBJECTS = ("model", "optimizer")
 
 log = logging.getLogger("lance_hpc.checkpoint")
+SHARDS_PATTERN = re.compile(r"^step-(\d+)" + re.escape(SHARDS_SUFFIX) + "$")
 
 
 def checkpoint_path(directory: str | Path, step: int) -> Location:
@@ -68,35 +72,64 @@ def write_atomically(state: dict[str, Any], path: Location) -> None:
 
 
 def prune(directory: str | Path, keep: int) -> None:
-    """Delete all but the newest ``keep`` checkpoints with their manifests, and what a crash left."""
+    """Delete all but the newest ``keep`` checkpoints with their manifests and shards, and what a
+    crash left (temporary files, shards of a save that never completed)."""
     store = open_store(directory)
     names = store.names()
-    pruned = list(checkpoint_steps(names).items())[:-keep]
+    steps = checkpoint_steps(names)
+    pruned = list(steps.items())[:-keep]
     manifests = [manifest_name(step) for step, _ in pruned if manifest_name(step) in names]
     for name in [name for _, name in pruned] + manifests + leftovers(names):
         store.delete(name)
+    kept = set(steps) - {step for step, _ in pruned}
+    for name in shard_directories(store):  # pruned, or of a save that never completed
+        match = SHARDS_PATTERN.match(name)
+        if match and int(match.group(1)) not in kept:
+            delete_shards(store, name)
 
 
-def save(directory: str | Path, step: int, state: dict[str, Any], rank_state: dict[str, Any], keep: int) -> Location:
+def save(
+    directory: str | Path,
+    step: int,
+    state: dict[str, Any],
+    rank_state: dict[str, Any],
+    keep: int,
+    sharded: tuple[ShardedSaver, dict[str, Any], bool] | None = None,
+) -> Location:
     """Collective: every rank calls it with the same step; rank 0 writes, then all ranks go on.
 
     ``state`` is rank 0's (the model and optimizer are the same on every rank). ``rank_state``
     and the RNG states of every rank are gathered into ``state["ranks"][rank]``, so each rank gets
     its own back on resume. A failed write raises on every rank (rank 0's error is broadcast)
     instead of leaving the others waiting.
+
+    ``sharded`` (saver, tensor state, in the background): the modules and optimizers are written
+    by every rank into the shards ``step-N.dcp`` first (see :mod:`lance_hpc.checkpoint.sharded`),
+    and ``step-N.pt`` names them; in the background, rank 0 writes it when the shards are complete.
     """
     ranks: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, {**rank_state, "rng": capture_rng()})
     path = checkpoint_path(directory, step)
+    if sharded is not None:
+        state = {**state, "shards": shards_name(step)}
+
+    def publish() -> None:
+        held = lease.held(directory)
+        if held is not None:
+            held.confirm()
+        write_atomically({**state, "ranks": ranks}, path)
+        open_store(directory).write_bytes(manifest_name(step), manifest({**state, "step": step}, len(ranks)))
+        prune(directory, keep)
+
+    if sharded is not None:
+        saver, tensors, background = sharded
+        saver.save(tensors, directory, shards_name(step), publish, background)
+        if background:
+            return path
     outcome: list[Any] = [None]  # (message, whether it is a UserError) when rank 0 failed
     if dist.get_rank() == 0:
         try:
-            held = lease.held(directory)
-            if held is not None:
-                held.confirm()
-            write_atomically({**state, "ranks": ranks}, path)
-            open_store(directory).write_bytes(manifest_name(step), manifest({**state, "step": step}, len(ranks)))
-            prune(directory, keep)
+            publish()
         except UserError as error:  # the object store's message already names the URI and the fix
             outcome[0] = (str(error), True)
         except NoSpace as full:
@@ -193,6 +226,16 @@ class Checkpoint:
         return int(self.state["epoch"])
 
     @property
+    def shards(self) -> str | None:
+        """The name of its model and optimizer shards beside it (a sharded checkpoint); None for one file."""
+        return self.state.get("shards")
+
+    @property
+    def directory(self) -> str:
+        """The checkpoint.dir that holds it."""
+        return str(self.path).rpartition("/")[0] if "://" in str(self.path) else str(Path(self.path).parent)
+
+    @property
     def world_size(self) -> int:
         """How many ranks wrote it."""
         return len(self.state["ranks"])
@@ -215,6 +258,16 @@ class Checkpoint:
         if loaders is None and saved.get("loader") is not None:  # the earlier built-in trainer's one loader
             loaders = {"loader": saved["loader"]}
         return (loaders or {}).get(name)
+
+
+def load_step(directory: str | Path, step: int) -> Checkpoint:
+    """The checkpoint of ``step`` in ``directory``; a UserError listing the steps there when it has none."""
+    store = open_store(directory)
+    steps = checkpoint_steps(store.names())
+    if step not in steps:
+        kept = ", ".join(str(kept) for kept in steps) or "none"
+        raise UserError(f"{directory} holds no checkpoint of step {step} (it has: {kept})")
+    return Checkpoint(store.location(steps[step]), store.read(steps[step]))
 
 
 def load_latest(directory: str | Path) -> Checkpoint | None:

@@ -49,8 +49,13 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from lance_hpc import data
+from lance_hpc.checkpoint.sharded import ShardedSaver, is_tensor_state, load_shards, restore_tensor_state, tensor_state
 from lance_hpc.data import EvalLoader, MixLoader, TrainLoader
 from lance_hpc.errors import UserError
+from lance_hpc.parallel import fsdp
+from lance_hpc.parallel.fsdp import default_blocks, note_default_blocks
+from lance_hpc.parallel.materialise import MetaModel, build_on_meta, materialise, seeded, to_empty
+from lance_hpc.parallel.memory import out_of_memory_message
 from lance_hpc.runtime import checkpoint
 from lance_hpc.runtime.checkpoint import Checkpoint
 from lance_hpc.runtime.environment import DistEnv, configure_process
@@ -209,6 +214,8 @@ class Context:
         self._stepping: TrainLoader | None = None  # the loader steps() iterates
         self._in_steps = False
         self._registered: dict[str, Stateful] = {}
+        self._meta: dict[int, MetaModel] = {}  # models of build_model() that wrap() initialises on their shards
+        self._saver = ShardedSaver(spec.slurm.signal_delay_s if env.launcher == "slurm" else None)
         self._rng_restored = False
         self._step_hooks: list[Callable[[], None]] = []
         self._epoch_hooks: list[Callable[[], None]] = []
@@ -354,18 +361,40 @@ class Context:
         )
 
     def build_model(self) -> nn.Module:
-        """The task's model on this rank's device, as the task prepares it, with the initial weights
-        its options name. A resumed job checks instead that its checkpoint was written for the same
-        task and model (register the model to restore it)."""
-        model = self.task.build_model()
+        """The task's model, with the initial weights its options name, as the task prepares it. It is
+        built on the meta device and initialised where it lives (:mod:`lance_hpc.parallel.materialise`):
+        on this rank's device under ddp; under fsdp it stays on the meta device until :meth:`wrap`
+        gives each rank its shards. A resumed job checks instead that its checkpoint was written for
+        the same task and model (register the model to restore it)."""
         if self._resumed is not None:
             checkpoint.check_same_model(self._resumed, self.spec, self.task.options)
+        weights = self._resumed is None and getattr(self.task.options, "weights", None) is not None
+        meta = build_on_meta(self.task.build_model)
+        problem = meta.problem()
+        if problem is None and self.spec.train.parallelism == "fsdp" and not weights:
+            self._meta[id(meta.model)] = meta  # wrap() shards it, then initialises each rank's rows
+            return meta.model
+        if problem is None:
+            model = to_empty(meta.model, self.device)
+            materialise(meta, self.device, self.spec.train.seed)
         else:
+            if self.is_main:
+                print(f"lance_hpc: the model is built whole on the CPU: {problem}", file=sys.stderr, flush=True)
+            with seeded(self.spec.train.seed):
+                model = self.task.build_model()
+        if self._resumed is None:
             self.task.load_weights(model)
+        if self.spec.train.parallelism == "fsdp":
+            return model  # fully_shard moves each shard to the device
         return self.task.prepare_model(model, self.device)
 
-    def wrap(self, model: nn.Module) -> DistributedDataParallel:
-        """``model`` on this rank's device, wrapped for DDP (call it before building the optimizer)."""
+    def wrap(self, model: nn.Module, blocks: list[nn.Module] | None = None) -> nn.Module:
+        """``model`` on this rank's device, wrapped for train.parallelism (call it before building the
+        optimizer): DDP, or FSDP2 shards of each of ``blocks`` (default: the task's
+        :meth:`~lance_hpc.tasks.Task.blocks`) and of the root. A model of :meth:`build_model` under
+        fsdp is initialised here, each rank computing only its own shards."""
+        if self.spec.train.parallelism == "fsdp":
+            return self._shard(model, blocks)
         wrapped = wrap_model(model.to(self.device), self.device, self.spec.train.deterministic)
         activity = self._activity
 
@@ -380,6 +409,25 @@ class Context:
         wrapped.register_comm_hook(None, all_reduce_noting_the_first_bucket)
         return wrapped
 
+    def _shard(self, model: nn.Module, blocks: list[nn.Module] | None) -> nn.Module:
+        chosen = blocks if blocks is not None else self.task.blocks(model)
+        if chosen is None:
+            chosen, where = default_blocks(model)
+            if self.is_main:
+                note_default_blocks(self.spec.task.name, where, len(chosen))
+        meta = self._meta.pop(id(model), None)
+        sharded = fsdp.shard(model, chosen, self.device, self.spec.train, self.world_size)
+        if meta is not None:
+            offload = self.spec.train.cpu_offload
+            sharded.to_empty(device=torch.device("cpu") if offload else self.device)
+            if offload:  # parameters live in host memory between uses; buffers stay where the compute is
+                for module in sharded.modules():
+                    for key, buffer in module._buffers.items():
+                        if buffer is not None:
+                            module._buffers[key] = buffer.to(self.device)
+            materialise(meta, self.device, self.spec.train.seed)
+        return sharded
+
     def to_device(self, batch: Batch) -> Batch:
         """A batch on this rank's device, as the task prepares it (normalised images, ...)."""
         return self.task.to_device(batch, self.device)
@@ -389,7 +437,11 @@ class Context:
         return precision_context(self.spec.train, self.device)
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
-        """DDP's no_sync while :attr:`accumulating`: gradients are all-reduced once per step."""
+        """DDP's no_sync while :attr:`accumulating` (under fsdp: no gradient reduce-scatter until the
+        step's last batch): gradients are reduced once per step."""
+        if fsdp.is_sharded(model):
+            model.set_requires_gradient_sync(not self._accumulating)  # type: ignore[operator]
+            return nullcontext()
         if self._accumulating and isinstance(model, DistributedDataParallel):
             return model.no_sync()
         return nullcontext()
@@ -398,7 +450,11 @@ class Context:
 
     def register(self, **objects: Stateful) -> None:
         """Checkpoint these objects (model, optimizer, scheduler, loader, anything with
-        ``state_dict``/``load_state_dict``); when the job resumes, each is restored here, in place."""
+        ``state_dict``/``load_state_dict``); when the job resumes, each is restored here, in place.
+        Register a model together with its optimizer: a sharded checkpoint keys the optimizer's
+        state by the model's parameter names."""
+        whole: dict[str, Any] = {}  # from a checkpoint of whole tensors into a sharded model
+        from_shards: dict[str, Any] = {}  # from a sharded checkpoint
         for name, item in objects.items():
             if not (hasattr(item, "state_dict") and hasattr(item, "load_state_dict")):
                 raise UserError(
@@ -413,6 +469,10 @@ class Context:
                 saved = self._resumed.loader_position(name, self._env)
                 if saved is not None:
                     item.load_state_dict(saved)
+            elif self._resumed.shards is not None and is_tensor_state(item):
+                from_shards[name] = item
+            elif name in self._resumed.objects and is_tensor_state(item) and self._sharded():
+                whole[name] = item
             elif name in self._resumed.objects:
                 checkpoint.restore_object(_unwrapped(item), self._resumed.objects[name], self._resumed, self.spec, name)
             else:
@@ -420,12 +480,26 @@ class Context:
                     f"ctx.register: the checkpoint {self._resumed.path} holds no {name!r} "
                     f"(it has {', '.join(self._resumed.objects) or 'nothing'})"
                 )
+        if from_shards:
+            assert self._resumed is not None and self._resumed.shards is not None
+            load_shards(from_shards, self._resumed.directory, self._resumed.shards)
+        if whole:
+            assert self._resumed is not None
+            restore_tensor_state(whole, {name: self._resumed.objects[name] for name in whole}, whole=True)
 
     def save(self) -> str:
-        """Collective: checkpoint every registered object now (steps() calls it for you)."""
+        """Collective: checkpoint every registered object now (steps() calls it for you). Under fsdp
+        each rank writes its own shards of the model and optimizer (in the background with
+        checkpoint.async_save)."""
         self._activity.enter("checkpoint")
         loaders = {name: item for name, item in self._registered.items() if isinstance(item, TrainLoader)}
         mid_epoch = any(item.epoch == self._epoch and item.consumed > 0 for item in loaders.values())
+        sharded = self._sharded()
+        tensors = {name: item for name, item in self._registered.items() if sharded and is_tensor_state(item)}
+        for item in tensors.values():  # fsdp keeps buffers (BatchNorm statistics) per rank: save rank 0's, as DDP does
+            if isinstance(item, nn.Module):
+                for buffer in item.buffers():
+                    dist.broadcast(buffer, src=0)
         state = {
             "format": checkpoint.FORMAT,
             "step": self._step,
@@ -433,14 +507,40 @@ class Context:
             "progress": self.progress,
             "mid_epoch": mid_epoch,
             "world_size": self.world_size,
-            "objects": {name: _unwrapped(item).state_dict() for name, item in self._registered.items() if name not in loaders},
+            "objects": {
+                name: _unwrapped(item).state_dict()
+                for name, item in self._registered.items()
+                if name not in loaders and name not in tensors
+            },
             "dataset_version": next(iter(loaders.values())).dataset_version if loaders else None,
             "data_pinned": next(iter(loaders.values())).pinned if loaders else None,
             "spec": self.spec.redacted_dict(),
         }
         rank_state = {"loaders": {name: item.state_dict() for name, item in loaders.items()} if mid_epoch else {}}
-        self._saved = str(checkpoint.save(self.spec.checkpoint.dir, self._step, state, rank_state, self.spec.checkpoint.keep))
+        shards = (self._saver, tensor_state(tensors), self.spec.checkpoint.async_save) if sharded else None
+        self._saved = str(
+            checkpoint.save(self.spec.checkpoint.dir, self._step, state, rank_state, self.spec.checkpoint.keep, shards)
+        )
+        if sharded:
+            self._logger.log({"checkpoint/blocked_s": self._saver.blocked_s}, self._step)
         return self._saved
+
+    def wait_for_checkpoint(self) -> None:
+        """Collective: the checkpoint still being written in the background (checkpoint.async_save)
+        complete; steps() calls it before a preemption ends the job, lance_hpc at the end."""
+        self._saver.wait()
+
+    def out_of_memory(self, error: BaseException) -> str:
+        """What the model's state needs per rank and what to change, for a device out of memory."""
+        models = [_unwrapped(item) for item in self._registered.values() if isinstance(_unwrapped(item), nn.Module)]
+        if not models:  # it ran out while the model was built or wrapped: count it on the meta device
+            models = [build_on_meta(self.task.build_model).model]
+        parameters = sum(parameter.numel() for model in models for parameter in model.parameters())
+        total = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
+        return out_of_memory_message(error, self.spec, parameters, self.world_size, str(self.device), total)
+
+    def _sharded(self) -> bool:
+        return any(fsdp.is_sharded(_unwrapped(item)) for item in self._registered.values() if isinstance(item, nn.Module))
 
     # ---- the loop --------------------------------------------------------------------------------
 
@@ -533,7 +633,9 @@ class Context:
                     if done_all:
                         return
                     if self._preemption.agreed(self.device):
-                        raise Preempted(self._step, saved or self.save())
+                        saved = saved or self.save()
+                        self.wait_for_checkpoint()  # the requeued job must find it complete
+                        raise Preempted(self._step, saved)
                     if epoch_end:
                         break
             self._bar = None
@@ -703,6 +805,9 @@ def run_entry(
     context._profiler.listen()
     try:
         result = entry(context)
+        context.wait_for_checkpoint()
+    except torch.OutOfMemoryError as error:
+        raise UserError(context.out_of_memory(error)) from None
     except Preempted as stop:
         return Summary("preempted", stop.step, context.epoch, stop.saved)
     except StopNotHonoured as stop:
@@ -710,6 +815,7 @@ def run_entry(
             print(f"lance_hpc.run: {stop}", file=sys.stderr, flush=True)
         return Summary("unsaved", context.step, context.epoch, None)
     finally:
+        context._saver.wait_quietly(timeout_s=spec.train.collective_timeout_s)  # after a failure: the shards it was writing
         context._profiler.stop(context.step)
         logger.close()
         if watchdog is not None:

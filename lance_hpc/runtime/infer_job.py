@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from lance_hpc import data
+from lance_hpc.checkpoint.export import model_state
 from lance_hpc.data import new_columns
 from lance_hpc.data.loader import RowsLoader
 from lance_hpc.data.new_columns import ColumnPlan, FragmentRecord, Records
@@ -54,14 +55,14 @@ def load_model(spec: JobSpec, task: Task, device: torch.device) -> nn.Module | N
     if spec.infer.checkpoint is None:
         return None
     saved = checkpoint.load_latest(spec.infer.checkpoint)
-    if saved is None or "model" not in saved.objects:
+    if saved is None or ("model" not in saved.objects and saved.shards is None):
         raise UserError(
             f"infer.checkpoint {spec.infer.checkpoint} holds no checkpoint with a model\n"
             "  fix: name the checkpoint.dir of a training job that has saved one (lance-hpc status shows it)"
         )
     checkpoint.check_same_model(saved, spec, task.options)
     model = task.build_model()
-    checkpoint.restore_object(model, saved.objects["model"], saved, spec, "model")
+    checkpoint.restore_object(model, model_state(saved), saved, spec, "model")  # whole, from shards too
     return task.prepare_model(model, device).eval()
 
 

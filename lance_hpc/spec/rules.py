@@ -235,7 +235,29 @@ def cross_field_problems(raw: Mapping[str, Any]) -> list[Problem]:
             message, _, fix = problem.partition("\n  fix: ")
             problems.append(Problem("checkpoint.dir", message, fix))
     problems += io_timeout_problems(data, section_of(raw, "train"))
+    problems += sharding_problems(section_of(raw, "train"), checkpoint)
     return problems
+
+
+# What only a sharded model does: train.<key> (or checkpoint.<key>) needs train.parallelism: fsdp.
+FSDP_ONLY = {
+    "train.activation_checkpointing": "recomputes the blocks that fsdp wraps",
+    "train.compile": "compiles the blocks that fsdp wraps",
+    "train.cpu_offload": "offloads the shards that fsdp keeps",
+    "checkpoint.async_save": "writes the shards of a sharded checkpoint in the background",
+}
+
+
+def sharding_problems(train: Mapping[str, Any], checkpoint: Mapping[str, Any]) -> list[Problem]:
+    """Settings of a sharded model asked for under ddp: refused rather than silently ignored."""
+    if train.get("parallelism", "ddp") == "fsdp":
+        return []
+    sections = {"train": train, "checkpoint": checkpoint}
+    return [
+        Problem(path, f"is true, but train.parallelism is ddp: it {what}", "set train.parallelism: fsdp, or remove the key")
+        for path, what in FSDP_ONLY.items()
+        if sections[path.split(".")[0]].get(path.split(".")[1]) is True
+    ]
 
 
 # Seconds between a read giving up and its rank leaving: the last attempt, decoding, the step.

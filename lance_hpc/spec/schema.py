@@ -380,6 +380,8 @@ class TaskSpec(_Section):
 LR_SCALING = ("linear", "none")
 OPTIMIZERS = ("sgd", "adamw")
 PRECISIONS = ("bf16", "fp32")
+# train.parallelism: ddp keeps a whole copy of the model on every rank; fsdp shards it (FSDP2)
+PARALLELISMS = ("ddp", "fsdp")
 
 
 class WatchdogSpec(_Section):
@@ -426,7 +428,19 @@ class TrainSpec(_Section):
         None,
         description="Record a PyTorch profiler trace of a few steps (TensorBoard's profiler, Perfetto); null: only on request.",
     )
+    parallelism: str = Field(
+        "ddp",
+        description="ddp: a whole model on every rank; fsdp: parameters, gradients and optimizer state sharded over the ranks (FSDP2).",
+    )
+    activation_checkpointing: bool = Field(
+        False, description="fsdp: recompute each block's activations in the backward pass instead of keeping them."
+    )
+    compile: bool = Field(False, description="fsdp: torch.compile each block (the first steps are slower while it compiles).")
+    cpu_offload: bool = Field(
+        False, description="fsdp: keep parameters, gradients and optimizer state in host memory between uses."
+    )
 
+    check_parallelism = field_validator("parallelism")(_choice(lambda: PARALLELISMS))
     check_lr_scaling = field_validator("lr_scaling")(_choice(lambda: LR_SCALING))
     check_optimizer = field_validator("optimizer")(_choice(lambda: OPTIMIZERS))
     check_precision = field_validator("precision")(_choice(lambda: PRECISIONS))
@@ -437,6 +451,10 @@ class CheckpointSpec(_Section):
     every_steps: int = Field(500, ge=1, le=MAX_INT, description="Save every N optimizer steps (and at epoch end).")
     keep: int = Field(3, ge=1, le=MAX_INT, description="Checkpoints kept; older ones are deleted.")
     resume: bool = Field(True, description="Start from the latest checkpoint in dir if there is one.")
+    async_save: bool = Field(
+        False,
+        description="train.parallelism fsdp: write sharded checkpoints in the background; the loop waits only for the copy off the device.",
+    )
 
 
 # logging.trackers: the package each needs (lance_hpc.runtime.trackers)

@@ -136,6 +136,12 @@ class Task(ABC, Generic[OptionsT]):
         """Give a fresh model its initial weights when the options name a file (a resumed job's
         checkpoint replaces them); by default nothing."""
 
+    def blocks(self, model: nn.Module) -> list[nn.Module] | None:
+        """The repeated blocks of ``model`` that ``train.parallelism: fsdp`` shards one by one (a
+        transformer's layers, an image model's stages); None lets lance_hpc choose (the modules of the
+        model's largest ModuleList or Sequential) and say so."""
+        return None
+
     def to_device(self, batch: Batch, device: torch.device) -> Batch:
         """Move (and normalise) a batch on the device; uint8 data crosses as uint8."""
         return {name: value.to(device, non_blocking=True) for name, value in batch.items()}

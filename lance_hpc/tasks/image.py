@@ -9,6 +9,7 @@ normalises on the device (4x fewer bytes cross to it than float pixels would).
 from __future__ import annotations
 
 import json
+import re
 from typing import Literal
 
 import numpy as np
@@ -187,6 +188,11 @@ class ImageClassification(Task[ImageOptions]):
     def load_weights(self, model: nn.Module) -> None:
         if self.options.weights is not None:
             load_weights_file(model, self.options.weights)
+
+    def blocks(self, model: nn.Module) -> list[nn.Module] | None:
+        """A ResNet's stages (layer1 ... layer4); other models: lance_hpc's choice."""
+        stages = [module for name, module in model.named_children() if re.fullmatch(r"layer\d+", name)]
+        return stages or None
 
     def _memory_format(self, device: torch.device) -> torch.memory_format:
         channels_last = device.type == "cuda" and self.options.channels_last

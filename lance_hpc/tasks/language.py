@@ -142,6 +142,9 @@ class LanguageModel(Task[LanguageModelOptions]):
             dropout=self.options.dropout,
         )
 
+    def blocks(self, model: nn.Module) -> list[nn.Module] | None:
+        return list(model.blocks) if isinstance(model, GPT) else None
+
     def forward(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = batch["tokens"].long()
         inputs, targets = tokens[:, :-1], tokens[:, 1:]

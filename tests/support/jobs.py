@@ -65,6 +65,16 @@ def digits(tmp_path_factory: pytest.TempPathFactory) -> Digits:
     return dataset
 
 
+@pytest.fixture(scope="session")
+def stdlib_tokens(tmp_path_factory: pytest.TempPathFactory) -> Digits:
+    """A slice of the standard library's sources as 33-token sequences (train and validation)."""
+    root = tmp_path_factory.mktemp("stdlib")
+    dataset = Digits(str(root / "train.lance"), str(root / "val.lance"))
+    ingest = IngestSpec(source="python-stdlib:max_mb=0.2", val_fraction=0.1, rows_per_fragment=500, seed=0, sequence_length=32)
+    ensure_dataset(DataSpec(uri=dataset.train, val_uri=dataset.val, ingest=ingest))
+    return dataset
+
+
 def write_spec(directory: Path, dataset: Digits, name: str = "digits", **sections: Any) -> Path:
     """A job spec for ``dataset`` with outputs under ``directory``; ``sections`` override BASE_SPEC."""
     raw = copy.deepcopy(BASE_SPEC)

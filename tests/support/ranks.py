@@ -18,11 +18,11 @@ from lance_hpc.runtime.environment import detect, process_group
 from tests.support.jobs import REPO_ROOT
 
 
-def launch(spec_file: Path) -> subprocess.Popen:
-    """``python -m lance_hpc.launch.local SPEC --nproc 2`` in the background, its stdout piped."""
+def launch(spec_file: Path, nproc: int = 2) -> subprocess.Popen:
+    """``python -m lance_hpc.launch.local SPEC --nproc N`` in the background, its stdout piped."""
     environ = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     return subprocess.Popen(
-        [sys.executable, "-m", "lance_hpc.launch.local", str(spec_file), "--nproc", "2"],
+        [sys.executable, "-m", "lance_hpc.launch.local", str(spec_file), "--nproc", str(nproc)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
