@@ -94,8 +94,8 @@ def _save_blocked(
     mode: str, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path, step: int
 ) -> tuple[float, float]:
     """Seconds the loop waits in one save, and until the save is complete (background included)."""
+    from lance_hpc.checkpoint import saving
     from lance_hpc.checkpoint.sharded import ShardedSaver, tensor_state
-    from lance_hpc.runtime import checkpoint
 
     state = {"step": step, "epoch": 0, "progress": 0.0, "mid_epoch": False, "world_size": dist.get_world_size()}
     dist.barrier()
@@ -103,12 +103,12 @@ def _save_blocked(
     if mode == "ddp":
         bare = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
         objects = {"model": bare.state_dict(), "optimizer": optimizer.state_dict()}
-        checkpoint.save(directory, step, {**state, "objects": objects}, {}, keep=1)
+        saving.save(directory, step, {**state, "objects": objects}, {}, keep=1)
         blocked = time.perf_counter() - started
         return blocked, blocked
     saver = ShardedSaver(None)
     tensors = tensor_state({"model": model, "optimizer": optimizer})
-    checkpoint.save(directory, step, {**state, "objects": {}}, {}, keep=1, sharded=(saver, tensors, mode == "fsdp async"))
+    saving.save(directory, step, {**state, "objects": {}}, {}, keep=1, sharded=(saver, tensors, mode == "fsdp async"))
     blocked = time.perf_counter() - started
     saver.wait()
     return blocked, time.perf_counter() - started

@@ -22,43 +22,43 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lance_hpc.checkpoint import lease, manifests, resuming, rng_states, saving, stores
 from lance_hpc.errors import UserError
-from lance_hpc.runtime import checkpoint, lease, preemption
+from lance_hpc.runtime import preemption
 from lance_hpc.runtime.environment import DistEnv
 from lance_hpc.spec import JobSpec, load_spec_text
-from lance_hpc.storage import checkpoint_index, checkpoint_store
 from lance_hpc.tasks.image import ImageOptions
 from tests.support.checkpoints import small_tmpfs, state
 
 
 def test_atomic_write_lists_and_prunes(tmp_path: Path) -> None:
     for step in (5, 10, 15, 20):
-        checkpoint.write_atomically(state(step), checkpoint.checkpoint_path(tmp_path, step))
+        saving.write_atomically(state(step), saving.checkpoint_path(tmp_path, step))
     (tmp_path / ".step-00000025.pt.999.tmp").write_bytes(b"half a checkpoint")
-    assert [path.name for path in checkpoint.list_checkpoints(tmp_path)] == [
+    assert [path.name for path in saving.list_checkpoints(tmp_path)] == [
         "step-00000005.pt",
         "step-00000010.pt",
         "step-00000015.pt",
         "step-00000020.pt",
     ]
-    checkpoint.prune(tmp_path, keep=2)
+    saving.prune(tmp_path, keep=2)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["step-00000015.pt", "step-00000020.pt"]
-    found = checkpoint.load_latest(tmp_path)
+    found = resuming.load_latest(tmp_path)
     path, loaded = found.path, found.state
     assert path.name == "step-00000020.pt" and loaded["note"] == "step 20"
-    assert checkpoint.load_latest(tmp_path / "missing") is None
+    assert resuming.load_latest(tmp_path / "missing") is None
 
 
 def test_failure_between_write_and_rename_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch) -> None:
-    checkpoint.write_atomically(state(1), checkpoint.checkpoint_path(tmp_path, 1))
+    saving.write_atomically(state(1), saving.checkpoint_path(tmp_path, 1))
 
     def fail(*args: object) -> None:
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(checkpoint_store.os, "replace", fail)
+    monkeypatch.setattr(stores.os, "replace", fail)
     with pytest.raises(OSError, match="Input/output error"):
-        checkpoint.write_atomically(state(2), checkpoint.checkpoint_path(tmp_path, 2))
-    found = checkpoint.load_latest(tmp_path)
+        saving.write_atomically(state(2), saving.checkpoint_path(tmp_path, 2))
+    found = resuming.load_latest(tmp_path)
     path, loaded = found.path, found.state
     assert path.name == "step-00000001.pt" and torch.equal(loaded["model"]["weight"], torch.full((4, 4), 1.0))
     assert [p.name for p in tmp_path.iterdir()] == ["step-00000001.pt"]  # the temporary file is gone
@@ -69,17 +69,16 @@ def test_process_killed_mid_write_leaves_a_loadable_previous_checkpoint(tmp_path
     child = textwrap.dedent(
         f"""
         import os, sys, time, torch
-        from lance_hpc.runtime import checkpoint
-        from lance_hpc.storage import checkpoint_store
+        from lance_hpc.checkpoint import saving, stores
         directory = {str(tmp_path)!r}
-        checkpoint.write_atomically({{"step": 1, "weight": torch.ones(1000)}}, checkpoint.checkpoint_path(directory, 1))
+        saving.write_atomically({{"step": 1, "weight": torch.ones(1000)}}, saving.checkpoint_path(directory, 1))
         real_fsync = os.fsync
         def fsync_then_hang(fd):
             real_fsync(fd)
             print("written", flush=True)
             time.sleep(600)
-        checkpoint_store.os.fsync = fsync_then_hang
-        checkpoint.write_atomically({{"step": 2, "weight": torch.zeros(10_000_000)}}, checkpoint.checkpoint_path(directory, 2))
+        stores.os.fsync = fsync_then_hang
+        saving.write_atomically({{"step": 2, "weight": torch.zeros(10_000_000)}}, saving.checkpoint_path(directory, 2))
         """
     )
     process = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
@@ -88,38 +87,38 @@ def test_process_killed_mid_write_leaves_a_loadable_previous_checkpoint(tmp_path
     finally:
         process.kill()
         process.wait()
-    leftovers = [p.name for p in tmp_path.iterdir() if p.name.endswith(checkpoint_store.TEMP_SUFFIX)]
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.endswith(stores.TEMP_SUFFIX)]
     assert len(leftovers) == 1 and (tmp_path / leftovers[0]).stat().st_size > 40_000_000
-    found = checkpoint.load_latest(tmp_path)
+    found = resuming.load_latest(tmp_path)
     path, loaded = found.path, found.state
     assert path.name == "step-00000001.pt" and loaded["step"] == 1
-    checkpoint.prune(tmp_path, keep=3)  # the next save clears what the crash left
+    saving.prune(tmp_path, keep=3)  # the next save clears what the crash left
     assert [p.name for p in tmp_path.iterdir()] == ["step-00000001.pt"]
 
 
 def test_unreadable_newest_checkpoint_falls_back_to_the_previous(tmp_path: Path, capsys) -> None:
-    checkpoint.write_atomically(state(1), checkpoint.checkpoint_path(tmp_path, 1))
-    checkpoint.checkpoint_path(tmp_path, 2).write_bytes(b"not a checkpoint")
-    path = checkpoint.load_latest(tmp_path).path
+    saving.write_atomically(state(1), saving.checkpoint_path(tmp_path, 1))
+    saving.checkpoint_path(tmp_path, 2).write_bytes(b"not a checkpoint")
+    path = resuming.load_latest(tmp_path).path
     assert path.name == "step-00000001.pt"
     assert "skipping unreadable checkpoint" in capsys.readouterr().err
 
 
 def test_rng_states_round_trip() -> None:
-    states = checkpoint.capture_rng()
+    states = rng_states.capture_rng()
     expected = (random.random(), float(np.random.rand()), torch.rand(3))
     random.seed(99), np.random.seed(99), torch.manual_seed(99)
-    checkpoint.restore_rng(states)
+    rng_states.restore_rng(states)
     assert random.random() == expected[0] and float(np.random.rand()) == expected[1]
     assert torch.equal(torch.rand(3), expected[2])
 
 
 def test_collective_save_gathers_every_rank_and_keeps_k(tmp_path: Path, single_rank: torch.device) -> None:
     for step in range(1, 5):
-        path = checkpoint.save(tmp_path, step, state(step), {"loader": {"batches_consumed": step}}, keep=2)
-    assert path == checkpoint.checkpoint_path(tmp_path, 4)
-    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step-00000003.pt", "step-00000004.pt"]
-    loaded = checkpoint.load_latest(tmp_path).state
+        path = saving.save(tmp_path, step, state(step), {"loader": {"batches_consumed": step}}, keep=2)
+    assert path == saving.checkpoint_path(tmp_path, 4)
+    assert [p.name for p in saving.list_checkpoints(tmp_path)] == ["step-00000003.pt", "step-00000004.pt"]
+    loaded = resuming.load_latest(tmp_path).state
     assert len(loaded["ranks"]) == dist.get_world_size() and loaded["ranks"][0]["loader"] == {"batches_consumed": 4}
     assert set(loaded["ranks"][0]["rng"]) == {"python", "numpy", "torch", "cuda"}
 
@@ -127,10 +126,10 @@ def test_collective_save_gathers_every_rank_and_keeps_k(tmp_path: Path, single_r
 def test_each_checkpoint_has_a_manifest_pruned_with_it(tmp_path: Path, single_rank: torch.device) -> None:
     for step in range(1, 4):
         saved = {**state(step), "epoch": step // 2, "progress": step / 4, "mid_epoch": True, "dataset_version": 3}
-        checkpoint.save(tmp_path, step, saved, {}, keep=2)
+        saving.save(tmp_path, step, saved, {}, keep=2)
     (tmp_path / "step-00000001.json").write_text("{}")  # a manifest whose checkpoint is gone: a save cut short
     (tmp_path / ".step-00000004.json.77.tmp").write_text("{")
-    checkpoint.prune(tmp_path, keep=2)
+    saving.prune(tmp_path, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "step-00000002.json",
         "step-00000002.pt",
@@ -152,8 +151,8 @@ def test_each_checkpoint_has_a_manifest_pruned_with_it(tmp_path: Path, single_ra
 
 def test_the_newest_step_is_read_from_names_and_manifests_without_loading(tmp_path: Path, monkeypatch) -> None:
     """What lance-hpc status and cancel read: a multi-GB checkpoint is neither loaded nor downloaded."""
-    assert checkpoint_index.latest(tmp_path) is None
-    checkpoint.write_atomically(state(5), checkpoint.checkpoint_path(tmp_path, 5))
+    assert manifests.latest(tmp_path) is None
+    saving.write_atomically(state(5), saving.checkpoint_path(tmp_path, 5))
     (tmp_path / "step-00000012.pt").write_bytes(b"not a torch file: never opened")
     (tmp_path / "step-00000012.json").write_text(json.dumps({"step": 12, "epoch": 2, "world_size": 4}))
 
@@ -161,10 +160,10 @@ def test_the_newest_step_is_read_from_names_and_manifests_without_loading(tmp_pa
         raise AssertionError("torch.load was called")
 
     monkeypatch.setattr(torch, "load", no_loading)
-    saved = checkpoint_index.latest(tmp_path)
+    saved = manifests.latest(tmp_path)
     assert (saved.step, saved.epoch, saved.world_size, saved.location) == (12, 2, 4, str(tmp_path / "step-00000012.pt"))
     (tmp_path / "step-00000012.json").write_text("{damaged")  # the name still says the step
-    assert (checkpoint_index.latest(tmp_path).step, checkpoint_index.latest(tmp_path).epoch) == (12, None)
+    assert (manifests.latest(tmp_path).step, manifests.latest(tmp_path).epoch) == (12, None)
 
 
 @pytest.fixture
@@ -174,10 +173,10 @@ def small_filesystem(tmp_path: Path) -> Iterator[Path]:
 
 
 def test_a_full_disk_is_one_message_and_the_previous_checkpoint_stays(small_filesystem: Path, single_rank: torch.device) -> None:
-    checkpoint.save(small_filesystem, 1, state(1), {}, keep=3)
+    saving.save(small_filesystem, 1, state(1), {}, keep=3)
     too_big = {"step": 2, "model": {"weight": torch.zeros(1_000_000)}}  # 4 MB on a 1 MiB file system
     with pytest.raises(UserError) as full:
-        checkpoint.save(small_filesystem, 2, too_big, {}, keep=3)
+        saving.save(small_filesystem, 2, too_big, {}, keep=3)
     lines = str(full.value).splitlines()
     free = shutil.disk_usage(small_filesystem).free
     assert lines[0] == (
@@ -189,21 +188,21 @@ def test_a_full_disk_is_one_message_and_the_previous_checkpoint_stays(small_file
     assert lines[2].startswith("  fix: free space there or point checkpoint.dir at a larger file system")
     assert "enforce fail" not in str(full.value)
     assert sorted(p.name for p in small_filesystem.iterdir()) == ["step-00000001.json", "step-00000001.pt"]
-    assert checkpoint.load_latest(small_filesystem).step == 1
+    assert resuming.load_latest(small_filesystem).step == 1
 
 
 def test_a_save_after_another_run_took_the_lease_writes_nothing(tmp_path: Path, single_rank: torch.device) -> None:
     held, _ = lease.acquire(tmp_path, lease.this_process(None, 0))
     try:
-        checkpoint.save(tmp_path, 1, state(1), {}, keep=3)
+        saving.save(tmp_path, 1, state(1), {}, keep=3)
         other = lease.this_process("55", 0)
         (tmp_path / lease.LEASE_NAME).write_bytes(other.encode())  # what a run that judged this one dead leaves
         with pytest.raises(
             UserError,
             match=f"this run no longer holds its lease .another run took it over: pid {os.getpid()} on .*, SLURM job 55",
         ):
-            checkpoint.save(tmp_path, 2, state(2), {}, keep=3)
-        assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step-00000001.pt"]
+            saving.save(tmp_path, 2, state(2), {}, keep=3)
+        assert [p.name for p in saving.list_checkpoints(tmp_path)] == ["step-00000001.pt"]
     finally:
         held.release()
 
@@ -212,7 +211,7 @@ def test_failed_save_raises_instead_of_hanging(tmp_path: Path, single_rank: torc
     blocker = tmp_path / "file"
     blocker.write_text("a file where the checkpoint directory should be")
     with pytest.raises(RuntimeError, match="cannot write checkpoint"):
-        checkpoint.save(blocker / "checkpoints", 1, state(1), {}, keep=1)
+        saving.save(blocker / "checkpoints", 1, state(1), {}, keep=1)
 
 
 def test_preemption_signal_only_sets_a_flag(single_rank: torch.device) -> None:
@@ -240,10 +239,10 @@ def digits_spec(model: str) -> JobSpec:
 def test_a_checkpoint_of_another_model_is_one_message_naming_both(tmp_path: Path) -> None:
     """Written for small_cnn, resumed with --set task.options.model=resnet18."""
     written_for = digits_spec("small_cnn")
-    resumed = checkpoint.Checkpoint(tmp_path / "step-00000010.pt", {"model": {}, "spec": written_for.redacted_dict()})
+    resumed = resuming.Checkpoint(tmp_path / "step-00000010.pt", {"model": {}, "spec": written_for.redacted_dict()})
     spec = digits_spec("resnet18")
     with pytest.raises(UserError) as refused:
-        checkpoint.check_same_model(resumed, spec, ImageOptions(model="resnet18"))
+        resuming.check_same_model(resumed, spec, ImageOptions(model="resnet18"))
     assert str(refused.value) == (
         f"checkpoint {tmp_path}/step-00000010.pt was written for model small_cnn (task image_classification), but "
         "this job trains model resnet18 (task image_classification)\n"
@@ -254,19 +253,19 @@ def test_a_checkpoint_of_another_model_is_one_message_naming_both(tmp_path: Path
     # a spec that left the model out meant the default (resnet18): the same model, so it loads
     default = load_spec_text("name: job\ndata: {uri: /data/train.lance}\n").spec
     model = torch.nn.Linear(2, 2)
-    same = checkpoint.Checkpoint(resumed.path, {"model": torch.nn.Linear(2, 2).state_dict(), "spec": default.redacted_dict()})
-    checkpoint.check_same_model(same, spec, ImageOptions(model="resnet18"))
-    checkpoint.restore_object(model, same.objects["model"], same, spec, "model")
+    same = resuming.Checkpoint(resumed.path, {"model": torch.nn.Linear(2, 2).state_dict(), "spec": default.redacted_dict()})
+    resuming.check_same_model(same, spec, ImageOptions(model="resnet18"))
+    resuming.restore_object(model, same.objects["model"], same, spec, "model")
     assert torch.equal(model.weight, same.state["model"]["weight"])
 
 
 def test_a_users_model_that_does_not_match_lists_a_few_keys(tmp_path: Path) -> None:
     """Script mode: the model is the user's own, so only its keys can tell."""
     written = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
-    resumed = checkpoint.Checkpoint(tmp_path / "step-00000010.pt", {"spec": digits_spec("small_cnn").redacted_dict()})
+    resumed = resuming.Checkpoint(tmp_path / "step-00000010.pt", {"spec": digits_spec("small_cnn").redacted_dict()})
     now = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3), torch.nn.Linear(3, 3))
     with pytest.raises(UserError) as refused:
-        checkpoint.restore_object(now, written.state_dict(), resumed, digits_spec("resnet18"), "model")
+        resuming.restore_object(now, written.state_dict(), resumed, digits_spec("resnet18"), "model")
     assert str(refused.value) == (
         f"checkpoint {tmp_path}/step-00000010.pt: its 'model' does not match this job's model (2 key(s) missing from "
         "the checkpoint: 3.weight, 3.bias; 3 key(s) of another shape (checkpoint vs model): "
@@ -280,4 +279,4 @@ def test_a_users_model_that_does_not_match_lists_a_few_keys(tmp_path: Path) -> N
     saved = torch.optim.AdamW(written.parameters()).state_dict()
     saved["param_groups"][0]["params"] = saved["param_groups"][0]["params"][:2]
     with pytest.raises(UserError, match="its 'optimizer' does not match this job's optimizer .loaded state dict "):
-        checkpoint.restore_object(optimizer, saved, resumed, digits_spec("resnet18"), "optimizer")
+        resuming.restore_object(optimizer, saved, resumed, digits_spec("resnet18"), "optimizer")

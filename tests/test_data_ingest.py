@@ -21,8 +21,7 @@ from lance_hpc.data.sources import PHOTO_NAMES, encode_image, skimage_photo_crop
 from lance_hpc.data.target import Ingested
 from lance_hpc.errors import UserError
 from lance_hpc.spec import DataSpec, IngestSpec
-from lance_hpc.storage.checkpoint_store import filesystem_arguments
-from lance_hpc.storage.options import storage_options
+from lance_hpc.storage.options import filesystem_arguments, storage_options
 
 
 def class_names(uri):

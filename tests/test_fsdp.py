@@ -18,9 +18,9 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from lance_hpc.checkpoint.resuming import load_latest
 from lance_hpc.errors import ExitCode
 from lance_hpc.parallel.materialise import BLOCK_ELEMENTS, _replay_rows, build_on_meta, materialise, to_empty
-from lance_hpc.runtime.checkpoint import load_latest
 from lance_hpc.spec import load_spec
 from lance_hpc.tasks.gpt import GPT
 from tests.support.jobs import FINAL_ACCURACY, REPO_ROOT, same_weights, scalars, write_spec

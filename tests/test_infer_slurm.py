@@ -17,7 +17,7 @@ import yaml
 
 from lance_hpc.data import ensure_dataset
 from lance_hpc.launch.paths import JobPaths
-from lance_hpc.manage.queue import FINAL_STATES
+from lance_hpc.slurm.queue import FINAL_STATES
 from lance_hpc.spec import DataSpec, IngestSpec, load_spec
 from tests.support.jobs import BASE_SPEC, REPO_ROOT, Digits, train_here, write_spec
 from tests.support.slurm import environ, job_fields, sbatch, signal_steps, wait_for_text

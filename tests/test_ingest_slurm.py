@@ -18,7 +18,7 @@ import pytest
 from lance_hpc.data.ingest import main as ingest_main
 from lance_hpc.data.shard_ingest import Records, plan_for_data
 from lance_hpc.launch.paths import JobPaths
-from lance_hpc.manage.queue import FINAL_STATES
+from lance_hpc.slurm.queue import FINAL_STATES
 from lance_hpc.spec import JobSpec, load_spec
 from tests.support.shards import digit_rows, write_webdataset
 from tests.support.slurm import environ, is_rank_command, job_fields, sbatch, signal_steps, wait_for_text

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from lance_hpc.checkpoint import lease
 from lance_hpc.errors import UserError
-from lance_hpc.manage import queue
-from lance_hpc.runtime import lease
+from lance_hpc.slurm import queue
 from tests.support.jobs import REPO_ROOT
 from tests.support.s3 import S3Server
 from tests.support.slurm_cluster import SlurmCluster
@@ -271,9 +271,9 @@ def test_a_directory_that_cannot_be_created_is_one_clear_error(tmp_path: Path) -
 
 RACER = """
 import sys, time
-from lance_hpc.runtime import lease
+from lance_hpc.checkpoint import lease
 from lance_hpc.errors import UserError
-from lance_hpc.manage import queue
+from lance_hpc.slurm import queue
 from tests.support.slurm_cluster import SlurmCluster
 sys.stdout.write("ready\\n"); sys.stdout.flush()
 sys.stdin.readline()  # all start at once

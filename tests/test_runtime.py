@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import torch
 
+from lance_hpc.checkpoint import resuming, saving
+from lance_hpc.checkpoint.resuming import Checkpoint
 from lance_hpc.data import load_task
 from lance_hpc.imports import load_callable
-from lance_hpc.runtime import checkpoint
-from lance_hpc.runtime.checkpoint import Checkpoint
 from lance_hpc.runtime.context import run_entry
 from lance_hpc.runtime.environment import detect, process_group
 from lance_hpc.runtime.preemption import Preemption
@@ -62,8 +62,8 @@ def test_a_checkpoint_of_the_earlier_layout_resumes_as_the_same_checkpoint_does(
     earlier trainer's layout, resumes to the same weights, bit for bit."""
     first = write_spec(tmp_path / "first", digits, train={"epochs": 2, "max_steps": 9}, logging={"progress": False})
     assert train_here(first).step == 9
-    stopped = checkpoint.load_latest(tmp_path / "first" / "checkpoints")
-    assert stopped is not None and stopped.state["mid_epoch"] and stopped.state["format"] == checkpoint.FORMAT
+    stopped = resuming.load_latest(tmp_path / "first" / "checkpoints")
+    assert stopped is not None and stopped.state["mid_epoch"] and stopped.state["format"] == saving.FORMAT
     finals = []
     for name, state in (("current", stopped.state), ("earlier", to_earlier_layout(stopped.state))):
         directory = tmp_path / name / "checkpoints"

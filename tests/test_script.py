@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from lance_hpc.checkpoint.resuming import Checkpoint, load_latest
 from lance_hpc.errors import ExitCode, UserError
-from lance_hpc.runtime.checkpoint import Checkpoint, load_latest
 from lance_hpc.runtime.context import Context
 from lance_hpc.runtime.environment import detect
 from lance_hpc.runtime.metrics import NullLogger

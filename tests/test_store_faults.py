@@ -21,11 +21,11 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from lance_hpc.checkpoint import resuming
 from lance_hpc.data import ensure_dataset, preflight
 from lance_hpc.data.ingest import schema_for
 from lance_hpc.data.workers import kill_workers
 from lance_hpc.errors import UserError, worker_message
-from lance_hpc.runtime import checkpoint
 from lance_hpc.spec import DataSpec, IngestSpec, SpecError, validate_spec
 from lance_hpc.storage.datasets import open_dataset
 from lance_hpc.storage.integrity import DamagedDataset
@@ -373,7 +373,7 @@ def test_an_outage_longer_than_io_timeout_stops_every_rank_with_one_message(s3_d
     assert f"the object store at {proxy.endpoint} failed for" in messages[0]
     assert f"rows of {s3_digits.train} was tried" in messages[0] and f"data.io_timeout_s ({io_timeout_s} s)" in messages[0]
     assert "Traceback" not in output and "StoreUnavailable" not in output and "Caught " not in output
-    latest = checkpoint.load_latest(tmp_path / "checkpoints")
+    latest = resuming.load_latest(tmp_path / "checkpoints")
     assert latest is not None and latest.state["step"] >= 10 and "model" in latest.objects
 
 

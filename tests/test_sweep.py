@@ -300,9 +300,9 @@ def test_sweep_trains_locally(digits: Digits, tmp_path: Path) -> None:
 
 
 def checkpoint_step(directory: Path) -> int:
-    from lance_hpc.runtime import checkpoint
+    from lance_hpc.checkpoint import resuming
 
-    found = checkpoint.load_latest(directory)
+    found = resuming.load_latest(directory)
     assert found is not None, f"no checkpoint in {directory}"
     return int(found.state["step"])
 

@@ -25,8 +25,8 @@ import torch
 from lance_hpc.data import build_train_loader, load_task
 from lance_hpc.launch.render import write_job_files
 from lance_hpc.launch.submit import make_executor
-from lance_hpc.manage.queue import FINAL_STATES
 from lance_hpc.runtime.rank import SubmititJob
+from lance_hpc.slurm.queue import FINAL_STATES
 from lance_hpc.spec import JobSpec, load_spec
 from tests.support.jobs import (
     FINAL_ACCURACY,

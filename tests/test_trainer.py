@@ -21,17 +21,13 @@ import pytest
 import torch
 
 from lance_hpc import data
+from lance_hpc.checkpoint import lease
+from lance_hpc.checkpoint.resuming import Checkpoint, find_resume_point, load_latest
+from lance_hpc.checkpoint.saving import checkpoint_path, write_atomically
 from lance_hpc.data import load_task
+from lance_hpc.data.selection import pinned_data
 from lance_hpc.errors import ExitCode, UserError
-from lance_hpc.runtime import lease, trainer
-from lance_hpc.runtime.checkpoint import (
-    Checkpoint,
-    checkpoint_path,
-    find_resume_point,
-    load_latest,
-    pinned_data,
-    write_atomically,
-)
+from lance_hpc.runtime import trainer
 from lance_hpc.runtime.context import run_entry
 from lance_hpc.runtime.environment import DistEnv, detect, process_group
 from lance_hpc.runtime.metrics import TAGS

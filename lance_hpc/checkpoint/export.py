@@ -21,7 +21,7 @@ FORMATS = (".pt", ".safetensors")
 
 def model_state(saved: Any, name: str = "model") -> dict[str, Any]:
     """The whole state dict of the object registered as ``name`` in ``saved`` (a loaded
-    :class:`~lance_hpc.runtime.checkpoint.Checkpoint`), read from its shards when it has them."""
+    :class:`~lance_hpc.checkpoint.resuming.Checkpoint`), read from its shards when it has them."""
     if saved.shards is None:
         if name not in saved.objects:
             raise UserError(f"checkpoint {saved.path} holds no {name!r} (it has {', '.join(saved.objects) or 'nothing'})")
@@ -49,11 +49,11 @@ def export(directory: str, out: Path, step: int | None) -> str:
     """Write the model of ``directory``'s newest checkpoint (or of ``step``) to ``out``; what was written."""
     import torch
 
-    from lance_hpc.runtime import checkpoint
+    from lance_hpc.checkpoint import resuming
 
     if out.suffix not in FORMATS:
         raise UserError(f"{out}: unknown format {out.suffix or '(no suffix)'}\n  fix: name the file *.pt or *.safetensors")
-    saved = checkpoint.load_step(directory, step) if step is not None else checkpoint.load_latest(directory)
+    saved = resuming.load_step(directory, step) if step is not None else resuming.load_latest(directory)
     if saved is None:
         raise UserError(f"{directory} holds no checkpoint\n  fix: name the checkpoint.dir of a job that has saved one")
     state = {key: value.detach().cpu().contiguous() for key, value in model_state(saved).items()}

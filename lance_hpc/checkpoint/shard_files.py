@@ -3,7 +3,7 @@ prefix on S3-compatible object storage, written and read by every rank directly.
 
 ``torch.distributed.checkpoint`` writes and reads through a small file-system interface; on object
 storage it gets one over the same pyarrow S3 client, endpoint and credentials as every other
-checkpoint file (:class:`lance_hpc.storage.checkpoint_store.ObjectStore`). Each rank uploads its own
+checkpoint file (:class:`lance_hpc.checkpoint.stores.ObjectStore`). Each rank uploads its own
 files in one stream each; rank 0 writes ``.metadata`` once all are complete.
 """
 
@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from pyarrow import fs
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
-from lance_hpc.storage.checkpoint_store import LocalDirectory, ObjectStore, Store, open_store
+from lance_hpc.checkpoint.stores import LocalDirectory, ObjectStore, Store, open_store
 
 
 class ObjectFiles(FileSystemBase):

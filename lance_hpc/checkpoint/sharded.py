@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lance_hpc.checkpoint import shard_files
-from lance_hpc.storage.checkpoint_store import open_store
+from lance_hpc.checkpoint.stores import open_store
 
 SHARDS_SUFFIX = ".dcp"
 
@@ -124,7 +124,7 @@ class ShardedSaver:
     """Writes sharded checkpoints for one run; holds the one background write in flight.
 
     ``finish`` is rank 0's last act of a save: write ``step-N.pt``, the manifest, prune (given by
-    :func:`lance_hpc.runtime.checkpoint.save`)."""
+    :func:`lance_hpc.checkpoint.saving.save`)."""
 
     def __init__(self, signal_delay_s: float | None) -> None:
         self.signal_delay_s = signal_delay_s

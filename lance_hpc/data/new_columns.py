@@ -26,10 +26,10 @@ from typing import Any, Iterable, Iterator, Mapping
 import numpy as np
 import pyarrow as pa
 
+from lance_hpc.checkpoint.manifests import latest
 from lance_hpc.data.units import UnitRecords, balanced
 from lance_hpc.errors import UserError
 from lance_hpc.spec import JobSpec
-from lance_hpc.storage.checkpoint_index import latest
 from lance_hpc.storage.datasets import open_dataset
 from lance_hpc.storage.options import storage_options
 

@@ -2,7 +2,7 @@
 resolved to one version, and ``data.filter`` resolved to the row offsets it selects.
 
 Both are pinned at a job's first start (the checkpoint keeps them, see
-:func:`lance_hpc.runtime.checkpoint.pinned_data`), so a requeued or resized job reads the same
+:func:`pinned_data`), so a requeued or resized job reads the same
 rows although the tag moved or rows were added since. The strategies plan over the selected rows
 as if they were a dataset of their own (a :class:`FragmentTable` of the rows each fragment keeps),
 and the planner maps each planned row to its dataset row offset (:class:`EpochPlanner` ``rows``):
@@ -12,17 +12,26 @@ holds for a filtered one.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from lance_hpc.data.mix import pinned_mix
 from lance_hpc.data.reader import fragment_table
 from lance_hpc.data.sampling import FragmentTable
 from lance_hpc.errors import UserError
+from lance_hpc.spec import DataSpec
 from lance_hpc.storage.datasets import Dataset, open_dataset
 from lance_hpc.storage.retry import retrying
+
+if TYPE_CHECKING:
+    from lance_hpc.checkpoint.resuming import Checkpoint
+
+log = logging.getLogger("lance_hpc.data")
 
 # Lance's own columns, which its error messages list among the valid fields.
 META_COLUMNS = ("_rowid", "_rowaddr", "_rowoffset", "_row_last_updated_at_version", "_row_created_at_version")
@@ -150,3 +159,32 @@ def select_training_rows(
     """Open a training source pinned by version or tag and select its rows."""
     dataset = open_pinned(uri, options, version, tag, f"{where}.tag", timeout_s)
     return dataset, select(dataset, uri, predicate, f"{where}.filter", options, timeout_s)
+
+
+def pinned_data(data_spec: DataSpec, resumed: Checkpoint | None) -> DataSpec:
+    """A resumed job reads the rows its checkpoint was trained on: the same dataset version (the
+    one its tag named at the first start), the same filter, the same mix sources' versions."""
+    if resumed is None:
+        return data_spec
+    version = resumed.state["dataset_version"]
+    pinned = resumed.state.get("data_pinned") or {}
+    start_over = "start over with checkpoint.resume: false and a new checkpoint.dir"
+    if data_spec.version is not None and data_spec.version != version:
+        raise UserError(
+            f"data.version is {data_spec.version} but the checkpoint was trained on version {version}\n"
+            f"  fix: remove data.version to resume, or {start_over}"
+        )
+    if "filter" in pinned and pinned["filter"] != data_spec.filter:
+        raise UserError(
+            f"data.filter is {data_spec.filter!r} but the checkpoint was trained on the rows of {pinned['filter']!r}\n"
+            f"  fix: set data.filter back to resume, or {start_over}"
+        )
+    if pinned.get("sources"):
+        return data_spec.model_copy(update={"mix": pinned_mix(data_spec, pinned["sources"], start_over)})
+    if version is None:
+        return data_spec
+    if data_spec.tag is not None:
+        log.info(
+            "resuming on version %s of %s, which data.tag %r named at the first start", version, data_spec.uri, data_spec.tag
+        )
+    return data_spec.model_copy(update={"version": version, "tag": None})

@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 
 from lance_hpc.errors import UserError
 from lance_hpc.spec.choices import INGEST_COLUMNS, SHARD_FORMATS, STDLIB_SOURCE, check_registry
-from lance_hpc.storage.checkpoint_store import filesystem_arguments
+from lance_hpc.storage.options import filesystem_arguments
 
 FORMATS = ("parquet", "jsonl", "webdataset", "hf", "imagefolder", "text")
 check_registry(FORMATS, SHARD_FORMATS, "data.ingest.source formats")

@@ -25,9 +25,8 @@ import pyarrow as pa
 from pyarrow import fs
 
 from lance_hpc.errors import UserError
-from lance_hpc.storage.checkpoint_store import filesystem_arguments
 from lance_hpc.storage.datasets import dataset_exists, open_dataset
-from lance_hpc.storage.options import is_remote, redact
+from lance_hpc.storage.options import filesystem_arguments, is_remote, redact
 
 log = logging.getLogger("lance_hpc.data")
 

@@ -28,13 +28,13 @@ from types import FrameType
 
 import lance_hpc
 from lance_hpc import data
+from lance_hpc.checkpoint import lease
 from lance_hpc.data import load_task
 from lance_hpc.errors import FAILURE_DIR_VARIABLE, ExitCode, UserError, first_error
 from lance_hpc.launch.paths import JobPaths
 from lance_hpc.launch.ports import free_port
 from lance_hpc.launch.render import write_job_files
 from lance_hpc.quiet import exec_children
-from lance_hpc.runtime import lease
 from lance_hpc.runtime.environment import SLURM_VARS
 from lance_hpc.runtime.infer_job import check_infer
 from lance_hpc.runtime.ingest_job import check_ingest

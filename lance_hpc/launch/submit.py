@@ -22,11 +22,11 @@ from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.launch import render
 from lance_hpc.launch.paths import JobPaths
 from lance_hpc.launch.render import write_job_files
-from lance_hpc.manage.queue import FINAL_STATES, show_job
 from lance_hpc.manage.records import record_submission
 from lance_hpc.runtime.infer_job import check_infer
 from lance_hpc.runtime.ingest_job import check_ingest
 from lance_hpc.runtime.rank import SubmititJob
+from lance_hpc.slurm.queue import FINAL_STATES, show_job
 from lance_hpc.spec import JobSpec, expand
 from lance_hpc.storage.datasets import dataset_exists
 from lance_hpc.storage.options import storage_options

@@ -15,17 +15,11 @@ import sys
 import time
 from typing import Sequence
 
+from lance_hpc.checkpoint import manifests
 from lance_hpc.errors import ExitCode, UserError
-from lance_hpc.manage import (
-    logs,
-    progress,
-    queue,
-    records,
-    run_reporting_errors,
-    target_parser,
-)
+from lance_hpc.manage import logs, progress, records, run_reporting_errors, target_parser
 from lance_hpc.manage.records import JobRef
-from lance_hpc.storage import checkpoint_index
+from lance_hpc.slurm import queue
 
 PROG = "lance-hpc cancel"
 POLL_S, PROGRESS_EVERY_S = 1.0, 10.0
@@ -108,7 +102,7 @@ def report_stopped(ref: JobRef, job: queue.SlurmJob | None) -> None:
         return
     texts = [path.read_text(errors="replace") if path.exists() else "" for path in logs.job_logs(ref, job).files]
     outcome = progress.outcome_from_log(texts[0], "".join(texts[1:]))
-    saved = checkpoint_index.latest(ref.spec.checkpoint.dir)  # names and manifests only: nothing is loaded
+    saved = manifests.latest(ref.spec.checkpoint.dir)  # names and manifests only: nothing is loaded
     print(f"  its log: {outcome or 'no stop message (it may have stopped before its first step)'}")
     if saved:
         print(f"  checkpoint step {saved.step}: {saved.location}")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from lance_hpc.errors import UserError
-from lance_hpc.manage import queue
+from lance_hpc.slurm import queue
 from lance_hpc.spec import JobSpec, SweepRun, expand, load_spec_text
 from lance_hpc.spec.load import NotYourFile, owner_name, read_own_text
 

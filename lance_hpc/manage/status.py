@@ -10,20 +10,14 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from lance_hpc.checkpoint import manifests
 from lance_hpc.data import new_columns, shard_ingest
 from lance_hpc.data.target import Target
-from lance_hpc.manage import (
-    logs,
-    progress,
-    queue,
-    records,
-    run_reporting_errors,
-    target_parser,
-)
+from lance_hpc.manage import logs, progress, records, run_reporting_errors, target_parser
 from lance_hpc.manage.records import JobRef
 from lance_hpc.runtime.watchdog import activity_line, watch_dir
+from lance_hpc.slurm import queue
 from lance_hpc.spec import JobSpec
-from lance_hpc.storage import checkpoint_index
 from lance_hpc.storage.options import storage_options
 
 PROG = "lance-hpc status"
@@ -75,7 +69,7 @@ def report(ref: JobRef, job: queue.SlurmJob | None) -> list[str]:
         lines += [f"  {spec.job:<11} {found[0]}", *(f"              {line}" for line in found[1:])]
         lines.append(f"  log         {job_logs.files[0]}")
         return lines
-    saved = checkpoint_index.latest(spec.checkpoint.dir)  # names and manifests only: nothing is loaded
+    saved = manifests.latest(spec.checkpoint.dir)  # names and manifests only: nothing is loaded
     if saved:
         epoch = f", epoch {saved.epoch}" if saved.epoch is not None else ""
         lines.append(f"  checkpoint  step {saved.step}{epoch}: {saved.location}")

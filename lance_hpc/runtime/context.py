@@ -49,27 +49,27 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from lance_hpc import data
+from lance_hpc.checkpoint import resuming, rng_states, saving
+from lance_hpc.checkpoint.resuming import Checkpoint
 from lance_hpc.checkpoint.sharded import ShardedSaver, is_tensor_state, load_shards, restore_tensor_state, tensor_state
-from lance_hpc.data import EvalLoader, MixLoader, TrainLoader
+from lance_hpc.data import EvalLoader, MixLoader, TrainLoader, selection
 from lance_hpc.errors import UserError
 from lance_hpc.parallel import fsdp
 from lance_hpc.parallel.fsdp import default_blocks, note_default_blocks
 from lance_hpc.parallel.materialise import MetaModel, build_on_meta, materialise, seeded, to_empty
 from lance_hpc.parallel.memory import out_of_memory_message
-from lance_hpc.runtime import checkpoint
-from lance_hpc.runtime.checkpoint import Checkpoint
 from lance_hpc.runtime.environment import DistEnv, configure_process
 from lance_hpc.runtime.metrics import (
     MetricLogger,
     Stopwatch,
     TrainWindow,
     build_logger,
-    flatten,
 )
 from lance_hpc.runtime.preemption import Preemption
 from lance_hpc.runtime.profile import StepProfiler
 from lance_hpc.runtime.watchdog import Progress, Stragglers, Watchdog, host_name, watch_dir
 from lance_hpc.spec import JobSpec, TrainSpec
+from lance_hpc.spec.flat import flatten
 from lance_hpc.spec.rules import entry_options
 from lance_hpc.tasks import ROW_ID, Batch, Decoder, Task
 
@@ -340,7 +340,7 @@ class Context:
     def train_loader(self, decoder: Decoder | None = None) -> TrainLoader:
         """This rank's training batches with the spec's strategy; ``decoder`` defaults to the task's."""
         loader = data.build_train_loader(
-            checkpoint.pinned_data(self.spec.data, self._resumed),
+            selection.pinned_data(self.spec.data, self._resumed),
             decoder or self.task.decoder(train=True),
             self.rank,
             self.world_size,
@@ -367,7 +367,7 @@ class Context:
         gives each rank its shards. A resumed job checks instead that its checkpoint was written for
         the same task and model (register the model to restore it)."""
         if self._resumed is not None:
-            checkpoint.check_same_model(self._resumed, self.spec, self.task.options)
+            resuming.check_same_model(self._resumed, self.spec, self.task.options)
         weights = self._resumed is None and getattr(self.task.options, "weights", None) is not None
         meta = build_on_meta(self.task.build_model)
         problem = meta.problem()
@@ -474,7 +474,7 @@ class Context:
             elif name in self._resumed.objects and is_tensor_state(item) and self._sharded():
                 whole[name] = item
             elif name in self._resumed.objects:
-                checkpoint.restore_object(_unwrapped(item), self._resumed.objects[name], self._resumed, self.spec, name)
+                resuming.restore_object(_unwrapped(item), self._resumed.objects[name], self._resumed, self.spec, name)
             else:
                 raise UserError(
                     f"ctx.register: the checkpoint {self._resumed.path} holds no {name!r} "
@@ -501,7 +501,7 @@ class Context:
                 for buffer in item.buffers():
                     dist.broadcast(buffer, src=0)
         state = {
-            "format": checkpoint.FORMAT,
+            "format": saving.FORMAT,
             "step": self._step,
             "epoch": self._epoch,
             "progress": self.progress,
@@ -518,9 +518,7 @@ class Context:
         }
         rank_state = {"loaders": {name: item.state_dict() for name, item in loaders.items()} if mid_epoch else {}}
         shards = (self._saver, tensor_state(tensors), self.spec.checkpoint.async_save) if sharded else None
-        self._saved = str(
-            checkpoint.save(self.spec.checkpoint.dir, self._step, state, rank_state, self.spec.checkpoint.keep, shards)
-        )
+        self._saved = str(saving.save(self.spec.checkpoint.dir, self._step, state, rank_state, self.spec.checkpoint.keep, shards))
         if sharded:
             self._logger.log({"checkpoint/blocked_s": self._saver.blocked_s}, self._step)
         return self._saved
@@ -564,7 +562,7 @@ class Context:
         self._stepping = loader
         loader.watch = self._direct_batch
         if self._resumed is not None and not self._rng_restored:  # now: building the model drew from the generators
-            checkpoint.restore_rank(self._resumed, self._env, self.spec.train.seed)
+            rng_states.restore_rank(self._resumed, self._env, self.spec.train.seed)
             self._rng_restored = True
         self._epochs = epochs or self.spec.train.epochs
         self._max_steps = max_steps or self.spec.train.max_steps
@@ -784,10 +782,10 @@ def run_entry(
 ) -> Summary:
     """Run a job's entry function in this rank; a preemption inside :meth:`Context.steps` ends it."""
     configure_process(spec.train.seed, spec.train.deterministic, env, device)
-    resumed = checkpoint.find_resume_point(spec)
+    resumed = resuming.find_resume_point(spec)
     if resumed and env.is_main and not _ended(resumed, spec):
         print(
-            checkpoint.resume_message(
+            resuming.resume_message(
                 resumed,
                 float(resumed.state.get("progress", resumed.epoch)),
                 env.world_size,

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from lance_hpc import data
+from lance_hpc.checkpoint import resuming
 from lance_hpc.checkpoint.export import model_state
 from lance_hpc.data import new_columns
 from lance_hpc.data.loader import RowsLoader
@@ -31,7 +32,6 @@ from lance_hpc.data.new_columns import ColumnPlan, FragmentRecord, Records
 from lance_hpc.data.units import wait_for_all
 from lance_hpc.errors import UserError
 from lance_hpc.imports import load_callable
-from lance_hpc.runtime import checkpoint
 from lance_hpc.runtime.context import Summary, precision_context
 from lance_hpc.runtime.environment import DistEnv, configure_process, select_device
 from lance_hpc.runtime.metrics import build_logger
@@ -54,15 +54,15 @@ def load_model(spec: JobSpec, task: Task, device: torch.device) -> nn.Module | N
     assert spec.infer is not None
     if spec.infer.checkpoint is None:
         return None
-    saved = checkpoint.load_latest(spec.infer.checkpoint)
+    saved = resuming.load_latest(spec.infer.checkpoint)
     if saved is None or ("model" not in saved.objects and saved.shards is None):
         raise UserError(
             f"infer.checkpoint {spec.infer.checkpoint} holds no checkpoint with a model\n"
             "  fix: name the checkpoint.dir of a training job that has saved one (lance-hpc status shows it)"
         )
-    checkpoint.check_same_model(saved, spec, task.options)
+    resuming.check_same_model(saved, spec, task.options)
     model = task.build_model()
-    checkpoint.restore_object(model, model_state(saved), saved, spec, "model")  # whole, from shards too
+    resuming.restore_object(model, model_state(saved), saved, spec, "model")  # whole, from shards too
     return task.prepare_model(model, device).eval()
 
 

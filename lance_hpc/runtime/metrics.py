@@ -99,17 +99,6 @@ def build_logger(spec: JobSpec, is_main: bool, purge_step: int | None = None) ->
     return loggers[0] if len(loggers) == 1 else Loggers(loggers)
 
 
-def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"train": {"lr": 0.1}}`` -> ``{"train.lr": 0.1}`` (for the hparams dashboard)."""
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 class TrainWindow:
     """Sums over the steps since the last log point: the task's metric sums (kept on the device,
     so no host sync per step), when the loop adds them, and step timings. :meth:`reduce` is one

@@ -25,10 +25,11 @@ import submitit
 import torch.distributed as dist
 
 from lance_hpc import data
+from lance_hpc.checkpoint import saving
 from lance_hpc.data import load_task
 from lance_hpc.errors import ExitCode, UserError, note_failure
 from lance_hpc.imports import load_callable
-from lance_hpc.runtime import checkpoint, context, trainer
+from lance_hpc.runtime import context, trainer
 from lance_hpc.runtime.environment import (
     SLURM_VARS,
     DistEnv,
@@ -100,7 +101,7 @@ def train_job(spec: JobSpec, env: DistEnv, requeue: Requeue, signals: tuple[int,
         with (
             Preemption(signals) as preemption,
             process_group(env, timeout_s) as device,
-            checkpoint.writer_lease(spec.checkpoint.dir, env) as lease,
+            saving.writer_lease(spec.checkpoint.dir, env) as lease,
         ):
             on_main_rank(lambda: data.ensure_dataset(spec.data), "prepare the dataset")
             task = load_task(spec)

@@ -16,7 +16,7 @@ from lance_hpc.imports import is_import_path, load_callable
 from lance_hpc.spec.choices import SAMPLERS, SHARD_FORMATS, STDLIB_SOURCE, STYLES
 from lance_hpc.spec.problems import Problem, from_pydantic, section_of
 from lance_hpc.spec.schema import SlurmSpec, TrainSpec, parse_time_limit
-from lance_hpc.storage.checkpoint_store import unsupported
+from lance_hpc.storage.options import unsupported
 
 # Keys that moved into task.options when tasks became pluggable: old path -> new key.
 MOVED = {

@@ -61,8 +61,8 @@ from lance_hpc.storage.cache_names import (
     is_cached_name,
     lock_path,
 )
-from lance_hpc.storage.checkpoint_store import filesystem_arguments
 from lance_hpc.storage.files import replaced_atomically
+from lance_hpc.storage.options import filesystem_arguments
 
 log = logging.getLogger("lance_hpc.data")
 _warned: set[str] = set()  # warn_once keys already warned of

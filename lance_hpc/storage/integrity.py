@@ -14,9 +14,8 @@ from typing import Any, Mapping
 from urllib.parse import urlparse
 
 from lance_hpc.errors import UserError
-from lance_hpc.storage.checkpoint_store import filesystem_arguments
 from lance_hpc.storage.datasets import open_dataset
-from lance_hpc.storage.options import is_remote
+from lance_hpc.storage.options import filesystem_arguments, is_remote
 from lance_hpc.storage.retry import is_damage, short_error
 
 FIX = (

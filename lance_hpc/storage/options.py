@@ -8,7 +8,9 @@ workers); they are never printed.
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from pathlib import Path
+from typing import Any, Mapping
+from urllib.parse import urlparse
 
 # Environment variable -> Lance (object_store) option, for s3:// URIs.
 S3_ENV_OPTIONS = (
@@ -23,6 +25,10 @@ S3_ENV_OPTIONS = (
 SECRET_OPTIONS = ("access_key_id", "secret_access_key", "session_token")
 # A preflight should answer in seconds, not after object_store's default retries (minutes).
 PREFLIGHT_OPTIONS = {"client_max_retries": "1", "client_retry_timeout": "15", "connect_timeout": "5s"}
+# object_store (and so Lance) assumes this region when none is configured; so do checkpoints.
+DEFAULT_REGION = "us-east-1"
+# URI schemes a checkpoint.dir may have besides a plain directory (lance_hpc.checkpoint.stores.STORES)
+CHECKPOINT_SCHEMES = ("s3",)
 CREDENTIAL_FIX = (
     "export valid AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN for temporary "
     "credentials) for this endpoint in the environment that runs lance-hpc and the job"
@@ -56,3 +62,37 @@ def redact(text: str, options: Mapping[str, str]) -> str:
         if value:
             text = text.replace(value, "***")
     return text
+
+
+def filesystem_arguments(options: Mapping[str, str]) -> dict[str, Any]:
+    """pyarrow S3FileSystem arguments from Lance-style storage options (see storage_options)."""
+    arguments: dict[str, Any] = {
+        "region": options.get("region", DEFAULT_REGION),
+        # small checkpoints go up in one PUT, and a missing bucket fails the write, not the open
+        "allow_delayed_open": True,
+    }
+    if options.get("access_key_id") and options.get("secret_access_key"):
+        arguments.update(
+            access_key=options["access_key_id"],
+            secret_key=options["secret_access_key"],
+            session_token=options.get("session_token"),
+        )
+    endpoint = options.get("endpoint")
+    if endpoint:
+        parsed = urlparse(endpoint if "://" in endpoint else f"https://{endpoint}")
+        arguments.update(scheme=parsed.scheme, endpoint_override=parsed.netloc)
+    return arguments
+
+
+def unsupported(directory: str | Path) -> str | None:
+    """Why ``directory`` cannot hold checkpoints (with the fix after a newline), or None."""
+    text = str(directory)
+    scheme, separator, rest = text.partition("://")
+    if not separator:
+        return None
+    valid = ", ".join(f"{name}://bucket/prefix" for name in CHECKPOINT_SCHEMES)
+    if scheme not in CHECKPOINT_SCHEMES:
+        return f"{scheme}:// is not a checkpoint store\n  fix: use a local directory or {valid}"
+    if not rest.split("/", 1)[0]:
+        return f"{text} names no bucket\n  fix: write it as {scheme}://bucket/prefix"
+    return None

@@ -16,10 +16,11 @@ import pytest
 import torch
 import yaml
 
+from lance_hpc.checkpoint import resuming
 from lance_hpc.data import build_train_loader, ensure_dataset, load_task
 from lance_hpc.data.reader import fragment_table
 from lance_hpc.data.sampling import epoch_batches
-from lance_hpc.runtime import checkpoint, trainer
+from lance_hpc.runtime import trainer
 from lance_hpc.runtime.context import Summary, run_entry
 from lance_hpc.runtime.environment import detect, process_group
 from lance_hpc.runtime.preemption import Preemption
@@ -96,7 +97,7 @@ def write_spec(directory: Path, dataset: Digits, name: str = "digits", **section
 
 def final_state(directory: Path) -> dict[str, Any]:
     """The newest checkpoint a run wrote under ``directory``."""
-    found = checkpoint.load_latest(directory / "checkpoints")
+    found = resuming.load_latest(directory / "checkpoints")
     assert found is not None, f"no checkpoint under {directory}"
     return found.state
 

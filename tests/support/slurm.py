@@ -20,7 +20,7 @@ from typing import Iterator, Mapping
 import pytest
 
 from lance_hpc.launch.render import write_job_files
-from lance_hpc.manage.queue import FINAL_STATES
+from lance_hpc.slurm.queue import FINAL_STATES
 from lance_hpc.spec import JobSpec
 from tests.support import slurm_cluster as cluster_module
 from tests.support.jobs import REPO_ROOT

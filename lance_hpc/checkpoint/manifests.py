@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from lance_hpc.storage.checkpoint_store import TEMP_SUFFIX, Store, open_store
+from lance_hpc.checkpoint.stores import TEMP_SUFFIX, Store, open_store
 
 CHECKPOINT_PATTERN = re.compile(r"^step-(\d+)\.pt$")
 MANIFEST_PATTERN = re.compile(r"^step-(\d+)\.json$")

@@ -46,9 +46,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Protocol, TypeVar
 
+from lance_hpc.checkpoint.stores import ObjectStore, open_store
 from lance_hpc.errors import UserError
-from lance_hpc.manage import queue
-from lance_hpc.storage.checkpoint_store import ObjectStore, open_store
+from lance_hpc.slurm import queue
 
 LEASE_NAME = "writer.lease.json"
 HEARTBEAT_S = 30.0

@@ -25,20 +25,26 @@ import os
 import shutil
 from functools import cached_property
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Mapping, Protocol
+from typing import Any, BinaryIO, Callable, Protocol
 from urllib.parse import urlparse
 
 from pyarrow import fs
 
 from lance_hpc.errors import UserError
+from lance_hpc.spec.choices import check_registry
 from lance_hpc.storage.files import replaced_atomically
-from lance_hpc.storage.options import CREDENTIAL_FIX, redact, storage_options
+from lance_hpc.storage.options import (
+    CHECKPOINT_SCHEMES,
+    CREDENTIAL_FIX,
+    filesystem_arguments,
+    redact,
+    storage_options,
+    unsupported,
+)
 
 # Temporary files of a checkpoint being written: ``.step-XXXXXXXX.pt.<pid>.tmp``.
 TEMP_SUFFIX = ".tmp"
 
-# object_store (and so Lance) assumes this region when none is configured; so do checkpoints.
-DEFAULT_REGION = "us-east-1"
 CREDENTIAL_ERRORS = (
     "INVALID_ACCESS_KEY_ID",
     "SIGNATURE_DOES_NOT_MATCH",
@@ -246,42 +252,9 @@ def out_of_space(error: BaseException) -> int | None:
     return None
 
 
-def filesystem_arguments(options: Mapping[str, str]) -> dict[str, Any]:
-    """pyarrow S3FileSystem arguments from Lance-style storage options (see storage_options)."""
-    arguments: dict[str, Any] = {
-        "region": options.get("region", DEFAULT_REGION),
-        # small checkpoints go up in one PUT, and a missing bucket fails the write, not the open
-        "allow_delayed_open": True,
-    }
-    if options.get("access_key_id") and options.get("secret_access_key"):
-        arguments.update(
-            access_key=options["access_key_id"],
-            secret_key=options["secret_access_key"],
-            session_token=options.get("session_token"),
-        )
-    endpoint = options.get("endpoint")
-    if endpoint:
-        parsed = urlparse(endpoint if "://" in endpoint else f"https://{endpoint}")
-        arguments.update(scheme=parsed.scheme, endpoint_override=parsed.netloc)
-    return arguments
-
-
 # URI scheme -> store; a directory without a scheme is a LocalDirectory.
 STORES: dict[str, Callable[[str], Store]] = {"s3": ObjectStore}
-
-
-def unsupported(directory: str | Path) -> str | None:
-    """Why ``directory`` cannot hold checkpoints (with the fix after a newline), or None."""
-    text = str(directory)
-    scheme, separator, rest = text.partition("://")
-    if not separator:
-        return None
-    valid = ", ".join(f"{name}://bucket/prefix" for name in STORES)
-    if scheme not in STORES:
-        return f"{scheme}:// is not a checkpoint store\n  fix: use a local directory or {valid}"
-    if not rest.split("/", 1)[0]:
-        return f"{text} names no bucket\n  fix: write it as {scheme}://bucket/prefix"
-    return None
+check_registry(STORES, CHECKPOINT_SCHEMES, "checkpoint.dir scheme")
 
 
 def open_store(directory: str | Path) -> Store:

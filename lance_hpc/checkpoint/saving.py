@@ -1,0 +1,189 @@
+"""Saving a checkpoint: every rank calls :func:`save` with the same step; the state is written so
+that a reader finds all of it or nothing.
+
+A checkpoint is one file ``step-XXXXXXXX.pt`` in checkpoint.dir, a local directory or an
+``s3://bucket/prefix`` (:mod:`lance_hpc.checkpoint.stores`), with a small JSON manifest beside it
+(:mod:`lance_hpc.checkpoint.manifests`); a sharded model adds the directory of its shards
+(:mod:`lance_hpc.checkpoint.sharded`). Either way a crash at any moment leaves either the new
+checkpoint or none: the previous checkpoint stays loadable. One run writes to a directory at a time:
+rank 0 holds its lease (:mod:`lance_hpc.checkpoint.lease`, taken by :func:`writer_lease`).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from lance_hpc.checkpoint import lease
+from lance_hpc.checkpoint.manifests import checkpoint_name, checkpoint_names, checkpoint_steps, leftovers, manifest, manifest_name
+from lance_hpc.checkpoint.rng_states import capture_rng
+from lance_hpc.checkpoint.shard_files import delete_shards, shard_directories
+from lance_hpc.checkpoint.sharded import SHARDS_SUFFIX, ShardedSaver, shards_name
+from lance_hpc.checkpoint.stores import Location, NoSpace, locate, open_store
+from lance_hpc.errors import UserError
+
+if TYPE_CHECKING:
+    from lance_hpc.runtime.environment import DistEnv
+
+# The checkpoint layout Context.save writes: named objects, named loaders per rank.
+FORMAT = 2
+SHARDS_PATTERN = re.compile(r"^step-(\d+)" + re.escape(SHARDS_SUFFIX) + "$")
+
+
+def checkpoint_path(directory: str | Path, step: int) -> Location:
+    """Where the checkpoint of ``step`` goes: a Path, or an s3:// URI for a directory on object storage."""
+    return open_store(directory).location(checkpoint_name(step))
+
+
+def list_checkpoints(directory: str | Path) -> list[Location]:
+    """Complete checkpoints in ``directory``, oldest first (temporary files and unfinished uploads
+    are never listed)."""
+    store = open_store(directory)
+    return [store.location(name) for name in checkpoint_names(store.names())]
+
+
+def write_atomically(state: dict[str, Any], path: Location) -> None:
+    """Write ``state`` to ``path`` so that a reader finds all of it or nothing: locally a temporary
+    file, fsync, rename over ``path``, fsync the directory; on object storage one upload."""
+    store, name = locate(path)
+    store.write(name, state)
+
+
+def prune(directory: str | Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` checkpoints with their manifests and shards, and what a
+    crash left (temporary files, shards of a save that never completed)."""
+    store = open_store(directory)
+    names = store.names()
+    steps = checkpoint_steps(names)
+    pruned = list(steps.items())[:-keep]
+    manifests = [manifest_name(step) for step, _ in pruned if manifest_name(step) in names]
+    for name in [name for _, name in pruned] + manifests + leftovers(names):
+        store.delete(name)
+    kept = set(steps) - {step for step, _ in pruned}
+    for name in shard_directories(store):  # pruned, or of a save that never completed
+        match = SHARDS_PATTERN.match(name)
+        if match and int(match.group(1)) not in kept:
+            delete_shards(store, name)
+
+
+def save(
+    directory: str | Path,
+    step: int,
+    state: dict[str, Any],
+    rank_state: dict[str, Any],
+    keep: int,
+    sharded: tuple[ShardedSaver, dict[str, Any], bool] | None = None,
+) -> Location:
+    """Collective: every rank calls it with the same step; rank 0 writes, then all ranks go on.
+
+    ``state`` is rank 0's (the model and optimizer are the same on every rank). ``rank_state``
+    and the RNG states of every rank are gathered into ``state["ranks"][rank]``, so each rank gets
+    its own back on resume. A failed write raises on every rank (rank 0's error is broadcast)
+    instead of leaving the others waiting.
+
+    ``sharded`` (saver, tensor state, in the background): the modules and optimizers are written
+    by every rank into the shards ``step-N.dcp`` first (see :mod:`lance_hpc.checkpoint.sharded`),
+    and ``step-N.pt`` names them; in the background, rank 0 writes it when the shards are complete.
+    """
+    ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, {**rank_state, "rng": capture_rng()})
+    path = checkpoint_path(directory, step)
+    if sharded is not None:
+        state = {**state, "shards": shards_name(step)}
+
+    def publish() -> None:
+        held = lease.held(directory)
+        if held is not None:
+            held.confirm()
+        write_atomically({**state, "ranks": ranks}, path)
+        open_store(directory).write_bytes(manifest_name(step), manifest({**state, "step": step}, len(ranks)))
+        prune(directory, keep)
+
+    if sharded is not None:
+        saver, tensors, background = sharded
+        saver.save(tensors, directory, shards_name(step), publish, background)
+        if background:
+            return path
+    outcome: list[Any] = [None]  # (message, whether it is a UserError) when rank 0 failed
+    if dist.get_rank() == 0:
+        try:
+            publish()
+        except UserError as error:  # the object store's message already names the URI and the fix
+            outcome[0] = (str(error), True)
+        except NoSpace as full:
+            outcome[0] = (no_space_message(directory, full), True)
+        except Exception as error:  # reported on every rank below
+            outcome[0] = (f"cannot write checkpoint {path}: {type(error).__name__}: {error}", False)
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        message, user_error = outcome[0]
+        raise UserError(message) if user_error else RuntimeError(message)
+    return path
+
+
+def no_space_message(directory: str | Path, full: NoSpace) -> str:
+    """What a save that filled the file system tells the user: the file, the space left, and that
+    the newest complete checkpoint is untouched (a write goes to a temporary file first)."""
+    intact = checkpoint_names(open_store(directory).names())
+    reached = f", which had reached {_size(full.written)}" if full.written else ""
+    if full.quota:
+        problem = f"the disk quota on its file system is used up ({_size(full.free)} free on the file system)"
+    else:
+        problem = f"the file system is full ({_size(full.free)} free in {directory} after removing the partial file{reached})"
+    if intact:
+        kept = (
+            f"the newest complete checkpoint, {intact[-1]}, is intact: a checkpoint is written to a temporary file "
+            "and renamed into place only when complete"
+        )
+    else:
+        kept = "no earlier checkpoint exists, and nothing was left behind"
+    fix = (
+        f"free space there or point checkpoint.dir at a larger file system (checkpoint.keep: fewer kept), then run "
+        f"again to {'resume from ' + intact[-1] if intact else 'start'}"
+    )
+    return f"cannot write {full.path}: {problem}\n  {kept}\n  fix: {fix}"
+
+
+def _size(count: float) -> str:
+    for unit in ("bytes", "KiB", "MiB"):
+        if count < 1024:
+            return f"{count:.0f} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} GiB"
+
+
+@contextmanager
+def writer_lease(directory: str | Path, env: DistEnv) -> Iterator[lease.Lease | None]:
+    """Collective: rank 0 takes the lease of checkpoint.dir before any rank writes there, and
+    yields it (other ranks get None); when another run holds it, every rank raises the same
+    UserError, so none waits for the others. On leaving, the lease is released, unless it was
+    kept for a requeue (:meth:`lance_hpc.checkpoint.lease.Lease.keep`)."""
+    held: lease.Lease | None = None
+    refusal: list[Any] = [None]  # (message, whether it is a UserError) when rank 0 did not get the lease
+    if env.rank == 0:
+        try:
+            held, note = lease.acquire(directory, lease.this_process(env.job_ref, env.restart_count))
+            if note:
+                print(f"lance_hpc: {note}", file=sys.stderr, flush=True)
+        except UserError as error:
+            refusal[0] = (str(error), True)
+        except Exception as error:  # raised on every rank below, not only on this one
+            refusal[0] = (f"cannot take the lease of checkpoint.dir {directory}: {type(error).__name__}: {error}", False)
+    dist.broadcast_object_list(refusal, src=0)
+    if refusal[0] is not None:
+        message, user_error = refusal[0]
+        raise UserError(message) if user_error else RuntimeError(message)
+    try:
+        yield held
+    finally:
+        if held is not None:
+            try:
+                held.release()
+            except Exception as error:  # the run's outcome matters more; a stale lease is taken over later
+                print(f"lance_hpc: cannot release the lease {held.store.where} ({error})", file=sys.stderr, flush=True)
