@@ -31,6 +31,7 @@ from typing import Any, Iterator, Mapping
 import jinja2
 
 from lance_hpc.errors import UserError
+from lance_hpc.imports import SAFE_PATH_FLAG, SAFE_PATH_VARIABLE
 from lance_hpc.launch.container import container_launch
 from lance_hpc.launch.paths import (
     ARRAY_INDEX,
@@ -139,6 +140,7 @@ def environment(spec: JobSpec) -> dict[str, str]:
     return {
         "PYTHONUNBUFFERED": "1",  # rank output reaches the log as it happens, not at exit
         "OMP_NUM_THREADS": str(spec.slurm.cpus_per_task),  # torch would otherwise use every core per task
+        SAFE_PATH_VARIABLE: "1",  # no Python of the job imports from the working directory (see lance_hpc.imports)
     }
 
 
@@ -161,12 +163,13 @@ def srun_args(spec: JobSpec) -> list[str]:
 
 
 def python_command(spec: JobSpec) -> list[str]:
-    """How a task starts Python: ``python3``, after the container runtime's prefix if there is one."""
-    return [*container_launch(spec.slurm).command_prefix, PYTHON]
+    """How a task starts Python: ``python3 -P`` (the working directory off sys.path), after the
+    container runtime's prefix if there is one."""
+    return [*container_launch(spec.slurm).command_prefix, PYTHON, SAFE_PATH_FLAG]
 
 
 def launch_command(spec: JobSpec, spec_file: str) -> ShellText:
-    """What srun starts in every task: ``python3 -m lance_hpc.run SPEC_FILE`` (in the container)."""
+    """What srun starts in every task: ``python3 -P -m lance_hpc.run SPEC_FILE`` (in the container)."""
     return ShellText(f"{shlex.join([*python_command(spec), '-m', ENTRY_MODULE])} {_spec_file_word(spec, spec_file)}")
 
 
@@ -176,7 +179,7 @@ def job_reference(spec: JobSpec) -> ShellText:
 
 
 def render_sbatch(spec: JobSpec, spec_file: str) -> str:
-    """The sbatch script for ``spec``, whose tasks run ``python3 -m lance_hpc.run spec_file``.
+    """The sbatch script for ``spec``, whose tasks run ``python3 -P -m lance_hpc.run spec_file``.
 
     For a sweep, ``spec_file`` holds ``{index}`` where each run's array task id goes.
     """

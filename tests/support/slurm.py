@@ -94,7 +94,7 @@ def sbatch(cluster: cluster_module.SlurmCluster, spec: JobSpec) -> str:
 
 
 def is_rank_command(command: list[bytes]) -> bool:
-    """A /proc cmdline (split at NUL) of a rank itself, ``python3 -m lance_hpc.run SPEC``: not the
+    """A /proc cmdline (split at NUL) of a rank itself, ``python3 -P -m lance_hpc.run SPEC``: not the
     srun that started it, whose command line names the same and whose environment (the batch
     step's) says SLURM_PROCID=0 as well."""
-    return os.path.basename(command[0]).startswith(b"python") and command[1:3] == [b"-m", b"lance_hpc.run"]
+    return os.path.basename(command[0]).startswith(b"python") and command[1:4] == [b"-P", b"-m", b"lance_hpc.run"]
