@@ -17,6 +17,7 @@ import yaml
 from lance_hpc.launch import render
 from lance_hpc.spec import load_spec
 from tests.support.ports import free_ports
+from tests.support.slurm import job_log
 from tests.support.slurm_cluster import SlurmCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
@@ -69,7 +70,7 @@ def wait_for_end(cluster: SlurmCluster, job_id: str, timeout_s: float = 300) -> 
         if fields.get("JobState") in {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}:
             return fields["JobState"], fields.get("ExitCode", "")
         time.sleep(1)
-    raise AssertionError(f"job {job_id} still {fields.get('JobState', '?')} after {timeout_s}s")
+    raise AssertionError(f"job {job_id} still {fields.get('JobState', '?')} after {timeout_s}s\n{job_log(cluster, job_id)}")
 
 
 def wait_for_state(cluster: SlurmCluster, job_id: str, states: set[str], timeout_s: float = 180) -> str:
@@ -105,7 +106,7 @@ def test_rendered_script_runs_two_nodes_by_two_tasks(slurm_cluster: SlurmCluster
     result = sbatch(slurm_cluster, "--parsable", str(tmp_path / "probe.sbatch"))
     assert result.returncode == 0, result.stderr
     job_id = result.stdout.strip().split(";")[0]
-    assert wait_for_end(slurm_cluster, job_id) == ("COMPLETED", "0:0")
+    assert wait_for_end(slurm_cluster, job_id) == ("COMPLETED", "0:0"), job_log(slurm_cluster, job_id)
     output = (tmp_path / "logs" / f"probe-{job_id}.out").read_text()
     # srun --label starts every line with its task's rank: "3: PROBE ..."
     seen = sorted(line.split(": ", 1)[1].split()[1:] for line in output.splitlines() if ": PROBE " in line)
@@ -162,7 +163,7 @@ def test_failing_trainer_reports_the_task_that_failed(slurm_cluster: SlurmCluste
     result = sbatch(slurm_cluster, "--parsable", str(tmp_path / "logs" / "nodata" / "nodata.sbatch"))
     job_id = result.stdout.strip().split(";")[0]
     state, exit_code = wait_for_end(slurm_cluster, job_id)
-    assert state == "FAILED" and exit_code != "0:0", (state, exit_code)
+    assert state == "FAILED" and exit_code != "0:0", (state, exit_code, job_log(slurm_cluster, job_id))
     assert "missing.lance" in (tmp_path / "logs" / "nodata" / f"nodata-{job_id}.err").read_text()
 
 
