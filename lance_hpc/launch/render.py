@@ -39,6 +39,7 @@ from lance_hpc.launch.paths import (
     make_private_dirs,
     write_private,
 )
+from lance_hpc.launch.ports import master_port_lines
 from lance_hpc.runtime.preemption import REQUEUE_FUNCTION, requeue_handler
 from lance_hpc.spec import JobSpec, Problem, SpecError, expand, run_count
 from lance_hpc.spec.secrets import redact_text
@@ -136,7 +137,7 @@ def resource_flags(spec: JobSpec) -> dict[str, str | int | bool]:
 
 
 def environment(spec: JobSpec) -> dict[str, str]:
-    """Variables every task needs; MASTER_ADDR/PORT are derived by each rank (lance_hpc.runtime.environment)."""
+    """Variables every task needs; MASTER_ADDR is derived by each rank (lance_hpc.runtime.environment)."""
     return {
         "PYTHONUNBUFFERED": "1",  # rank output reaches the log as it happens, not at exit
         "OMP_NUM_THREADS": str(spec.slurm.cpus_per_task),  # torch would otherwise use every core per task
@@ -145,7 +146,10 @@ def environment(spec: JobSpec) -> dict[str, str]:
 
 
 def export_lines(spec: JobSpec) -> list[str]:
-    return [f"export {key}={shlex.quote(value)}" for key, value in environment(spec).items()]
+    """The exports of :func:`environment`, and for ranks that meet, a MASTER_PORT picked free on
+    this node (the batch step runs on rank 0's), see :mod:`lance_hpc.launch.ports`."""
+    exports = [f"export {key}={shlex.quote(value)}" for key, value in environment(spec).items()]
+    return [*exports, *(master_port_lines() if spec.slurm.world_size > 1 else [])]
 
 
 def setup_lines(spec: JobSpec) -> list[str]:
