@@ -7,11 +7,18 @@ rank resolves every import path before the server starts, and the server copies 
 Importing runs the module's code. So ``validate``, ``submit`` (``--dry-run`` too) and the job's
 ranks import these paths; ``status``, ``logs`` and ``cancel`` never do (they validate with
 ``imports=False``, see :func:`lance_hpc.spec.load.validate_spec`).
+
+Nothing else is imported from where a process happens to run: every Python process lance_hpc
+starts (:func:`python_command`, :func:`child_environment`) leaves the working directory off
+``sys.path``, which ``python -m`` would put first. Run from a directory others can write to, a
+child would otherwise import their ``typing_extensions.py`` in place of the real one.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import site
 import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -23,6 +30,33 @@ PYTHONPATH_ADVICE = (
     "environment, or its directory on PYTHONPATH (export PYTHONPATH=/path/to/project in slurm.setup); "
     "or name a file: path/to/file.py:Name"
 )
+
+
+# Python 3.11+: -P starts the process itself without the working directory on sys.path, and the
+# variable does the same for every Python it starts in turn (multiprocessing's forkserver, say).
+SAFE_PATH_FLAG = "-P"
+SAFE_PATH_VARIABLE = "PYTHONSAFEPATH"
+
+
+def python_command(*arguments: str) -> list[str]:
+    """This interpreter with ``arguments`` (``-m module ...``), without the working directory on sys.path."""
+    return [sys.executable, SAFE_PATH_FLAG, *arguments]
+
+
+def child_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a Python process lance_hpc starts: ``PYTHONSAFEPATH=1``, and this
+    lance_hpc's directory first on PYTHONPATH when it is a checkout rather than an installed
+    package, which the working directory no longer provides: a child imports the same lance_hpc
+    as its parent. (An installed one is found as it is: site-packages put on PYTHONPATH would come
+    before the standard library.)"""
+    result = dict(os.environ if environ is None else environ)
+    package_root = str(Path(__file__).resolve().parents[1])
+    installed = {*site.getsitepackages(), site.getusersitepackages()}
+    paths = [path for path in result.get("PYTHONPATH", "").split(os.pathsep) if path]
+    if package_root not in installed and package_root not in paths[:1]:
+        result["PYTHONPATH"] = os.pathsep.join([package_root, *paths])
+    result[SAFE_PATH_VARIABLE] = "1"
+    return result
 
 
 def is_import_path(text: str) -> bool:

@@ -55,16 +55,16 @@ def test_apptainer_runs_python_inside_the_image() -> None:
     words = shlex.split(script.rstrip().split("\n")[-1])
     assert words[words.index("apptainer"):] == [
         "apptainer", "exec", "--nv", "--bind=/scratch:/scratch,/datasets:/data:ro", "--pwd=/scratch/run",
-        "/images/train.sif", "python3", "-m", "lance_hpc.run", "/s.yaml",
+        "/images/train.sif", "python3", "-P", "-m", "lance_hpc.run", "/s.yaml",
     ]  # fmt: skip
     cpu = render.render_sbatch(spec_with({"image": "/i.sif"}, gpus_per_node=0), "/s.yaml")
-    assert shlex.split(cpu.rstrip().split("\n")[-1])[-6:] == ["exec", "/i.sif", "python3", "-m", "lance_hpc.run", "/s.yaml"]
+    assert shlex.split(cpu.rstrip().split("\n")[-1])[-7:] == ["exec", "/i.sif", "python3", "-P", "-m", "lance_hpc.run", "/s.yaml"]
 
 
 def test_pyxis_passes_the_image_to_srun() -> None:
     script = render.render_sbatch(spec_with({**CONTAINER, "runtime": "pyxis"}), "/s.yaml")
     words = shlex.split(script.rstrip().split("\n")[-1])
-    assert words[0] == "srun" and words[-4:] == ["python3", "-m", "lance_hpc.run", "/s.yaml"]
+    assert words[0] == "srun" and words[-5:] == ["python3", "-P", "-m", "lance_hpc.run", "/s.yaml"]
     assert {
         "--container-image=/images/train.sif",
         "--container-mounts=/scratch:/scratch,/datasets:/data:ro",
@@ -274,6 +274,7 @@ def test_apptainer_job_is_preempted_requeued_by_its_script_and_resumes(
         f"--pwd={REPO_ROOT}",
         "/images/lance-hpc.sif",
         "python3",
+        "-P",
         "-m",
         "lance_hpc.run",
         str(spec_file),

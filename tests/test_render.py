@@ -111,7 +111,7 @@ def test_script_requests_what_the_spec_says() -> None:
     last = script.strip().splitlines()[-1]
     assert shlex.split(last) == [
         "srun", "--unbuffered", "--label", "--kill-on-bad-exit=1", "--cpus-per-task=12",
-        "python3", "-m", "lance_hpc.run", "/project/x.spec.yaml",
+        "python3", "-P", "-m", "lance_hpc.run", "/project/x.spec.yaml",
     ]  # fmt: skip
     body = script[script.index("set -eo pipefail") :]
     assert body.index("module load cuda/12.4") < body.index("export OMP_NUM_THREADS=12") < body.index("srun ")
@@ -161,7 +161,7 @@ def test_site_template_gets_the_same_variables(tmp_path: Path) -> None:
     script = render.render_sbatch(spec, "/x.yaml")
     assert "#SBATCH --licenses=scratch" in script
     assert "echo 'a b' site" in script  # values are quoted on output, also in site templates
-    assert script.rstrip().endswith("apptainer exec /images/train.sif python3 -m lance_hpc.run /x.yaml")
+    assert script.rstrip().endswith("apptainer exec /images/train.sif python3 -P -m lance_hpc.run /x.yaml")
 
 
 def test_a_site_template_sees_the_spec_with_credentials_redacted(tmp_path: Path) -> None:
@@ -258,7 +258,7 @@ def test_hostile_values_never_execute(attack: str, tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert not marker.exists()
     srun_args = (tmp_path / "srun.args").read_text().splitlines()
-    assert srun_args[-4:] == ["python3", "-m", "lance_hpc.run", spec_file]
+    assert srun_args[-5:] == ["python3", "-P", "-m", "lance_hpc.run", spec_file]
 
 
 def test_setup_lines_run_but_cannot_add_directives(tmp_path: Path) -> None:

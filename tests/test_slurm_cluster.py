@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import textwrap
@@ -15,8 +16,18 @@ import pytest
 import yaml
 
 from lance_hpc.launch import render
+from lance_hpc.launch.paths import JobPaths
+from lance_hpc.launch.ports import port_for_job
+from lance_hpc.launch.render import write_job_files
+from lance_hpc.launch.submit import make_executor
+from lance_hpc.runtime.rank import SubmititJob
 from lance_hpc.spec import load_spec
+from tests.support.jobs import REPO_ROOT, Digits
+from tests.support.jobs import write_spec as write_digits_spec
 from tests.support.ports import free_ports
+from tests.support.slurm import environ as job_environ
+from tests.support.slurm import job_log
+from tests.support.slurm import sbatch as sbatch_spec
 from tests.support.slurm_cluster import SlurmCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
@@ -69,7 +80,7 @@ def wait_for_end(cluster: SlurmCluster, job_id: str, timeout_s: float = 300) -> 
         if fields.get("JobState") in {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}:
             return fields["JobState"], fields.get("ExitCode", "")
         time.sleep(1)
-    raise AssertionError(f"job {job_id} still {fields.get('JobState', '?')} after {timeout_s}s")
+    raise AssertionError(f"job {job_id} still {fields.get('JobState', '?')} after {timeout_s}s\n{job_log(cluster, job_id)}")
 
 
 def wait_for_state(cluster: SlurmCluster, job_id: str, states: set[str], timeout_s: float = 180) -> str:
@@ -105,7 +116,7 @@ def test_rendered_script_runs_two_nodes_by_two_tasks(slurm_cluster: SlurmCluster
     result = sbatch(slurm_cluster, "--parsable", str(tmp_path / "probe.sbatch"))
     assert result.returncode == 0, result.stderr
     job_id = result.stdout.strip().split(";")[0]
-    assert wait_for_end(slurm_cluster, job_id) == ("COMPLETED", "0:0")
+    assert wait_for_end(slurm_cluster, job_id) == ("COMPLETED", "0:0"), job_log(slurm_cluster, job_id)
     output = (tmp_path / "logs" / f"probe-{job_id}.out").read_text()
     # srun --label starts every line with its task's rank: "3: PROBE ..."
     seen = sorted(line.split(": ", 1)[1].split()[1:] for line in output.splitlines() if ": PROBE " in line)
@@ -162,7 +173,7 @@ def test_failing_trainer_reports_the_task_that_failed(slurm_cluster: SlurmCluste
     result = sbatch(slurm_cluster, "--parsable", str(tmp_path / "logs" / "nodata" / "nodata.sbatch"))
     job_id = result.stdout.strip().split(";")[0]
     state, exit_code = wait_for_end(slurm_cluster, job_id)
-    assert state == "FAILED" and exit_code != "0:0", (state, exit_code)
+    assert state == "FAILED" and exit_code != "0:0", (state, exit_code, job_log(slurm_cluster, job_id))
     assert "missing.lance" in (tmp_path / "logs" / "nodata" / f"nodata-{job_id}.err").read_text()
 
 
@@ -223,3 +234,45 @@ def test_requeued_job_runs_again(slurm_cluster: SlurmCluster, tmp_path: Path) ->
     assert (tmp_path / "requeue.out").read_text().count("run ") == 2
     assert "run 1" in (tmp_path / "requeue.out").read_text()
     assert time.monotonic() - started < 90  # cred_expire=10 in the test cluster, not SLURM's 120 s
+
+
+def test_ranks_meet_on_a_free_port_while_another_process_holds_the_job_id_port(
+    slurm_cluster: SlurmCluster, digits: Digits, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rendered script and a submitit job, 2 ranks on 2 nodes each. Both are submitted held, so
+    their ids are known before they start; this process then listens on each job's derived port,
+    on every address of the machine all emulated nodes share, and releases them. The batch step
+    picks another port, so the ranks meet and train."""
+    specs = []
+    for way in ("sbatch", "submitit"):  # each its own checkpoint.dir: the two run at once
+        slurm = {
+            "partition": slurm_cluster.partition, "nodes": 2, "tasks_per_node": 1, "cpus_per_task": 1,
+            "time": "00:10:00", "log_dir": str(tmp_path / way / "logs"), "extra_flags": {"hold": True},
+        }  # fmt: skip
+        train = {"epochs": 1, "max_steps": 2}
+        specs.append(load_spec(write_digits_spec(tmp_path / way, digits, name="held", slurm=slurm, train=train)).spec)
+    scripted = sbatch_spec(slurm_cluster, specs[0])
+    for key, value in job_environ(slurm_cluster).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(REPO_ROOT)
+    write_job_files(specs[1])
+    executor = make_executor(specs[1], tmp_path / "submitit" / "submitit")
+    submitted = executor.submit(SubmititJob(str(JobPaths.of(specs[1]).spec_file)))
+    holders = []
+    try:
+        for job_id in (scripted, submitted.job_id):
+            holder = socket.socket()
+            holder.bind(("0.0.0.0", port_for_job(job_id)))
+            holder.listen()
+            holders.append(holder)
+        slurm_cluster.run("scontrol", "release", scripted, submitted.job_id)
+        for job_id in (scripted, submitted.job_id):
+            state, exit_code = wait_for_end(slurm_cluster, job_id)
+            assert (state, exit_code) == ("COMPLETED", "0:0"), (
+                f"port {port_for_job(job_id)} held\n{job_log(slurm_cluster, job_id)}"
+            )
+    finally:
+        for holder in holders:
+            holder.close()
+        slurm_cluster.run("scancel", scripted, submitted.job_id, check=False)
+    assert submitted.task(0).result()["status"] == "completed"

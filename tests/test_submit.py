@@ -80,7 +80,7 @@ def test_dry_run_prints_everything_and_touches_nothing(
     out = capsys.readouterr().out
     assert f"data.uri: data/{{name}}.lance -> {tmp_path}/data/dry.lance" in out  # placeholder resolutions
     assert "lr: 0.01" in out  # the resolved spec, override applied
-    assert "#SBATCH --nodes=2" in out and "python3 -m lance_hpc.run" in out  # the script
+    assert "#SBATCH --nodes=2" in out and "python3 -P -m lance_hpc.run" in out  # the script
     assert "---- data plan ----\nunavailable:" in out  # no dataset and no ingest: said, not raised
     assert "nothing written, nothing submitted" in out
     assert sorted(tmp_path.rglob("*")) == before and calls(shims) == []
@@ -336,13 +336,13 @@ def test_submitit_asks_for_the_same_job_as_the_script(raw: Any, shims: Path, tmp
     our_options, our_command = srun_call(ours)
     their_options, their_command = srun_call(theirs)
     assert our_options == their_options
-    prefix = render.python_command(spec)[:-1]  # the container runtime's, if any
+    prefix = render.python_command(spec)[:-2]  # the container runtime's, if any
     spec_file = str(log_dir / f"{spec.name}.spec.yaml")
     if spec.sweep:
         spec_file = JobPaths.of(spec).run_specs.replace("{index}", "$SLURM_ARRAY_TASK_ID")
-    assert our_command == [*prefix, "python3", "-m", "lance_hpc.run", spec_file]
+    assert our_command == [*prefix, "python3", "-P", "-m", "lance_hpc.run", spec_file]
     # which runs SubmititJob(spec file), in the same container
-    assert their_command[: len(prefix) + 4] == [*prefix, "python3", "-u", "-m", "submitit.core._submit"]
+    assert their_command[: len(prefix) + 5] == [*prefix, "python3", "-P", "-u", "-m", "submitit.core._submit"]
 
 
 # ---- the lance-hpc command ---------------------------------------------------------------------

@@ -39,7 +39,7 @@ from tests.support.jobs import (
     same_weights,
     write_spec,
 )
-from tests.support.slurm import is_rank_command, sbatch, signal_steps
+from tests.support.slurm import is_rank_command, job_log, sbatch, signal_steps
 from tests.support.slurm_cluster import SlurmCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
@@ -98,8 +98,9 @@ def wait_for_job(cluster: SlurmCluster, job_id: str, timeout_s: float) -> str:
         if state in FINAL_STATES:
             return state
         time.sleep(1)
+    log = job_log(cluster, job_id)  # before scancel: SLURM forgets a job soon after
     subprocess.run(["scancel", job_id], env=environ(cluster))
-    raise AssertionError(f"job {job_id} did not end within {timeout_s} s")
+    raise AssertionError(f"job {job_id} did not end within {timeout_s} s\n{log}")
 
 
 def output_of(spec: JobSpec, job_id: str) -> str:
@@ -108,15 +109,18 @@ def output_of(spec: JobSpec, job_id: str) -> str:
 
 
 def wait_for_output(read, marker: str, timeout_s: float = 300) -> None:
+    """Wait until ``read()`` (a job's log) holds ``marker``; past ``timeout_s``, fail showing the log."""
     deadline = time.monotonic() + timeout_s
+    text = "(not written)"
     while time.monotonic() < deadline:
         try:
-            if marker in read():
+            text = read()
+            if marker in text:
                 return
         except FileNotFoundError:
             pass
         time.sleep(0.5)
-    raise AssertionError(f"{marker!r} never appeared")
+    raise AssertionError(f"{marker!r} never appeared; the end of the log:\n" + "\n".join(text.splitlines()[-60:]))
 
 
 def run_to_end(cluster: SlurmCluster, spec: JobSpec, timeout_s: float = 600) -> SlurmRun:

@@ -284,10 +284,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "give a job spec to measure its data pipeline; the comparison with the peer loaders runs from a "
                 "checkout of the repository: python -m benchmarks"
             )
-        # runpy with the checkout first on sys.path: "python -m" would put the working directory first,
-        # and a benchmarks/ there (anyone's) would run instead
-        start = f"import runpy, sys; sys.path[0] = {str(root)!r}; runpy.run_module('benchmarks', run_name='__main__')"
-        return subprocess.run([sys.executable, "-c", start, *argv]).returncode
+        # runpy with the checkout first on sys.path and the working directory nowhere (-P): "python -m"
+        # would put it first, and a benchmarks/ or runpy.py there (anyone's) would run instead
+        start = f"import runpy, sys; sys.path.insert(0, {str(root)!r}); runpy.run_module('benchmarks', run_name='__main__')"
+        return subprocess.run([sys.executable, "-P", "-c", start, *argv]).returncode
     if rest or args is None:
         parser().error(f"unrecognized arguments: {' '.join(rest)}")
     try:

@@ -1,6 +1,6 @@
 """Runs measurements, each in a fresh process, and gathers their results.
 
-A measurement is ``python -m lance_hpc.bench._worker CONFIG_JSON``; a DDP measurement is one such
+A measurement is ``python -P -m lance_hpc.bench._worker CONFIG_JSON``; a DDP measurement is one such
 process per rank, started together with a gloo rendezvous on loopback. Rounds are interleaved (every
 configuration once, then again) so that a slow spell of a noisy machine hits every configuration
 alike, and each configuration's median over the rounds is reported.
@@ -13,7 +13,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -22,6 +21,7 @@ from typing import Callable
 
 import lance_hpc
 from lance_hpc.bench.configs import Measurement, Result
+from lance_hpc.imports import SAFE_PATH_VARIABLE, python_command
 from lance_hpc.launch.ports import free_port
 
 # A measurement that takes longer than this is stopped and reported as failed.
@@ -35,8 +35,8 @@ WORKER = "lance_hpc.bench._worker"
 
 def _environment(worker: str, extra: dict[str, str] | None = None) -> dict[str, str]:
     """The worker's environment: this lance_hpc and the worker's package importable even when they
-    are not installed."""
-    environment = dict(os.environ)
+    are not installed, and the working directory never searched (the worker's own children too)."""
+    environment = {**os.environ, SAFE_PATH_VARIABLE: "1"}
     roots = [str(Path(lance_hpc.__file__).resolve().parents[1])]
     spec = importlib.util.find_spec(worker.split(".", 1)[0])
     if spec is not None and spec.submodule_search_locations:
@@ -72,7 +72,7 @@ def _start(config: Measurement, log_path: Path, environment: dict[str, str], wor
     Path(config.result_path).unlink(missing_ok=True)
     with open(log_path, "w") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", worker, config.to_json()],
+            python_command("-m", worker, config.to_json()),  # without the working directory on sys.path
             stdout=log,
             stderr=subprocess.STDOUT,
             env=environment,

@@ -82,6 +82,7 @@ from lance_hpc.data.target import (
 from lance_hpc.data.text import BYTES_PER_TOKEN_KEY, DOCUMENTS_KEY, KIND_KEY, Tokenizer, load_tokenizer
 from lance_hpc.data.units import UnitRecords, balanced
 from lance_hpc.errors import ExitCode, UserError
+from lance_hpc.imports import child_environment, python_command
 from lance_hpc.storage.datasets import dataset_exists, open_dataset
 from lance_hpc.storage.options import storage_options
 
@@ -863,7 +864,8 @@ def ingest_shards_command(args: Any, argv: list[str]) -> int:
                 quiet = {**os.environ, "LANCE_LOG": os.environ.get("LANCE_LOG", "error")}  # not one warning per new fragment
                 workers = [
                     subprocess.Popen(
-                        [sys.executable, "-m", "lance_hpc.ingest", *argv, "--worker", f"{rank}/{args.nproc}"], env=quiet
+                        python_command("-m", "lance_hpc.ingest", *argv, "--worker", f"{rank}/{args.nproc}"),
+                        env=child_environment(quiet),  # without the working directory on sys.path
                     )
                     for rank in range(args.nproc)
                 ]

@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lance_hpc.data.reader import keep_batch
+from lance_hpc.imports import SAFE_PATH_VARIABLE
 from lance_hpc.runtime.preemption import PREEMPTION_SIGNALS, PROFILE_SIGNAL
 from lance_hpc.runtime.watchdog import init_worker_dumps
 from lance_hpc.spec import DataSpec
@@ -53,15 +54,34 @@ def worker_context() -> BaseContext:
     atexit.unregister(kill_workers)  # registered once, and after multiprocessing's own exit hook,
     atexit.register(kill_workers)  # so that it runs first
     if threading.current_thread() is not threading.main_thread():
-        forkserver.ensure_running()  # signal dispositions can only be set from the main thread
+        with safe_path_for_children():
+            forkserver.ensure_running()  # signal dispositions can only be set from the main thread
         return context
     previous = {number: signal.signal(number, signal.SIG_IGN) for number in RANK_SIGNALS}
     try:
-        forkserver.ensure_running()  # an ignored signal stays ignored in the server and its forks
+        with safe_path_for_children():
+            forkserver.ensure_running()  # an ignored signal stays ignored in the server and its forks
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
     return context
+
+
+@contextlib.contextmanager
+def safe_path_for_children() -> Iterator[None]:
+    """The worker server starts as ``python -c ...``, which puts the working directory first on
+    its sys.path (unless this process runs with -P) before it imports torch and numpy; with
+    PYTHONSAFEPATH=1 set while it starts, it never searches there. Its workers then get this
+    process's sys.path, which holds the spec's own import paths (see :mod:`lance_hpc.imports`)."""
+    before = os.environ.get(SAFE_PATH_VARIABLE)
+    os.environ[SAFE_PATH_VARIABLE] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(SAFE_PATH_VARIABLE, None)
+        else:
+            os.environ[SAFE_PATH_VARIABLE] = before
 
 
 def kill_workers() -> None:

@@ -1,9 +1,10 @@
 """Local runs: N processes on this machine through the same code path as a SLURM job.
 
 :func:`run_local` refuses a checkpoint.dir another run writes to, prepares the dataset once and
-checks the task against it, then starts ``python -m lance_hpc.run SPEC`` N times with the
-variables torchrun would set (gloo on CPU), forwards SLURM's stop signals to them, and when one
-rank dies stops the others and says which rank died and how.
+checks the task against it, then starts ``python -P -m lance_hpc.run SPEC`` N times (without the
+working directory on sys.path, see :mod:`lance_hpc.imports`) with the variables torchrun would set
+(gloo on CPU), forwards SLURM's stop signals to them, and when one rank dies stops the others and
+says which rank died and how.
 
 Ctrl-C behaves like SIGTERM under SLURM: the ranks agree at the next step, save and exit 3, and
 rerunning the same command continues. A second Ctrl-C stops every rank at once. The ranks run in
@@ -26,11 +27,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 
-import lance_hpc
 from lance_hpc import data
 from lance_hpc.checkpoint import lease
 from lance_hpc.data import load_task
 from lance_hpc.errors import FAILURE_DIR_VARIABLE, ExitCode, UserError, first_error
+from lance_hpc.imports import child_environment, python_command
 from lance_hpc.launch.paths import JobPaths
 from lance_hpc.launch.ports import free_port
 from lance_hpc.launch.render import write_job_files
@@ -73,7 +74,6 @@ def run_local(spec_file: str | Path, nproc: int) -> int:
         print("\nlance_hpc: interrupted before training started; nothing to save", file=sys.stderr, flush=True)
         return ExitCode.INTERRUPTED
     port = free_port()
-    package_root = str(Path(lance_hpc.__file__).resolve().parents[1])
     ranks: list[subprocess.Popen] = []
     interrupts = []
     failures = tempfile.mkdtemp(prefix="lance_hpc-failures-")  # each rank notes how it failed
@@ -113,14 +113,12 @@ def run_local(spec_file: str | Path, nproc: int) -> int:
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port),
                 FAILURE_DIR_VARIABLE: failures,
-                # the ranks import the same lance_hpc as this process, installed or not
-                "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
             }
             with exec_children():
                 ranks.append(
                     subprocess.Popen(
-                        [sys.executable, "-m", "lance_hpc.run", str(spec_file)],
-                        env=environ,
+                        python_command("-m", "lance_hpc.run", str(spec_file)),
+                        env=child_environment(environ),
                         start_new_session=True,
                         preexec_fn=die_with_parent,
                     )

@@ -31,6 +31,7 @@ from typing import Any, Iterator, Mapping
 import jinja2
 
 from lance_hpc.errors import UserError
+from lance_hpc.imports import SAFE_PATH_FLAG, SAFE_PATH_VARIABLE
 from lance_hpc.launch.container import container_launch
 from lance_hpc.launch.paths import (
     ARRAY_INDEX,
@@ -38,6 +39,7 @@ from lance_hpc.launch.paths import (
     make_private_dirs,
     write_private,
 )
+from lance_hpc.launch.ports import master_port_lines
 from lance_hpc.runtime.preemption import REQUEUE_FUNCTION, requeue_handler
 from lance_hpc.spec import JobSpec, Problem, SpecError, expand, run_count
 from lance_hpc.spec.secrets import redact_text
@@ -135,15 +137,19 @@ def resource_flags(spec: JobSpec) -> dict[str, str | int | bool]:
 
 
 def environment(spec: JobSpec) -> dict[str, str]:
-    """Variables every task needs; MASTER_ADDR/PORT are derived by each rank (lance_hpc.runtime.environment)."""
+    """Variables every task needs; MASTER_ADDR is derived by each rank (lance_hpc.runtime.environment)."""
     return {
         "PYTHONUNBUFFERED": "1",  # rank output reaches the log as it happens, not at exit
         "OMP_NUM_THREADS": str(spec.slurm.cpus_per_task),  # torch would otherwise use every core per task
+        SAFE_PATH_VARIABLE: "1",  # no Python of the job imports from the working directory (see lance_hpc.imports)
     }
 
 
 def export_lines(spec: JobSpec) -> list[str]:
-    return [f"export {key}={shlex.quote(value)}" for key, value in environment(spec).items()]
+    """The exports of :func:`environment`, and for ranks that meet, a MASTER_PORT picked free on
+    this node (the batch step runs on rank 0's), see :mod:`lance_hpc.launch.ports`."""
+    exports = [f"export {key}={shlex.quote(value)}" for key, value in environment(spec).items()]
+    return [*exports, *(master_port_lines() if spec.slurm.world_size > 1 else [])]
 
 
 def setup_lines(spec: JobSpec) -> list[str]:
@@ -161,12 +167,13 @@ def srun_args(spec: JobSpec) -> list[str]:
 
 
 def python_command(spec: JobSpec) -> list[str]:
-    """How a task starts Python: ``python3``, after the container runtime's prefix if there is one."""
-    return [*container_launch(spec.slurm).command_prefix, PYTHON]
+    """How a task starts Python: ``python3 -P`` (the working directory off sys.path), after the
+    container runtime's prefix if there is one."""
+    return [*container_launch(spec.slurm).command_prefix, PYTHON, SAFE_PATH_FLAG]
 
 
 def launch_command(spec: JobSpec, spec_file: str) -> ShellText:
-    """What srun starts in every task: ``python3 -m lance_hpc.run SPEC_FILE`` (in the container)."""
+    """What srun starts in every task: ``python3 -P -m lance_hpc.run SPEC_FILE`` (in the container)."""
     return ShellText(f"{shlex.join([*python_command(spec), '-m', ENTRY_MODULE])} {_spec_file_word(spec, spec_file)}")
 
 
@@ -176,7 +183,7 @@ def job_reference(spec: JobSpec) -> ShellText:
 
 
 def render_sbatch(spec: JobSpec, spec_file: str) -> str:
-    """The sbatch script for ``spec``, whose tasks run ``python3 -m lance_hpc.run spec_file``.
+    """The sbatch script for ``spec``, whose tasks run ``python3 -P -m lance_hpc.run spec_file``.
 
     For a sweep, ``spec_file`` holds ``{index}`` where each run's array task id goes.
     """

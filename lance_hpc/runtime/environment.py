@@ -6,8 +6,9 @@
 - ``torchrun``: ``RANK`` and ``WORLD_SIZE`` are set (torchrun, or :mod:`lance_hpc.launch.local`, which
   sets the same variables); they win even inside a SLURM allocation.
 - ``slurm``: a task started by ``srun`` (``SLURM_STEP_ID`` is set). The master is the first host
-  of the node list and the port is derived from the job id, so every rank computes the same
-  address without talking to the others.
+  of the node list; the port is the MASTER_PORT the batch step picked free on that node
+  (:mod:`lance_hpc.launch.ports`), or, in a script that skips that step, one derived from the job
+  id, so every rank computes the same address without talking to the others.
 - ``local``: a plain single process.
 
 :func:`process_group` turns a DistEnv into an initialised ``torch.distributed`` process group.
@@ -19,6 +20,7 @@ import datetime
 import os
 import random
 import re
+import socket
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,6 +32,7 @@ import torch.distributed as dist
 from submitit.slurm.slurm import SlurmParseException, _parse_node_list
 
 from lance_hpc.errors import UserError
+from lance_hpc.launch.ports import port_for_job
 
 # Every SLURM variable this module reads, in one place (submitit's JobEnvironment._env does the same).
 SLURM_VARS = {
@@ -49,11 +52,10 @@ SLURM_VARS = {
     "tasks_per_node": "SLURM_TASKS_PER_NODE",
     "gpus_on_node": "SLURM_GPUS_ON_NODE",
     "restart_count": "SLURM_RESTART_COUNT",
+    "node_name": "SLURMD_NODENAME",
     "array_job_id": "SLURM_ARRAY_JOB_ID",
     "array_task_id": "SLURM_ARRAY_TASK_ID",
 }
-# Ports derived from a job id fall in this range (submitit's TorchDistributedEnvironment uses the same).
-PORT_RANGE = (20000, 60000)
 # Words in the errors gloo, NCCL and the TCP store raise when a peer process is gone.
 LOST_PEER_HINTS = ("connection reset", "connection closed", "broken pipe", "timed out", "timeout", "socket")
 
@@ -111,12 +113,6 @@ def hostnames(nodelist: str) -> list[str]:
     if not hosts or not all(hosts):
         raise UserError(f"cannot read the SLURM node list {nodelist!r}: expected a form like node[01-04],gpu7")
     return hosts
-
-
-def port_for_job(job_id: str) -> int:
-    """A port every rank of the job derives alike; consecutive job ids get different ports."""
-    low, high = PORT_RANGE
-    return low + int(re.sub(r"\D", "", job_id) or 0) % (high - low)
 
 
 def tasks_per_node(text: str) -> list[int]:
@@ -269,18 +265,41 @@ def process_group(env: DistEnv, timeout_s: float) -> Iterator[torch.device]:
             device_id=device if device.type == "cuda" else None,
         )
     else:
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{env.master_addr}:{env.master_port}",
-            rank=env.rank,
-            world_size=env.world_size,
-            timeout=timeout,
-            device_id=device if device.type == "cuda" else None,
-        )
+        try:
+            dist.init_process_group(
+                backend,
+                init_method=f"tcp://{env.master_addr}:{env.master_port}",
+                rank=env.rank,
+                world_size=env.world_size,
+                timeout=timeout,
+                device_id=device if device.type == "cuda" else None,
+            )
+        except dist.DistNetworkError as error:
+            if env.is_main and port_in_use(error):
+                raise UserError(port_in_use_message(env)) from None
+            raise
     try:
         yield device
     finally:
         dist.destroy_process_group()
+
+
+def port_in_use(error: BaseException) -> bool:
+    """Whether ``error`` says that the rendezvous port is held by another process (rank 0 hosts
+    the store there; torch's message names EADDRINUSE)."""
+    text = str(error)
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
+
+
+def port_in_use_message(env: DistEnv) -> str:
+    """Rank 0 could not listen on MASTER_PORT: which port, which node, and that no rank is to blame."""
+    node = os.environ.get(SLURM_VARS["node_name"]) or socket.gethostname()
+    return (
+        f"rank 0 cannot listen on port {env.master_port} on {node} for the ranks' rendezvous: another process "
+        "on that node holds it (address already in use); no rank of this job failed\n"
+        "  fix: run the job again (a batch script rendered by lance_hpc picks a free port on rank 0's node), "
+        "or set MASTER_PORT to a port that is free there"
+    )
 
 
 def configure_process(seed: int, deterministic: bool, env: DistEnv, device: torch.device) -> None:

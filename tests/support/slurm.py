@@ -11,6 +11,7 @@ Also what the tests do to the cluster's jobs: signal their steps, read a job's f
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import tempfile
 import time
@@ -63,38 +64,57 @@ def job_fields(cluster: cluster_module.SlurmCluster, job: str) -> dict[str, str]
 
 def wait_for_runs(cluster: cluster_module.SlurmCluster, jobs: list[str], timeout_s: float) -> dict[str, str]:
     """Wait until every job in ``jobs`` is in a final state and return the states; past
-    ``timeout_s``, cancel the (array) job and fail."""
+    ``timeout_s``, cancel the (array) job and fail, showing each job's log."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         states = {job: job_fields(cluster, job).get("JobState", "UNKNOWN") for job in jobs}
         if all(state in FINAL_STATES for state in states.values()):
             return states
         time.sleep(1)
+    logs = "\n".join(job_log(cluster, job) for job in jobs)  # before scancel: SLURM forgets a job soon after
     subprocess.run(["scancel", jobs[0].split("_")[0]], env=environ(cluster))
-    raise AssertionError(f"runs {jobs} did not end within {timeout_s} s: {states}")
+    raise AssertionError(f"runs {jobs} did not end within {timeout_s} s: {states}\n{logs}")
+
+
+def job_log(cluster: cluster_module.SlurmCluster, job: str, lines: int = 60) -> str:
+    """The end of a job's stdout and stderr, found where SLURM says it writes them (sbatch's and
+    submitit's jobs alike), for the message of a test that fails on a cluster job."""
+    fields = job_fields(cluster, job)
+    shown = []
+    for name in dict.fromkeys(fields.get(key, "") for key in ("StdOut", "StdErr")):
+        # submitit writes a file per task, JOB_TASK_log.out; scontrol names task 0's (or %t)
+        pattern = re.sub(rf"^{re.escape(job)}_(\d+|%t)_log\.", f"{job}_*_log.", Path(name).name.replace("%t", "*"))
+        paths = sorted(Path(name).parent.glob(pattern)) if name else []
+        for path in paths or [Path(name or "(SLURM shows no log file)")]:
+            tail = path.read_text(errors="replace").splitlines()[-lines:] if path.is_file() else ["(not written)"]
+            shown += [f"--- job {job}: {path}", *tail]
+    return "\n".join(shown or [f"--- job {job}: SLURM no longer knows it, so its log cannot be found"])
 
 
 def wait_for_text(path: Path, marker: str, timeout_s: float = 300, count: int = 1) -> None:
-    """Wait until the file at ``path`` (a job's log, say) contains ``marker`` (``count`` times)."""
+    """Wait until the file at ``path`` (a job's log, say) contains ``marker`` (``count`` times);
+    past ``timeout_s``, fail showing the end of the file."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if path.exists() and path.read_text().count(marker) >= count:
             return
         time.sleep(0.5)
-    raise AssertionError(f"{marker!r} never appeared {count} time(s) in {path}")
+    tail = path.read_text(errors="replace").splitlines()[-60:] if path.exists() else ["(not written)"]
+    raise AssertionError(f"{marker!r} never appeared {count} time(s) in {path}; its end:\n" + "\n".join(tail))
 
 
 def sbatch(cluster: cluster_module.SlurmCluster, spec: JobSpec) -> str:
     """Render and submit the job as a user's own sbatch would; returns the job id."""
     _, script = write_job_files(spec)
     submitted = subprocess.run(
-        ["sbatch", "--parsable", str(script)], env=environ(cluster), cwd=REPO_ROOT, capture_output=True, text=True, check=True
+        ["sbatch", "--parsable", str(script)], env=environ(cluster), cwd=REPO_ROOT, capture_output=True, text=True
     )
+    assert submitted.returncode == 0, f"sbatch refused {script}: {submitted.stderr}"
     return submitted.stdout.strip().split(";")[0]
 
 
 def is_rank_command(command: list[bytes]) -> bool:
-    """A /proc cmdline (split at NUL) of a rank itself, ``python3 -m lance_hpc.run SPEC``: not the
+    """A /proc cmdline (split at NUL) of a rank itself, ``python3 -P -m lance_hpc.run SPEC``: not the
     srun that started it, whose command line names the same and whose environment (the batch
     step's) says SLURM_PROCID=0 as well."""
-    return os.path.basename(command[0]).startswith(b"python") and command[1:3] == [b"-m", b"lance_hpc.run"]
+    return os.path.basename(command[0]).startswith(b"python") and command[1:4] == [b"-P", b"-m", b"lance_hpc.run"]
