@@ -43,7 +43,7 @@ import numpy as np
 import pyarrow as pa
 
 from lance_hpc.data import sources
-from lance_hpc.data.image_check import ENCODED_BYTES, MAX_PIXELS
+from lance_hpc.data.image_check import ENCODED_BYTES
 from lance_hpc.data.shard_ingest import ingest_here, ingest_shards_command
 from lance_hpc.data.shards import is_shard_source
 from lance_hpc.data.sources import ImageSource
@@ -62,6 +62,7 @@ from lance_hpc.data.target import (
 )
 from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.spec import load_spec
+from lance_hpc.spec.limits import MAX_PIXELS
 from lance_hpc.storage.datasets import dataset_exists
 from lance_hpc.storage.options import storage_options
 
@@ -335,7 +336,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     shards.add_argument(
         "--on-corrupt", choices=("skip", "fail"), default="skip", help="an unreadable image: skip and count it (default), or fail"
     )
-    shards.add_argument("--max-pixels", type=int, default=MAX_PIXELS, help=f"larger images are skipped (default {MAX_PIXELS:,})")
+    shards.add_argument(
+        "--max-pixels", type=int, default=MAX_PIXELS, help=f"larger images are skipped (default and most {MAX_PIXELS:,})"
+    )
     shards.add_argument("--dry-run", action="store_true", help="list the shards and each worker's share; write nothing")
     shards.add_argument("--worker", help=argparse.SUPPRESS)  # RANK/WORLD: one worker process of a local run
     args = parser.parse_args(argv)

@@ -24,6 +24,7 @@ from lance_hpc.spec.choices import (
     STYLES,
     UNEVEN_MODES,
 )
+from lance_hpc.spec.limits import MAX_PIXELS
 from lance_hpc.spec.secrets import redacted
 from lance_hpc.storage.options import is_remote
 
@@ -193,7 +194,12 @@ class IngestSpec(_Section):
     on_corrupt: str = Field(
         "skip", description="An image that cannot be read at ingest: skip (counted in the summary) or fail the ingest."
     )
-    max_pixels: int = Field(178_956_970, ge=1, le=MAX_INT, description="Images with more pixels are skipped at ingest.")
+    max_pixels: int = Field(
+        MAX_PIXELS,
+        ge=1,
+        le=MAX_PIXELS,
+        description="Images with more pixels are skipped at ingest (at most what training decodes, the default).",
+    )
 
     check_on_corrupt = field_validator("on_corrupt")(_choice(lambda: ON_CORRUPT))
 
