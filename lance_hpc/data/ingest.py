@@ -62,7 +62,7 @@ from lance_hpc.data.target import (
 )
 from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.spec import load_spec
-from lance_hpc.spec.limits import MAX_PIXELS
+from lance_hpc.spec.limits import DEFAULT_RECORD_MB, MAX_PIXELS, MAX_SAMPLE_FIELDS
 from lance_hpc.storage.datasets import dataset_exists
 from lance_hpc.storage.options import storage_options
 
@@ -334,10 +334,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     shards.add_argument("--append", action="store_true", help="add the rows to the Lance dataset at URI as a new version")
     shards.add_argument(
-        "--on-corrupt", choices=("skip", "fail"), default="skip", help="an unreadable image: skip and count it (default), or fail"
+        "--on-corrupt",
+        choices=("skip", "fail"),
+        default="skip",
+        help=f"an unreadable image, or a sample past --max-record-mb or {MAX_SAMPLE_FIELDS} fields: skip and count it "
+        "(default), or fail",
     )
     shards.add_argument(
         "--max-pixels", type=int, default=MAX_PIXELS, help=f"larger images are skipped (default and most {MAX_PIXELS:,})"
+    )
+    shards.add_argument(
+        "--max-record-mb",
+        type=int,
+        default=DEFAULT_RECORD_MB,
+        help=f"a tar member or file over this many MiB is skipped, as --on-corrupt says (default {DEFAULT_RECORD_MB})",
     )
     shards.add_argument("--dry-run", action="store_true", help="list the shards and each worker's share; write nothing")
     shards.add_argument("--worker", help=argparse.SUPPRESS)  # RANK/WORLD: one worker process of a local run

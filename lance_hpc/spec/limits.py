@@ -8,3 +8,11 @@ from __future__ import annotations
 # (a larger one is a corrupt row): Pillow's default decompression-bomb limit. An image ingest took
 # must be one every DataLoader worker can decode, and a few header bytes can declare gigapixels.
 MAX_PIXELS = 89_478_485
+# A record (a WebDataset member, an image-folder or text file) larger than this many MiB is skipped
+# or fails the ingest. The default is past any photo or caption; the bound keeps one batch of
+# records, however few, within a binary column's 2 GiB of 32-bit offsets.
+DEFAULT_RECORD_MB = 64
+MAX_RECORD_MB = 1024
+# The most fields one WebDataset sample may have (its files' extensions and its JSON's fields):
+# each becomes a column, and a tar of a few KB can name tens of thousands.
+MAX_SAMPLE_FIELDS = 256

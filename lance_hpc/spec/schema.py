@@ -24,7 +24,7 @@ from lance_hpc.spec.choices import (
     STYLES,
     UNEVEN_MODES,
 )
-from lance_hpc.spec.limits import MAX_PIXELS
+from lance_hpc.spec.limits import DEFAULT_RECORD_MB, MAX_PIXELS, MAX_RECORD_MB
 from lance_hpc.spec.secrets import redacted
 from lance_hpc.storage.options import is_remote
 
@@ -192,13 +192,22 @@ class IngestSpec(_Section):
         False, description="parquet:, jsonl:, webdataset:, hf: sources: add the rows to the dataset at data.uri as a new version."
     )
     on_corrupt: str = Field(
-        "skip", description="An image that cannot be read at ingest: skip (counted in the summary) or fail the ingest."
+        "skip",
+        description="An image that cannot be read, or a sample past max_record_mb or the field limit, at ingest: skip "
+        "(counted in the summary) or fail the ingest.",
     )
     max_pixels: int = Field(
         MAX_PIXELS,
         ge=1,
         le=MAX_PIXELS,
         description="Images with more pixels are skipped at ingest (at most what training decodes, the default).",
+    )
+    max_record_mb: int = Field(
+        DEFAULT_RECORD_MB,
+        ge=1,
+        le=MAX_RECORD_MB,
+        description="webdataset:, imagefolder:, text: sources: a member or file larger than this many MiB is skipped "
+        "(counted) or fails the ingest, as on_corrupt says.",
     )
 
     check_on_corrupt = field_validator("on_corrupt")(_choice(lambda: ON_CORRUPT))
