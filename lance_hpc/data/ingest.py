@@ -61,12 +61,15 @@ from lance_hpc.data.target import (
     write_lance,
 )
 from lance_hpc.errors import ExitCode, UserError
-from lance_hpc.spec import load_spec
+from lance_hpc.spec import IngestSpec, load_spec
 from lance_hpc.spec.limits import DEFAULT_RECORD_MB, MAX_PIXELS, MAX_SAMPLE_FIELDS
+from lance_hpc.spec.problems import option_problems
 from lance_hpc.storage.datasets import dataset_exists
 from lance_hpc.storage.options import storage_options
 
 WRITE_CHUNK_ROWS = 256
+# Options that are fields of data.ingest too: held to the same bounds.
+BOUNDED_OPTIONS = ("val_fraction", "rows_per_fragment", "sequence_length", "files_per_shard", "max_pixels", "max_record_mb")
 log = logging.getLogger("lance_hpc.data")
 
 
@@ -258,6 +261,13 @@ def ensure_dataset(data: Any, *, overwrite: bool = False) -> Ingested:
     return ingest(spec.source, data.uri, data.val_uri, **common)
 
 
+def check_options(args: argparse.Namespace) -> None:
+    """The command line's numbers held to the bounds of data.ingest's fields of the same names."""
+    problems = option_problems(IngestSpec, {name: getattr(args, name) for name in BOUNDED_OPTIONS}, source="-")
+    if problems:
+        raise UserError("\n".join(problems))
+
+
 def report(done: Ingested, uri: str, val_uri: str | None, overwrite_fix: str) -> str:
     """What an ingest did, for the command line."""
     lines = []
@@ -353,6 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     shards.add_argument("--worker", help=argparse.SUPPRESS)  # RANK/WORLD: one worker process of a local run
     args = parser.parse_args(argv)
     try:
+        check_options(args)
         if args.source and is_shard_source(args.source):
             if not args.uri:
                 parser.error("give SOURCE and URI")

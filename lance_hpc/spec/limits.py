@@ -16,3 +16,6 @@ MAX_RECORD_MB = 1024
 # The most fields one WebDataset sample may have (its files' extensions and its JSON's fields):
 # each becomes a column, and a tar of a few KB can name tens of thousands.
 MAX_SAMPLE_FIELDS = 256
+# Tokens per training sequence: each row holds sequence_length + 1 tokens in a fixed-size list
+# (at most 2**31 - 1 values), and a fragment's rows are packed in memory before they are written.
+MAX_SEQUENCE_LENGTH = 1 << 20

@@ -24,7 +24,7 @@ from lance_hpc.spec.choices import (
     STYLES,
     UNEVEN_MODES,
 )
-from lance_hpc.spec.limits import DEFAULT_RECORD_MB, MAX_PIXELS, MAX_RECORD_MB
+from lance_hpc.spec.limits import DEFAULT_RECORD_MB, MAX_PIXELS, MAX_RECORD_MB, MAX_SEQUENCE_LENGTH
 from lance_hpc.spec.secrets import redacted
 from lance_hpc.storage.options import is_remote
 
@@ -162,7 +162,7 @@ class IngestSpec(_Section):
         description="sklearn-digits, skimage-photos, torchvision: seed of the split and row order (sharded sources split "
         "by a hash of each row's key).",
     )
-    sequence_length: int = Field(256, ge=2, le=MAX_INT, description="Text sources: tokens per training sequence.")
+    sequence_length: int = Field(256, ge=2, le=MAX_SEQUENCE_LENGTH, description="Text sources: tokens per training sequence.")
     tokenizer: str = Field(
         "bytes",
         description="Text sources: bytes (UTF-8, nothing to download), hf:<tokenizer.json> (e.g. one trained by "
