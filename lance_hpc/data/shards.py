@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import sysconfig
 from dataclasses import dataclass, field
@@ -147,6 +148,7 @@ def parse_source(
     files_per_shard: int = FILES_PER_SHARD,
     max_record_bytes: int = DEFAULT_RECORD_MB << 20,
 ) -> Source:
+    """A source string parsed; a local relative path or glob is taken from the working directory."""
     kind, _, pattern = text.partition(":")
     if kind == STDLIB:
         directory = sysconfig.get_paths()["stdlib"]
@@ -159,6 +161,8 @@ def parse_source(
     if pattern.startswith("s3://"):
         filesystem = pafs.S3FileSystem(**filesystem_arguments(options or {}))
         return Source(kind, pattern[len("s3://") :], filesystem, "s3://", files_per_shard, None, (), max_record_bytes)
+    # pyarrow lists a local directory by its absolute path: ./*.jsonl would match nothing
+    pattern = os.path.abspath(pattern)
     return Source(kind, pattern, pafs.LocalFileSystem(), "", files_per_shard, None, (), max_record_bytes)
 
 
