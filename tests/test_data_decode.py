@@ -13,13 +13,15 @@ from PIL import ImageFile
 
 from lance_hpc.data import decode as decode_module
 from lance_hpc.data.decode import (
-    MAX_IMAGE_PIXELS,
+    MAX_PIXELS,
     Transform,
     binary_values,
+    check_declared_size,
     decode_image,
     normalize,
     random_resized_crop_box,
 )
+from lance_hpc.data.image_check import image_size
 from lance_hpc.data.reader import ROW_ID_FIELD, CorruptRowError, apply_corrupt_policy
 from lance_hpc.data.sources import encode_image, skimage_photo_crops
 from lance_hpc.tasks.base import ROW_ID
@@ -234,11 +236,11 @@ def never_decode_oversized(monkeypatch):
 
     def guarded_decode_jpeg(data, *args, **kwargs):
         height, width = decode_module.simplejpeg.decode_jpeg_header(data)[:2]
-        assert width * height <= MAX_IMAGE_PIXELS, f"decoded the pixels of a {width}x{height} image"
+        assert width * height <= MAX_PIXELS, f"decoded the pixels of a {width}x{height} image"
         return decode_jpeg(data, *args, **kwargs)
 
     def guarded_load(image):
-        assert image.size[0] * image.size[1] <= MAX_IMAGE_PIXELS, f"decoded the pixels of a {image.size} image"
+        assert image.size[0] * image.size[1] <= MAX_PIXELS, f"decoded the pixels of a {image.size} image"
         return load(image)
 
     monkeypatch.setattr(decode_module.simplejpeg, "decode_jpeg", guarded_decode_jpeg)
@@ -267,3 +269,15 @@ def test_other_formats_have_the_same_limit_below_pils_own_hard_limit(never_decod
     with pytest.raises(ValueError, match="declares 10000x10000 pixels .* over the limit"):
         decode_image(png_declaring(10000, 10000))
     assert decode_image(png_declaring(4, 4)).shape == (3, 4, 4)
+
+
+@pytest.mark.parametrize("side", [9459, 9460, 10000, 13000])
+def test_ingest_keeps_exactly_the_images_training_can_decode(side: int) -> None:
+    """One pixel limit: an image over it is skipped at ingest, not stored to fail every epoch's decode."""
+    kept = image_size(png_declaring(side, side))
+    try:
+        check_declared_size(side, side)
+        decodable = True
+    except ValueError:
+        decodable = False
+    assert isinstance(kept, tuple) == decodable, f"{side}x{side}: ingest check says {kept!r}, decodable: {decodable}"

@@ -5,6 +5,7 @@ new versions, concurrent ingests committing once), locally and on S3."""
 import errno
 import json
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ from lance_hpc.data.ingest import ensure_dataset, ingest, main, resolve_source
 from lance_hpc.data.sources import PHOTO_NAMES, encode_image, skimage_photo_crops
 from lance_hpc.data.target import Ingested
 from lance_hpc.errors import UserError
-from lance_hpc.spec import DataSpec, IngestSpec
+from lance_hpc.spec import DataSpec, IngestSpec, SpecError, validate_spec
 from lance_hpc.storage.options import filesystem_arguments, storage_options
 
 
@@ -394,3 +395,30 @@ def test_on_s3_other_objects_are_refused_and_concurrent_creates_commit_once(s3_s
     results = start_together(2, lambda _: ingest("sklearn-digits", train, options=options, rows_per_fragment=900))
     assert sorted((result.train, result.kept) for result in results) == [(0, (train,)), (1797, ())]
     assert lance.dataset(train, storage_options=options).version == 1
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        (["--rows-per-fragment", "0"], "--rows-per-fragment 0: must be >= 1, got 0"),
+        (["--sequence-length", "2147483647"], "--sequence-length 2147483647: must be <= 1048576"),
+        (["--val-fraction", "1.5"], "--val-fraction 1.5: must be < 1.0, got 1.5"),
+        (["--val-fraction", "nan"], "--val-fraction nan: must be a finite number"),
+        (["--val-fraction", "-0.1"], "--val-fraction -0.1: must be >= 0.0"),
+        (["--max-pixels", "178956970"], "--max-pixels 178956970: must be <= 89478485"),
+        (["--max-record-mb", "0"], "--max-record-mb 0: must be >= 1, got 0"),
+    ],
+)
+def test_command_line_numbers_are_held_to_the_specs_bounds(tmp_path, capsys, options, expected):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("a document " * 100)
+    source = f"text:{tmp_path}/docs/*.txt"
+    assert main([source, str(tmp_path / "t.lance"), "--val-uri", str(tmp_path / "v.lance"), *options]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and ("fix: set a value" in err or "fix: write a number" in err), err
+    assert not (tmp_path / "t.lance").exists() and not (tmp_path / ".t.lance.ingest").exists()
+    field = options[0][2:].replace("-", "_")
+    value = int(options[1]) if options[1].isdigit() else float(options[1])
+    spec = {"name": "bounds", "data": {"uri": "/d", "ingest": {"source": source, field: value}}}
+    with pytest.raises(SpecError, match=re.escape(f"data.ingest.{field}: {expected.split(': ', 1)[1]}")):
+        validate_spec(spec)

@@ -23,7 +23,7 @@ from lance_hpc.data.plan import plan_data
 from lance_hpc.data.shard_ingest import Records, commit, make_plan, progress_lines, run_worker
 from lance_hpc.data.shards import split_of
 from lance_hpc.data.target import COMMAND_LINE_NAMES, targets
-from lance_hpc.spec import load_spec
+from lance_hpc.spec import load_spec, load_spec_text
 from tests.support.jobs import Digits, train_here, write_spec
 from tests.support.shards import digit_rows, write_parquet, write_webdataset
 
@@ -376,6 +376,20 @@ def test_a_glob_star_stays_in_its_directory_and_a_relative_target_works(tmp_path
     assert [row["key"] for row in rows_of(tmp_path / "out.lance")] == [row["id"] for row in rows[:10]]
     assert ingest("parquet:pq/**/*.parquet", "all.lance", *mapping) == 0
     assert len(rows_of(tmp_path / "all.lance")) == 20
+
+
+@pytest.mark.parametrize("glob", ["./*.jsonl", "*.jsonl", "../docs/*.jsonl"])
+def test_a_relative_glob_is_taken_from_the_working_directory_or_the_specs_base(tmp_path: Path, monkeypatch, glob) -> None:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.jsonl").write_text('{"text": "one", "id": 1}\n{"text": "two", "id": 2}\n')
+    monkeypatch.chdir(tmp_path / "docs")
+    assert ingest(f"jsonl:{glob}", tmp_path / "cli.lance") == 0
+    assert [row["text"] for row in rows_of(tmp_path / "cli.lance")] == ["one", "two"]
+    monkeypatch.chdir(tmp_path)  # a spec's relative paths resolve against its base directory
+    spec = f"name: rel\njob: ingest\ndata:\n  uri: {tmp_path}/spec.lance\n  ingest: {{source: 'jsonl:{glob}'}}\n"
+    loaded = load_spec_text(spec, base_dir=tmp_path / "docs")
+    assert loaded.spec.data.ingest.source == f"jsonl:{tmp_path}/docs/*.jsonl"
+    assert ensure_dataset(loaded.spec.data).train == 2
 
 
 def test_an_append_run_again_after_its_commit_writes_nothing_and_another_schema_is_refused(tmp_path: Path, capsys) -> None:

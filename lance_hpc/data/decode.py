@@ -2,8 +2,8 @@
 
 JPEG goes through simplejpeg (libjpeg-turbo, straight into an H x W x 3 array); other formats, and
 JPEGs it refuses (CMYK, for one), through PIL. The size a header declares is checked against
-:data:`MAX_IMAGE_PIXELS` before any pixel is decoded: an image over it is a corrupt row. Pixels stay
-in that H x W x 3 layout from decode to batch: resizing keeps it (torch's uint8 antialiased kernel
+:data:`~lance_hpc.spec.limits.MAX_PIXELS` before any pixel is decoded: an image over it is a
+corrupt row (ingest skips such images by the same limit). Pixels stay in that H x W x 3 layout from decode to batch: resizing keeps it (torch's uint8 antialiased kernel
 works on it without repacking) and the batch is allocated the same way, so each image lands in it
 with a plain copy. Batches are uint8 ``[B, 3, S, S]`` tensors in channels-last memory: they cross
 process boundaries at a quarter of the float size, and :func:`normalize` runs on the device.
@@ -23,12 +23,11 @@ import simplejpeg
 import torch
 import torch.nn.functional as nnf
 
+from lance_hpc.spec.limits import MAX_PIXELS
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 JPEG_MAGIC = b"\xff\xd8\xff"
-# PIL's default Image.MAX_IMAGE_PIXELS, for every format: a header of a few bytes can declare
-# gigapixels, and each DataLoader worker would allocate them before finding the data missing.
-MAX_IMAGE_PIXELS = 89_478_485
 # torchvision's RandomResizedCrop defaults.
 CROP_SCALE = (0.08, 1.0)
 CROP_LOG_RATIO = (math.log(3 / 4), math.log(4 / 3))
@@ -162,11 +161,13 @@ def decode_pixels(data: np.ndarray | bytes) -> torch.Tensor:
 
 
 def check_declared_size(width: int, height: int) -> None:
-    """ValueError (a corrupt row) when an image's header declares more than MAX_IMAGE_PIXELS."""
-    if width * height > MAX_IMAGE_PIXELS:
+    """ValueError (a corrupt row) when an image's header declares more than MAX_PIXELS, for every
+    format: a header of a few bytes can declare gigapixels, and each DataLoader worker would allocate
+    them before finding the data missing."""
+    if width * height > MAX_PIXELS:
         raise ValueError(
             f"the image declares {width}x{height} pixels ({width * height:,}), over the limit of "
-            f"{MAX_IMAGE_PIXELS:,}, so it was not decoded"
+            f"{MAX_PIXELS:,}, so it was not decoded"
         )
 
 

@@ -1,6 +1,8 @@
 """Images checked as they are ingested: the header read for the width and height, the end of the
 file checked for truncation, and a pixel limit. No pixel is decoded, so the check costs a small
-fraction of a decode; what it cannot read is skipped and counted (or fails the ingest)."""
+fraction of a decode; what it cannot read is skipped and counted (or fails the ingest). The pixel
+limit is the decoder's (:data:`~lance_hpc.spec.limits.MAX_PIXELS`): an image ingest keeps is one
+training can decode."""
 
 from __future__ import annotations
 
@@ -9,11 +11,11 @@ import warnings
 
 from PIL import Image
 
+from lance_hpc.spec.limits import MAX_PIXELS
+
 # Lance field metadata for encoded images: stored as they are. JPEG, PNG and WebP bytes do not
 # compress, and trying costs Lance's writer most of its time (about 5x on the benchmark's photos).
 ENCODED_BYTES = {"lance-encoding:compression": "none"}
-# Above this many pixels an image is refused (Pillow's own decompression-bomb limit is 89 M pixels).
-MAX_PIXELS = 178_956_970
 
 
 # JPEG start-of-frame markers: the frame header holds the height and width.

@@ -43,7 +43,7 @@ import numpy as np
 import pyarrow as pa
 
 from lance_hpc.data import sources
-from lance_hpc.data.image_check import ENCODED_BYTES, MAX_PIXELS
+from lance_hpc.data.image_check import ENCODED_BYTES
 from lance_hpc.data.shard_ingest import ingest_here, ingest_shards_command
 from lance_hpc.data.shards import is_shard_source
 from lance_hpc.data.sources import ImageSource
@@ -61,11 +61,15 @@ from lance_hpc.data.target import (
     write_lance,
 )
 from lance_hpc.errors import ExitCode, UserError
-from lance_hpc.spec import load_spec
+from lance_hpc.spec import IngestSpec, load_spec
+from lance_hpc.spec.limits import DEFAULT_RECORD_MB, MAX_PIXELS, MAX_SAMPLE_FIELDS
+from lance_hpc.spec.problems import option_problems
 from lance_hpc.storage.datasets import dataset_exists
 from lance_hpc.storage.options import storage_options
 
 WRITE_CHUNK_ROWS = 256
+# Options that are fields of data.ingest too: held to the same bounds.
+BOUNDED_OPTIONS = ("val_fraction", "rows_per_fragment", "sequence_length", "files_per_shard", "max_pixels", "max_record_mb")
 log = logging.getLogger("lance_hpc.data")
 
 
@@ -257,6 +261,13 @@ def ensure_dataset(data: Any, *, overwrite: bool = False) -> Ingested:
     return ingest(spec.source, data.uri, data.val_uri, **common)
 
 
+def check_options(args: argparse.Namespace) -> None:
+    """The command line's numbers held to the bounds of data.ingest's fields of the same names."""
+    problems = option_problems(IngestSpec, {name: getattr(args, name) for name in BOUNDED_OPTIONS}, source="-")
+    if problems:
+        raise UserError("\n".join(problems))
+
+
 def report(done: Ingested, uri: str, val_uri: str | None, overwrite_fix: str) -> str:
     """What an ingest did, for the command line."""
     lines = []
@@ -333,13 +344,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     shards.add_argument("--append", action="store_true", help="add the rows to the Lance dataset at URI as a new version")
     shards.add_argument(
-        "--on-corrupt", choices=("skip", "fail"), default="skip", help="an unreadable image: skip and count it (default), or fail"
+        "--on-corrupt",
+        choices=("skip", "fail"),
+        default="skip",
+        help=f"an unreadable image, or a sample past --max-record-mb or {MAX_SAMPLE_FIELDS} fields: skip and count it "
+        "(default), or fail",
     )
-    shards.add_argument("--max-pixels", type=int, default=MAX_PIXELS, help=f"larger images are skipped (default {MAX_PIXELS:,})")
+    shards.add_argument(
+        "--max-pixels", type=int, default=MAX_PIXELS, help=f"larger images are skipped (default and most {MAX_PIXELS:,})"
+    )
+    shards.add_argument(
+        "--max-record-mb",
+        type=int,
+        default=DEFAULT_RECORD_MB,
+        help=f"a tar member or file over this many MiB is skipped, as --on-corrupt says (default {DEFAULT_RECORD_MB})",
+    )
     shards.add_argument("--dry-run", action="store_true", help="list the shards and each worker's share; write nothing")
     shards.add_argument("--worker", help=argparse.SUPPRESS)  # RANK/WORLD: one worker process of a local run
     args = parser.parse_args(argv)
     try:
+        check_options(args)
         if args.source and is_shard_source(args.source):
             if not args.uri:
                 parser.error("give SOURCE and URI")

@@ -55,6 +55,7 @@ from lance_hpc.data.packing import (
     too_short,
     with_split_figures,
 )
+from lance_hpc.data.reading import Reading
 from lance_hpc.data.shards import (
     FILES_PER_SHARD,
     ColumnMap,
@@ -66,6 +67,7 @@ from lance_hpc.data.shards import (
     list_shards,
     mapped_batches,
     parse_source,
+    plan_reading,
     row_keys,
     split_of,
     text_batches,
@@ -83,6 +85,7 @@ from lance_hpc.data.text import BYTES_PER_TOKEN_KEY, DOCUMENTS_KEY, KIND_KEY, To
 from lance_hpc.data.units import UnitRecords, balanced
 from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.imports import child_environment, python_command
+from lance_hpc.spec.limits import DEFAULT_RECORD_MB
 from lance_hpc.storage.datasets import dataset_exists, open_dataset
 from lance_hpc.storage.options import storage_options
 
@@ -171,6 +174,7 @@ def make_plan(
     source_options: Mapping[str, str] | None = None,
     tokens: Tokens | None = None,
     files_per_shard: int = FILES_PER_SHARD,
+    max_record_mb: int = DEFAULT_RECORD_MB,
 ) -> Plan:
     """The same plan on every worker: shards listed, the schema read from the first shard (or made
     by the tokenizer), targets checked (nothing that is not a Lance dataset is ever written into)."""
@@ -182,7 +186,7 @@ def make_plan(
     if val is not None and columns.key == "":
         raise UserError("a validation split is drawn by each row's key: with a validation dataset, do not map key to ''")
     train, val = _absolute(train), _absolute(val) if val is not None else None
-    source = parse_source(source_text, source_options, files_per_shard=files_per_shard)
+    source = parse_source(source_text, source_options, files_per_shard=files_per_shard, max_record_bytes=max_record_mb << 20)
     shards = list_shards(source)
     identity = json.dumps(
         {
@@ -204,10 +208,11 @@ def make_plan(
     ours = landed_splits(Records(f"{records_root(train.uri)}/{run_id}", train.options), splits, run_id)
     tokenizer = load_tokenizer(tokens.tokenizer) if tokens is not None else None
     if tokens is not None and tokenizer is not None:
-        next(text_batches(source, shards[0], columns), None)  # a source without text fails here, not in the workers
+        # a source without text fails here, not in the workers
+        next(text_batches(source, shards[0], columns, plan_reading(columns, "skip")), None)
         schema = token_schema(tokenizer, tokens.sequence_length, source_text)
     else:
-        schema = _schema(source, shards[0], columns, on_corrupt, max_pixels)
+        schema = _schema(source, shards[0], columns)
     read_versions: dict[str, int | None] = {}
     for split, target in splits.items():
         # A UserError for anything but a Lance dataset; a worker trusts the check of the command
@@ -287,6 +292,7 @@ def plan_for_data(data: Any, *, check_targets: bool = True, overwrite: bool = Fa
         source_options=source_options(ingest.source, data.storage_options),
         tokens=tokens_of(ingest.source, ingest.tokenize, ingest.tokenizer, ingest.sequence_length),
         files_per_shard=ingest.files_per_shard,
+        max_record_mb=ingest.max_record_mb,
     )
 
 
@@ -341,15 +347,18 @@ def _dataset_or_none(target: Target) -> Any | None:
     return open_dataset(target.uri, None, target.options) if dataset_exists(target.uri, target.options) else None
 
 
-def _schema(source: Source, shard: Shard, columns: ColumnMap, on_corrupt: str, max_pixels: int) -> pa.Schema:
-    for batch in mapped_batches(source, shard, columns):
-        checked, _ = _checked(batch, on_corrupt, max_pixels, shard, source)
+def _schema(source: Source, shard: Shard, columns: ColumnMap) -> pa.Schema:
+    """The columns of the first batch of the first shard, read without its images (their column is
+    binary whatever they hold): with ``width`` and ``height`` as :func:`_checked` measures them."""
+    for batch in mapped_batches(source, shard, columns, plan_reading(columns, "skip")):
+        measured = [pa.field("width", pa.int32()), pa.field("height", pa.int32())] if "image" in batch.schema.names else []
         fields = [
             pa.field(item.name, pa.string() if pa.types.is_null(item.type) else item.type, metadata=ENCODED_BYTES)
             if item.name == "image"
             else pa.field(item.name, pa.string() if pa.types.is_null(item.type) else item.type)
-            for item in checked.schema
-        ]
+            for item in batch.schema
+            if not (measured and item.name in ("width", "height"))
+        ] + measured
         metadata = {b"source": source.format.encode()}
         label_field = columns.label if columns.label is not None else format_defaults(shard.format, [])["label"]
         names = class_names(source, label_field) if label_field else None
@@ -471,7 +480,8 @@ def write_shard(plan: Plan, index: int) -> ShardRecord:
     pending: dict[str, list[pa.RecordBatch]] = {split: [] for split in plan.targets()}
     fragments: dict[str, list[str]] = {split: [] for split in plan.targets()}
     where = plan.source.uri(shard.path)
-    for batch in mapped_batches(plan.source, shard, plan.columns):
+    reading = Reading(plan.on_corrupt)
+    for batch in mapped_batches(plan.source, shard, plan.columns, reading):
         checked, dropped = _checked(batch, plan.on_corrupt, plan.max_pixels, shard, plan.source)
         for reason, count in dropped.items():
             skipped[reason] = skipped.get(reason, 0) + count
@@ -494,6 +504,8 @@ def write_shard(plan: Plan, index: int) -> ShardRecord:
     for split, left in pending.items():
         if left:
             _write_fragment(plan, split, pa.Table.from_batches(left, plan.schema), fragments[split])
+    for reason, count in reading.skipped.items():
+        skipped[reason] = skipped.get(reason, 0) + count
     return ShardRecord(shard.id, fragments, rows, skipped, shard.bytes, time.monotonic() - started)
 
 
@@ -506,7 +518,8 @@ def _write_token_shard(plan: Plan, index: int) -> ShardRecord:
     packers = {split: Packer(plan.tokenizer, plan.tokens.sequence_length) for split in plan.targets()}
     fragments: dict[str, list[str]] = {split: [] for split in plan.targets()}
     rows = dict.fromkeys(plan.targets(), 0)
-    for key, text in document_texts(text_batches(plan.source, shard, plan.columns)):
+    reading = Reading(plan.on_corrupt)
+    for key, text in document_texts(text_batches(plan.source, shard, plan.columns, reading)):
         split = split_of(key, plan.val_fraction) if plan.val is not None else "train"
         packer = packers[split]
         try:
@@ -528,6 +541,7 @@ def _write_token_shard(plan: Plan, index: int) -> ShardRecord:
         shard.id,
         fragments,
         rows,
+        reading.skipped,
         bytes=shard.bytes,
         seconds=time.monotonic() - started,
         documents={split: packer.documents for split, packer in packers.items()},
@@ -569,8 +583,9 @@ def _write_fragment(plan: Plan, split: str, table: pa.Table, into: list[str]) ->
 def _conformed(batch: pa.RecordBatch, schema: pa.Schema, where: str) -> pa.RecordBatch:
     """``batch`` with the plan's columns in order (missing ones null), each of the plan's type."""
     arrays = []
+    names = set(batch.schema.names)  # once: a sample may have many fields
     for item in schema:
-        if item.name in batch.schema.names:
+        if item.name in names:
             column = batch.column(item.name)
             if column.type != item.type:
                 try:
@@ -583,7 +598,7 @@ def _conformed(batch: pa.RecordBatch, schema: pa.Schema, where: str) -> pa.Recor
             arrays.append(column)
         else:
             arrays.append(pa.nulls(batch.num_rows, item.type))
-    extra = set(batch.schema.names) - set(schema.names)
+    extra = names - set(schema.names)
     if extra:
         raise UserError(
             f"{where}: fields {', '.join(sorted(extra))} are not in the first shard\n"
@@ -735,12 +750,14 @@ def estimate_rows(plan: Plan) -> dict[str, int]:
     shard, total = plan.shards[0], sum(item.bytes for item in plan.shards)
     sample: list[pa.RecordBatch] = []
     consumed, whole = 0, True
-    for batch in mapped_batches(plan.source, shard, plan.columns):
+    reading = plan_reading(plan.columns, plan.on_corrupt)  # images passed over: counted, not held
+    for batch in mapped_batches(plan.source, shard, plan.columns, reading):
         sample.append(batch)
         consumed += batch.nbytes
-        if consumed >= SAMPLE_BYTES:
+        if consumed + reading.unread >= SAMPLE_BYTES:
             whole = False
             break
+    consumed += reading.unread
     if whole and shard.bytes:
         consumed = shard.bytes  # the whole shard was read: its size on the store is exact
     scale = total / max(consumed, 1)
@@ -841,6 +858,7 @@ def ingest_shards_command(args: Any, argv: list[str]) -> int:
             source_options=source_options(args.source, spec_options),
             tokens=tokens_of(args.source, args.tokenize, args.tokenizer, args.sequence_length),
             files_per_shard=args.files_per_shard,
+            max_record_mb=args.max_record_mb,
         )
         if args.worker:
             rank, _, world = args.worker.partition("/")

@@ -11,13 +11,15 @@ Hugging Face dataset), one row group of a Parquet file with several, or a run of
 shard yields Arrow record batches whose columns follow the spec's column mapping: ``image``
 (encoded bytes), ``label`` (int64), ``text`` (string), ``key`` (the sample's key, the file's path
 under the source's directory, or the file and row it came from), and every other field of the
-source under its own name and Arrow type.
+source under its own name and Arrow type. Records are read within bounds (a record size, the fields
+of a sample): see :mod:`lance_hpc.data.reading` and :mod:`lance_hpc.data.webdataset`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import sysconfig
 from dataclasses import dataclass, field
@@ -28,8 +30,11 @@ import pyarrow.fs as pafs
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
+from lance_hpc.data.reading import BATCH_BYTES, BATCH_ROWS, TOO_BIG_FIX, Reading
+from lance_hpc.data.webdataset import webdataset_batches
 from lance_hpc.errors import UserError
 from lance_hpc.spec.choices import INGEST_COLUMNS, SHARD_FORMATS, STDLIB_SOURCE, check_registry
+from lance_hpc.spec.limits import DEFAULT_RECORD_MB
 from lance_hpc.storage.options import filesystem_arguments
 
 FORMATS = ("parquet", "jsonl", "webdataset", "hf", "imagefolder", "text")
@@ -41,8 +46,6 @@ FILES_PER_SHARD = 1000
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff")
 # JSON Lines are parsed in blocks this big; a line must fit in one (base64 images make long lines).
 JSON_BLOCK_BYTES = 16 << 20
-# Rows per record batch a shard is read in: bounded memory whatever the shard's size.
-BATCH_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,7 @@ class Source:
     files_per_shard: int = FILES_PER_SHARD
     max_bytes: int | None = None  # python-stdlib: whole files while their total stays within this
     classes: tuple[str, ...] = ()  # an image folder's class directories, sorted, once listed
+    max_record_bytes: int = DEFAULT_RECORD_MB << 20  # a larger member or file is skipped, or fails the read
 
     def uri(self, path: str) -> str:
         return f"{self.scheme}{path}"
@@ -137,19 +141,29 @@ STDLIB_SKIPPED_DIRS = frozenset(
 )
 
 
-def parse_source(text: str, options: Mapping[str, str] | None = None, *, files_per_shard: int = FILES_PER_SHARD) -> Source:
+def parse_source(
+    text: str,
+    options: Mapping[str, str] | None = None,
+    *,
+    files_per_shard: int = FILES_PER_SHARD,
+    max_record_bytes: int = DEFAULT_RECORD_MB << 20,
+) -> Source:
+    """A source string parsed; a local relative path or glob is taken from the working directory."""
     kind, _, pattern = text.partition(":")
     if kind == STDLIB:
         directory = sysconfig.get_paths()["stdlib"]
-        return Source("text", directory, pafs.LocalFileSystem(), "", files_per_shard, int(_max_mb(pattern) * 1_000_000))
+        max_bytes = int(_max_mb(pattern) * 1_000_000)
+        return Source("text", directory, pafs.LocalFileSystem(), "", files_per_shard, max_bytes, (), max_record_bytes)
     if kind not in FORMATS or not pattern:
         raise UserError(f"source {text!r}: give {' | '.join(f'{name}:<glob>' for name in FORMATS)} | {STDLIB}[:max_mb=N]")
     if files_per_shard < 1:
         raise UserError(f"files_per_shard {files_per_shard}: give 1 or more")
     if pattern.startswith("s3://"):
         filesystem = pafs.S3FileSystem(**filesystem_arguments(options or {}))
-        return Source(kind, pattern[len("s3://") :], filesystem, "s3://", files_per_shard)
-    return Source(kind, pattern, pafs.LocalFileSystem(), "", files_per_shard)
+        return Source(kind, pattern[len("s3://") :], filesystem, "s3://", files_per_shard, None, (), max_record_bytes)
+    # pyarrow lists a local directory by its absolute path: ./*.jsonl would match nothing
+    pattern = os.path.abspath(pattern)
+    return Source(kind, pattern, pafs.LocalFileSystem(), "", files_per_shard, None, (), max_record_bytes)
 
 
 def _max_mb(options: str) -> float:
@@ -375,7 +389,7 @@ def _jsonl_stream(source: Source, path: str) -> Any:
     return source.filesystem.open_input_stream(path, compression="detect")
 
 
-def _raw_batches(source: Source, shard: Shard) -> Iterator[pa.RecordBatch]:
+def _raw_batches(source: Source, shard: Shard, reading: Reading) -> Iterator[pa.RecordBatch]:
     """The shard's records as they are in the source, with a ``__key__`` field where the source has
     no key of its own (file and row)."""
     row = 0
@@ -407,11 +421,12 @@ def _raw_batches(source: Source, shard: Shard) -> Iterator[pa.RecordBatch]:
                     yield _with_row_keys(part, shard.id, row)
                     row += part.num_rows
     elif shard.format == "imagefolder":
-        yield from _file_batches(source, shard, _image_record)
+        yield from _file_batches(source, shard, reading, "image", _image_record)
     elif shard.format == "text":
-        yield from _file_batches(source, shard, _document_record)
+        yield from _file_batches(source, shard, reading, "text", _document_record)
     else:
-        yield from _webdataset_batches(source, shard)
+        with source.filesystem.open_input_stream(shard.path, compression="detect") as stream:
+            yield from webdataset_batches(stream, source.uri(shard.path), source.max_record_bytes, reading)
 
 
 def _image_record(source: Source, key: str, data: bytes) -> dict[str, Any]:
@@ -422,26 +437,53 @@ def _document_record(source: Source, key: str, data: bytes) -> dict[str, Any]:
     return {"text": data.decode("utf-8", errors="replace"), "__key__": key}
 
 
-# A batch of a run of files holds at most this many bytes (or BATCH_ROWS files).
-FILE_BATCH_BYTES = 16 << 20
-
-
 def _file_batches(
-    source: Source, shard: Shard, record: Callable[[Source, str, bytes], dict[str, Any]]
+    source: Source,
+    shard: Shard,
+    reading: Reading,
+    field_name: str,
+    record: Callable[[Source, str, bytes], dict[str, Any]],
 ) -> Iterator[pa.RecordBatch]:
-    """A run of files, each one record, in batches bounded in rows and bytes."""
+    """A run of files, each one record, in batches bounded in rows and bytes; a file over the record
+    limit is never read whole, and one whose contents the read does not need is not opened."""
     records: list[dict[str, Any]] = []
     size = 0
     for path in shard.files:
-        with source.filesystem.open_input_stream(path) as handle:
-            data = handle.read()
+        data = b""
+        if reading.wants(field_name):
+            with source.filesystem.open_input_stream(path) as handle:
+                data = _read_bounded(handle, source.max_record_bytes)
+            if len(data) > source.max_record_bytes:
+                limit_mb = source.max_record_bytes >> 20
+                reading.skip("too big", f"{source.uri(path)} is larger than max_record_mb ({limit_mb} MiB)", TOO_BIG_FIX)
+                continue
         records.append(record(source, file_key(source, path), data))
         size += len(data)
-        if len(records) >= BATCH_ROWS or size >= FILE_BATCH_BYTES:
+        if len(records) >= BATCH_ROWS or size >= BATCH_BYTES:
             yield pa.RecordBatch.from_pylist(records)
             records, size = [], 0
     if records:
         yield pa.RecordBatch.from_pylist(records)
+
+
+# The first read of a file; each next one doubles, up to READ_CHUNK. A read of the whole record limit
+# at once would allocate it for every small file.
+FIRST_READ = 64 << 10
+READ_CHUNK = 8 << 20
+
+
+def _read_bounded(handle: Any, limit: int) -> bytes:
+    """A file's bytes, or its first ``limit + 1`` when it is larger than ``limit``."""
+    parts: list[bytes] = []
+    total, chunk = 0, FIRST_READ
+    while total <= limit:
+        part = handle.read(min(chunk, limit + 1 - total))
+        if not part:
+            break
+        parts.append(part)
+        total += len(part)
+        chunk = min(chunk * 2, READ_CHUNK)
+    return b"".join(parts)
 
 
 def _with_row_keys(batch: pa.RecordBatch, shard_id: str, first: int) -> pa.RecordBatch:
@@ -452,139 +494,6 @@ def _with_row_keys(batch: pa.RecordBatch, shard_id: str, first: int) -> pa.Recor
     return batch.append_column("__key__", keys)
 
 
-def _webdataset_batches(source: Source, shard: Shard) -> Iterator[pa.RecordBatch]:
-    """Samples of a WebDataset tar: consecutive members sharing a key (the name up to its first dot
-    after the last slash) make one record; ``.json`` members add their fields, ``.cls`` an integer,
-    ``.txt`` a string, other extensions their bytes."""
-    records: list[dict[str, Any]] = []
-    current: dict[str, Any] | None = None
-    where = source.uri(shard.path)
-    with source.filesystem.open_input_stream(shard.path, compression="detect") as raw:
-        for member_name, data in tar_members(raw, where):
-            directory, _, name = member_name.rpartition("/")
-            stem, dot, extension = name.partition(".")
-            if not dot or stem.startswith("."):
-                continue
-            key = f"{directory}/{stem}" if directory else stem
-            if current is None or current["__key__"] != key:
-                if current is not None:
-                    records.append(current)
-                current = {"__key__": key}
-            extension = extension.lower()
-            if extension == "json":
-                try:
-                    fields = json.loads(data)
-                except ValueError as error:
-                    raise UserError(f"{where}: {member_name} is not JSON ({error})") from None
-                if isinstance(fields, dict):
-                    current.update({name: value for name, value in fields.items() if name not in current})
-            elif extension == "cls":
-                try:
-                    current["cls"] = int(data.decode().strip())
-                except ValueError:
-                    raise UserError(f"{where}: {member_name} holds {data[:40]!r}, not a class number") from None
-            elif extension == "txt":
-                current["txt"] = data.decode("utf-8", errors="replace")
-            else:
-                current[extension] = data
-            if len(records) >= BATCH_ROWS:
-                yield _samples_batch(records, where)
-                records = []
-    if current is not None:
-        records.append(current)
-    if records:
-        yield _samples_batch(records, where)
-
-
-def _samples_batch(records: list[dict[str, Any]], where: str) -> pa.RecordBatch:
-    """Samples as columns: every field any of them has (missing ones null), not only the first's."""
-    names = dict.fromkeys(name for record in records for name in record)
-    try:
-        return pa.RecordBatch.from_pydict({name: [record.get(name) for record in records] for name in names})
-    except (pa.ArrowInvalid, pa.ArrowTypeError) as error:
-        raise UserError(f"{where}: the samples' fields do not fit one type each: {error}") from None
-
-
-TAR_BLOCK = 512
-
-
-class _Chunks:
-    """``read(n)`` over a stream read 8 MiB at a time: a tar's many small header reads cost a
-    Python slice each, not a call into the stream."""
-
-    CHUNK = 8 << 20
-
-    def __init__(self, stream: Any) -> None:
-        self.stream, self.buffer, self.offset = stream, b"", 0
-
-    def read(self, size: int) -> bytes:
-        if self.offset + size <= len(self.buffer):
-            part = self.buffer[self.offset : self.offset + size]
-            self.offset += size
-            return part
-        parts, left = [self.buffer[self.offset :]], size - (len(self.buffer) - self.offset)
-        self.buffer, self.offset = b"", 0
-        while left > 0:
-            chunk = self.stream.read(max(self.CHUNK, left))
-            if not chunk:
-                break
-            chunk = bytes(chunk)
-            if len(chunk) > left:
-                parts.append(chunk[:left])
-                self.buffer, self.offset = chunk, left
-                left = 0
-            else:
-                parts.append(chunk)
-                left -= len(chunk)
-        return b"".join(parts)
-
-
-def _read_exact(stream: _Chunks, size: int) -> bytes:
-    return stream.read(size) if size else b""
-
-
-def tar_members(stream: Any, where: str) -> Iterator[tuple[str, bytes]]:
-    """(name, bytes) of each regular file of a tar stream, in order: ustar, GNU long names and pax
-    paths. Read block by block with the header checksums checked, much cheaper than ``tarfile``."""
-    long_name: str | None = None
-    stream = _Chunks(stream)
-    while True:
-        header = _read_exact(stream, TAR_BLOCK)
-        if len(header) < TAR_BLOCK or header == bytes(TAR_BLOCK):
-            if header.strip(b"\0"):
-                raise UserError(f"{where} is not a tar file, or is cut short (a header of {len(header)} bytes)")
-            return
-        try:
-            stored = int(header[148:156].strip(b"\0 ") or b"0", 8)
-            size_field = header[124:136]
-            size = int.from_bytes(size_field[1:], "big") if size_field[0] & 0x80 else int(size_field.strip(b"\0 ") or b"0", 8)
-        except ValueError:
-            raise UserError(f"{where} is not a tar file (a header that does not parse)") from None
-        if stored != sum(header[:148]) + 8 * 32 + sum(header[156:]):
-            raise UserError(f"{where} is not a tar file, or is damaged (a header checksum does not match)")
-        name = header[:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-        if header[257:262] == b"ustar":
-            prefix = header[345:500].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-            name = f"{prefix}/{name}" if prefix else name
-        data = _read_exact(stream, size)
-        if len(data) < size:
-            raise UserError(f"{where} is cut short: {name} should have {size} bytes, the file ends after {len(data)}")
-        _read_exact(stream, -size % TAR_BLOCK)
-        kind = header[156:157]
-        if kind == b"L":  # GNU: the next member's long name
-            long_name = data.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-        elif kind == b"x":  # pax: the next member's attributes, "LENGTH KEY=VALUE\n" each
-            for record in data.decode("utf-8", "surrogateescape").splitlines():
-                key, _, value = record.partition(" ")[2].partition("=")
-                if key == "path":
-                    long_name = value
-        elif kind in (b"0", b"\0", b"7"):
-            yield long_name or name, data
-            long_name = None
-        else:  # directories, links, global pax headers
-            long_name = None
-
-
 def format_defaults(format: str, fields: list[str]) -> dict[str, str]:
     """Where a format keeps each column unless the spec says otherwise."""
     if format == "webdataset":
@@ -593,11 +502,11 @@ def format_defaults(format: str, fields: list[str]) -> dict[str, str]:
     return {"image": "image", "label": "label", "text": "text", "key": "__key__"}
 
 
-def _readable(source: Source, shard: Shard) -> Iterator[pa.RecordBatch]:
+def _readable(source: Source, shard: Shard, reading: Reading) -> Iterator[pa.RecordBatch]:
     """The shard's raw batches; a file that cannot be read as its format is one clear error naming it."""
     where = source.uri(shard.path)
     try:
-        for batch in _raw_batches(source, shard):
+        for batch in _raw_batches(source, shard, reading):
             if shard.format == "jsonl":
                 batch.validate(full=True)  # pyarrow's JSON reader lets invalid UTF-8 through; Lance would not read it
             yield batch
@@ -608,11 +517,12 @@ def _readable(source: Source, shard: Shard) -> Iterator[pa.RecordBatch]:
         ) from None
 
 
-def mapped_batches(source: Source, shard: Shard, columns: ColumnMap) -> Iterator[pa.RecordBatch]:
+def mapped_batches(source: Source, shard: Shard, columns: ColumnMap, reading: Reading | None = None) -> Iterator[pa.RecordBatch]:
     """The shard's records with the mapped columns renamed (``image``, ``label``, ``text``, ``key``)
     and every other field kept; ``label`` as int64, ``image`` as binary, ``text`` and ``key`` as
-    strings."""
-    for batch in _readable(source, shard):
+    strings. ``reading`` says what becomes of a record past a bound (by default: an error) and
+    gathers what was skipped."""
+    for batch in _readable(source, shard, reading or Reading()):
         fields = batch.schema.names
         chosen = columns.resolve(fields, format_defaults(shard.format, fields))
         arrays: dict[str, pa.Array] = {}
@@ -625,6 +535,14 @@ def mapped_batches(source: Source, shard: Shard, columns: ColumnMap) -> Iterator
             if name not in used and name not in arrays:
                 arrays[name] = batch.column(name)
         yield pa.RecordBatch.from_pydict(arrays)
+
+
+def plan_reading(columns: ColumnMap, on_corrupt: str) -> Reading:
+    """A read of a shard for a plan (its schema, its rows estimated): the contents of the fields
+    that shape the columns (JSON fields, the label, the text, the key) and of documents, not of
+    images or other files, whose types do not depend on them."""
+    mapped = (columns.label, columns.text, columns.key)
+    return Reading(on_corrupt, frozenset(name for name in mapped if name) | {"text"})
 
 
 COLUMN_TYPES = {"image": pa.binary(), "label": pa.int64(), "text": pa.string(), "key": pa.string()}
@@ -661,9 +579,9 @@ def document_texts(batches: Iterable[pa.RecordBatch]) -> Iterator[tuple[str, str
                 yield key, text
 
 
-def text_batches(source: Source, shard: Shard, columns: ColumnMap) -> Iterator[pa.RecordBatch]:
+def text_batches(source: Source, shard: Shard, columns: ColumnMap, reading: Reading | None = None) -> Iterator[pa.RecordBatch]:
     """The shard's mapped batches, each checked to have a ``text`` column."""
-    for batch in mapped_batches(source, shard, columns):
+    for batch in mapped_batches(source, shard, columns, reading):
         if "text" not in batch.schema.names:
             raise UserError(
                 f"{source.uri(shard.path)}: no text field to tokenise (its fields: {', '.join(batch.schema.names)})\n"

@@ -22,6 +22,7 @@ import yaml
 from pydantic import ValidationError
 
 from lance_hpc.errors import UserError
+from lance_hpc.spec.choices import SHARD_FORMATS
 from lance_hpc.spec.problems import Problem, SpecError, from_pydantic, unique
 from lance_hpc.spec.rules import (
     cross_field_problems,
@@ -302,7 +303,22 @@ def _resolve_paths(raw: dict[str, Any], base_dir: Path) -> tuple[list[Resolution
             if isinstance(value, str) and "://" not in value and not Path(value).is_absolute():
                 source[key] = str((base_dir / value).resolve())
                 resolutions.append(Resolution(f"data.mix[{index}].{key}", value, source[key]))
+    ingest = data.get("ingest") if isinstance(data, dict) else None
+    if isinstance(ingest, dict) and isinstance(ingest.get("source"), str):
+        source_text = ingest["source"]
+        ingest["source"] = _absolute_source(source_text, base_dir)
+        if ingest["source"] != source_text:
+            resolutions.append(Resolution("data.ingest.source", source_text, ingest["source"]))
     return resolutions, problems
+
+
+def _absolute_source(text: str, base_dir: Path) -> str:
+    """A shard source's local path or glob (``jsonl:./*.jsonl``) made absolute like the spec's other
+    paths: a worker lists it from wherever it runs."""
+    kind, sep, pattern = text.partition(":")
+    if kind not in SHARD_FORMATS or not sep or not pattern or "://" in pattern or Path(pattern).is_absolute():
+        return text
+    return f"{kind}:{os.path.normpath(base_dir.resolve() / pattern)}"
 
 
 _FIELD_DEFAULTS: dict[tuple[str | None, str], Any] = {

@@ -7,7 +7,7 @@ import difflib
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from lance_hpc.errors import UserError
 
@@ -100,3 +100,18 @@ def from_pydantic(item: Mapping[str, Any], root: type[BaseModel], prefix: Sequen
         expected = kind.split("_")[0]
         return Problem(path, f"expected {expected}, got {type(value).__name__} {value!r}", f"write a value of type {expected}")
     return Problem(path, item["msg"])
+
+
+def option_problems(model: type[BaseModel], values: Mapping[str, Any], **required: Any) -> list[str]:
+    """Command-line options checked as the fields of ``model`` of the same names (``--val-fraction``
+    as ``val_fraction``), so that a spec and a command line refuse the same values: each refused
+    value with its fix (``required``: the model's other required fields, not checked here)."""
+    try:
+        model(**required, **values)
+    except ValidationError as error:
+        found = [from_pydantic(item, model) for item in error.errors()]
+        return [
+            f"--{problem.path.replace('_', '-')} {values.get(problem.path)!r}: {problem.message}\n  fix: {problem.fix}"
+            for problem in found
+        ]
+    return []

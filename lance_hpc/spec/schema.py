@@ -24,6 +24,7 @@ from lance_hpc.spec.choices import (
     STYLES,
     UNEVEN_MODES,
 )
+from lance_hpc.spec.limits import DEFAULT_RECORD_MB, MAX_PIXELS, MAX_RECORD_MB, MAX_SEQUENCE_LENGTH
 from lance_hpc.spec.predicates import check_predicate
 from lance_hpc.spec.secrets import redacted
 from lance_hpc.storage.options import is_remote
@@ -165,7 +166,7 @@ class IngestSpec(_Section):
         description="sklearn-digits, skimage-photos, torchvision: seed of the split and row order (sharded sources split "
         "by a hash of each row's key).",
     )
-    sequence_length: int = Field(256, ge=2, le=MAX_INT, description="Text sources: tokens per training sequence.")
+    sequence_length: int = Field(256, ge=2, le=MAX_SEQUENCE_LENGTH, description="Text sources: tokens per training sequence.")
     tokenizer: str = Field(
         "bytes",
         description="Text sources: bytes (UTF-8, nothing to download), hf:<tokenizer.json> (e.g. one trained by "
@@ -195,9 +196,23 @@ class IngestSpec(_Section):
         False, description="parquet:, jsonl:, webdataset:, hf: sources: add the rows to the dataset at data.uri as a new version."
     )
     on_corrupt: str = Field(
-        "skip", description="An image that cannot be read at ingest: skip (counted in the summary) or fail the ingest."
+        "skip",
+        description="An image that cannot be read, or a sample past max_record_mb or the field limit, at ingest: skip "
+        "(counted in the summary) or fail the ingest.",
     )
-    max_pixels: int = Field(178_956_970, ge=1, le=MAX_INT, description="Images with more pixels are skipped at ingest.")
+    max_pixels: int = Field(
+        MAX_PIXELS,
+        ge=1,
+        le=MAX_PIXELS,
+        description="Images with more pixels are skipped at ingest (at most what training decodes, the default).",
+    )
+    max_record_mb: int = Field(
+        DEFAULT_RECORD_MB,
+        ge=1,
+        le=MAX_RECORD_MB,
+        description="webdataset:, imagefolder:, text: sources: a member or file larger than this many MiB is skipped "
+        "(counted) or fails the ingest, as on_corrupt says.",
+    )
 
     check_on_corrupt = field_validator("on_corrupt")(_choice(lambda: ON_CORRUPT))
 
