@@ -25,6 +25,12 @@ python3 -m ruff format --check --quiet lance_hpc benchmarks tests examples
 python3 -m ruff check --quiet lance_hpc benchmarks tests examples
 python3 -m mypy
 
+# The documentation site builds without a warning (a broken link or anchor, a page missing from the
+# nav fails it), into a temporary directory so that no site/ is left in the checkout.
+site_dir="$(mktemp -d)"
+trap 'rm -rf "$site_dir"' EXIT
+python3 -m mkdocs build --strict --site-dir "$site_dir"
+
 # Two test processes (pytest-xdist): the SLURM cluster's tests, grouped in one (see tests/conftest.py),
 # spend much of their time waiting on the scheduler, which the other process's tests use.
 python3 -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup "$@"
