@@ -13,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 from torch import nn
 
 from lance_hpc.checkpoint.manifests import checkpoint_names, checkpoint_steps
-from lance_hpc.checkpoint.rng_states import saved_position
+from lance_hpc.checkpoint.rng_states import reseed, restore_rng
 from lance_hpc.checkpoint.saving import list_checkpoints
 from lance_hpc.checkpoint.stores import Location, open_store
 from lance_hpc.errors import UserError
@@ -232,3 +232,23 @@ def pinned_text(pinned: dict[str, Any]) -> str:
 
     sources = pinned.get("sources") or ([pinned] if pinned.get("uri") else [])
     return "; ".join(one(source) for source in sources)
+
+
+def restore_rank(resumed: Checkpoint, env: DistEnv, seed: int) -> None:
+    """This rank's RNG states.
+
+    At the world size that wrote the checkpoint, each rank gets back its own. At another, the
+    saved RNG states belong to ranks that no longer exist (or are missing for new ones): every
+    rank reseeds from (seed, step, rank) instead (its loader continues from the position all ranks
+    shared, see :meth:`Checkpoint.loader_position`, splitting the rest of the epoch over the new ranks).
+    """
+    if resumed.world_size == env.world_size:
+        restore_rng(resumed.rank_state(env.rank)["rng"])
+    else:
+        reseed(seed, resumed.step, env.rank)
+
+
+def saved_position(resumed: Checkpoint, env: DistEnv) -> dict[str, Any]:
+    """The per-rank state this rank continues from: its own at the same world size, else rank 0's
+    (every rank saved the same data position; only RNG states differ, and those are not reused)."""
+    return resumed.rank_state(env.rank if resumed.world_size == env.world_size else 0)

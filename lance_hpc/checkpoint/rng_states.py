@@ -1,37 +1,13 @@
 """Each rank's random number generators in a checkpoint: captured at every save, given back at the
-same world size, reseeded from (seed, step, rank) at another."""
+same world size, reseeded from (seed, step, rank) at another (:func:`lance_hpc.checkpoint.resuming.restore_rank`)."""
 
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
-
-if TYPE_CHECKING:
-    from lance_hpc.checkpoint.resuming import Checkpoint
-    from lance_hpc.runtime.environment import DistEnv
-
-
-def restore_rank(resumed: Checkpoint, env: DistEnv, seed: int) -> None:
-    """This rank's RNG states.
-
-    At the world size that wrote the checkpoint, each rank gets back its own. At another, the
-    saved RNG states belong to ranks that no longer exist (or are missing for new ones): every
-    rank reseeds from (seed, step, rank) instead (its loader continues from the position all ranks
-    shared, see :meth:`Checkpoint.loader_position`, splitting the rest of the epoch over the new ranks).
-    """
-    if resumed.world_size == env.world_size:
-        restore_rng(resumed.rank_state(env.rank)["rng"])
-    else:
-        reseed(seed, resumed.step, env.rank)
-
-
-def saved_position(resumed: Checkpoint, env: DistEnv) -> dict[str, Any]:
-    """The per-rank state this rank continues from: its own at the same world size, else rank 0's
-    (every rank saved the same data position; only RNG states differ, and those are not reused)."""
-    return resumed.rank_state(env.rank if resumed.world_size == env.world_size else 0)
 
 
 def reseed(seed: int, step: int, rank: int) -> None:

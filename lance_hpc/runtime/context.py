@@ -49,7 +49,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from lance_hpc import data
-from lance_hpc.checkpoint import resuming, rng_states, saving
+from lance_hpc.checkpoint import resuming, saving
 from lance_hpc.checkpoint.resuming import Checkpoint
 from lance_hpc.checkpoint.sharded import ShardedSaver, is_tensor_state, load_shards, restore_tensor_state, tensor_state
 from lance_hpc.data import EvalLoader, MixLoader, TrainLoader, selection
@@ -562,7 +562,7 @@ class Context:
         self._stepping = loader
         loader.watch = self._direct_batch
         if self._resumed is not None and not self._rng_restored:  # now: building the model drew from the generators
-            rng_states.restore_rank(self._resumed, self._env, self.spec.train.seed)
+            resuming.restore_rank(self._resumed, self._env, self.spec.train.seed)
             self._rng_restored = True
         self._epochs = epochs or self.spec.train.epochs
         self._max_steps = max_steps or self.spec.train.max_steps
