@@ -1,6 +1,6 @@
 """lance_hpc: DDP training of PyTorch models on Lance datasets across SLURM clusters.
 
-The public API (the README's "Public API" section) is importable from here. Each name is loaded
+The public API (docs/tasks.md, "Public API") is importable from here. Each name is loaded
 from its module when first used, so ``import lance_hpc`` (and every command that only reads a spec
 or the queue) does not pay for torch and Lance.
 """

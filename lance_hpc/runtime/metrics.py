@@ -1,7 +1,7 @@
 """Training metrics: a tiny logger interface (TensorBoard on rank 0, a null logger elsewhere) and
 the meters whose sums all ranks reduce together.
 
-The tags are part of the interface (dashboards and the README name them); :data:`TAGS` lists them.
+The tags are part of the interface (dashboards and docs/manage.md name them); :data:`TAGS` lists them.
 """
 
 from __future__ import annotations

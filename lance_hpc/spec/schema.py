@@ -279,7 +279,9 @@ class DataSpec(_Section):
         description="Train on the rows matching this Lance SQL predicate (e.g. quality > 0.8 AND lang = 'en'), pinned at first start.",
     )
     mix: list[MixSource] | None = Field(
-        None, min_length=1, description="Several datasets drawn by weight in every step, each with its own epoch (README: Mixes)."
+        None,
+        min_length=1,
+        description="Several datasets drawn by weight in every step, each with its own epoch (docs: data-loading.md#mixes).",
     )
     mix_epoch_rows: int | None = Field(
         None,
@@ -342,7 +344,7 @@ class DataSpec(_Section):
     def defaults_of_uri(cls, values: Any) -> Any:
         """With a mix, data.uri is the first source's (where a dataset's files and checks are named).
         An unset sampler over object storage is block: runs of block_kb per request instead of about
-        one request per sample (see the README's "Shuffled reads that stay cheap")."""
+        one request per sample (see docs/data-loading.md, "Shuffled reads that stay cheap")."""
         if not isinstance(values, dict):
             return values
         if "uri" not in values and isinstance(values.get("mix"), list) and values["mix"]:
@@ -388,7 +390,7 @@ class TaskSpec(_Section):
         "image_classification",
         description="image_classification | language_model, or your Task class: my_pkg.tasks:MyTask or file.py:MyTask.",
     )
-    options: dict[str, Any] = Field(default_factory=dict, description="The task's options (see the README's Tasks section).")
+    options: dict[str, Any] = Field(default_factory=dict, description="The task's options (see docs/tasks.md).")
 
 
 # Optimisation choices; the trainer reads the same tuples.

@@ -45,7 +45,7 @@ def task_class(name: str) -> type[Task]:
     if not (isinstance(found, type) and issubclass(found, Task)):
         raise UserError(
             f"task.name: {name!r} is not a subclass of lance_hpc.tasks.Task\n"
-            "  fix: subclass lance_hpc.tasks.Task (see the README's Tasks section)"
+            "  fix: subclass lance_hpc.tasks.Task (see docs/tasks.md)"
         )
     return found
 
