@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from lance_hpc import data
-from lance_hpc.data import new_columns
+from lance_hpc.data import column_swap, new_columns
 from lance_hpc.data.loader import RowsLoader
 from lance_hpc.data.new_columns import ColumnPlan, FragmentRecord, Records
 from lance_hpc.data.units import wait_for_all
@@ -80,13 +80,14 @@ def run_infer(spec: JobSpec, env: DistEnv, preemption: Preemption, requeue: Requ
     configure_process(spec.train.seed, False, env, device)
     name = new_columns.model_name(spec)
     run, records = new_columns.run_records(spec, name)
+    options = storage_options(spec.data.uri, spec.data.storage_options)
     if records.committed() is not None:
         if env.is_main:
             print(f"already committed: {spec.data.uri} version {records.committed()} ({name}); nothing to do", flush=True)
         return Summary("completed", 0, 0, None)
     task = data.load_task(spec)
+    check_task_inputs(spec, task)
     model = load_model(spec, task, device)
-    options = storage_options(spec.data.uri, spec.data.storage_options)
     plan = new_columns.start(
         spec.data.uri,
         options,
@@ -278,6 +279,13 @@ def _report(spec: JobSpec, task: Task, plan: ColumnPlan, finished: dict[int, Fra
     return metrics
 
 
+def check_task_inputs(spec: JobSpec, task: Task) -> None:
+    """job: infer writes no column the task reads its rows from (a UserError naming it)."""
+    assert spec.infer is not None
+    if spec.job == "infer":
+        column_swap.check_inputs(spec.infer.outputs, task.decoder(train=False).columns, spec.task.name)
+
+
 def check_infer(spec: JobSpec, world_size: int | None = None) -> str:
     """Before any rank starts: the dataset, the columns and the checkpoint checked; the work in a
     few lines (no model is loaded) for ``world_size`` ranks (default: the spec's)."""
@@ -288,8 +296,10 @@ def check_infer(spec: JobSpec, world_size: int | None = None) -> str:
     run, records = new_columns.run_records(spec, model)
     if records.committed() is not None:
         return f"already committed by an earlier run of this job: {spec.data.uri} version {records.committed()} ({model})"
-    if spec.job == "infer" and records.pinned() is None:
-        new_columns.check_columns(dataset, spec.data.uri, spec.infer.outputs, spec.infer.overwrite)
+    if spec.job == "infer":
+        check_task_inputs(spec, data.load_task(spec))  # before any rank starts: one error, not one per rank
+    if spec.job == "infer" and (records.pinned() is None):
+        column_swap.check_columns(dataset, spec.data.uri, spec.infer.outputs, spec.infer.overwrite)
     plan = new_columns.plan_at(spec.data.uri, options, int(dataset.version), spec.infer.outputs, run, spec.infer.filter)
     fragments = plan.fragments
     rows = sum(fragment.rows for fragment in fragments)
