@@ -206,6 +206,41 @@ def test_a_failed_overwrite_leaves_the_latest_version_as_it_was_and_a_rerun_repl
     assert lance.dataset(uri, version=before).to_table(columns=["twice"]).column("twice").to_pylist() == [-1] * 359
 
 
+@pytest.mark.parametrize(
+    ("infer", "expected"),
+    [
+        (
+            {"outputs": {"label": "int64"}, "overwrite": True},
+            ["infer.outputs: label is a column task image_classification reads", "fix: write the output under another name"],
+        ),
+        (
+            {"outputs": {"_rowid": "int64"}},
+            ["infer.outputs._rowid: Lance computes a column of this name", "fix: name the output"],
+        ),
+        ({"outputs": {"_rowoffset": "int64"}}, ["infer.outputs._rowoffset: Lance computes a column of this name"]),
+        ({"outputs": {"_mine": "int64"}}, ["infer.outputs._mine: names beginning with _ are Lance's own", "e.g. mine"]),
+        (
+            {"outputs": {"twice": "int64"}, "overwrite": True, "filter": "twice > 4"},
+            ["infer.filter: names twice, which this job writes", "fix: filter on columns the job does not write"],
+        ),
+    ],
+)
+def test_outputs_that_would_break_the_dataset_are_refused_before_anything_is_written(
+    trained, tmp_path: Path, infer: dict[str, object], expected: list[str]
+) -> None:
+    dataset, _ = trained
+    uri = copy_of(dataset.val, tmp_path)
+    before = with_minus_ones(uri)
+    spec = function_spec(tmp_path, uri, "tests.support.infer:label_twice_under_many_names", **infer)
+    refused = run_local(spec)
+    output = refused.stdout + refused.stderr
+    assert refused.returncode == 2 and "Traceback" not in output, output
+    assert all(text in refused.stderr for text in expected), f"expected {expected} in:\n{refused.stderr}"
+    assert lance.dataset(uri).version == before and lance.dataset(uri).schema.names == ["image", "label", "twice"]
+    assert lance.dataset(uri).to_table().num_rows == 359
+    assert not (tmp_path / ".data.lance.infer").exists(), "a refused job wrote records"
+
+
 def test_a_dataset_that_moved_on_is_reported_and_nothing_is_mixed(trained, tmp_path: Path) -> None:
     dataset, checkpoint = trained
     uri = copy_of(dataset.val, tmp_path)
