@@ -241,6 +241,29 @@ def test_outputs_that_would_break_the_dataset_are_refused_before_anything_is_wri
     assert not (tmp_path / ".data.lance.infer").exists(), "a refused job wrote records"
 
 
+def test_a_commit_whose_columns_were_dropped_since_does_not_count_and_the_run_starts_over(trained, tmp_path: Path) -> None:
+    dataset, _ = trained
+    uri = copy_of(dataset.val, tmp_path)
+    spec = function_spec(tmp_path, uri, "tests.support.infer:label_twice", outputs={"twice": "int64"})
+    assert run_local(spec).returncode == 0
+    lance.dataset(uri).drop_columns(["twice"])  # by hand: version 3 has no column twice
+    again = run_local(spec)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "already committed" not in again.stdout and again.stdout.count("starting over") == 1, again.stdout
+    assert "has no column twice" in again.stdout, again.stdout
+    latest = lance.dataset(uri)
+    assert latest.version == 4, latest.version
+    table = latest.to_table(columns=["label", "twice"])
+    assert (table.column("twice").to_numpy() == 2 * table.column("label").to_numpy()).all()
+    third = run_local(spec)  # now the record holds again
+    assert third.returncode == 0 and "already committed" in third.stdout and lance.dataset(uri).version == 4, third.stdout
+    shutil.rmtree(uri)
+    shutil.copytree(dataset.val, uri)  # the dataset made again: version 1, without the column
+    fourth = run_local(spec)
+    assert fourth.returncode == 0 and "starting over" in fourth.stdout and "recreated" in fourth.stdout, fourth.stdout
+    assert lance.dataset(uri).version == 2 and "twice" in lance.dataset(uri).schema.names
+
+
 def test_a_dataset_that_moved_on_is_reported_and_nothing_is_mixed(trained, tmp_path: Path) -> None:
     dataset, checkpoint = trained
     uri = copy_of(dataset.val, tmp_path)

@@ -13,7 +13,8 @@ it. A column an ``overwrite`` replaces stays in the dataset until the commit: it
 written under a temporary name, and the commit both removes the old column and names the new one
 (:mod:`lance_hpc.data.column_swap`), so a failed job leaves the latest version as it was. If the
 dataset moves on before the commit, the commit is refused with what changed: the new columns were
-computed for the pinned version's rows, and are never mixed into another's.
+computed for the pinned version's rows, and are never mixed into another's. A record of a commit
+counts only while the dataset still has what it names; otherwise the run starts over.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 
 from lance_hpc.data import column_swap
 from lance_hpc.data.units import UnitRecords, balanced
@@ -133,6 +135,48 @@ class Records(UnitRecords[FragmentRecord]):
 
     def mark_committed(self, version: int) -> None:
         self.write_json("committed.json", {"version": version})
+
+    def clear(self) -> None:
+        """Forget the run (it starts over): the pin and the fragments first, the commit's record
+        last, which the other ranks wait to see gone before they wait for a new pin."""
+        infos = self.store.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
+        names = sorted(
+            (info.path for info in infos if info.type == pafs.FileType.File), key=lambda path: path.endswith("/committed.json")
+        )
+        for name in names:
+            self.store.delete_file(name)
+
+
+def stale_commit(dataset: Any, outputs: Mapping[str, str], version: int) -> str | None:
+    """Why a record that this run committed ``version`` no longer holds (None when it does): the
+    dataset, at its latest version, must be at least that version and have every output column."""
+    if int(dataset.version) < version:
+        return f"the dataset is at version {dataset.version} now (recreated?)"
+    missing = [name for name in outputs if name not in dataset.schema.names]
+    if missing:
+        return f"its latest version (version {dataset.version}) has no column {', '.join(missing)}"
+    return None
+
+
+def earlier_commit(records: Records, uri: str, options: dict[str, str], outputs: Mapping[str, str], *, main: bool) -> int | None:
+    """The version an earlier run of this job committed, while the dataset still has it; else None,
+    after rank 0 has cleared that run's records (saying so in one line): the job starts over."""
+    version = records.committed()
+    if version is None:
+        return None
+    reason = stale_commit(open_dataset(uri, None, options), outputs, version)
+    if reason is None:
+        return version
+    if main:
+        print(f"starting over: an earlier run of this job committed version {version} of {uri}, but {reason}", flush=True)
+        records.clear()
+        return None
+    deadline = time.monotonic() + WAIT_LIMIT_S
+    while records.committed() is not None:
+        if time.monotonic() > deadline:
+            raise UserError(f"rank 0 did not clear the stale records of {uri} within {WAIT_LIMIT_S:.0f} s: see its log")
+        time.sleep(WAIT_S)
+    return None
 
 
 def start(

@@ -81,9 +81,10 @@ def run_infer(spec: JobSpec, env: DistEnv, preemption: Preemption, requeue: Requ
     name = new_columns.model_name(spec)
     run, records = new_columns.run_records(spec, name)
     options = storage_options(spec.data.uri, spec.data.storage_options)
-    if records.committed() is not None:
+    committed = new_columns.earlier_commit(records, spec.data.uri, options, spec.infer.outputs, main=env.is_main)
+    if committed is not None:
         if env.is_main:
-            print(f"already committed: {spec.data.uri} version {records.committed()} ({name}); nothing to do", flush=True)
+            print(f"already committed: {spec.data.uri} version {committed} ({name}); nothing to do", flush=True)
         return Summary("completed", 0, 0, None)
     task = data.load_task(spec)
     check_task_inputs(spec, task)
@@ -294,11 +295,12 @@ def check_infer(spec: JobSpec, world_size: int | None = None) -> str:
     dataset = open_dataset(spec.data.uri, None, options)
     model = new_columns.model_name(spec)
     run, records = new_columns.run_records(spec, model)
-    if records.committed() is not None:
-        return f"already committed by an earlier run of this job: {spec.data.uri} version {records.committed()} ({model})"
+    committed = records.committed()
+    if committed is not None and new_columns.stale_commit(dataset, spec.infer.outputs, committed) is None:
+        return f"already committed by an earlier run of this job: {spec.data.uri} version {committed} ({model})"
     if spec.job == "infer":
         check_task_inputs(spec, data.load_task(spec))  # before any rank starts: one error, not one per rank
-    if spec.job == "infer" and (records.pinned() is None):
+    if spec.job == "infer" and (records.pinned() is None or committed is not None):
         column_swap.check_columns(dataset, spec.data.uri, spec.infer.outputs, spec.infer.overwrite)
     plan = new_columns.plan_at(spec.data.uri, options, int(dataset.version), spec.infer.outputs, run, spec.infer.filter)
     fragments = plan.fragments
