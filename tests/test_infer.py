@@ -19,11 +19,12 @@ import pyarrow as pa
 import pytest
 import yaml
 
-from lance_hpc.data import ensure_dataset
+from lance_hpc.data import column_swap, ensure_dataset
 from lance_hpc.data.loader import RowsLoader
 from lance_hpc.runtime.environment import detect, select_device
 from lance_hpc.runtime.infer_job import load_model
 from lance_hpc.spec import DataSpec, IngestSpec, load_spec
+from tests.support.infer import FAIL_AFTER_BATCHES
 from tests.support.jobs import BASE_SPEC, REPO_ROOT, Digits, train_here, write_spec
 from tests.support.ranks import launch, rank_pid, read_until
 
@@ -65,10 +66,19 @@ def copy_of(uri: str, tmp_path: Path) -> str:
     return str(target)
 
 
-def run_local(spec: Path) -> subprocess.CompletedProcess:
+def function_spec(tmp_path: Path, uri: str, function: str, **infer: object) -> Path:
+    """An inference job with ``infer.function`` and no checkpoint (no model at all)."""
+    spec = infer_spec(tmp_path, uri, Path("unused"), function=function, **infer)
+    raw = yaml.safe_load(spec.read_text())
+    raw["infer"].pop("checkpoint")
+    spec.write_text(yaml.safe_dump(raw))
+    return spec
+
+
+def run_local(spec: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "lance_hpc.submit", str(spec), "--local"]
     return subprocess.run(
-        command, capture_output=True, text=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        command, capture_output=True, text=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})}
     )
 
 
@@ -147,29 +157,111 @@ def test_a_killed_rank_resumes_with_only_its_missing_fragments_and_equals_an_uni
 
 
 def test_an_existing_column_is_refused_then_replaced_in_a_new_version_when_asked(trained, tmp_path: Path) -> None:
-    dataset, checkpoint = trained
+    dataset, _ = trained
     uri = copy_of(dataset.val, tmp_path)
-    spec = infer_spec(
-        tmp_path, uri, None, outputs={"label": "int64", "twice": "int64"}, function="tests.support.infer:label_twice"
-    )  # type: ignore[arg-type]
-    raw = yaml.safe_load(spec.read_text())
-    raw["infer"].pop("checkpoint")
-    spec.write_text(yaml.safe_dump(raw))
-    refused = run_local(spec)
-    assert refused.returncode == 2 and "already has the column(s) label" in refused.stderr and "infer.overwrite" in refused.stderr
-    raw["infer"]["outputs"] = {"twice": "int64"}
-    spec.write_text(yaml.safe_dump(raw))
+    spec = function_spec(tmp_path, uri, "tests.support.infer:label_twice", outputs={"twice": "int64"})
     assert run_local(spec).returncode == 0
     table = lance.dataset(uri).to_table(columns=["label", "twice"])
     assert (table.column("twice").to_numpy() == 2 * table.column("label").to_numpy()).all()
     again = run_local(spec)  # the same job again: its run is committed, nothing is written
     assert again.returncode == 0 and "already committed" in again.stdout and lance.dataset(uri).version == 2
+    raw = yaml.safe_load(spec.read_text())
+    raw["infer"]["filter"] = "label >= 0"  # another run (every row), over the column the first one wrote
+    spec.write_text(yaml.safe_dump(raw))
+    refused = run_local(spec)
+    assert refused.returncode == 2 and "already has the column(s) twice" in refused.stderr and "infer.overwrite" in refused.stderr
     raw["infer"]["overwrite"] = True
     spec.write_text(yaml.safe_dump(raw))
-    version = lance.dataset(uri).version
     assert run_local(spec).returncode == 0
-    assert lance.dataset(uri).version == version + 2  # the column dropped, then written again
-    assert "twice" in lance.dataset(uri, version=version).schema.names
+    assert lance.dataset(uri).version == 3  # the column replaced in the commit that wrote it again
+    assert lance.dataset(uri).schema.names == ["image", "label", "twice"]
+    assert "twice" in lance.dataset(uri, version=2).schema.names
+
+
+def with_minus_ones(uri: str) -> int:
+    """The user's own column ``twice`` (-1 in every row) added to the dataset; its new version."""
+    dataset = lance.dataset(uri)
+    dataset.add_columns({"twice": "label * 0 - 1"})
+    return lance.dataset(uri).version
+
+
+def test_a_failed_overwrite_leaves_the_latest_version_as_it_was_and_a_rerun_replaces_it_in_one_version(
+    trained, tmp_path: Path
+) -> None:
+    dataset, _ = trained
+    uri = copy_of(dataset.val, tmp_path)
+    before = with_minus_ones(uri)
+    spec = function_spec(tmp_path, uri, "tests.support.infer:label_twice_failing", outputs={"twice": "int64"}, overwrite=True)
+    failed = run_local(spec, {FAIL_AFTER_BATCHES: "4"})  # two fragments per rank written, then it fails
+    assert failed.returncode != 0 and "failing at batch" in failed.stdout + failed.stderr, failed.stdout + failed.stderr
+    latest = lance.dataset(uri)
+    assert latest.version == before, f"the failed job committed version {latest.version}: {latest.schema}"
+    assert latest.to_table(columns=["twice"]).column("twice").to_pylist() == [-1] * 359
+    done = run_local(spec)
+    assert done.returncode == 0, done.stdout + done.stderr
+    latest = lance.dataset(uri)
+    assert latest.version == before + 1 and latest.schema.names == ["image", "label", "twice"], latest.schema
+    table = latest.to_table(columns=["label", "twice"])
+    assert (table.column("twice").to_numpy() == 2 * table.column("label").to_numpy()).all()
+    assert lance.dataset(uri, version=before).to_table(columns=["twice"]).column("twice").to_pylist() == [-1] * 359
+
+
+@pytest.mark.parametrize(
+    ("infer", "expected"),
+    [
+        (
+            {"outputs": {"label": "int64"}, "overwrite": True},
+            ["infer.outputs: label is a column task image_classification reads", "fix: write the output under another name"],
+        ),
+        (
+            {"outputs": {"_rowid": "int64"}},
+            ["infer.outputs._rowid: Lance computes a column of this name", "fix: name the output"],
+        ),
+        ({"outputs": {"_rowoffset": "int64"}}, ["infer.outputs._rowoffset: Lance computes a column of this name"]),
+        ({"outputs": {"_mine": "int64"}}, ["infer.outputs._mine: names beginning with _ are Lance's own", "e.g. mine"]),
+        (
+            {"outputs": {"twice": "int64"}, "overwrite": True, "filter": "twice > 4"},
+            ["infer.filter: names twice, which this job writes", "fix: filter on columns the job does not write"],
+        ),
+    ],
+)
+def test_outputs_that_would_break_the_dataset_are_refused_before_anything_is_written(
+    trained, tmp_path: Path, infer: dict[str, object], expected: list[str]
+) -> None:
+    dataset, _ = trained
+    uri = copy_of(dataset.val, tmp_path)
+    before = with_minus_ones(uri)
+    spec = function_spec(tmp_path, uri, "tests.support.infer:label_twice_under_many_names", **infer)
+    refused = run_local(spec)
+    output = refused.stdout + refused.stderr
+    assert refused.returncode == 2 and "Traceback" not in output, output
+    assert all(text in refused.stderr for text in expected), f"expected {expected} in:\n{refused.stderr}"
+    assert lance.dataset(uri).version == before and lance.dataset(uri).schema.names == ["image", "label", "twice"]
+    assert lance.dataset(uri).to_table().num_rows == 359
+    assert not (tmp_path / ".data.lance.infer").exists(), "a refused job wrote records"
+
+
+def test_a_commit_whose_columns_were_dropped_since_does_not_count_and_the_run_starts_over(trained, tmp_path: Path) -> None:
+    dataset, _ = trained
+    uri = copy_of(dataset.val, tmp_path)
+    spec = function_spec(tmp_path, uri, "tests.support.infer:label_twice", outputs={"twice": "int64"})
+    assert run_local(spec).returncode == 0
+    lance.dataset(uri).drop_columns(["twice"])  # by hand: version 3 has no column twice
+    again = run_local(spec)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "already committed" not in again.stdout and again.stdout.count("starting over") == 1, again.stdout
+    assert "has no column twice" in again.stdout, again.stdout
+    latest = lance.dataset(uri)
+    assert latest.version == 4, latest.version
+    table = latest.to_table(columns=["label", "twice"])
+    assert (table.column("twice").to_numpy() == 2 * table.column("label").to_numpy()).all()
+    third = run_local(spec)  # now the record holds again
+    assert third.returncode == 0 and "already committed" in third.stdout and lance.dataset(uri).version == 4, third.stdout
+    shutil.rmtree(uri)
+    shutil.copytree(dataset.val, uri)  # the dataset made again: version 1, without the column
+    fourth = run_local(spec)
+    assert fourth.returncode == 0 and "starting over" in fourth.stdout and "recreated" in fourth.stdout, fourth.stdout
+    assert lance.dataset(uri).version == 2 and "twice" in lance.dataset(uri).schema.names
 
 
 def test_a_dataset_that_moved_on_is_reported_and_nothing_is_mixed(trained, tmp_path: Path) -> None:
@@ -250,3 +342,34 @@ def test_a_filter_writes_values_for_its_rows_only_and_evaluates_only_them(traine
         and "infer.filter 'nope > 1' does not run on" in refused.stderr
         and "Traceback" not in refused.stderr
     )
+
+
+def test_the_commit_schema_removes_a_replaced_column_with_its_children_and_keeps_the_field_ids(tmp_path: Path) -> None:
+    """A dataset that dropped a column (its field ids have a gap) and whose replaced column is a
+    struct (a field with children): the commit's schema names each new column, and nothing else moved."""
+    uri = str(tmp_path / "nested.lance")
+    struct = pa.array([{"a": i, "b": -i} for i in range(6)])
+    lance.write_dataset(pa.table({"gone": range(6), "keep": range(6), "score": struct}), uri, max_rows_per_file=3)
+    lance.dataset(uri).drop_columns(["gone"])
+    pinned = lance.dataset(uri)
+    outputs = {"score": "float32", "fresh": "int64"}
+    stored = column_swap.stored_names(pinned.schema.names, outputs)
+    assert stored == {"score": "lance_hpc_new_score", "fresh": "fresh"}
+    fragments, schema = [], None
+    for fragment in pinned.get_fragments():
+        keep = fragment.to_table(columns=["keep"]).column("keep").to_numpy()
+        batch = pa.record_batch([pa.array(keep * 0.5, pa.float32()), pa.array(keep * 10)], names=list(stored.values()))
+        metadata, schema = fragment.merge_columns(pa.RecordBatchReader.from_batches(batch.schema, [batch]))
+        fragments.append(metadata)
+    committed = column_swap.committed_schema(column_swap.encode(schema), stored)
+    operation = lance.LanceOperation.Merge(fragments, committed)
+    done = lance.LanceDataset.commit(uri, operation, read_version=pinned.version, max_retries=0)
+    assert done.schema == pa.schema([("keep", pa.int64()), ("score", pa.float32()), ("fresh", pa.int64())]), done.schema
+    assert done.to_table().to_pydict() == {
+        "keep": list(range(6)),
+        "score": [i * 0.5 for i in range(6)],
+        "fresh": [10 * i for i in range(6)],
+    }
+    assert [field.id() for field in done.lance_schema.fields()] == [1, 5, 6]  # "keep" as it was; the new ones after every old id
+    done.add_columns({"later": "keep + 1"})  # a column added afterwards gets an id of its own
+    assert lance.dataset(uri).to_table(columns=["score", "later"]).column("later").to_pylist() == list(range(1, 7))

@@ -714,3 +714,31 @@ def test_mix_weights_that_cannot_be_drawn_in_proportion_are_refused(first: float
 def test_mix_weights_at_the_float_limits_within_2_62_of_each_other_pass(first: float, second: float) -> None:
     mix = validate_spec(with_mix({"weight": second}, first_weight=first)).spec.data.mix
     assert mix is not None and [source.weight for source in mix] == [first, second]
+
+
+def infer_raw(outputs: dict[str, str], filter: str | None = None) -> dict[str, Any]:
+    infer: dict[str, Any] = {"function": "my_pkg.infer:predict", "outputs": outputs}
+    return {**with_fields(infer=infer if filter is None else {**infer, "filter": filter}), "job": "infer"}
+
+
+@pytest.mark.parametrize(
+    ("outputs", "filter", "expected"),
+    [
+        ({"_rowid": "int64"}, None, "infer.outputs._rowid: Lance computes a column of this name"),
+        ({"_ROWADDR": "int64"}, None, "infer.outputs._ROWADDR: Lance computes a column of this name"),
+        ({"_distance": "float32"}, None, "infer.outputs._distance: Lance computes a column of this name"),
+        ({"_mine": "int64"}, None, "infer.outputs._mine: names beginning with _ are Lance's own"),
+        ({"twice": "int64"}, "twice > 4 AND label = 3", "infer.filter: names twice, which this job writes"),
+        ({"twice": "int64"}, 'label = 3 OR "Twice" IS NULL', "infer.filter: names twice, which this job writes"),
+        ({"twice": "int64"}, "label = 3 OR `twice` < 0", "infer.filter: names twice, which this job writes"),
+    ],
+)
+def test_outputs_lance_reserves_and_a_filter_over_an_output_are_refused(
+    outputs: dict[str, str], filter: str | None, expected: str
+) -> None:
+    assert expected in problems_of(infer_raw(outputs, filter))
+
+
+@pytest.mark.parametrize("filter", ["label = 3", "label = 'twice'", "caption LIKE '%twice%' AND label > 1", "twice_old > 1"])
+def test_a_filter_that_names_no_output_passes(filter: str) -> None:
+    validate_spec(infer_raw({"twice": "int64"}, filter), base_dir="/project")

@@ -8,15 +8,17 @@ fragment is recorded, commits one ``Merge`` of all of them: readers see all of t
 none. A rerun (a requeued job, the same command again) writes only the fragments without a record.
 An evaluation job records each fragment's metric sums the same way and writes no column.
 
-The version is pinned in ``started.json`` by rank 0 at the first start (after dropping the columns
-an ``overwrite`` replaces, itself a new version); the other ranks wait for it. If the dataset moves
-on before the commit, the commit is refused with what changed: the new columns were computed for
-the pinned version's rows, and are never mixed into another's.
+The version is pinned in ``started.json`` by rank 0 at the first start; the other ranks wait for
+it. A column an ``overwrite`` replaces stays in the dataset until the commit: its new values are
+written under a temporary name, and the commit both removes the old column and names the new one
+(:mod:`lance_hpc.data.column_swap`), so a failed job leaves the latest version as it was. If the
+dataset moves on before the commit, the commit is refused with what changed: the new columns were
+computed for the pinned version's rows, and are never mixed into another's. A record of a commit
+counts only while the dataset still has what it names; otherwise the run starts over.
 """
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import time
@@ -25,8 +27,10 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 
 from lance_hpc.checkpoint.manifests import latest
+from lance_hpc.data import column_swap
 from lance_hpc.data.units import UnitRecords, balanced
 from lance_hpc.errors import UserError
 from lance_hpc.spec import JobSpec
@@ -68,6 +72,8 @@ class ColumnPlan:
     fragments: list[Fragment]
     outputs: dict[str, str]
     run: str  # the run's folder: records and the pin
+    # each output's name in the files the ranks write: a temporary one for a column it replaces
+    stored: dict[str, str] = field(default_factory=dict)
     # with a filter: the offsets within each fragment of the rows it selects; a fragment that selects
     # none reads its first row as a probe (its outputs' shapes), all of whose outputs are null
     selected: dict[int, np.ndarray] | None = None
@@ -130,25 +136,47 @@ class Records(UnitRecords[FragmentRecord]):
     def mark_committed(self, version: int) -> None:
         self.write_json("committed.json", {"version": version})
 
-
-def existing_columns(schema: pa.Schema, outputs: Mapping[str, str]) -> list[str]:
-    return [name for name in outputs if name in schema.names]
-
-
-def check_columns(dataset: Any, uri: str, outputs: Mapping[str, str], overwrite: bool) -> None:
-    """A column the dataset has is replaced only when asked; a fragment with deleted rows is refused."""
-    there = existing_columns(dataset.schema, outputs)
-    if there and not overwrite:
-        raise UserError(
-            f"{uri} already has the column(s) {', '.join(there)}\n"
-            "  fix: name other columns in infer.outputs, or set infer.overwrite: true to replace them in a new version "
-            "(the earlier versions keep them)"
+    def clear(self) -> None:
+        """Forget the run (it starts over): the pin and the fragments first, the commit's record
+        last, which the other ranks wait to see gone before they wait for a new pin."""
+        infos = self.store.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
+        names = sorted(
+            (info.path for info in infos if info.type == pafs.FileType.File), key=lambda path: path.endswith("/committed.json")
         )
-    if any(fragment.metadata.deletion_file is not None for fragment in dataset.get_fragments()):
-        raise UserError(
-            f"{uri} has deleted rows: new columns are written per fragment for every row it stores\n"
-            "  fix: compact the dataset first (lance: dataset.optimize.compact_files(materialize_deletions=True))"
-        )
+        for name in names:
+            self.store.delete_file(name)
+
+
+def stale_commit(dataset: Any, outputs: Mapping[str, str], version: int) -> str | None:
+    """Why a record that this run committed ``version`` no longer holds (None when it does): the
+    dataset, at its latest version, must be at least that version and have every output column."""
+    if int(dataset.version) < version:
+        return f"the dataset is at version {dataset.version} now (recreated?)"
+    missing = [name for name in outputs if name not in dataset.schema.names]
+    if missing:
+        return f"its latest version (version {dataset.version}) has no column {', '.join(missing)}"
+    return None
+
+
+def earlier_commit(records: Records, uri: str, options: dict[str, str], outputs: Mapping[str, str], *, main: bool) -> int | None:
+    """The version an earlier run of this job committed, while the dataset still has it; else None,
+    after rank 0 has cleared that run's records (saying so in one line): the job starts over."""
+    version = records.committed()
+    if version is None:
+        return None
+    reason = stale_commit(open_dataset(uri, None, options), outputs, version)
+    if reason is None:
+        return version
+    if main:
+        print(f"starting over: an earlier run of this job committed version {version} of {uri}, but {reason}", flush=True)
+        records.clear()
+        return None
+    deadline = time.monotonic() + WAIT_LIMIT_S
+    while records.committed() is not None:
+        if time.monotonic() > deadline:
+            raise UserError(f"rank 0 did not clear the stale records of {uri} within {WAIT_LIMIT_S:.0f} s: see its log")
+        time.sleep(WAIT_S)
+    return None
 
 
 def start(
@@ -161,17 +189,13 @@ def start(
     overwrite: bool,
     filter: str | None = None,
 ) -> ColumnPlan:
-    """The run's plan. Rank 0 pins the version at the first start (dropping the columns an
-    overwrite replaces: a new version); the other ranks wait for the pin."""
+    """The run's plan. Rank 0 pins the latest version at the first start (the columns an overwrite
+    replaces still in it); the other ranks wait for the pin."""
     records = Records(run, options)
     version = records.pinned()
     if version is None and main:
         dataset = open_dataset(uri, None, options)
-        check_columns(dataset, uri, outputs, overwrite)
-        replaced = existing_columns(dataset.schema, outputs)
-        if replaced:
-            dataset.drop_columns(replaced)
-            dataset = open_dataset(uri, None, options)
+        column_swap.check_columns(dataset, uri, outputs, overwrite)
         version = int(dataset.version)
         records.pin(version)
     deadline = time.monotonic() + WAIT_LIMIT_S
@@ -193,7 +217,7 @@ def plan_at(
         rows = fragment.count_rows()
         fragments.append(Fragment(fragment.fragment_id, start_row, rows))
         start_row += rows
-    plan = ColumnPlan(uri, options, version, fragments, outputs, run)
+    plan = ColumnPlan(uri, options, version, fragments, outputs, run, column_swap.stored_names(dataset.schema.names, outputs))
     if filter:
         plan.selected, plan.probes = select(dataset, fragments, filter, uri)
     return plan
@@ -318,36 +342,31 @@ def write_fragment(plan: ColumnPlan, index: int, batches: Iterator[pa.RecordBatc
     """The fragment's new columns from ``batches`` (its rows in order) as one new data file."""
     started = time.monotonic()
     fragment = plan.dataset().get_fragment(plan.fragments[index].id)
-    first = next(batches)  # the schema of the new columns: a vector's length is known once one is made
+    names = [plan.stored[name] for name in plan.outputs]  # a replaced column's values under a temporary name
+
+    def stored(batch: pa.RecordBatch) -> pa.RecordBatch:
+        return pa.record_batch(batch.columns, names=names)
+
+    first = stored(next(batches))  # the schema of the new columns: a vector's length is known once one is made
 
     def all_batches() -> Iterator[pa.RecordBatch]:
         yield first
-        yield from batches
+        yield from map(stored, batches)
 
     reader = pa.RecordBatchReader.from_batches(first.schema, all_batches())
     metadata, schema = fragment.merge_columns(reader)
-    name, *parts = schema.__reduce__()[1]  # how Lance pickles it: rebuilt at the commit, see merged_schema
-    encoded = [name, *(base64.b64encode(part).decode() for part in parts)]
     return FragmentRecord(
         plan.fragments[index].id,
         plan.fragments[index].rows,
         json.dumps(metadata.to_json()),
-        encoded,
+        column_swap.encode(schema),  # rebuilt at the commit, with Lance's own field ids
         seconds=time.monotonic() - started,
     )
 
 
-def merged_schema(encoded: list[str]) -> Any:
-    """The dataset's schema with the new columns and Lance's own field ids, as merge_columns made it
-    (field ids cannot round-trip through an Arrow schema once a column was ever dropped)."""
-    from lance.schema import LanceSchema
-
-    name, *parts = encoded
-    return LanceSchema._from_protos(name, *(base64.b64decode(part) for part in parts))
-
-
 def commit(plan: ColumnPlan, records: dict[int, FragmentRecord]) -> int:
-    """One Merge of every fragment's new columns on the pinned version; its new version."""
+    """One Merge of every fragment's new columns on the pinned version, which also removes the
+    columns they replace and gives the new ones their names; its new version."""
     import lance
 
     latest = open_dataset(plan.uri, None, plan.options)
@@ -358,7 +377,7 @@ def commit(plan: ColumnPlan, records: dict[int, FragmentRecord]) -> int:
             "  fix: run the job again on a fresh run (a new checkpoint, other columns) or restore the version it read"
         )
     fragments = [lance.FragmentMetadata.from_json(records[index].metadata) for index in range(len(plan.fragments))]
-    operation = lance.LanceOperation.Merge(fragments, merged_schema(records[0].schema))
+    operation = lance.LanceOperation.Merge(fragments, column_swap.committed_schema(records[0].schema, plan.stored))
     dataset = lance.LanceDataset.commit(
         plan.uri, operation, read_version=plan.version, storage_options=plan.options or None, max_retries=0
     )

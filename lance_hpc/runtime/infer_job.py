@@ -26,7 +26,7 @@ from torch import nn
 from lance_hpc import data
 from lance_hpc.checkpoint import resuming
 from lance_hpc.checkpoint.export import model_state
-from lance_hpc.data import new_columns
+from lance_hpc.data import column_swap, new_columns
 from lance_hpc.data.loader import RowsLoader
 from lance_hpc.data.new_columns import ColumnPlan, FragmentRecord, Records
 from lance_hpc.data.units import wait_for_all
@@ -82,13 +82,15 @@ def run_infer(spec: JobSpec, env: DistEnv, preemption: Preemption, requeue: Requ
     configure_process(spec.train.seed, False, env, device)
     name = new_columns.model_name(spec)
     run, records = new_columns.run_records(spec, name)
-    if records.committed() is not None:
+    options = storage_options(spec.data.uri, spec.data.storage_options)
+    committed = new_columns.earlier_commit(records, spec.data.uri, options, spec.infer.outputs, main=env.is_main)
+    if committed is not None:
         if env.is_main:
-            print(f"already committed: {spec.data.uri} version {records.committed()} ({name}); nothing to do", flush=True)
+            print(f"already committed: {spec.data.uri} version {committed} ({name}); nothing to do", flush=True)
         return Summary("completed", 0, 0, None)
     task = data.load_task(spec)
+    check_task_inputs(spec, task)
     model = load_model(spec, task, device)
-    options = storage_options(spec.data.uri, spec.data.storage_options)
     plan = new_columns.start(
         spec.data.uri,
         options,
@@ -280,6 +282,13 @@ def _report(spec: JobSpec, task: Task, plan: ColumnPlan, finished: dict[int, Fra
     return metrics
 
 
+def check_task_inputs(spec: JobSpec, task: Task) -> None:
+    """job: infer writes no column the task reads its rows from (a UserError naming it)."""
+    assert spec.infer is not None
+    if spec.job == "infer":
+        column_swap.check_inputs(spec.infer.outputs, task.decoder(train=False).columns, spec.task.name)
+
+
 def check_infer(spec: JobSpec, world_size: int | None = None) -> str:
     """Before any rank starts: the dataset, the columns and the checkpoint checked; the work in a
     few lines (no model is loaded) for ``world_size`` ranks (default: the spec's)."""
@@ -288,10 +297,13 @@ def check_infer(spec: JobSpec, world_size: int | None = None) -> str:
     dataset = open_dataset(spec.data.uri, None, options)
     model = new_columns.model_name(spec)
     run, records = new_columns.run_records(spec, model)
-    if records.committed() is not None:
-        return f"already committed by an earlier run of this job: {spec.data.uri} version {records.committed()} ({model})"
-    if spec.job == "infer" and records.pinned() is None:
-        new_columns.check_columns(dataset, spec.data.uri, spec.infer.outputs, spec.infer.overwrite)
+    committed = records.committed()
+    if committed is not None and new_columns.stale_commit(dataset, spec.infer.outputs, committed) is None:
+        return f"already committed by an earlier run of this job: {spec.data.uri} version {committed} ({model})"
+    if spec.job == "infer":
+        check_task_inputs(spec, data.load_task(spec))  # before any rank starts: one error, not one per rank
+    if spec.job == "infer" and (records.pinned() is None or committed is not None):
+        column_swap.check_columns(dataset, spec.data.uri, spec.infer.outputs, spec.infer.overwrite)
     plan = new_columns.plan_at(spec.data.uri, options, int(dataset.version), spec.infer.outputs, run, spec.infer.filter)
     fragments = plan.fragments
     rows = sum(fragment.rows for fragment in fragments)

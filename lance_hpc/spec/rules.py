@@ -6,6 +6,7 @@ They read the raw mapping, so they run (and report) even when other fields are w
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -297,7 +298,65 @@ def infer_problems(raw: Mapping[str, Any]) -> list[Problem]:
         problems.append(Problem("infer.outputs", "job: evaluate writes no column", "use job: infer to write them"))
     if job == "evaluate" and not infer.get("checkpoint"):
         problems.append(Problem("infer.checkpoint", "job: evaluate needs a checkpoint", "name a training job's checkpoint.dir"))
+    outputs = infer.get("outputs")
+    if job == "infer" and isinstance(outputs, Mapping):
+        problems += output_name_problems([str(name) for name in outputs], infer.get("filter"))
     return problems
+
+
+# Columns Lance computes for a scan (a stored column of such a name breaks every later scan); every
+# name beginning with "_" is left to Lance, which adds such names over time.
+LANCE_RESERVED = (
+    "_rowid",
+    "_rowaddr",
+    "_rowoffset",
+    "_row_created_at_version",
+    "_row_last_updated_at_version",
+    "_distance",
+    "_score",
+)
+
+
+def output_name_problems(outputs: list[str], filter: Any) -> list[Problem]:
+    """An output named like a column Lance computes (or any name beginning with "_"), and a filter
+    that names an output: it would choose rows by the values the job writes."""
+    problems = []
+    for name in outputs:
+        if name.startswith("_"):
+            why = (
+                "Lance computes a column of this name for its scans"
+                if name.lower() in LANCE_RESERVED
+                else ("names beginning with _ are Lance's own (" + ", ".join(LANCE_RESERVED[:3]) + ", ...)")
+            )
+            problems.append(
+                Problem(
+                    f"infer.outputs.{name}",
+                    f"{why}: a stored column of that name breaks every scan of the dataset",
+                    f"name the output without the leading _, e.g. {name.lstrip('_') or 'output'}",
+                )
+            )
+    named = filter_columns(filter) if isinstance(filter, str) else set()
+    written = sorted(name for name in outputs if name.lower() in named)
+    if written:
+        problems.append(
+            Problem(
+                "infer.filter",
+                f"names {', '.join(written)}, which this job writes (infer.outputs): it would choose the rows by the values "
+                "the job replaces",
+                "filter on columns the job does not write, or write the outputs under other names",
+            )
+        )
+    return problems
+
+
+def filter_columns(filter: str) -> set[str]:
+    """The identifiers a SQL predicate names, lower-cased: bare words and quoted (\"x\", `x`) names
+    outside string literals. Keywords and functions are among them, which only matters for an
+    output named like one."""
+    without_strings = re.sub(r"'(?:[^']|'')*'", " ", filter)
+    quoted = re.findall(r'"((?:[^"]|"")*)"|`([^`]*)`', without_strings)
+    bare = re.findall(r"[A-Za-z_][A-Za-z0-9_]*", re.sub(r'"(?:[^"]|"")*"|`[^`]*`', " ", without_strings))
+    return {name.lower() for name in bare} | {(double or back).lower() for double, back in quoted}
 
 
 def io_timeout_problems(data: Mapping[str, Any], train: Mapping[str, Any]) -> list[Problem]:
