@@ -74,7 +74,7 @@ def job_kind(name: str) -> JobKind:
         raise UserError(f"job: unknown job kind {name!r}\n  fix: {KIND_ADVICE}")
     if not (isinstance(found, type) and issubclass(found, JobKind)):
         raise UserError(
-            f"job: {name!r} is not a subclass of lance_hpc.JobKind\n  fix: subclass lance_hpc.JobKind (see docs/job-kinds.md)"
+            f"job: {name!r} is not a subclass of lance_hpc.JobKind\n  fix: subclass lance_hpc.JobKind (docs/tasks.md, Job kinds of your own)"
         )
     return found()
 
