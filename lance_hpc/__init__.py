@@ -17,6 +17,8 @@ quiet_dependencies()
 
 _PUBLIC: dict[str, tuple[str, ...]] = {
     "lance_hpc.runtime.context": ("Context", "Preempted", "Summary", "run_entry"),
+    "lance_hpc.runtime.environment": ("DistEnv", "process_group"),
+    "lance_hpc.kinds": ("JobKind",),
     "lance_hpc.tasks": (
         "ROW_ID",
         "TASKS",
@@ -50,9 +52,11 @@ __all__ = [
     "Context",
     "DatasetInfo",
     "Decoder",
+    "DistEnv",
     "EvalLoader",
     "ExitCode",
     "FieldSpec",
+    "JobKind",
     "JobSpec",
     "Preempted",
     "ROW_ID",
@@ -73,6 +77,7 @@ __all__ = [
     "load_task",
     "plan_data",
     "preflight",
+    "process_group",
     "run_entry",
     "task_class",
     "validate_spec",
@@ -91,7 +96,9 @@ if TYPE_CHECKING:
         preflight,
     )
     from lance_hpc.errors import ExitCode, UserError
+    from lance_hpc.kinds import JobKind
     from lance_hpc.runtime.context import Context, Preempted, Summary, run_entry
+    from lance_hpc.runtime.environment import DistEnv, process_group
     from lance_hpc.spec import JobSpec, SpecError, load_spec, validate_spec
     from lance_hpc.tasks import (
         ROW_ID,

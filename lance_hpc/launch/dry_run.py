@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from lance_hpc.data import plan_data
+from lance_hpc.kinds import job_kind
 from lance_hpc.launch import render
 from lance_hpc.launch.paths import JobPaths
-from lance_hpc.runtime.infer_job import check_infer
-from lance_hpc.runtime.ingest_job import check_ingest
 from lance_hpc.spec import JobSpec, LoadedSpec, expand
 from lance_hpc.spec.schema import entry_note
 
@@ -55,14 +53,8 @@ def describe_sweep(spec: JobSpec) -> str:
 
 
 def _data_plan(spec: JobSpec, source: str) -> str:
-    if spec.job in ("ingest", "infer", "evaluate"):
-        try:
-            return check_ingest(spec) if spec.job == "ingest" else check_infer(spec)
-        except Exception as error:  # a dry run reports what it cannot show instead of stopping
-            return f"unavailable: {error}"
-    if "://" in spec.data.uri:
-        return f"skipped for object storage in a dry run; see it with: lance-hpc plan {source}"
+    """The job's kind says what its ranks would read or write."""
     try:
-        return str(plan_data(spec.data, spec.slurm.world_size))
+        return job_kind(spec.job).plan(spec, source)
     except Exception as error:  # a dry run reports what it cannot show instead of stopping
         return f"unavailable: {error}"

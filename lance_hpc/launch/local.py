@@ -1,7 +1,7 @@
 """Local runs: N processes on this machine through the same code path as a SLURM job.
 
-:func:`run_local` refuses a checkpoint.dir another run writes to, prepares the dataset once and
-checks the task against it, then starts ``python -P -m lance_hpc.run SPEC`` N times (without the
+:func:`run_local` refuses a checkpoint.dir another run writes to, lets the job's kind check it once
+(the built-in training prepares the dataset and checks the task against it), then starts ``python -P -m lance_hpc.run SPEC`` N times (without the
 working directory on sys.path, see :mod:`lance_hpc.imports`) with the variables torchrun would set
 (gloo on CPU), forwards SLURM's stop signals to them, and when one rank dies stops the others and
 says which rank died and how.
@@ -27,18 +27,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 
-from lance_hpc import data
 from lance_hpc.checkpoint import lease
-from lance_hpc.data import load_task
 from lance_hpc.errors import FAILURE_DIR_VARIABLE, ExitCode, UserError, first_error
 from lance_hpc.imports import child_environment, python_command
+from lance_hpc.kinds import job_kind
 from lance_hpc.launch.paths import JobPaths
 from lance_hpc.launch.ports import free_port
 from lance_hpc.launch.render import write_job_files
 from lance_hpc.quiet import exec_children
 from lance_hpc.runtime.environment import SLURM_VARS
-from lance_hpc.runtime.infer_job import check_infer
-from lance_hpc.runtime.ingest_job import check_ingest
 from lance_hpc.runtime.preemption import INTERRUPT_SIGNAL, PREEMPTION_SIGNALS, PROFILE_SIGNAL
 from lance_hpc.spec import JobSpec, SweepRun, expand, load_spec
 
@@ -61,15 +58,8 @@ def run_local(spec_file: str | Path, nproc: int) -> int:
         spec.checkpoint.dir, os.environ.get(SLURM_VARS["job_id"]), int(os.environ.get(SLURM_VARS["restart_count"]) or 0)
     )
     try:
-        if spec.job == "ingest":
-            print(check_ingest(spec), flush=True)
-        elif spec.job in ("infer", "evaluate"):
-            print(check_infer(spec, nproc), flush=True)
-        else:
-            data.ensure_dataset(spec.data)
-            for line in data.check_selection(spec.data):
-                print(f"data selected: {line}", flush=True)
-            load_task(spec)  # a column the task needs but the data lacks: one error here, not one per rank
+        for line in job_kind(spec.job).check(spec, nproc):  # one error here, not one per rank
+            print(line, flush=True)
     except KeyboardInterrupt:
         print("\nlance_hpc: interrupted before training started; nothing to save", file=sys.stderr, flush=True)
         return ExitCode.INTERRUPTED

@@ -17,19 +17,15 @@ from typing import Any
 import submitit
 from submitit.core import utils as submitit_utils
 
-from lance_hpc.data import load_task, preflight
 from lance_hpc.errors import ExitCode, UserError
+from lance_hpc.kinds import job_kind
 from lance_hpc.launch import render
 from lance_hpc.launch.paths import JobPaths
 from lance_hpc.launch.render import write_job_files
 from lance_hpc.manage.records import record_submission
-from lance_hpc.runtime.infer_job import check_infer
-from lance_hpc.runtime.ingest_job import check_ingest
 from lance_hpc.runtime.rank import SubmititJob
 from lance_hpc.slurm.queue import FINAL_STATES, show_job
 from lance_hpc.spec import JobSpec, expand
-from lance_hpc.storage.datasets import dataset_exists
-from lance_hpc.storage.options import storage_options
 
 
 def make_executor(spec: JobSpec, folder: Path) -> submitit.SlurmExecutor:
@@ -57,23 +53,8 @@ def make_executor(spec: JobSpec, folder: Path) -> submitit.SlurmExecutor:
 
 def check_data(spec: JobSpec) -> None:
     """Fail before any GPU hour is spent if the job could not open its data."""
-    if spec.job == "ingest":
-        print(check_ingest(spec))
-        return
-    if spec.job in ("infer", "evaluate"):
-        print(check_infer(spec))
-        return
-    preflight(spec.data)
-    print(f"data preflight ok: {spec.data.uri}" + (f" and {spec.data.val_uri}" if spec.data.val_uri else ""))
-    check_task(spec)
-
-
-def check_task(spec: JobSpec) -> None:
-    """The task's columns and types against the datasets, unless ingest has yet to create them."""
-    uris = [uri for uri in (spec.data.uri, spec.data.val_uri) if uri]
-    if all(dataset_exists(uri, storage_options(uri, spec.data.storage_options)) for uri in uris):
-        load_task(spec)
-        print(f"task check ok: {spec.task.name} reads what it needs from the data")
+    for line in job_kind(spec.job).check(spec, None):  # None: the ranks run elsewhere, under SLURM
+        print(line)
 
 
 def submit(spec: JobSpec, wait: bool = False, check: bool = True) -> int:

@@ -11,14 +11,12 @@ from pathlib import Path
 from typing import Sequence
 
 from lance_hpc.checkpoint import manifests
-from lance_hpc.data import new_columns, shard_ingest
-from lance_hpc.data.target import Target
+from lance_hpc.kinds import registered_kind
 from lance_hpc.manage import logs, progress, records, run_reporting_errors, target_parser
 from lance_hpc.manage.records import JobRef
 from lance_hpc.runtime.watchdog import activity_line, watch_dir
 from lance_hpc.slurm import queue
 from lance_hpc.spec import JobSpec
-from lance_hpc.storage.options import storage_options
 
 PROG = "lance-hpc status"
 
@@ -64,9 +62,10 @@ def report(ref: JobRef, job: queue.SlurmJob | None) -> list[str]:
         texts = [_read(path) for path in job_logs.files]
         outcome = progress.outcome_from_log(texts[0], "".join(texts[1:]))
         lines.append(f"  ended       {outcome or 'the log does not say how'}")
-    if spec.job in ("ingest", "infer", "evaluate"):
-        found = ingest_lines(spec) if spec.job == "ingest" else new_columns.progress_lines(spec)
-        lines += [f"  {spec.job:<11} {found[0]}", *(f"              {line}" for line in found[1:])]
+    shown = kind_progress(spec)
+    if shown is not None:
+        label, found = shown
+        lines += [f"  {label:<11} {found[0]}", *(f"              {line}" for line in found[1:])]
         lines.append(f"  log         {job_logs.files[0]}")
         return lines
     saved = manifests.latest(spec.checkpoint.dir)  # names and manifests only: nothing is loaded
@@ -96,12 +95,15 @@ def report(ref: JobRef, job: queue.SlurmJob | None) -> list[str]:
     return lines
 
 
-def ingest_lines(spec: JobSpec) -> list[str]:
-    """An ingest job's shards written (of how many), rows, skips, the commit or the time left."""
-    assert spec.data.ingest is not None  # job: ingest requires it
-    train = Target(spec.data.uri, storage_options(spec.data.uri, spec.data.storage_options), "data.uri")
-    ingest = spec.data.ingest
-    return shard_ingest.progress_lines(ingest.source, train, spec.slurm.world_size, ingest.files_per_shard)
+def kind_progress(spec: JobSpec) -> tuple[str, list[str]] | None:
+    """The label and progress lines of the job's kind; None: the training lines. A kind of the
+    user's own (an import path) is not imported: status never runs the code a spec names, so it
+    says where to look instead."""
+    kind = registered_kind(spec.job)
+    if kind is None:
+        return "job", [f"{spec.job}: its progress is in the log (status does not import a job kind of your own)"]
+    found = kind.progress(spec)
+    return None if found is None else (kind.name, found)
 
 
 def time_left_text(spec: JobSpec, step: int, seconds_per_step: float | None) -> str:

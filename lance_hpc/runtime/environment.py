@@ -21,7 +21,7 @@ import os
 import random
 import re
 import socket
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
@@ -332,3 +332,25 @@ def explain_failure(error: BaseException, env: DistEnv) -> str:
             "the job stops instead of waiting for it"
         )
     return f"rank {env.rank}/{env.world_size}: training failed: {type(error).__name__}: {text}"
+
+
+def on_main_rank(action: Callable[[], object], what: str) -> None:
+    """Run ``action`` on rank 0 while the others wait; an error on rank 0 is raised on every rank."""
+    outcome: list[str | None] = [None]
+    if dist.get_rank() == 0:
+        try:
+            action()
+        except Exception as error:
+            outcome[0] = str(error) if isinstance(error, UserError) else f"{type(error).__name__}: {error}"
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise UserError(f"rank 0 could not {what}: {outcome[0]}")
+
+
+class TrainingFailed(RuntimeError):
+    """A rank failed; the message says which and the likely cause. The traceback of the cause is
+    printed too, unless another rank went away: then it only shows where this one noticed."""
+
+    def __init__(self, message: str, show_traceback: bool = True):
+        super().__init__(message)
+        self.show_traceback = show_traceback

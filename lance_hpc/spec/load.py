@@ -27,6 +27,7 @@ from lance_hpc.spec.problems import Problem, SpecError, from_pydantic, unique
 from lance_hpc.spec.rules import (
     cross_field_problems,
     entry_problems,
+    job_problems,
     moved_key_problems,
     task_problems,
 )
@@ -65,12 +66,13 @@ PATH_FIELDS: tuple[tuple[str | None, str], ...] = (
     ("slurm", "template"),
     ("task", "name"),
     (None, "entry"),
+    (None, "job"),
     ("infer", "checkpoint"),
     ("infer", "function"),
     ("infer", "metrics_file"),
 )
 # Of those, the ones holding import paths: only a file path before the colon is resolved.
-IMPORT_PATH_FIELDS = (("task", "name"), (None, "entry"), ("infer", "function"))
+IMPORT_PATH_FIELDS = (("task", "name"), (None, "entry"), (None, "job"), ("infer", "function"))
 
 
 @dataclass(frozen=True)
@@ -240,6 +242,7 @@ def validate_spec(
     problems += moved_key_problems(raw)
     resolutions, resolve_problems = _resolve_paths(raw, Path(base_dir) if base_dir else Path.cwd())
     problems += resolve_problems
+    problems += job_problems(raw, imports=imports)
     problems += task_problems(raw, imports=imports) + entry_problems(raw, imports=imports)
     try:
         spec = JobSpec.model_validate(raw)

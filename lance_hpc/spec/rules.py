@@ -1,4 +1,4 @@
-"""Rules that span fields of a spec, keys that moved, and the task and entry a spec names.
+"""Rules that span fields of a spec, keys that moved, and the job kind, task and entry a spec names.
 
 They read the raw mapping, so they run (and report) even when other fields are wrong.
 """
@@ -14,7 +14,8 @@ from pydantic import BaseModel, ValidationError
 
 from lance_hpc.errors import UserError
 from lance_hpc.imports import is_import_path, load_callable
-from lance_hpc.spec.choices import SAMPLERS, SHARD_FORMATS, STDLIB_SOURCE, STYLES
+from lance_hpc.kinds import KIND_ADVICE, KINDS, job_kind
+from lance_hpc.spec.choices import JOB_KINDS, SAMPLERS, SHARD_FORMATS, STDLIB_SOURCE, STYLES, check_registry
 from lance_hpc.spec.problems import Problem, from_pydantic, section_of
 from lance_hpc.spec.schema import SlurmSpec, TrainSpec, parse_time_limit
 from lance_hpc.storage.options import unsupported
@@ -57,6 +58,29 @@ def moved_key_problems(raw: dict[str, Any]) -> list[Problem]:
                 )
             )
     return problems
+
+
+# The kinds the spec documents are the kinds that run (the registry cannot import the spec: the
+# spec imports it to validate ``job``).
+check_registry(KINDS, JOB_KINDS, "job")
+
+
+def job_problems(raw: Mapping[str, Any], imports: bool = True) -> list[Problem]:
+    """Check ``job`` names a registered kind, or an import path to a JobKind subclass. Without
+    ``imports``, only that it is a registered name or has the form of an import path: importing
+    it would run its code."""
+    name = raw.get("job", "train")
+    if not isinstance(name, str):
+        return []  # the schema reports the wrong type
+    if not imports:
+        if name in KINDS or is_import_path(name):
+            return []
+        return [Problem("job", f"unknown job kind {name!r}", KIND_ADVICE)]
+    try:
+        job_kind(name)
+    except UserError as error:
+        return [_problem_from_user_error("job", error)]
+    return []
 
 
 def task_problems(raw: dict[str, Any], imports: bool = True) -> list[Problem]:

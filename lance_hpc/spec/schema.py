@@ -17,7 +17,6 @@ from lance_hpc.spec.choices import (
     CONTAINER_RUNTIMES,
     EVAL_MODES,
     INGEST_COLUMNS,
-    JOB_KINDS,
     ON_CORRUPT,
     OUTPUT_TYPES,
     SAMPLERS,
@@ -583,7 +582,8 @@ class JobSpec(_Section):
         "train",
         description="What the ranks run: train (the built-in loop, or entry); ingest (data.ingest's source into data.uri, "
         "its shards split between the ranks, one commit at the end); infer (a model over data.uri, new columns "
-        "per fragment, one commit); evaluate (a checkpoint's metrics on data.uri).",
+        "per fragment, one commit); evaluate (a checkpoint's metrics on data.uri); or an import path to your own "
+        "JobKind subclass (my_pkg.kinds:MyKind or path/to/file.py:MyKind).",
     )
     slurm: SlurmSpec = Field(default_factory=SlurmSpec, description="Resources and submission.")
     data: DataSpec = Field(..., description="Dataset and loading strategy.")
@@ -603,8 +603,6 @@ class JobSpec(_Section):
         default_factory=dict,
         description="A sweep as one job array: spec path -> values, e.g. {train.lr: [0.1, 0.05]}; one run per combination.",
     )
-
-    check_job = field_validator("job")(_choice(lambda: JOB_KINDS))
 
     @model_validator(mode="after")
     def default_io_timeout(self) -> JobSpec:

@@ -1,0 +1,51 @@
+"""``job: ingest``: the source's shards split between the ranks, one commit at the end
+(:mod:`lance_hpc.runtime.ingest_job`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lance_hpc.kinds import JobKind
+
+if TYPE_CHECKING:
+    from lance_hpc.runtime.context import Summary
+    from lance_hpc.runtime.environment import DistEnv
+    from lance_hpc.runtime.preemption import Requeue
+    from lance_hpc.spec import JobSpec
+
+
+class Ingest(JobKind):
+    """Writing a dataset: the shards each rank writes, rank 0's commit, the shards written so far."""
+
+    name = "ingest"
+
+    def check(self, spec: JobSpec, nproc: int | None) -> list[str]:
+        """The targets checked and the shards listed: the plan in a few lines."""
+        from lance_hpc.runtime.ingest_job import check_ingest
+
+        return [check_ingest(spec)]
+
+    def plan(self, spec: JobSpec, source: str) -> str:
+        """The same plan as the check: the shards and how they split between the ranks."""
+        from lance_hpc.runtime.ingest_job import check_ingest
+
+        return check_ingest(spec)
+
+    def run(self, spec: JobSpec, env: DistEnv, requeue: Requeue, signals: tuple[int, ...]) -> Summary:
+        """This rank's shards of the source, and on rank 0 the commit."""
+        from lance_hpc.runtime.ingest_job import run_ingest
+        from lance_hpc.runtime.preemption import Preemption
+
+        with Preemption(signals) as preemption:
+            return run_ingest(spec, env, preemption, requeue)
+
+    def progress(self, spec: JobSpec) -> list[str] | None:
+        """The shards written (of how many), rows, skips, the commit or the time left."""
+        from lance_hpc.data import shard_ingest
+        from lance_hpc.data.target import Target
+        from lance_hpc.storage.options import storage_options
+
+        assert spec.data.ingest is not None  # job: ingest requires it
+        train = Target(spec.data.uri, storage_options(spec.data.uri, spec.data.storage_options), "data.uri")
+        ingest = spec.data.ingest
+        return shard_ingest.progress_lines(ingest.source, train, spec.slurm.world_size, ingest.files_per_shard)
