@@ -16,6 +16,7 @@ from collections.abc import Generator
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
 import torch.distributed.checkpoint as dcp
 from pyarrow import fs
 from torch.distributed.checkpoint.filesystem import FileSystemBase
@@ -63,15 +64,23 @@ class ObjectFiles(FileSystemBase):
         self.filesystem.delete_file(str(path))
 
 
-def writer(directory: str | Path, name: str) -> dcp.FileSystemWriter:
-    """A DCP writer of the shards ``name`` in checkpoint.dir ``directory``."""
+def writer(directory: str | Path, name: str, reuse: dcp.FileSystemWriter | None = None) -> dcp.FileSystemWriter:
+    """A DCP writer of the shards ``name`` in checkpoint.dir ``directory``; ``reuse`` (a writer of an
+    earlier background save to the same directory) keeps its staging buffers in pinned host memory
+    on a GPU machine, so a save copies the state into memory it already has instead of allocating it."""
     store = open_store(directory)
+    remote = isinstance(store, ObjectStore)
+    path = f"{store.prefix}/{name}" if isinstance(store, ObjectStore) else str(Path(directory) / name)
+    if reuse is not None:
+        reuse.reset(path)
+        return reuse
+    # Object storage has no fsync: a stream's data is there once the stream is closed. Staging
+    # buffers are kept (in pinned memory, which needs CUDA) only on a machine with a GPU.
+    writing = dcp.FileSystemWriter(path, sync_files=not remote, cache_staged_state_dict=torch.cuda.is_available())
     if isinstance(store, ObjectStore):
-        # object storage has no fsync: a stream's data is there once the stream is closed
-        writing = dcp.FileSystemWriter(f"{store.prefix}/{name}", sync_files=False)
         writing.fs = ObjectFiles(store.filesystem)  # type: ignore[assignment]
-        return writing
-    return dcp.FileSystemWriter(str(Path(directory) / name))
+        writing.path = path
+    return writing
 
 
 def reader(directory: str | Path, name: str) -> dcp.FileSystemReader:

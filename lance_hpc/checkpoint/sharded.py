@@ -133,6 +133,8 @@ class ShardedSaver:
         self._group: Any = None
         self._pending: tuple[Future, float] | None = None
         self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lance_hpc-checkpoint")
+        self._writer: dcp.FileSystemWriter | None = None  # of background saves: its staging memory is reused
+        self._directory = ""
         self._warned = False
 
     def save(
@@ -145,15 +147,16 @@ class ShardedSaver:
         if dist.get_rank() == 0:  # what a save of this step cut short left behind
             shard_files.delete_shards(open_store(directory), name)
         dist.barrier()
-        writer = shard_files.writer(directory, name)
         if not background:
-            dcp.save(tensors, storage_writer=writer)
+            dcp.save(tensors, storage_writer=shard_files.writer(directory, name))
             self.blocked_s = self.write_s = time.monotonic() - started
             self._warn_if_slow()
             return
         if self._group is None:  # the background thread's collectives must not mix with the loop's
             self._group = dist.new_group(backend="gloo")
-        future = dcp.async_save(tensors, storage_writer=writer, process_group=self._group)
+        self._writer = shard_files.writer(directory, name, reuse=self._writer if self._directory == str(directory) else None)
+        self._directory = str(directory)
+        future = dcp.async_save(tensors, storage_writer=self._writer, process_group=self._group)
         assert isinstance(future, Future)
         self.blocked_s = time.monotonic() - started
         publish = finish if dist.get_rank() == 0 else None
