@@ -254,32 +254,17 @@ def section_report(context: Context, summaries: Summaries) -> SectionReport:
             ]
         )
         world = int(ranks.split()[0])
+
+        def target(name: str, key: str, wanted: float, ratio: Any = ratio) -> Target:
+            return Target(name, 0 < ratio(key) <= wanted, f"{ratio(key):.2f}x (wanted <= {wanted}x)")
+
         if mode == "fsdp sync" and world in STATE_TARGETS and model != "gpt-350m":
-            wanted = STATE_TARGETS[world]
-            targets.append(
-                Target(
-                    f"state bytes per rank, fsdp vs ddp, {world} ranks",
-                    0 < ratio("state_bytes") <= wanted,
-                    f"{ratio('state_bytes'):.2f}x (wanted <= {wanted}x)",
-                )
-            )
+            targets.append(target(f"state bytes per rank, fsdp vs ddp, {world} ranks", "state_bytes", STATE_TARGETS[world]))
         if mode in SAVE_TARGETS and world == 2 and model != "gpt-350m":
-            wanted = SAVE_TARGETS[mode]
-            targets.append(
-                Target(
-                    f"loop blocked per save, {mode} vs ddp's file, 2 ranks",
-                    0 < ratio("blocked_s") <= wanted,
-                    f"{ratio('blocked_s'):.2f}x (wanted <= {wanted}x)",
-                )
-            )
+            targets.append(target(f"loop blocked per save, {mode} vs ddp's file, 2 ranks", "blocked_s", SAVE_TARGETS[mode]))
         if mode == "fsdp sync" and (model == "gpt-350m" or context.tiny):
-            targets.append(
-                Target(
-                    f"start-up to the first step, meta-initialised fsdp vs ddp's CPU build ({model})",
-                    0 < ratio("startup_s") <= STARTUP_TARGET,
-                    f"{ratio('startup_s'):.2f}x (wanted <= {STARTUP_TARGET}x)",
-                )
-            )
+            name = f"start-up to the first step, meta-initialised fsdp vs ddp's CPU build ({model})"
+            targets.append(target(name, "startup_s", STARTUP_TARGET))
     title = (
         f"sharded training: a GPT on local gloo ranks (CPU), AdamW, {GLOBAL_BATCH} sequences per step in all, "
         f"{STEPS} steps; ratios against ddp at the same world size and model, in the same run"
