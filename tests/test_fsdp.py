@@ -305,3 +305,26 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint_loadable(tmp_pat
     output = run(spec_file)
     assert f"resuming from {saved.path} at step 10" in output, output
     assert (directory / "step-00000020.pt").exists() and (directory / "step-00000020.dcp" / ".metadata").exists()
+
+
+@pytest.mark.slow
+def test_the_script_mode_example_trains_alike_under_ddp_and_fsdp(tmp_path: Path) -> None:
+    """examples/script_mode (its own loop, ctx.wrap, ctx.unwrap for its evaluation): the same initial
+    weights and the same rows give the same validation accuracy under both."""
+    accuracies = []
+    for parallelism in ("ddp", "fsdp"):
+        overrides = {
+            "train.parallelism": parallelism,
+            "checkpoint.dir": str(tmp_path / parallelism / "checkpoints"),
+            "logging.tensorboard_dir": str(tmp_path / parallelism / "runs"),
+            "logging.progress": "false",
+        }
+        command = [sys.executable, "-m", "lance_hpc.submit", "examples/script_mode/job.yaml", "--local"]
+        for key, value in overrides.items():
+            command += ["--set", f"{key}={value}"]
+        done = subprocess.run(
+            command, capture_output=True, text=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        accuracies.append(float(re.search(r"final validation accuracy: ([0-9.]+)", done.stdout).group(1)))
+    assert accuracies[0] == accuracies[1] > 0.5, accuracies

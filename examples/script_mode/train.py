@@ -55,10 +55,11 @@ def main(ctx: Context) -> dict[str, float]:
 
     correct, count = 0.0, 0.0
     model.eval()
+    bare = ctx.unwrap(model)  # DDP's module (no collective), or the sharded model under fsdp
     with torch.no_grad():
         for batch in ctx.eval_loader():
             batch = ctx.to_device(batch)
-            correct += (model.module(batch["image"]).argmax(1) == batch["label"]).sum().item()
+            correct += (bare(batch["image"]).argmax(1) == batch["label"]).sum().item()
             count += len(batch["label"])
     totals = ctx.all_reduce({"correct": correct, "count": count}, op="sum")
     accuracy = totals["correct"] / totals["count"]

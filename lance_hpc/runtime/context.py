@@ -36,7 +36,7 @@ import math
 import signal
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -158,6 +158,24 @@ def precision_context(train_spec: TrainSpec, device: torch.device) -> torch.auto
     """bf16 autocast on GPU when train.precision is bf16; fp32 otherwise (and always on CPU)."""
     enabled = device.type == "cuda" and train_spec.precision == "bf16"
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
+class EqualBatches:
+    """An evaluation loader followed by batches of no rows, ``count`` batches in all: every rank of a
+    sharded model runs as many forward passes."""
+
+    def __init__(self, loader: EvalLoader, count: int, decoder: Decoder) -> None:
+        self.loader, self.count, self.decoder = loader, count, decoder
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self) -> Iterator[Batch]:
+        yield from self.loader
+        for _ in range(self.count - len(self.loader)):
+            yield {name: field.empty(0) for name, field in self.decoder.fields().items()} | {
+                ROW_ID: torch.empty(0, dtype=torch.int64)
+            }
 
 
 class Stateful(Protocol):
@@ -349,16 +367,30 @@ class Context:
         loader.watch = self._direct_batch
         return loader
 
-    def eval_loader(self, decoder: Decoder | None = None, uri: str | None = None) -> EvalLoader:
-        """This rank's share of data.val_uri (or of ``uri``: a mix source's own validation set);
-        ranks may get one batch more or less than each other."""
-        return data.build_eval_loader(
+    def eval_loader(self, decoder: Decoder | None = None, uri: str | None = None) -> Iterable[Batch]:
+        """This rank's share of data.val_uri (or of ``uri``: a mix source's own validation set).
+        Under ddp ranks may get one batch more or less than each other; under fsdp, where a forward
+        pass gathers the model's shards from every rank, each rank gets as many batches as the rank
+        with the most (the extra ones hold no rows)."""
+        decoder = decoder or self.task.decoder(train=False)
+        loader = data.build_eval_loader(
             self.spec.data if uri is None else self.spec.data.model_copy(update={"val_uri": uri}),
-            decoder or self.task.decoder(train=False),
+            decoder,
             self.rank,
             self.world_size,
             pin_memory=self.device.type == "cuda",
         )
+        if self.spec.train.parallelism != "fsdp":
+            return loader
+        most = torch.tensor([len(loader)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        return EqualBatches(loader, int(most.item()), decoder)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The model to call outside the training step (an evaluation): DDP's own module, whose
+        forward adds no collective; a sharded model itself (its forward gathers the shards, which
+        :meth:`eval_loader` makes every rank do equally often)."""
+        return _unwrapped(model)
 
     def build_model(self) -> nn.Module:
         """The task's model, with the initial weights its options name, as the task prepares it. It is

@@ -23,10 +23,9 @@ import torch.distributed as dist
 from torch import nn
 
 from lance_hpc.data.mix import source_name
-from lance_hpc.parallel.fsdp import is_sharded
 from lance_hpc.runtime.context import Context
 from lance_hpc.spec import JobSpec, TrainSpec
-from lance_hpc.tasks import ROW_ID, Batch, Decoder
+from lance_hpc.tasks import ROW_ID
 
 
 @dataclass
@@ -102,21 +101,6 @@ def train(ctx: Context) -> dict[str, float]:
     return last["metrics"] or evaluate(ctx, ddp) or {}
 
 
-def equal_forwards(model: nn.Module, batches: int, device: torch.device) -> int:
-    """Collective under fsdp: how many forward passes this rank adds (results unused) so that every rank
-    runs as many as the rank with the most batches (each gathers parameters with the others); 0 otherwise."""
-    if not is_sharded(model):
-        return 0
-    most = torch.tensor([batches], dtype=torch.int64, device=device)
-    dist.all_reduce(most, op=dist.ReduceOp.MAX)
-    return int(most.item()) - batches
-
-
-def empty_batch(decoder: Decoder) -> Batch:
-    """A batch of no rows with the decoder's fields: a forward pass that only takes part in the collectives."""
-    return {name: field.empty(0) for name, field in decoder.fields().items()} | {ROW_ID: torch.empty(0, dtype=torch.int64)}
-
-
 def peak_lr(spec: JobSpec, world_size: int) -> float:
     """The linear scaling rule: lr grows with the global batch (Goyal et al., 2017)."""
     if spec.train.lr_scaling == "none":
@@ -159,7 +143,7 @@ def evaluate(ctx: Context, ddp: nn.Module) -> dict[str, float] | None:
             sets.append((f"val/{source_name(source, index)}", source.val_uri))
     if not sets:
         return None
-    model = ddp.module if isinstance(ddp, nn.parallel.DistributedDataParallel) else ddp
+    model = ctx.unwrap(ddp)
     for buffer in model.buffers():  # BatchNorm statistics drift apart per rank: evaluate rank 0's, the saved ones
         dist.broadcast(buffer, src=0)
     model.eval()
@@ -176,16 +160,10 @@ def evaluate_set(ctx: Context, model: nn.Module, prefix: str, uri: str | None) -
     task, device = ctx.task, ctx.device
     sums = torch.zeros(len(task.metrics), dtype=torch.float64, device=device)
     samples = 0
-    loader = ctx.eval_loader(uri=uri)
-    spare = equal_forwards(model, len(loader), device)
-    batch = None
-    for batch in loader:
+    for batch in ctx.eval_loader(uri=uri):  # under fsdp, as many batches on every rank (some may be empty)
         samples += len(batch[ROW_ID])
         with ctx.autocast():
             sums += task.forward(model, ctx.to_device(batch))[1].double()
-    for _ in range(spare):  # a sharded model's forward is a collective: every rank runs as many
-        with ctx.autocast():
-            task.forward(model, ctx.to_device(batch if batch is not None else empty_batch(task.decoder(train=False))))
     totals = torch.cat([sums, torch.tensor([float(samples)], dtype=torch.float64, device=device)])
     dist.all_reduce(totals)
     metrics = task.report(dict(zip(task.metrics, totals.tolist())), prefix)
