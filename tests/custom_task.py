@@ -8,6 +8,7 @@ grey levels per image (decoded by PIL in the worker) and an int64 target; an MLP
 from __future__ import annotations
 
 import io
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -31,13 +32,16 @@ class PixelOptions(TaskOptions):
     side: int = Field(8, ge=2, description="Images are scaled to side x side grey levels.")
     hidden: int = Field(64, ge=1, description="Width of the MLP's hidden layer.")
     classes: int = Field(10, ge=2, description="Output classes.")
+    decode_delay_s: float = Field(
+        0.0, ge=0, description="Seconds each batch's decode waits: a slow source, so a test can signal a job mid-epoch."
+    )
 
 
 class PixelDecoder(Decoder):
     columns = ("image", "label")
 
-    def __init__(self, side: int) -> None:
-        self.side = side
+    def __init__(self, side: int, delay_s: float = 0.0) -> None:
+        self.side, self.delay_s = side, delay_s
 
     def fields(self) -> dict[str, FieldSpec]:
         return {"pixels": FieldSpec((self.side * self.side,), torch.float32), "target": FieldSpec((), torch.int64)}
@@ -45,6 +49,7 @@ class PixelDecoder(Decoder):
     def decode(self, table: pa.Table, out: Batch, rng: np.random.Generator) -> dict[int, str]:
         from PIL import Image
 
+        time.sleep(self.delay_s)
         out["target"].copy_(torch.from_numpy(table.column("label").to_numpy().astype(np.int64)))
         bad = {}
         for index, data in enumerate(table.column("image").to_pylist()):
@@ -71,7 +76,7 @@ class PixelMLP(Task[PixelOptions]):
             raise TaskError("PixelMLP", problems)
 
     def decoder(self, train: bool) -> PixelDecoder:
-        return PixelDecoder(self.options.side)
+        return PixelDecoder(self.options.side, self.options.decode_delay_s)
 
     def build_model(self) -> nn.Module:
         side, hidden = self.options.side, self.options.hidden

@@ -191,9 +191,10 @@ def test_a_task_from_a_test_module_requeues_and_resumes_to_the_same_weights(
     slurm_cluster: SlurmCluster, digits: Digits, tmp_path: Path
 ) -> None:
     """A task no lance_hpc module defines, named by file path, decoding in DataLoader workers."""
+    # 40 ms per batch, 44 steps: about two seconds per epoch, so USR2 lands in epoch 2 however busy the machine is
     custom = {
-        "task": {"name": f"{REPO_ROOT}/tests/custom_task.py:PixelMLP", "options": {"hidden": 32}},
-        "data": {"num_workers": 1},
+        "task": {"name": f"{REPO_ROOT}/tests/custom_task.py:PixelMLP", "options": {"hidden": 32, "decode_delay_s": 0.04}},
+        "data": {"num_workers": 1, "batch_size": 8},
         "train": {"epochs": 2, "lr": 0.01},
     }
     # The uninterrupted reference runs beside the interrupted job (4 of the cluster's 16 CPUs each).
