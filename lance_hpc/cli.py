@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -38,6 +39,11 @@ COMMANDS = {
 }
 
 
+# Commands with no training steps to profile: USR1 (a profiler trace, which scancel --signal=USR1
+# sends to every process of a SLURM job) is ignored by them instead of ending them.
+UNPROFILED = frozenset({"ingest", "tokenizer"})
+
+
 def usage() -> str:
     lines = ["usage: lance-hpc COMMAND [ARGS...]   (lance-hpc COMMAND --help for its options)", "", "commands:"]
     lines += [f"  {name:<10} {help_text}" for name, (_, _, help_text) in COMMANDS.items()]
@@ -58,6 +64,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"lance-hpc: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return ExitCode.USER_ERROR
     module_name, function_name, _ = COMMANDS[name]
+    if name in UNPROFILED:  # before the imports, which take seconds
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
         function: Callable[[list[str]], int] = getattr(importlib.import_module(module_name), function_name)
     except ImportError as error:

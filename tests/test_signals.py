@@ -23,7 +23,7 @@ from lance_hpc.runtime.preemption import PROFILE_SIGNAL, hold, ignore_profile_re
 from lance_hpc.runtime.profile import StepProfiler
 from lance_hpc.runtime.watchdog import WORKER_DUMP_SIGNAL, Progress, Watchdog, start_time
 from lance_hpc.spec import load_spec
-from tests.support.jobs import BASE_SPEC, write_spec
+from tests.support.jobs import BASE_SPEC, REPO_ROOT, write_spec
 from tests.support.ranks import launch, rank_pid, read_until
 
 IGNORED = "USR1 ignored"
@@ -175,3 +175,24 @@ def test_a_worker_records_its_pid_with_its_start_time(tmp_path: Path, monkeypatc
         faulthandler.unregister(WORKER_DUMP_SIGNAL)
     (pid_file,) = (tmp_path / "stacks").glob("rank-0-worker-3-*.pid")
     assert pid_file.read_text() == f"{os.getpid()} {start_time(os.getpid())}"
+
+
+def test_lance_hpc_ingest_run_by_hand_survives_usr1(tmp_path: Path) -> None:
+    """The command itself (not only its workers and a job's ranks): USR1 sent to it while it writes
+    leaves it running to the end."""
+    command = [sys.executable, "-m", "lance_hpc", "ingest", "sklearn-digits", str(tmp_path / "train.lance")]
+    command += ["--val-uri", str(tmp_path / "val.lance")]
+    environ = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path, env=environ)
+    deadline = time.monotonic() + 120
+    while process.poll() is None and not (tmp_path / "val.lance").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sent = 0
+    for _ in range(3):
+        if process.poll() is None:
+            process.send_signal(signal.SIGUSR1)
+            sent += 1
+    output = process.communicate(timeout=300)[0]
+    assert sent, f"the ingest ended before it could be signalled:\n{output}"
+    assert process.returncode == 0, output
+    assert (tmp_path / "train.lance").exists()
