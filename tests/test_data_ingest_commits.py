@@ -19,7 +19,7 @@ from lance_hpc.data.shard_ingest import make_plan, run_worker
 from lance_hpc.data.shards import split_of
 from lance_hpc.data.target import COMMAND_LINE_NAMES, targets
 from tests.support.crash import CRASHED
-from tests.support.shards import digit_rows, write_webdataset
+from tests.support.shards import digit_rows, ingest_job_spec, write_webdataset
 
 ROOT = Path(__file__).resolve().parents[1]
 FRACTION = 0.3
@@ -130,18 +130,7 @@ def test_shard_records_whose_fragments_were_deleted_do_not_count(tmp_path: Path,
 
 def test_an_ingest_job_run_again_after_its_datasets_were_deleted_starts_over(tmp_path: Path) -> None:
     write_webdataset(tmp_path / "wds", ROWS, per_tar=5)
-    job = tmp_path / "ingest.yaml"
-    job.write_text(
-        f"""
-name: ingest-digits
-job: ingest
-slurm: {{nodes: 1, tasks_per_node: 2, log_dir: {tmp_path / "logs"}}}
-data:
-  uri: {tmp_path / "train.lance"}
-  val_uri: {tmp_path / "val.lance"}
-  ingest: {{source: "webdataset:{tmp_path}/wds/*.tar", val_fraction: {FRACTION}}}
-"""
-    )
+    job = ingest_job_spec(tmp_path, FRACTION)
     command = [sys.executable, "-m", "lance_hpc.submit", str(job), "--local", "--nproc", "2"]
     first = subprocess.run(command, capture_output=True, text=True)
     assert first.returncode == 0, first.stdout + first.stderr

@@ -25,7 +25,7 @@ from lance_hpc.data.shards import split_of
 from lance_hpc.data.target import COMMAND_LINE_NAMES, targets
 from lance_hpc.spec import load_spec, load_spec_text
 from tests.support.jobs import Digits, train_here, write_spec
-from tests.support.shards import digit_rows, write_parquet, write_webdataset
+from tests.support.shards import digit_rows, ingest_job_spec, write_parquet, write_webdataset
 
 
 def ingest(*args: str) -> int:
@@ -235,18 +235,7 @@ def test_ingest_from_and_to_s3(tmp_path: Path, s3_env, capsys) -> None:
 
 def test_an_ingest_job_spec_runs_locally_on_two_ranks_and_its_dry_run_shows_the_shard_plan(tmp_path: Path) -> None:
     write_webdataset(tmp_path / "wds", digit_rows(40), per_tar=5)
-    job = tmp_path / "ingest.yaml"
-    job.write_text(
-        f"""
-name: ingest-digits
-job: ingest
-slurm: {{nodes: 1, tasks_per_node: 2, log_dir: {tmp_path / "logs"}}}
-data:
-  uri: {tmp_path / "train.lance"}
-  val_uri: {tmp_path / "val.lance"}
-  ingest: {{source: "webdataset:{tmp_path}/wds/*.tar", val_fraction: 0.25}}
-"""
-    )
+    job = ingest_job_spec(tmp_path, 0.25)
     command = [sys.executable, "-m", "lance_hpc.submit", str(job)]
     dry = subprocess.run([*command, "--dry-run"], capture_output=True, text=True)
     assert dry.returncode == 0, dry.stderr

@@ -54,3 +54,21 @@ def write_parquet(directory: Path, rows: list[dict], per_file: int, row_group: i
             }
         )
         pq.write_table(table, directory / f"part-{start // per_file:03d}.parquet", row_group_size=row_group)
+
+
+def ingest_job_spec(directory: Path, val_fraction: float) -> Path:
+    """A ``job: ingest`` spec over the WebDataset tars in ``directory/wds``, on 1 node x 2 tasks,
+    writing ``train.lance`` and ``val.lance`` beside them."""
+    job = directory / "ingest.yaml"
+    job.write_text(
+        f"""
+name: ingest-digits
+job: ingest
+slurm: {{nodes: 1, tasks_per_node: 2, log_dir: {directory / "logs"}}}
+data:
+  uri: {directory / "train.lance"}
+  val_uri: {directory / "val.lance"}
+  ingest: {{source: "webdataset:{directory}/wds/*.tar", val_fraction: {val_fraction}}}
+"""
+    )
+    return job
