@@ -41,7 +41,7 @@ def model_state(saved: Any, name: str = "model") -> dict[str, Any]:
             state[key[len(prefix) :]] = torch.empty(item.size, dtype=item.properties.dtype)
     if not state:
         raise UserError(f"checkpoint {saved.path}: its shards hold no {name!r}")
-    dcp.load({name: state}, storage_reader=shard_files.reader(saved.directory, saved.shards), no_dist=True)
+    dcp.load({name: state}, storage_reader=reader, no_dist=True)
     return state
 
 

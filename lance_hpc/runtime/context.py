@@ -51,7 +51,7 @@ from tqdm import tqdm
 from lance_hpc import data
 from lance_hpc.checkpoint import resuming, saving
 from lance_hpc.checkpoint.resuming import Checkpoint
-from lance_hpc.checkpoint.sharded import ShardedSaver, is_tensor_state, load_shards, restore_tensor_state, tensor_state
+from lance_hpc.checkpoint.sharded import ShardedSaver, bare, is_tensor_state, load_shards, restore_tensor_state, tensor_state
 from lance_hpc.data import EvalLoader, MixLoader, TrainLoader, selection
 from lance_hpc.errors import UserError
 from lance_hpc.parallel import fsdp
@@ -390,7 +390,7 @@ class Context:
         """The model to call outside the training step (an evaluation): DDP's own module, whose
         forward adds no collective; a sharded model itself (its forward gathers the shards, which
         :meth:`eval_loader` makes every rank do equally often)."""
-        return _unwrapped(model)
+        return bare(model)
 
     def build_model(self) -> nn.Module:
         """The task's model, with the initial weights its options name, as the task prepares it. It is
@@ -506,7 +506,7 @@ class Context:
             elif name in self._resumed.objects and is_tensor_state(item) and self._sharded():
                 whole[name] = item
             elif name in self._resumed.objects:
-                resuming.restore_object(_unwrapped(item), self._resumed.objects[name], self._resumed, self.spec, name)
+                resuming.restore_object(bare(item), self._resumed.objects[name], self._resumed, self.spec, name)
             else:
                 raise UserError(
                     f"ctx.register: the checkpoint {self._resumed.path} holds no {name!r} "
@@ -540,7 +540,7 @@ class Context:
             "mid_epoch": mid_epoch,
             "world_size": self.world_size,
             "objects": {
-                name: _unwrapped(item).state_dict()
+                name: bare(item).state_dict()
                 for name, item in self._registered.items()
                 if name not in loaders and name not in tensors
             },
@@ -562,7 +562,7 @@ class Context:
 
     def out_of_memory(self, error: BaseException) -> str:
         """What the model's state needs per rank and what to change, for a device out of memory."""
-        models = [_unwrapped(item) for item in self._registered.values() if isinstance(_unwrapped(item), nn.Module)]
+        models = [bare(item) for item in self._registered.values() if isinstance(bare(item), nn.Module)]
         if not models:  # it ran out while the model was built or wrapped: count it on the meta device
             models = [build_on_meta(self.task.build_model).model]
         parameters = sum(parameter.numel() for model in models for parameter in model.parameters())
@@ -570,7 +570,7 @@ class Context:
         return out_of_memory_message(error, self.spec, parameters, self.world_size, str(self.device), total)
 
     def _sharded(self) -> bool:
-        return any(fsdp.is_sharded(_unwrapped(item)) for item in self._registered.values() if isinstance(item, nn.Module))
+        return any(fsdp.is_sharded(bare(item)) for item in self._registered.values() if isinstance(item, nn.Module))
 
     # ---- the loop --------------------------------------------------------------------------------
 
@@ -802,11 +802,6 @@ class Context:
         self._warned_direct = True
         if self._preemption.received is not None:
             raise StopNotHonoured(self._preemption.received, self._step)
-
-
-def _unwrapped(item: Any) -> Any:
-    """The module inside DDP: its state_dict keys do not depend on the wrapper."""
-    return item.module if isinstance(item, DistributedDataParallel) else item
 
 
 def run_entry(
