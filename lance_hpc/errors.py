@@ -50,13 +50,26 @@ def worker_message(message: str, name: str) -> str:
     return message[position + len(marker) :].strip() if position >= 0 else message
 
 
-# Where a rank notes how it failed, for its launcher to name the rank whose error came first.
+# Where a rank notes how it failed, for its launcher to name the rank whose error came first and to
+# decide whether a restart could help (lance_hpc.launch.restarts reads the notes).
 FAILURE_DIR_VARIABLE = "LANCE_HPC_FAILURE_DIR"
 
 
-def note_failure(rank: int, message: str, lost_contact: bool, directory: str | None = None) -> None:
+def note_failure(
+    rank: int,
+    message: str,
+    lost_contact: bool,
+    directory: str | None = None,
+    *,
+    step: int | None = None,
+    user_error: bool = False,
+    what: str = "error",
+    host: str | None = None,
+) -> None:
     """Record that ``rank`` failed (with its own error, or by losing contact with another rank) in
-    the launcher's failure directory, when it set one."""
+    the launcher's failure directory, when it set one: at which step, whether the user must fix
+    something (no restart helps then), and ``what`` (error, or hang when the watchdog names a
+    stuck rank)."""
     import json
     import os
     import socket
@@ -68,25 +81,17 @@ def note_failure(rank: int, message: str, lost_contact: bool, directory: str | N
     folder = directory or os.environ.get(FAILURE_DIR_VARIABLE)
     if not folder:
         return
-    note = {"rank": rank, "host": socket.gethostname(), "time": time.time(), "lost_contact": lost_contact, "message": message}
+    note = {
+        "rank": rank,
+        "host": host or os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+        "time": time.time(),
+        "lost_contact": lost_contact,
+        "message": message,
+        "step": step,
+        "user_error": user_error,
+        "what": what,
+    }
     try:
         write_file(Path(folder) / f"rank-{rank}.json", json.dumps(note))
     except OSError:
         pass  # the launcher then names a rank by exit codes alone
-
-
-def first_error(directory: str) -> dict | None:
-    """The note of the rank whose own error came first (one that only lost contact with another
-    rank is never the cause while a rank with an error of its own exists), or None."""
-    import json
-    import os
-
-    notes = []
-    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
-        if name.startswith("rank-") and name.endswith(".json"):
-            try:
-                with open(os.path.join(directory, name)) as file:
-                    notes.append(json.load(file))
-            except (OSError, ValueError):
-                continue
-    return min(notes, key=lambda note: (note["lost_contact"], note["time"]), default=None)

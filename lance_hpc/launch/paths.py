@@ -2,7 +2,8 @@
 
 :class:`JobPaths` is the one answer for a spec: the resolved spec its tasks read
 (``<log_dir>/<name>.spec.yaml``), the sbatch script (``<log_dir>/<name>.sbatch``), a sweep's run
-specs (``<log_dir>/<name>.sweep/<index>.spec.yaml``), the job's SLURM logs (``%j`` the job id,
+specs (``<log_dir>/<name>.sweep/<index>.spec.yaml``), the restart supervisor the script runs
+(``<log_dir>/<name>.restarts.py``) and its records (``<log_dir>/<name>.attempts/<job id>/``), the job's SLURM logs (``%j`` the job id,
 ``%A_%a`` a sweep's array job and task id; requeues append to them) and submitit's folder.
 
 The resolved spec and the script say everything the job does (its paths, its setup lines), and the
@@ -36,6 +37,8 @@ class JobPaths:
     stdout: str
     stderr: str
     submitit_folder: Path
+    restarts_program: Path  # the supervisor of restarts inside the allocation (lance_hpc.launch.restarts)
+    attempts: Path  # its records, one directory per job (or array task) id
 
     @classmethod
     def of(cls, spec: JobSpec) -> JobPaths:
@@ -48,6 +51,8 @@ class JobPaths:
             stdout=f"{logs}.out",
             stderr=f"{logs}.err",
             submitit_folder=log_dir / "submitit",
+            restarts_program=log_dir / f"{spec.name}.restarts.py",
+            attempts=log_dir / f"{spec.name}.attempts",
         )
 
     def run_spec(self, index: int) -> Path:

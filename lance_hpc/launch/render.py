@@ -17,6 +17,10 @@ file per run (``%A_%a``), and a launch that reads the spec file of ``$SLURM_ARRA
 in a container (``slurm.container``) gets the runtime's srun options or command prefix, and a
 requeue handler: rank 0 cannot run ``scontrol`` inside the container, so it writes a request file
 and the script, outside the container, requeues the job once srun has ended.
+
+With ``slurm.max_restarts`` the allocation survives a failed node (``--no-kill``, and
+``slurm.spare_nodes`` more nodes), and srun runs through the restart supervisor
+(:mod:`lance_hpc.launch.restarts`, copied beside the script), which starts a failed step again.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import jinja2
 
 from lance_hpc.errors import UserError
 from lance_hpc.imports import SAFE_PATH_FLAG, SAFE_PATH_VARIABLE
+from lance_hpc.launch import restarts
 from lance_hpc.launch.container import container_launch
 from lance_hpc.launch.paths import (
     ARRAY_INDEX,
@@ -41,6 +46,7 @@ from lance_hpc.launch.paths import (
 )
 from lance_hpc.launch.ports import master_port_lines
 from lance_hpc.runtime.preemption import REQUEUE_FUNCTION, requeue_handler
+from lance_hpc.runtime.watchdog import watch_dir
 from lance_hpc.spec import JobSpec, Problem, SpecError, expand, run_count
 from lance_hpc.spec.secrets import redact_text
 
@@ -66,6 +72,7 @@ FLAG_FIELDS = {
     "constraint": "slurm.constraint",
     "exclusive": "slurm.exclusive",
     "requeue": "slurm.max_requeues",
+    "no-kill": "slurm.max_restarts",
     "signal": "slurm.signal_delay_s",
     "output": "slurm.log_dir",
     "error": "slurm.log_dir",
@@ -107,7 +114,7 @@ def resource_flags(spec: JobSpec) -> dict[str, str | int | bool]:
     }
     flags: dict[str, str | int | bool] = {
         "job-name": spec.name,
-        "nodes": slurm.nodes,
+        "nodes": slurm.nodes + slurm.spare_nodes,
         "ntasks-per-node": slurm.ntasks_per_node,
         "cpus-per-task": slurm.cpus_per_task,
         # minutes, as submitit needs them for its requeue logic: both paths then write the same flag
@@ -121,6 +128,8 @@ def resource_flags(spec: JobSpec) -> dict[str, str | int | bool]:
         flags["array"] = str(array_range(spec))
     if slurm.exclusive:
         flags["exclusive"] = True
+    if slurm.max_restarts:
+        flags["no-kill"] = True  # a failed node leaves the allocation, which the job's next attempt uses
     problems = []
     for key, value in slurm.extra_flags.items():
         flag = key.replace("_", "-")
@@ -177,6 +186,41 @@ def launch_command(spec: JobSpec, spec_file: str) -> ShellText:
     return ShellText(f"{shlex.join([*python_command(spec), '-m', ENTRY_MODULE])} {_spec_file_word(spec, spec_file)}")
 
 
+def restart_supervisor(spec: JobSpec) -> ShellText:
+    """What runs srun when the job restarts inside its allocation (``python3 -I <log_dir>/<name>.restarts.py
+    ... --``), with the node's own Python, outside any container; empty for slurm.max_restarts: 0."""
+    slurm = spec.slurm
+    if not slurm.max_restarts:
+        return ShellText("")
+    paths, job = JobPaths.of(spec), job_reference(spec)
+    options = [
+        f"--max-restarts={slurm.max_restarts}",
+        f"--nodes={slurm.nodes}",
+        f"--min-nodes={slurm.fewest_nodes}",
+        f"--tasks-per-node={slurm.ntasks_per_node}",
+        *([] if slurm.restart_standby else ["--no-standby"]),
+    ]
+    words = [PYTHON, "-I", str(paths.restarts_program), *options]
+    record = f'--record={shlex.quote(str(paths.attempts) + "/")}"{job}"'
+    # a sweep's runs have names of their own, which the script cannot know: their steps go unpublished here
+    progress = (
+        "" if spec.sweep else f' --progress={shlex.quote(str(watch_dir(slurm.log_dir, spec.name, None).parent) + "/")}"{job}"'
+    )
+    return ShellText(f"{shlex.join(words)} {record}{progress} --")
+
+
+def srun_through_restarts(spec: JobSpec) -> list[str]:
+    """For submitit's script, whose srun line lance_hpc does not write: a shell function ``srun``
+    that runs the real one through the restart supervisor."""
+    supervisor = restart_supervisor(spec)
+    if not supervisor:
+        return []
+    return [
+        "# restarts inside this allocation (slurm.max_restarts): the srun line below runs through the supervisor",
+        f'srun() {{ {supervisor} srun "$@"; }}',
+    ]
+
+
 def job_reference(spec: JobSpec) -> ShellText:
     """The job as the script names it at run time: the job id, or a sweep run's ARRAYID_TASKID."""
     return ShellText("${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}" if spec.sweep else "$SLURM_JOB_ID")
@@ -197,6 +241,7 @@ def render_sbatch(spec: JobSpec, spec_file: str) -> str:
     flags = {**resource_flags(spec), **log_flags}
     srun = ShellText(shlex.join(["srun", *srun_args(spec)]))
     command = launch_command(spec, spec_file)
+    supervisor = restart_supervisor(spec)
     variables = {
         # a site template may print any field: it gets the spec with credential-looking values redacted
         "spec": JobSpec.model_validate(spec.redacted_dict()),
@@ -211,7 +256,8 @@ def render_sbatch(spec: JobSpec, spec_file: str) -> str:
         "array": array_range(spec) or "",
         "srun": srun,
         "command": command,
-        "launch": ShellText(f"{srun} {command}"),
+        "restarts": supervisor,
+        "launch": ShellText(f"{supervisor} \\\n    {srun} {command}" if supervisor else f"{srun} {command}"),
         "log_out": stdout,
         "log_err": stderr,
     }
@@ -223,6 +269,13 @@ def render_sbatch(spec: JobSpec, spec_file: str) -> str:
         raise UserError(
             f"sbatch template {_template_name(spec)} leaves out the requeue handler a container job needs\n"
             "  fix: add {% for line in requeue_handler %}{{ line }}{% endfor %} before the srun line"
+        )
+    if supervisor and supervisor not in script:
+        raise UserError(
+            f"sbatch template {_template_name(spec)} runs srun without the restart supervisor that slurm.max_restarts "
+            f"({spec.slurm.max_restarts}) needs\n"
+            "  fix: write {{ launch }} for the srun line (or {{ restarts }} {{ srun }} {{ command }}), "
+            "or set slurm.max_restarts: 0"
         )
     return script
 
@@ -324,14 +377,16 @@ def _template(spec: JobSpec) -> jinja2.Template:
 
 
 def write_job_files(spec: JobSpec, script_path: Path | None = None) -> tuple[Path, Path]:
-    """Write the resolved spec (and a sweep's run specs) and the sbatch script; returns the paths
-    of the spec and the script."""
+    """Write the resolved spec (and a sweep's run specs), the sbatch script and the restart
+    supervisor it runs; returns the paths of the spec and the script."""
     paths = JobPaths.of(spec)
     spec_file, script_path = paths.spec_file, script_path or paths.script
     runs = expand(spec) if spec.sweep else []
     # before writing anything: rendering may refuse
     script = render_sbatch(spec, paths.task_spec(bool(runs)))
     files = {spec_file: spec.to_yaml(), **{paths.run_spec(run.index): run.spec.to_yaml() for run in runs}, script_path: script}
+    if spec.slurm.max_restarts:
+        files[paths.restarts_program] = Path(restarts.__file__).read_text()
     for path, text in files.items():
         try:
             make_private_dirs(path.parent)  # also the log directory: SLURM cannot open logs in a missing one

@@ -58,6 +58,7 @@ from lance_hpc.parallel import fsdp
 from lance_hpc.parallel.fsdp import default_blocks, note_default_blocks
 from lance_hpc.parallel.materialise import MetaModel, build_on_meta, materialise, seeded, to_empty
 from lance_hpc.parallel.memory import out_of_memory_message
+from lance_hpc.runtime import attempt
 from lance_hpc.runtime.environment import DistEnv, configure_process
 from lance_hpc.runtime.metrics import (
     MetricLogger,
@@ -826,6 +827,7 @@ def run_entry(
         {**flatten(spec.redacted_dict()), "world_size": env.world_size}, (f"val/{task.headline_metric}", "val/loss")
     )
     context = Context(spec, env, device, task, logger, preemption, resumed, entry_options(entry, spec.entry_options))
+    attempt.report_restart(context)
     watchdog = start_watchdog(spec, env, context._activity)
     context._profiler.listen()
     try:
@@ -839,6 +841,9 @@ def run_entry(
         if env.is_main:
             print(f"lance_hpc.run: {stop}", file=sys.stderr, flush=True)
         return Summary("unsaved", context.step, context.epoch, None)
+    except Exception:
+        attempt.remember_step(context.step)  # for the failure note: the same error at the same step stops restarts
+        raise
     finally:
         context._saver.wait_quietly(timeout_s=spec.train.collective_timeout_s)  # after a failure: the shards it was writing
         context._profiler.stop(context.step)
@@ -859,7 +864,10 @@ def start_watchdog(spec: JobSpec, env: DistEnv, progress: Progress) -> Watchdog 
     directory = watch_dir(spec.slurm.log_dir, spec.name, env.job_ref)
     # fire well before the collective timeout ends the job with nothing said
     ceiling = max(spec.train.collective_timeout_s * 0.5, 1.0)
-    watchdog = Watchdog(progress, directory, env.rank, env.world_size, settings.factor, settings.floor_s, ceiling)
+    on_hang = attempt.end_step_on_hang() if env.is_main else None  # with restarts left, a hang ends the attempt
+    watchdog = Watchdog(
+        progress, directory, env.rank, env.world_size, settings.factor, settings.floor_s, ceiling, on_hang=on_hang
+    )
     watchdog.start()
     return watchdog
 

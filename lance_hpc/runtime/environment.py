@@ -203,7 +203,8 @@ def _check_outside_srun(environ: Mapping[str, str]) -> None:
 
 
 def _check_single_task_on_many_nodes(environ: Mapping[str, str], world_size: int) -> None:
-    nodes = _int(environ, SLURM_VARS["num_nodes"], 1)
+    # a step's own nodes, where there is one: the job's may hold spares (slurm.spare_nodes)
+    nodes = _maybe_int(environ, SLURM_VARS["step_num_nodes"]) or _int(environ, SLURM_VARS["num_nodes"], 1)
     if world_size == 1 and nodes > 1:
         raise UserError(
             f"world size is 1 but the job holds {nodes} nodes: all but one node would sit idle\n"

@@ -24,6 +24,7 @@ import submitit
 
 from lance_hpc.errors import ExitCode, UserError, note_failure
 from lance_hpc.kinds import job_kind
+from lance_hpc.runtime.attempt import failed_step, wait_if_standby
 from lance_hpc.runtime.context import Summary
 from lance_hpc.runtime.environment import SLURM_VARS, TrainingFailed, detect
 from lance_hpc.runtime.preemption import (
@@ -71,7 +72,12 @@ class SubmititJob(submitit.helpers.Checkpointable):
 
     def __call__(self) -> dict[str, Any]:
         # submitit's protocol: USR2 checkpoints and requeues; SIGTERM keeps submitit's handler (it logs it)
-        summary = run_job(self.spec_file, requeue_with_submitit, signals=(REQUEUE_SIGNAL,))
+        wait_if_standby(self.spec_file)  # a rank started ahead of a restart waits for its turn
+        try:
+            summary = run_job(self.spec_file, requeue_with_submitit, signals=(REQUEUE_SIGNAL,))
+        except Exception as error:  # submitit keeps the error as the task's result; the restart supervisor reads the note
+            note_rank_failure(error)
+            raise
         if summary.status == "unsaved":
             exit_process(ExitCode.FAILED)
         if summary.status == "requeued":
@@ -83,30 +89,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lance_hpc.run", description=__doc__.splitlines()[0])
     parser.add_argument("spec_file", help="resolved job spec (YAML)")
     args = parser.parse_args(argv)
-    rank = int(os.environ.get("RANK") or os.environ.get(SLURM_VARS["rank"]) or 0)
+    wait_if_standby(args.spec_file)  # a rank started ahead of a restart waits for its turn
     try:
         summary = run_job(args.spec_file, requeue_with_scontrol)
     except UserError as error:
         print(f"lance_hpc.run: {error}", file=sys.stderr, flush=True)
-        note_failure(rank, str(error), lost_contact=False)
+        note_rank_failure(error)
         return ExitCode.USER_ERROR
     except StoreUnavailable as error:  # the store, not the code, failed: its message says it all
         print(f"lance_hpc.run: {error}", file=sys.stderr, flush=True)
-        note_failure(rank, str(error), lost_contact=False)
+        note_rank_failure(error)
         return ExitCode.FAILED
     except TrainingFailed as error:
         if error.show_traceback:
             traceback.print_exception(error.__cause__, file=sys.stderr)
         print(f"lance_hpc.run: {error}", file=sys.stderr, flush=True)
-        cause = error.__cause__
-        own = f"{type(cause).__name__}: {cause}" if cause is not None and error.show_traceback else str(error)
-        note_failure(rank, own.strip().splitlines()[0], lost_contact=not error.show_traceback)
+        note_rank_failure(error)
         return ExitCode.FAILED
     except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save yet
         return ExitCode.INTERRUPTED
     if summary.status == "unsaved":  # a stop signal the loop could not honour: it said so
         return ExitCode.FAILED
     return ExitCode.STOPPED if summary.status == "stopped" else ExitCode.OK
+
+
+def note_rank_failure(error: BaseException) -> None:
+    """Note how this rank failed, for its launcher (see lance_hpc.errors.note_failure): its own
+    error's first line, or that it lost contact with another rank; the step it was at; and whether
+    the user must fix something (a restart cannot help then)."""
+    rank = int(os.environ.get("RANK") or os.environ.get(SLURM_VARS["rank"]) or 0)
+    message, lost_contact = str(error), False
+    if isinstance(error, TrainingFailed):
+        cause = error.__cause__
+        own = f"{type(cause).__name__}: {cause}" if cause is not None and error.show_traceback else str(error)
+        message, lost_contact = own.strip().splitlines()[0], not error.show_traceback
+    elif not isinstance(error, (UserError, StoreUnavailable)):
+        message = f"{type(error).__name__}: {error}".strip().splitlines()[0]
+    note_failure(rank, message, lost_contact, step=failed_step(), user_error=isinstance(error, UserError))
 
 
 def exit_process(code: int) -> NoReturn:

@@ -17,6 +17,7 @@ from lance_hpc.imports import is_import_path, load_callable
 from lance_hpc.kinds import KIND_ADVICE, KINDS, job_kind
 from lance_hpc.spec.choices import JOB_KINDS, SAMPLERS, SHARD_FORMATS, STDLIB_SOURCE, STYLES, check_registry
 from lance_hpc.spec.problems import Problem, from_pydantic, section_of
+from lance_hpc.spec.restarts import restart_problems
 from lance_hpc.spec.schema import SlurmSpec, TrainSpec, parse_time_limit
 from lance_hpc.storage.options import unsupported
 
@@ -250,6 +251,7 @@ def cross_field_problems(raw: Mapping[str, Any]) -> list[Problem]:
                 f"set tasks_per_node: {gpus} or remove it",
             )
         )
+    problems += restart_problems(slurm)
     template = slurm.get("template")
     if isinstance(template, str) and not Path(template).is_file():
         problems.append(Problem("slurm.template", f"template file {template} does not exist", "fix the path or remove the key"))

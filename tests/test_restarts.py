@@ -1,0 +1,243 @@
+"""Restarts inside the allocation, without a cluster: the policy (what restarts, what stops and
+with which error), the nodes a restart takes, what srun and the ranks' notes say of a failure, the
+supervisor program run as the batch script runs it (a copy, ``python3 -I``, the standard library
+only) around a fake srun, the spec's rules, the script, and the lines ``lance-hpc status`` prints.
+The same on the real SLURM test cluster: tests/test_train_slurm.py, tests/test_ingest_slurm.py;
+with local ranks: tests/test_trainer.py."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lance_hpc import errors
+from lance_hpc.launch import render, restarts
+from lance_hpc.launch.paths import JobPaths
+from lance_hpc.launch.restarts import Attempt, Cause, StepReport, attempt_cause, choose_nodes, decide
+from lance_hpc.manage.attempts import attempt_lines
+from lance_hpc.manage.records import JobRef
+from lance_hpc.runtime import attempt as rank_attempt
+from lance_hpc.spec import SpecError, validate_spec
+
+KILLED = Cause("killed", "was killed (srun: Killed)", 1, "node2")
+BAD_BATCH = Cause("error", "ValueError: bad batch", 1, "node2", step=5)
+
+
+def failed(number: int, cause: Cause | None, code: int = 1) -> Attempt:
+    return Attempt(number, 1000.0 + number, ["node1", "node2"], 4, ended=1010.0 + number, exit_code=code, cause=cause)
+
+
+@pytest.mark.parametrize(
+    ("history", "restart", "code", "reason"),
+    [
+        ([failed(0, None, 0)], False, 0, "finished"),
+        ([failed(0, KILLED, 137)], True, 137, "restart 1 of at most 2"),
+        ([failed(0, KILLED, 137), failed(1, KILLED, 137)], True, 137, "restart 2 of at most 2"),
+        # out of restarts: the job ends with the first attempt's error and exit code
+        (
+            [failed(0, KILLED, 137), failed(1, BAD_BATCH), failed(2, KILLED, 143)],
+            False,
+            137,
+            "no restarts left (slurm.max_restarts: 2); the first error: rank 1 on node2 was killed",
+        ),
+        # the same error at the same step: a bug, not a fault
+        (
+            [failed(0, BAD_BATCH), failed(1, BAD_BATCH)],
+            False,
+            1,
+            "the same error at step 5 in attempts 1 and 2, so a restart would fail again: rank 1 on node2 at step 5: "
+            "ValueError: bad batch",
+        ),
+        ([failed(0, BAD_BATCH), failed(1, Cause("error", "ValueError: bad batch", 0, "node1", step=9))], True, 1, "restart 2"),
+        ([failed(0, Cause("error", "no such column", 0, "node1", user_error=True))], False, 2, "a problem in the spec or data"),
+        ([failed(0, None, 2)], False, 2, "a problem in the spec or data"),
+        ([failed(0, None, 3)], False, 3, "stopped by a signal"),
+        ([failed(0, None, 255)], False, 255, "requeued"),
+    ],
+)
+def test_what_restarts_and_what_stops(history: list[Attempt], restart: bool, code: int, reason: str) -> None:
+    decision = decide(history, max_restarts=2)
+    assert (decision.restart, decision.exit_code) == (restart, code), decision
+    assert reason in decision.reason, decision.reason
+
+
+def test_a_restart_takes_a_spare_for_a_failed_node_or_goes_on_with_fewer_down_to_min_nodes() -> None:
+    allocated = ["node1", "node2", "node3"]
+    assert choose_nodes(allocated, {}, wanted=2, minimum=2) == ["node1", "node2"]  # node3 is the spare
+    assert choose_nodes(allocated, {"node2": "failed"}, wanted=2, minimum=2) == ["node1", "node3"]
+    assert choose_nodes(allocated, {"node2": "failed", "node3": "down"}, wanted=2, minimum=1) == ["node1"]
+    assert choose_nodes(allocated, {"node2": "failed", "node3": "down"}, wanted=2, minimum=2) is None
+
+
+def test_srun_and_the_ranks_notes_say_which_rank_or_node_failed_first(tmp_path: Path) -> None:
+    report = StepReport()
+    for line in (
+        "0: step 3/10",
+        "srun: error: node2: task 1: Killed",
+        "srun: launch/slurm: _step_signal: Terminating StepId=7.0",
+        "srun: error: node1: tasks 0,2-3: Exited with exit code 1",
+    ):
+        report.read(line)
+    assert report.first_task == Cause("killed", "was killed (srun: Killed)", 1, "node2")
+    assert attempt_cause(tmp_path, report, 137).describe() == "rank 1 on node2 was killed (srun: Killed)"
+
+    # a rank's own error beats srun's account of who exited; one that lost contact does not
+    errors.note_failure(0, "lost contact", lost_contact=True, directory=str(tmp_path), host="node1")
+    errors.note_failure(1, "ValueError: bad batch", lost_contact=False, directory=str(tmp_path), step=5, host="node2")
+    assert attempt_cause(tmp_path, report, 1) == BAD_BATCH
+
+    # a failed node beats both: its ranks' errors follow from it
+    report.read("srun: error: Node failure on node2")
+    assert attempt_cause(tmp_path, report, 1) == Cause("node", "srun reported a node failure", host="node2")
+    assert report.failed_nodes == {"node2": "srun reported a node failure"}
+
+
+def test_the_supervisor_imports_the_standard_library_only_and_names_what_the_ranks_read() -> None:
+    """It runs outside any container, where lance_hpc may not be installed."""
+    tree = ast.parse(Path(restarts.__file__).read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    assert imported - {"__future__"} <= set(sys.stdlib_module_names), imported - set(sys.stdlib_module_names)
+    for name in ("ATTEMPT_VARIABLE", "RESTARTS_LEFT_VARIABLE", "FAILED_AT_VARIABLE", "FAILED_STEP_VARIABLE", "STANDBY_VARIABLE"):
+        assert getattr(restarts, name) == getattr(rank_attempt, name), name
+    assert restarts.FAILURE_DIR_VARIABLE == errors.FAILURE_DIR_VARIABLE
+    assert restarts.REQUEUE_REQUEST_VARIABLE == "LANCE_HPC_REQUEUE_REQUEST"
+
+
+FAKE_SRUN = """#!/bin/bash
+# a step of {ranks} ranks: each attempt counted; rank 1 notes its error while the file says so
+n=$(cat "$COUNT" 2>/dev/null || echo 0); echo $((n + 1)) > "$COUNT"
+echo "attempt $LANCE_HPC_ATTEMPT of the step: $*"
+step=${{STEP:-7}}; [ "$step" = each ] && step=$n  # each: a new step every attempt
+if [ -e "$FAIL_FILE" ]; then
+    printf '{{"rank": 1, "host": "n1", "time": %s, "lost_contact": false, "message": "%s", "step": %s}}' \\
+        "$(date +%s)" "$(cat "$FAIL_FILE")" "$step" > "$LANCE_HPC_FAILURE_DIR/rank-1.json"
+    echo "srun: error: n1: task 1: Exited with exit code 1" >&2
+    [ -n "$FAIL_ONCE" ] && rm -f "$FAIL_FILE"
+    exit 1
+fi
+"""
+
+
+def supervise(tmp_path: Path, message: str, **variables: str) -> tuple[subprocess.CompletedProcess[str], list[Attempt]]:
+    """The supervisor as the batch script runs it: a copy, with python3 -I, around a fake srun."""
+    program = tmp_path / "job.restarts.py"
+    shutil.copy(restarts.__file__, program)
+    srun = tmp_path / "bin" / "srun"
+    srun.parent.mkdir(exist_ok=True)
+    srun.write_text(FAKE_SRUN.format(ranks=2))
+    srun.chmod(srun.stat().st_mode | stat.S_IXUSR)
+    (tmp_path / "fail").write_text(message)
+    environ = {
+        "PATH": f"{srun.parent}:{os.environ['PATH']}",
+        "COUNT": str(tmp_path / "count"),
+        "FAIL_FILE": str(tmp_path / "fail"),
+        **variables,
+    }
+    command = [sys.executable, "-I", str(program), "--max-restarts=2", "--nodes=1", "--min-nodes=1", "--tasks-per-node=2"]
+    command += [f"--record={tmp_path / 'record'}", "--no-standby", "--", "srun", "python3", "-m", "lance_hpc.run", "x.yaml"]
+    result = subprocess.run(command, env=environ, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    return result, restarts.read_attempts(tmp_path / "record" / restarts.ATTEMPTS_FILE)
+
+
+def test_a_failed_step_starts_again_and_the_attempts_are_recorded(tmp_path: Path) -> None:
+    result, attempts = supervise(tmp_path, "OSError: a flaky disk", FAIL_ONCE="1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "attempt 0 of the step" in result.stdout and "attempt 1 of the step" in result.stdout
+    assert (
+        "lance_hpc: attempt 1 failed after" in result.stdout and "rank 1 on n1 at step 7: OSError: a flaky disk" in result.stdout
+    )
+    assert "srun: error: n1: task 1: Exited with exit code 1" in result.stderr  # srun's own lines pass through
+    assert [(attempt.number, attempt.exit_code) for attempt in attempts] == [(0, 1), (1, 0)]
+    assert attempts[0].cause == Cause("error", "OSError: a flaky disk", 1, "n1", step=7)
+    assert attempts[0].outcome == "restarted (restart 1 of at most 2)" and attempts[1].outcome == "finished"
+
+
+def test_the_same_error_at_the_same_step_stops_after_the_second_attempt_with_that_error(tmp_path: Path) -> None:
+    result, attempts = supervise(tmp_path, "ValueError: bad batch on rank 1")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert (tmp_path / "count").read_text().strip() == "2"
+    assert (
+        "lance_hpc: the job failed after 2 attempt(s) in this allocation: the same error at step 7 in attempts 1 and 2, "
+        "so a restart would fail again: rank 1 on n1 at step 7: ValueError: bad batch on rank 1"
+    ) in result.stderr
+    assert len(attempts) == 2 and "the same error" in attempts[1].outcome
+
+
+def test_a_job_out_of_restarts_ends_with_the_first_error(tmp_path: Path) -> None:
+    result, attempts = supervise(tmp_path, "ValueError: bad batch", STEP="each")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert len(attempts) == 3  # the first and slurm.max_restarts (2) more
+    assert "no restarts left (slurm.max_restarts: 2); the first error: rank 1 on n1 at step 0: ValueError" in result.stderr
+
+
+def test_the_script_asks_for_spares_keeps_the_allocation_and_runs_srun_through_the_supervisor() -> None:
+    raw = {"name": "big", "data": {"uri": "/d"}, "slurm": {"nodes": 4, "spare_nodes": 1, "min_nodes": 3, "log_dir": "/logs"}}
+    spec = validate_spec(raw).spec
+    script = render.render_sbatch(spec, "/logs/big.spec.yaml")
+    directives = dict(render.sbatch_directives(script))
+    assert directives["nodes"] == "5" and directives["no-kill"] is True
+    supervisor = (
+        "python3 -I /logs/big.restarts.py --max-restarts=2 --nodes=4 --min-nodes=3 --tasks-per-node=1 "
+        '--record=/logs/big.attempts/"$SLURM_JOB_ID" --progress=/logs/big.watch/"$SLURM_JOB_ID" --'
+    )
+    assert f"{supervisor} \\\n    srun --unbuffered" in script
+    assert render.srun_through_restarts(spec)[-1] == f'srun() {{ {supervisor} srun "$@"; }}'  # submitit's script
+    off = validate_spec({**raw, "slurm": {"nodes": 4, "max_restarts": 0, "log_dir": "/logs"}}).spec
+    assert "no-kill" not in dict(render.sbatch_directives(render.render_sbatch(off, "/x.yaml")))
+    assert render.srun_through_restarts(off) == [] and "restarts.py" not in render.render_sbatch(off, "/x.yaml")
+
+
+@pytest.mark.parametrize(
+    ("slurm", "path", "message"),
+    [
+        ({"nodes": 2, "min_nodes": 3}, "slurm.min_nodes", "3 is more than slurm.nodes (2)"),
+        ({"spare_nodes": 1, "max_restarts": 0}, "slurm.spare_nodes", "but slurm.max_restarts is 0"),
+        ({"nodes": 2, "min_nodes": 1, "max_restarts": 0}, "slurm.min_nodes", "but slurm.max_restarts is 0"),
+    ],
+)
+def test_restart_settings_that_cannot_work_are_refused_with_their_path(slurm: dict[str, Any], path: str, message: str) -> None:
+    with pytest.raises(SpecError) as raised:
+        validate_spec({"name": "x", "data": {"uri": "/d"}, "slurm": slurm})
+    assert f"{path}: " in str(raised.value) and message in str(raised.value) and "fix:" in str(raised.value)
+
+
+def test_status_shows_each_attempt_when_and_where_it_ran_and_why_it_ended(tmp_path: Path) -> None:
+    spec = validate_spec({"name": "job", "data": {"uri": "/d"}, "slurm": {"log_dir": str(tmp_path)}}).spec
+    record = JobPaths.of(spec).attempts / "42"
+    record.mkdir(parents=True)
+    first = failed(0, KILLED, 137)
+    first.step, first.outcome = 31, "restarted (restart 1 of at most 2)"
+    second = Attempt(1, 1020.0, ["node1"], 2)
+    (record / restarts.ATTEMPTS_FILE).write_text(f"{first.line()}\n{second.line()}\n")
+    lines = attempt_lines(JobRef("42", spec, "job.yaml"))
+    assert lines[0] == "2 attempt(s) (slurm.max_restarts: 2 per allocation)"
+    assert lines[1].endswith(
+        "attempt 1 on node1,node2 (4 ranks): failed after 10 s: rank 1 on node2 was killed (srun: Killed) "
+        "(ranks had reached step 31) -> restarted (restart 1 of at most 2)"
+    )
+    assert lines[2].endswith("attempt 2 on node1 (2 ranks): running")
+    assert attempt_lines(JobRef("43", spec, "job.yaml")) == []  # no restart: nothing to add to the headline
+
+
+def test_a_restarted_rank_knows_when_the_failure_was_and_a_standby_rank_waits_for_its_go(tmp_path: Path) -> None:
+    assert rank_attempt.restarted({}) is None
+    restart = rank_attempt.restarted({"LANCE_HPC_ATTEMPT": "1", "LANCE_HPC_FAILED_AT": "12.5", "LANCE_HPC_FAILED_STEP": "40"})
+    assert restart == rank_attempt.Restart(1, 12.5, 40)
+    assert rank_attempt.end_step_on_hang({"LANCE_HPC_RESTARTS_LEFT": "0"}) is None  # the last attempt only reports a hang
+
+    go = tmp_path / "attempt1.go"
+    go.write_text(json.dumps({"environ": {"MASTER_PORT": "23456", "LANCE_HPC_FAILED_AT": "12.5"}}))
+    environ = {"LANCE_HPC_STANDBY": str(go), "SLURM_PROCID": "3"}
+    rank_attempt.wait_if_standby(str(tmp_path / "missing.yaml"), environ)
+    assert environ == {"SLURM_PROCID": "3", "MASTER_PORT": "23456", "LANCE_HPC_FAILED_AT": "12.5"}
+    assert (tmp_path / "attempt1.go.ready-3").exists()  # what the supervisor counts to say the standby is ready
