@@ -241,3 +241,65 @@ def test_a_restarted_rank_knows_when_the_failure_was_and_a_standby_rank_waits_fo
     rank_attempt.wait_if_standby(str(tmp_path / "missing.yaml"), environ)
     assert environ == {"SLURM_PROCID": "3", "MASTER_PORT": "23456", "LANCE_HPC_FAILED_AT": "12.5"}
     assert (tmp_path / "attempt1.go.ready-3").exists()  # what the supervisor counts to say the standby is ready
+
+
+def test_the_benchmark_section_reports_both_paths_and_judges_their_ratio() -> None:
+    from benchmarks import restarts as section
+    from lance_hpc.bench.configs import Result
+    from lance_hpc.bench.runner import Summary
+
+    def summary(mode: str, seconds: float) -> Summary:
+        figures = {"seconds": seconds, "steps_redone": 3.0, "resumed_at": 30.0}
+        result = Result(mode, section.DATASET, 0.0, seconds, 0, 3, 60.0, 0.0, 0.0, 0.0, store=figures)
+        return Summary(mode, section.DATASET, runs=[[result]])
+
+    assert [config.data["mode"] for config in section.configs(None)] == ["restart", "requeue"]  # type: ignore[arg-type]
+    summaries = {(section.DATASET, mode): summary(mode, seconds) for mode, seconds in (("restart", 2.5), ("requeue", 40.0))}
+    report = section.section_report(None, summaries)  # type: ignore[arg-type]
+    assert [target.met for target in report.targets] == [True]
+    assert "0.06x (2.5 s vs 40.0 s; wanted <= 0.5x)" in report.targets[0].detail
+    summaries[(section.DATASET, "restart")] = summary("restart", 30.0)
+    assert [target.met for target in section.section_report(None, summaries).targets] == [False]  # type: ignore[arg-type]
+
+
+STANDBY_SRUN = """#!/bin/bash
+# a standby step: its 2 ranks say they are ready, then wait for the go file
+if [ -n "$LANCE_HPC_STANDBY" ]; then
+    touch "$LANCE_HPC_STANDBY.ready-0" "$LANCE_HPC_STANDBY.ready-1"
+    until [ -e "$LANCE_HPC_STANDBY" ]; do sleep 0.05; done
+    grep -q cancel "$LANCE_HPC_STANDBY" && exit 0
+    echo "standby released as attempt $LANCE_HPC_ATTEMPT: $(cat "$LANCE_HPC_STANDBY")"
+    exit 0
+fi
+# a running step: it publishes a step, and ends (with EXIT) once the standby step is ready
+printf '{"rank": 0, "time": %s, "step": 3}' "$(date +%s.%N)" > "$PROGRESS/rank-0.json"
+until ls "$RECORD"/*.go.ready-1 > /dev/null 2>&1; do sleep 0.05; done
+sleep 0.5  # the supervisor looks every 0.1 s
+[ "$EXIT" = 0 ] || echo "srun: error: n1: task 1: Killed" >&2
+exit "$EXIT"
+"""
+
+
+@pytest.mark.parametrize("exit_code", [137, 0])
+def test_a_standby_step_started_ahead_is_released_for_a_restart_or_cancelled_at_the_end(tmp_path: Path, exit_code: int) -> None:
+    """Once the running attempt published a step, the next attempt's ranks start and wait: a failure
+    releases them with the failure's time, a job that finishes tells them they are not needed."""
+    program, srun = tmp_path / "job.restarts.py", tmp_path / "bin" / "srun"
+    shutil.copy(restarts.__file__, program)
+    srun.parent.mkdir()
+    srun.write_text(STANDBY_SRUN)
+    srun.chmod(srun.stat().st_mode | stat.S_IXUSR)
+    (tmp_path / "progress").mkdir()
+    record = tmp_path / "record"
+    environ = {"PATH": f"{srun.parent}:{os.environ['PATH']}", "PROGRESS": str(tmp_path / "progress"), "RECORD": str(record)}
+    command = [sys.executable, "-I", str(program), "--max-restarts=2", "--nodes=1", "--min-nodes=1", "--tasks-per-node=2"]
+    command += [f"--record={record}", f"--progress={tmp_path / 'progress'}", "--", "srun", "true"]
+    result = subprocess.run(command, env={**environ, "EXIT": str(exit_code)}, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "lance_hpc: attempt 2's 2 ranks are started and waiting, should this one fail" in result.stdout
+    go = json.loads((record / "run0-attempt1.go").read_text())
+    if exit_code:
+        assert "attempt 2 of at most 3: 2 ranks (its ranks were started and waiting)" in result.stdout, result.stdout
+        assert "standby released as attempt 1: " in result.stdout and "LANCE_HPC_FAILED_AT" in go["environ"], result.stdout
+    else:
+        assert go == {"cancel": True} and "standby released" not in result.stdout

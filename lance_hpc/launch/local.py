@@ -155,10 +155,10 @@ def run_ranks(spec_file: Path, nproc: int, attempt_env: dict[str, str]) -> tuple
                         preexec_fn=die_with_parent,
                     )
                 )
-        code = wait_for_ranks(ranks, stopped_at_once=lambda: len(interrupts) > 1, failures=failures)
+        code, failed = wait_for_ranks(ranks, stopped_at_once=lambda: len(interrupts) > 1, failures=failures)
         if len(interrupts) > 1:
             return ExitCode.INTERRUPTED, None
-        return code, None if code in NOT_RESTARTED else local_cause(ranks, failures)
+        return code, None if code in NOT_RESTARTED else local_cause(failed, failures)
     finally:
         shutil.rmtree(failures, ignore_errors=True)
         for signum, handler in previous.items():
@@ -169,12 +169,11 @@ def run_ranks(spec_file: Path, nproc: int, attempt_env: dict[str, str]) -> tuple
                 process.wait()
 
 
-def local_cause(ranks: Sequence[subprocess.Popen], failures: str) -> Cause:
-    """Why the ranks failed: the first own error a rank noted, else the rank that died first."""
+def local_cause(failed: tuple[int, int] | None, failures: str) -> Cause:
+    """Why the ranks failed: the first own error a rank noted, else the rank seen failing first."""
     note = first_note(failures)
     if note is not None and not note["lost_contact"]:
         return cause_from_note(note)
-    failed = first_failure(ranks)
     if failed is None:
         return Cause("exit", "the ranks failed")
     rank, code = failed
@@ -213,10 +212,11 @@ def die_with_parent() -> None:
 
 def wait_for_ranks(
     ranks: Sequence[subprocess.Popen], stopped_at_once: Callable[[], bool] = lambda: False, failures: str | None = None
-) -> int:
+) -> tuple[int, tuple[int, int] | None]:
     """Wait for every rank; after the first failure give the others GRACE_S, then kill them.
     ``failures``: the directory where the ranks note how they failed (:func:`note_failure`): the
-    last line names the rank whose own error came first, not one that lost contact with it."""
+    last line names the rank whose own error came first, not one that lost contact with it.
+    Returns the exit code and (rank, exit code) of the rank seen failing first, if one did."""
     failed: tuple[int, int] | None = None
     deadline = float("inf")
     # every rank polled each time (not any(), which stops at the first one running): a rank that
@@ -225,7 +225,7 @@ def wait_for_ranks(
         if stopped_at_once():
             for process in ranks:
                 process.wait()
-            return ExitCode.INTERRUPTED
+            return ExitCode.INTERRUPTED, failed
         if failed is None:
             failed = first_failure(ranks)
             if failed is not None:
@@ -247,8 +247,8 @@ def wait_for_ranks(
         codes = {process.returncode for process in ranks}
         for code in (ExitCode.STOPPED, ExitCode.INTERRUPTED):
             if code in codes:
-                return code
-        return ExitCode.OK
+                return code, None
+        return ExitCode.OK, None
     rank, code = failed
     note = first_note(failures) if failures else None
     if note is not None and not note["lost_contact"] and 0 <= note["rank"] < len(ranks):
@@ -262,7 +262,7 @@ def wait_for_ranks(
         file=sys.stderr,
         flush=True,
     )
-    return code if code > 0 else 128 - code
+    return (code if code > 0 else 128 - code), failed
 
 
 def first_failure(ranks: Sequence[subprocess.Popen]) -> tuple[int, int] | None:

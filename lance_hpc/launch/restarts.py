@@ -73,7 +73,7 @@ UNUSABLE_STATES = ("down", "drain", "drng", "fail", "maint", "boot", "pow", "npc
 PORT_RANGE = (20000, 60000)  # as lance_hpc.launch.ports
 # A standby step starts once the running attempt published a step, or this long after it started.
 STANDBY_AFTER_S = 30.0
-STANDBY_CANCEL_S = 30.0  # how long ranks told they are not needed get to exit before srun is killed
+STANDBY_CANCEL_S = 10.0  # how long a standby step gets to end on SIGTERM before srun is killed
 POLL_S = 0.1
 
 
@@ -387,13 +387,17 @@ class Step:
         self._say_go({"environ": environ})
 
     def cancel(self) -> None:
-        """End a standby step that is not needed: its ranks exit; srun is killed if they never started."""
+        """End a standby step that is not needed: waiting ranks read so and exit; ranks still
+        starting get SIGTERM through srun (a waiting rank exits quietly on it too)."""
         self._say_go({"cancel": True})
-        try:
-            self.process.wait(timeout=STANDBY_CANCEL_S)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        for end, wait_s in ((None, 1.0), (self.process.terminate, STANDBY_CANCEL_S), (self.process.kill, None)):
+            if end is not None:
+                end()
+            try:
+                self.process.wait(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
         self.reader.join(timeout=10)
 
     def _say_go(self, message: dict[str, Any]) -> None:
@@ -468,13 +472,14 @@ class Supervisor:
     def attempt(self, allocated: list[str], nodes: list[str]) -> Attempt:
         """Run one attempt to its end: the standby step when it runs on these nodes, else a new srun."""
         number = len(self.history)
-        ranks = len(nodes) * self.args.tasks_per_node if nodes else 0
+        ranks = (len(nodes) if nodes else self.args.nodes) * self.args.tasks_per_node
         attempt = Attempt(number, time.time(), nodes, ranks, run=self.run)
         if number:
             left = ", ".join(f"{node} ({why})" for node, why in self.left_out.items() if node in self.original())
             fewer = f", down from {self.history[0].ranks}" if ranks < self.history[0].ranks else ""
             say(
-                f"attempt {number + 1} of at most {self.args.max_restarts + 1} on {', '.join(nodes)}: {ranks} ranks{fewer}"
+                f"attempt {number + 1} of at most {self.args.max_restarts + 1}{' on ' if nodes else ''}{', '.join(nodes)}: "
+                f"{ranks} ranks{fewer}"
                 + (" (its ranks were started and waiting)" if self.standby_fits(nodes) else "")
                 + (f"; left out: {left}" if left else "")
             )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -39,6 +40,8 @@ STANDBY_VARIABLE = "LANCE_HPC_STANDBY"
 # How often a waiting standby rank looks for its go file: the delay it adds to a restart, and the
 # metadata reads it costs a shared file system while it waits (one per rank per interval).
 STANDBY_POLL_S = 0.2
+# A waiting standby rank ends quietly on these (srun passes SIGTERM on; submitit's task would ignore it).
+QUIT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 _failed_step: list[int | None] = [None]
 
@@ -137,6 +140,14 @@ def wait_if_standby(spec_file: str, environ: dict[str, str] | os._Environ = os.e
     go = environ.get(STANDBY_VARIABLE)
     if not go:
         return
+    from lance_hpc.runtime import preemption
+
+    # USR2 and USR1 reach every step of the job: while it waits, a standby rank must not act on them
+    # (submitit's own USR2 handler would requeue the job from here, before the running ranks save)
+    previous = {signum: signal.getsignal(signum) for signum in (*preemption.HELD_SIGNALS, *QUIT_SIGNALS)}
+    preemption.hold()
+    for signum in QUIT_SIGNALS:  # the supervisor cancels a standby step that never read its go file so
+        signal.signal(signum, lambda signum, frame: os._exit(0))
     warm_up(spec_file)
     rank = environ.get("SLURM_PROCID") or environ.get("RANK") or "0"
     with contextlib.suppress(OSError):  # the supervisor counts these to say the standby is ready
@@ -149,6 +160,8 @@ def wait_if_standby(spec_file: str, environ: dict[str, str] | os._Environ = os.e
             time.sleep(STANDBY_POLL_S)
     if message.get("cancel"):
         os._exit(0)
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
     environ.update(message.get("environ", {}))
     environ.pop(STANDBY_VARIABLE, None)
 

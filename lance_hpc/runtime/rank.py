@@ -26,7 +26,7 @@ from lance_hpc.errors import ExitCode, UserError, note_failure
 from lance_hpc.kinds import job_kind
 from lance_hpc.runtime.attempt import failed_step, wait_if_standby
 from lance_hpc.runtime.context import Summary
-from lance_hpc.runtime.environment import SLURM_VARS, TrainingFailed, detect
+from lance_hpc.runtime.environment import LOST_PEER_HINTS, SLURM_VARS, TrainingFailed, detect
 from lance_hpc.runtime.preemption import (
     PREEMPTION_SIGNALS,
     PROFILE_SIGNAL,
@@ -106,6 +106,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"lance_hpc.run: {error}", file=sys.stderr, flush=True)
         note_rank_failure(error)
         return ExitCode.FAILED
+    except Exception as error:  # ingest, inference, a kind of one's own: its traceback as always, and a note
+        note_rank_failure(error)
+        raise
     except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save yet
         return ExitCode.INTERRUPTED
     if summary.status == "unsaved":  # a stop signal the loop could not honour: it said so
@@ -125,6 +128,7 @@ def note_rank_failure(error: BaseException) -> None:
         message, lost_contact = own.strip().splitlines()[0], not error.show_traceback
     elif not isinstance(error, (UserError, StoreUnavailable)):
         message = f"{type(error).__name__}: {error}".strip().splitlines()[0]
+        lost_contact = any(hint in message.lower() for hint in LOST_PEER_HINTS)  # another rank went away first
     note_failure(rank, message, lost_contact, step=failed_step(), user_error=isinstance(error, UserError))
 
 
