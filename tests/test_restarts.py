@@ -60,6 +60,8 @@ def failed(number: int, cause: Cause | None, code: int = 1) -> Attempt:
         ([failed(0, BAD_BATCH), failed(1, Cause("error", "ValueError: bad batch", 0, "node1", step=9))], True, 1, "restart 2"),
         ([failed(0, Cause("error", "no such column", 0, "node1", user_error=True))], False, 2, "a problem in the spec or data"),
         ([failed(0, None, 2)], False, 2, "a problem in the spec or data"),
+        # exit 2 whose note says no user must fix it: another process took the rendezvous port
+        ([failed(0, Cause("error", "rank 0 cannot listen on port 20009", 0, "node1"), 2)], True, 2, "restart 1 of at most 2"),
         ([failed(0, None, 3)], False, 3, "stopped by a signal"),
         ([failed(0, None, 255)], False, 255, "requeued"),
     ],
@@ -303,3 +305,18 @@ def test_a_standby_step_started_ahead_is_released_for_a_restart_or_cancelled_at_
         assert "standby released as attempt 1: " in result.stdout and "LANCE_HPC_FAILED_AT" in go["environ"], result.stdout
     else:
         assert go == {"cancel": True} and "standby released" not in result.stdout
+
+
+def test_a_rendezvous_port_another_process_took_is_noted_as_a_fault_and_a_spec_error_as_the_users(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lance_hpc.errors import UserError
+    from lance_hpc.runtime.environment import PortInUse
+    from lance_hpc.runtime.rank import note_rank_failure
+
+    monkeypatch.setenv("LANCE_HPC_FAILURE_DIR", str(tmp_path))
+    for rank, error in ((0, PortInUse("rank 0 cannot listen on port 20009")), (1, UserError("no column 'image'"))):
+        monkeypatch.setenv("RANK", str(rank))
+        note_rank_failure(error)
+    notes = {note["rank"]: note for note in restarts.notes(tmp_path)}
+    assert (notes[0]["user_error"], notes[1]["user_error"]) == (False, True)

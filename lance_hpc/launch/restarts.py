@@ -68,8 +68,9 @@ REQUEUE_REQUEST_VARIABLE = "LANCE_HPC_REQUEUE_REQUEST"
 # What srun prints of a step's failures (SLURM 22.05 and later).
 SRUN_TASKS = re.compile(r"^srun: error: (?P<host>\S+): tasks? (?P<ranks>[\d,-]+): (?P<what>.+)$")
 SRUN_NODE_FAILURE = re.compile(r"^srun: error: Node failure on (?P<host>\S+)")
-# sinfo's compact node states (%t) in which a node takes no new step; a trailing * means not responding.
-UNUSABLE_STATES = ("down", "drain", "drng", "fail", "maint", "boot", "pow", "npc", "inval", "unk", "futr", "resv")
+# sinfo's compact node states (%t) in which a node takes no new step; a trailing * means not
+# responding. Not resv or maint: a job that runs in a reservation sees its nodes so.
+UNUSABLE_STATES = ("down", "drain", "drng", "fail", "boot", "pow", "npc", "inval", "unk", "futr")
 PORT_RANGE = (20000, 60000)  # as lance_hpc.launch.ports
 # A standby step starts once the running attempt published a step, or this long after it started.
 STANDBY_AFTER_S = 30.0
@@ -149,7 +150,9 @@ def decide(history: Sequence[Attempt], max_restarts: int) -> Decision:
     last = history[-1]
     code = last.exit_code if last.exit_code is not None else 1
     cause = last.cause
-    if code in NOT_RESTARTED:
+    # exit 2 is the user's to fix, unless the rank's note says it is a fault (another process took the port)
+    fault = code == 2 and cause is not None and cause.what == "error" and not cause.user_error
+    if code in NOT_RESTARTED and not fault:
         return Decision(False, code, NOT_RESTARTED[code])
     if cause is not None and cause.user_error:
         return Decision(False, 2, f"not restarted: {NOT_RESTARTED[2]}: {cause.describe()}")

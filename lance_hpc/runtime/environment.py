@@ -277,12 +277,17 @@ def process_group(env: DistEnv, timeout_s: float) -> Iterator[torch.device]:
             )
         except dist.DistNetworkError as error:
             if env.is_main and port_in_use(error):
-                raise UserError(port_in_use_message(env)) from None
+                raise PortInUse(port_in_use_message(env)) from None
             raise
     try:
         yield device
     finally:
         dist.destroy_process_group()
+
+
+class PortInUse(UserError):
+    """Rank 0 could not listen on MASTER_PORT: another process took it. The user's to fix by hand,
+    but no fault of the job: a restart inside the allocation, on another port, gets past it."""
 
 
 def port_in_use(error: BaseException) -> bool:

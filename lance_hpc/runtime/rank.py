@@ -26,7 +26,7 @@ from lance_hpc.errors import ExitCode, UserError, note_failure
 from lance_hpc.kinds import job_kind
 from lance_hpc.runtime.attempt import failed_step, wait_if_standby
 from lance_hpc.runtime.context import Summary
-from lance_hpc.runtime.environment import LOST_PEER_HINTS, SLURM_VARS, TrainingFailed, detect
+from lance_hpc.runtime.environment import LOST_PEER_HINTS, SLURM_VARS, PortInUse, TrainingFailed, detect
 from lance_hpc.runtime.preemption import (
     PREEMPTION_SIGNALS,
     PROFILE_SIGNAL,
@@ -129,7 +129,8 @@ def note_rank_failure(error: BaseException) -> None:
     elif not isinstance(error, (UserError, StoreUnavailable)):
         message = f"{type(error).__name__}: {error}".strip().splitlines()[0]
         lost_contact = any(hint in message.lower() for hint in LOST_PEER_HINTS)  # another rank went away first
-    note_failure(rank, message, lost_contact, step=failed_step(), user_error=isinstance(error, UserError))
+    user_error = isinstance(error, UserError) and not isinstance(error, PortInUse)  # a taken port is a fault
+    note_failure(rank, message, lost_contact, step=failed_step(), user_error=user_error)
 
 
 def exit_process(code: int) -> NoReturn:
