@@ -320,3 +320,19 @@ def test_a_rendezvous_port_another_process_took_is_noted_as_a_fault_and_a_spec_e
         note_rank_failure(error)
     notes = {note["rank"]: note for note in restarts.notes(tmp_path)}
     assert (notes[0]["user_error"], notes[1]["user_error"]) == (False, True)
+
+
+def test_a_rank_on_fewer_nodes_than_the_job_holds_is_a_misconfiguration_unless_the_supervisor_chose_them() -> None:
+    """A 1-rank job with a spare node holds 2 nodes and runs its step on one."""
+    from lance_hpc.errors import UserError
+    from lance_hpc.runtime.environment import detect
+
+    task = {
+        "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+        "SLURM_NTASKS": "1", "SLURM_STEP_NUM_TASKS": "1", "SLURM_JOB_NUM_NODES": "2", "SLURM_STEP_NUM_NODES": "1",
+        "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_STEP_NODELIST": "node1",
+    }  # fmt: skip
+    with pytest.raises(UserError, match="world size is 1 but the job holds 2 nodes"):
+        detect(task)
+    env = detect({**task, rank_attempt.ATTEMPT_VARIABLE: "0"})
+    assert (env.world_size, env.num_nodes, env.master_addr) == (1, 1, "node1")

@@ -33,6 +33,7 @@ from submitit.slurm.slurm import SlurmParseException, _parse_node_list
 
 from lance_hpc.errors import UserError
 from lance_hpc.launch.ports import port_for_job
+from lance_hpc.runtime.attempt import ATTEMPT_VARIABLE
 
 # Every SLURM variable this module reads, in one place (submitit's JobEnvironment._env does the same).
 SLURM_VARS = {
@@ -203,8 +204,9 @@ def _check_outside_srun(environ: Mapping[str, str]) -> None:
 
 
 def _check_single_task_on_many_nodes(environ: Mapping[str, str], world_size: int) -> None:
-    # a step's own nodes, where there is one: the job's may hold spares (slurm.spare_nodes)
-    nodes = _maybe_int(environ, SLURM_VARS["step_num_nodes"]) or _int(environ, SLURM_VARS["num_nodes"], 1)
+    nodes = _int(environ, SLURM_VARS["num_nodes"], 1)
+    if ATTEMPT_VARIABLE in environ:  # the restart supervisor chose the step's nodes: the others are spares
+        nodes = _maybe_int(environ, SLURM_VARS["step_num_nodes"]) or nodes
     if world_size == 1 and nodes > 1:
         raise UserError(
             f"world size is 1 but the job holds {nodes} nodes: all but one node would sit idle\n"
