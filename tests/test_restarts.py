@@ -89,8 +89,18 @@ def test_srun_and_the_ranks_notes_say_which_rank_or_node_failed_first(tmp_path: 
         "srun: error: node1: tasks 0,2-3: Exited with exit code 1",
     ):
         report.read(line)
-    assert report.first_task == Cause("killed", "was killed (srun: Killed)", 1, "node2")
+    assert report.first_task() == Cause("killed", "was killed (srun: Killed)", 1, "node2")
+    assert [task.rank for task in report.tasks] == [1, 0, 2, 3]
     assert attempt_cause(tmp_path, report, 137).describe() == "rank 1 on node2 was killed (srun: Killed)"
+
+    # a rank that lost contact with the dead one may exit before srun hears of the death
+    late = StepReport()
+    for line in ("srun: error: node1: task 0: Exited with exit code 1", "srun: error: node1: task 1: Killed"):
+        late.read(line)
+    assert late.first_task() == Cause("exit", "exited with exit code 1 (srun)", 0, "node1")
+    (tmp_path / "late").mkdir()
+    errors.note_failure(0, "lost contact", lost_contact=True, directory=str(tmp_path / "late"), host="node1")
+    assert attempt_cause(tmp_path / "late", late, 137) == Cause("killed", "was killed (srun: Killed)", 1, "node1")
 
     # a rank's own error beats srun's account of who exited; one that lost contact does not
     errors.note_failure(0, "lost contact", lost_contact=True, directory=str(tmp_path), host="node1")

@@ -44,7 +44,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 # What the ranks of an attempt read (lance_hpc.runtime.attempt and lance_hpc.errors name the same).
 FAILURE_DIR_VARIABLE = "LANCE_HPC_FAILURE_DIR"  # where each rank notes how it failed
@@ -225,7 +225,7 @@ class StepReport:
     """What srun said of a step's failures, in the order it said it."""
 
     failed_nodes: dict[str, str] = field(default_factory=dict)
-    first_task: Cause | None = None
+    tasks: list[Cause] = field(default_factory=list)  # each task srun named as failed, first first
     first_seen: float | None = None
 
     def read(self, line: str) -> None:
@@ -233,33 +233,53 @@ class StepReport:
         task = SRUN_TASKS.match(line)
         if node:
             self.failed_nodes.setdefault(node.group("host"), "srun reported a node failure")
-        elif task and self.first_task is None:
-            rank = int(re.split(r"[,-]", task.group("ranks"))[0])
+        elif task:
             what = task.group("what").strip()
-            killed = what.lower().startswith("killed") or "signal" in what.lower()
-            self.first_task = Cause(
-                "killed" if killed else "exit",
-                f"{'was killed' if killed else what.lower()} (srun: {what})",
-                rank,
-                task.group("host"),
-            )
+            # Killed, Segmentation fault, Aborted...: a signal ended it; "Exited with exit code N" did not
+            signalled = not what.lower().startswith("exited")
+            message = f"was killed (srun: {what})" if what.lower().startswith("killed") else f"{what[0].lower()}{what[1:]} (srun)"
+            for rank in _ranks(task.group("ranks")):
+                self.tasks.append(Cause("killed" if signalled else "exit", message, rank, task.group("host")))
         else:
             return
         if self.first_seen is None:
             self.first_seen = time.time()
 
+    def first_task(self, lost_contact: Collection[int] = ()) -> Cause | None:
+        """The task that most likely failed first: srun names tasks as it hears of them, and ranks
+        that lost contact with a dead one may exit before it is reported; those, and ranks ended
+        by srun's own SIGTERM (Terminated), come last."""
+
+        def consequence(task: Cause) -> bool:
+            return task.rank in lost_contact or task.message.startswith("terminated")
+
+        ordered = sorted(enumerate(self.tasks), key=lambda item: (consequence(item[1]), item[0]))
+        return ordered[0][1] if ordered else None
+
+
+def _ranks(text: str) -> list[int]:
+    """``0,2-3`` -> [0, 2, 3]."""
+    ranks: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        ranks += range(int(first), int(last or first) + 1)
+    return ranks
+
 
 def attempt_cause(note_dir: Path, report: StepReport, exit_code: int) -> Cause:
     """Why a step failed: a failed node first (its ranks' errors follow from it), then the rank
-    whose own error came first, then the first task srun named, then the exit code alone."""
+    whose own error came first, then the task srun named that did not only lose contact with
+    another, then the exit code alone."""
     if report.failed_nodes:
         host, why = next(iter(report.failed_nodes.items()))
         return Cause("node", why, host=host)
+    found = notes(note_dir)
     note = first_note(note_dir)
     if note is not None and not note["lost_contact"]:
         return cause_from_note(note)
-    if report.first_task is not None:
-        return report.first_task
+    task = report.first_task({int(note["rank"]) for note in found if note["lost_contact"]})
+    if task is not None:
+        return task
     return Cause("exit", f"srun exited with code {exit_code}")
 
 
