@@ -4,10 +4,12 @@ launcher's are torch and the data layer).
 
 - Local ranks get a port free on loopback now (:func:`free_port`).
 - A SLURM job's batch step, which runs on the node of rank 0, picks a port free there and exports
-  it for every task (:func:`master_port_lines`): the job-id port if nothing holds it, else a free
-  one drawn at random from the same range. On a shared node any job or service may hold the
-  job-id port; and the next port up would be the derived port of the next job, whose batch step,
-  on the same node at the same moment, would pick it too.
+  it for every task (:func:`master_port_lines`): the job's own port (drawn by its job id) if
+  nothing holds it, else a free one drawn at random from the same range, never one of the kernel's
+  ephemeral ports. On a shared node any job or service may hold the job's port; and the next port
+  up would be the port of the next job, whose batch step, on the same node at the same moment,
+  would pick it too. Rank 0 waits a little for a port taken in the moment between the two
+  (:func:`lance_hpc.runtime.environment.process_group`).
 - A task that finds no MASTER_PORT (a script of the user's own that skips the batch step's lines)
   falls back to the job-id port (:func:`port_for_job`), which every rank derives alike.
 """
@@ -26,12 +28,21 @@ PORTS_TRIED = 100
 
 # What the batch step runs, with the node's own python3 -I (isolated: no working directory on
 # sys.path, no PYTHON* variables, no site packages), so it needs neither lance_hpc nor the job's
-# environment, only the standard library; a container job's host has it too. It prints the job-id
-# port, or else one drawn at random, that nothing holds on any address: rank 0 listens on all of them.
+# environment, only the standard library; a container job's host has it too. It prints a port
+# that nothing holds on any address (rank 0 listens on all of them): the job's own port, one drawn
+# by the job id, unless something holds it, else one drawn at random. It draws only ports outside
+# the kernel's ephemeral range (ip_local_port_range): the kernel hands those to any outgoing
+# connection on the node at any moment, so one free now may be taken before rank 0 listens.
 PICK_PORT_PROGRAM = f"""\
 import errno, random, socket, sys
+low, high = {PORT_RANGE[0]}, {PORT_RANGE[1]}
 job = int("".join(c for c in sys.argv[1] if c.isdigit()) or 0)
-first = {PORT_RANGE[0]} + job % {PORT_RANGE[1] - PORT_RANGE[0]}
+try:
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as limits:
+        first_ephemeral, last_ephemeral = map(int, limits.read().split())
+except (OSError, ValueError):
+    first_ephemeral, last_ephemeral = high, high
+ports = [port for port in range(low, high) if not first_ephemeral <= port <= last_ephemeral] or list(range(low, high))
 def held(port):
     for family, address in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
         try:
@@ -41,8 +52,8 @@ def held(port):
             if error.errno in (errno.EADDRINUSE, errno.EACCES):
                 return True
     return False
-drawn = [random.randrange({PORT_RANGE[0]}, {PORT_RANGE[1]}) for _ in range({PORTS_TRIED})]
-print(next((port for port in [first, *drawn] if not held(port)), ""))
+tried = [ports[job % len(ports)], *random.sample(ports, min({PORTS_TRIED}, len(ports)))]
+print(next((port for port in tried if not held(port)), ""))
 """
 
 
