@@ -89,7 +89,8 @@ def save(
 
     ``sharded`` (saver, tensor state, in the background): the modules and optimizers are written
     by every rank into the shards ``step-N.dcp`` first (see :mod:`lance_hpc.checkpoint.sharded`),
-    and ``step-N.pt`` names them; in the background, rank 0 writes it when the shards are complete.
+    and ``step-N.pt`` names them; rank 0 writes it when the shards are complete, in the background
+    unless they went to object storage without ``checkpoint.async_save``.
     """
     ranks: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, {**rank_state, "rng": capture_rng()})
@@ -107,9 +108,8 @@ def save(
 
     if sharded is not None:
         saver, tensors, background = sharded
-        saver.save(tensors, directory, shards_name(step), publish, background)
-        if background:
-            return path
+        if saver.save(tensors, directory, shards_name(step), publish, background):
+            return path  # rank 0 publishes it in the background
     outcome: list[Any] = [None]  # (message, whether it is a UserError) when rank 0 failed
     if dist.get_rank() == 0:
         try:
