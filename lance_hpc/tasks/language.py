@@ -16,9 +16,9 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from lance_hpc.data.text import KIND_KEY, TOKEN_SEQUENCES_KIND, TOKENS_COLUMN, TokenInfo
 from lance_hpc.errors import UserError
 from lance_hpc.imports import is_import_path, load_callable
+from lance_hpc.ingest.text import KIND_KEY, TOKEN_SEQUENCES_KIND, TOKENS_COLUMN, TokenInfo
 from lance_hpc.tasks.base import (
     Batch,
     DatasetInfo,

@@ -15,7 +15,7 @@ row):
 
 Row ids are dataset row offsets (0..rows-1 across fragments in order, deleted rows excluded), the
 ids ``LanceDataset.take`` accepts. An epoch resumed at another world size is planned in
-:mod:`lance_hpc.data.resume`.
+:mod:`lance_hpc.loading.resume`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Token sequences for a language model: the tokenizer and what a dataset's metadata says.
 
-A token-sequence dataset (written by an ingest of a text source, :mod:`lance_hpc.data.packing`)
+A token-sequence dataset (written by an ingest of a text source, :mod:`lance_hpc.ingest.packing`)
 has one column, ``tokens``: a fixed-size list of ``sequence_length + 1`` uint16 (int32 when the
 vocabulary does not fit). Its schema metadata (the ``*_KEY`` constants) holds what a reader
 needs, bytes per token included (for bits per byte). Tokenizers: ``bytes`` (UTF-8 bytes, EOD 256),
-``hf:<tokenizer.json>`` (:mod:`lance_hpc.data.tokenizer`) or an import path
+``hf:<tokenizer.json>`` (:mod:`lance_hpc.ingest.tokenizer`) or an import path
 ``package.module:factory`` returning an object with ``encode(text)``, ``vocab_size`` and optionally
 ``eod_id``.
 """
@@ -16,9 +16,9 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from lance_hpc.data.tokenizer import encoder, load_hf
 from lance_hpc.errors import UserError
 from lance_hpc.imports import is_import_path, load_callable
+from lance_hpc.ingest.tokenizer import encoder, load_hf
 
 TOKENS_COLUMN = "tokens"
 KIND_KEY = b"lance_hpc.kind"

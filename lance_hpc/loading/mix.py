@@ -32,9 +32,9 @@ from typing import Any, Sequence
 import numpy as np
 import pyarrow as pa
 
-from lance_hpc.data.reader import BatchReader
-from lance_hpc.data.sampling import FragmentTable, block_order
 from lance_hpc.errors import UserError
+from lance_hpc.loading.reader import BatchReader
+from lance_hpc.loading.sampling import FragmentTable, block_order
 from lance_hpc.spec import DataSpec, MixSource
 from lance_hpc.storage.datasets import ReadStats
 

@@ -15,9 +15,9 @@ from typing import Callable, Iterator
 import numpy as np
 from torch.utils.data import Dataset, Sampler
 
-from lance_hpc.data.reader import BatchReader
-from lance_hpc.data.sampling import read_hints
-from lance_hpc.data.transport import SharedBatch
+from lance_hpc.loading.reader import BatchReader
+from lance_hpc.loading.sampling import read_hints
+from lance_hpc.loading.transport import SharedBatch
 from lance_hpc.storage.datasets import ReadStats
 from lance_hpc.tasks.base import Batch
 

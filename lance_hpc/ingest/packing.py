@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from lance_hpc.data.text import (
+from lance_hpc.errors import UserError
+from lance_hpc.ingest.text import (
     BYTES_PER_TOKEN_KEY,
     DOCUMENTS_KEY,
     EOD_ID_KEY,
@@ -29,7 +30,6 @@ from lance_hpc.data.text import (
     VOCAB_SIZE_KEY,
     Tokenizer,
 )
-from lance_hpc.errors import UserError
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ data.uri, its outputs written as new columns, or its metrics reported.
 The model is the latest checkpoint in ``infer.checkpoint`` (a training job's checkpoint.dir), built
 by the spec's task and read with the task's evaluation decoder, so rows are prepared as they were
 for validation; or ``infer.function`` (given the model, or None). Each rank takes its share of the
-pinned version's fragments (:mod:`lance_hpc.data.new_columns`), reads each fragment's rows in
+pinned version's fragments (:mod:`lance_hpc.writeback.new_columns`), reads each fragment's rows in
 order through the data layer's workers, runs the model under ``torch.inference_mode`` (bf16
 autocast on GPU when train.precision says so; pinned memory, non-blocking copies, channels-last as
 the task prepares it) and writes the fragment's new column file. Like the ingest job, the ranks share
@@ -23,15 +23,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from lance_hpc import data
+from lance_hpc import loading
 from lance_hpc.checkpoint import resuming
 from lance_hpc.checkpoint.export import model_state
-from lance_hpc.data import column_swap, new_columns
-from lance_hpc.data.loader import RowsLoader
-from lance_hpc.data.new_columns import ColumnPlan, FragmentRecord, Records
-from lance_hpc.data.units import wait_for_all
 from lance_hpc.errors import UserError
 from lance_hpc.imports import load_callable
+from lance_hpc.ingest.units import wait_for_all
+from lance_hpc.loading.loader import RowsLoader
 from lance_hpc.runtime.context import Summary, precision_context
 from lance_hpc.runtime.environment import DistEnv, configure_process, select_device
 from lance_hpc.runtime.metrics import build_logger
@@ -42,6 +40,8 @@ from lance_hpc.storage.files import write_file
 from lance_hpc.storage.options import storage_options
 from lance_hpc.tasks import ROW_ID, Task
 from lance_hpc.tasks.base import Batch
+from lance_hpc.writeback import column_swap, new_columns
+from lance_hpc.writeback.new_columns import ColumnPlan, FragmentRecord, Records
 
 # How often rank 0 looks for the other ranks' fragment records while it waits to commit.
 POLL_S = 2.0
@@ -88,7 +88,7 @@ def run_infer(spec: JobSpec, env: DistEnv, preemption: Preemption, requeue: Requ
         if env.is_main:
             print(f"already committed: {spec.data.uri} version {committed} ({name}); nothing to do", flush=True)
         return Summary("completed", 0, 0, None)
-    task = data.load_task(spec)
+    task = loading.load_task(spec)
     check_task_inputs(spec, task)
     model = load_model(spec, task, device)
     plan = new_columns.start(
@@ -301,7 +301,7 @@ def check_infer(spec: JobSpec, world_size: int | None = None) -> str:
     if committed is not None and new_columns.stale_commit(dataset, spec.infer.outputs, committed) is None:
         return f"already committed by an earlier run of this job: {spec.data.uri} version {committed} ({model})"
     if spec.job == "infer":
-        check_task_inputs(spec, data.load_task(spec))  # before any rank starts: one error, not one per rank
+        check_task_inputs(spec, loading.load_task(spec))  # before any rank starts: one error, not one per rank
     if spec.job == "infer" and (records.pinned() is None or committed is not None):
         column_swap.check_columns(dataset, spec.data.uri, spec.infer.outputs, spec.infer.overwrite)
     plan = new_columns.plan_at(spec.data.uri, options, int(dataset.version), spec.infer.outputs, run, spec.infer.filter)

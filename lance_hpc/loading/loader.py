@@ -1,6 +1,6 @@
 """The loaders the trainer uses: :func:`build_train_loader` and :func:`build_eval_loader`.
 
-Workers fork from a server process that imported torch once (:mod:`lance_hpc.data.workers`), open the
+Workers fork from a server process that imported torch once (:mod:`lance_hpc.loading.workers`), open the
 dataset lazily with the full options, run one intra-op thread each, and persist across epochs.
 Both take the task's worker half (a :class:`~lance_hpc.tasks.base.Decoder`) and yield batches as
 dicts of tensors, each with a ``row_id`` field. The train loader yields exactly
@@ -16,15 +16,15 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from lance_hpc.data.iterable import LanceIterableDataset
-from lance_hpc.data.mapstyle import BatchRequest, LanceMapDataset, PlanBatchSampler
-from lance_hpc.data.mix import MixPart, MixPlanner, MixReader, MixSchedule, epoch_rows, mix_steps, source_name
-from lance_hpc.data.reader import BatchReader
-from lance_hpc.data.resume import EpochOrigin, ResumedEpoch, Segment, remainder_share_rows, rows_read
-from lance_hpc.data.sampling import DataPlan, epoch_planner, eval_batches, plan_from_table, read_hints
-from lance_hpc.data.selection import select_training_rows
-from lance_hpc.data.workers import data_loader, stop_workers_after_failure, worker_context
 from lance_hpc.errors import UserError
+from lance_hpc.loading.iterable import LanceIterableDataset
+from lance_hpc.loading.mapstyle import BatchRequest, LanceMapDataset, PlanBatchSampler
+from lance_hpc.loading.mix import MixPart, MixPlanner, MixReader, MixSchedule, epoch_rows, mix_steps, source_name
+from lance_hpc.loading.reader import BatchReader
+from lance_hpc.loading.resume import EpochOrigin, ResumedEpoch, Segment, remainder_share_rows, rows_read
+from lance_hpc.loading.sampling import DataPlan, epoch_planner, eval_batches, plan_from_table, read_hints
+from lance_hpc.loading.selection import select_training_rows
+from lance_hpc.loading.workers import data_loader, stop_workers_after_failure, worker_context
 from lance_hpc.spec import DataSpec, JobSpec
 from lance_hpc.storage.datasets import ReadStats, open_dataset
 from lance_hpc.storage.options import storage_options
@@ -74,7 +74,7 @@ class TrainLoader:
     Every rank yields exactly :attr:`steps_per_epoch` batches per epoch (computed from fragment
     metadata, the same on every rank); a short read is an error, never a silent early stop.
     Restored from a position saved at another world size or batch size, it reads the rest of the
-    interrupted epoch exactly once (:class:`~lance_hpc.data.resume.ResumedEpoch`), then plans
+    interrupted epoch exactly once (:class:`~lance_hpc.loading.resume.ResumedEpoch`), then plans
     the following epochs for its own layout.
     """
 
@@ -308,7 +308,7 @@ class TrainLoader:
 
 class MixLoader(TrainLoader):
     """This rank's training batches of a weighted mix of datasets (``data.mix``; the semantics are
-    in :mod:`lance_hpc.data.mix`). Row ids carry their source (:func:`~lance_hpc.data.mix.source_of`).
+    in :mod:`lance_hpc.loading.mix`). Row ids carry their source (:func:`~lance_hpc.loading.mix.source_of`).
     Its position is the rows drawn over all ranks, so it resumes at any world size or batch size,
     and with new weights."""
 

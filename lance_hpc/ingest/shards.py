@@ -12,7 +12,7 @@ shard yields Arrow record batches whose columns follow the spec's column mapping
 (encoded bytes), ``label`` (int64), ``text`` (string), ``key`` (the sample's key, the file's path
 under the source's directory, or the file and row it came from), and every other field of the
 source under its own name and Arrow type. Records are read within bounds (a record size, the fields
-of a sample): see :mod:`lance_hpc.data.reading` and :mod:`lance_hpc.data.webdataset`.
+of a sample): see :mod:`lance_hpc.ingest.reading` and :mod:`lance_hpc.ingest.webdataset`.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ import pyarrow.fs as pafs
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
-from lance_hpc.data.reading import BATCH_BYTES, BATCH_ROWS, TOO_BIG_FIX, Reading
-from lance_hpc.data.webdataset import webdataset_batches
 from lance_hpc.errors import UserError
+from lance_hpc.ingest.reading import BATCH_BYTES, BATCH_ROWS, TOO_BIG_FIX, Reading
+from lance_hpc.ingest.webdataset import webdataset_batches
 from lance_hpc.spec.choices import INGEST_COLUMNS, SHARD_FORMATS, STDLIB_SOURCE, check_registry
 from lance_hpc.spec.limits import DEFAULT_RECORD_MB
 from lance_hpc.storage.options import filesystem_arguments

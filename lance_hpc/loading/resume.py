@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lance_hpc.data.sampling import EpochRequest, FragmentTable, cyclic, rank_share, strategy_function
+from lance_hpc.loading.sampling import EpochRequest, FragmentTable, cyclic, rank_share, strategy_function
 
 
 @dataclass(frozen=True)

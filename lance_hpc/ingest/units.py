@@ -19,7 +19,7 @@ from typing import Any, Callable, Generic, Mapping, TypeVar
 
 import pyarrow.fs as pafs
 
-from lance_hpc.data.target import filesystem
+from lance_hpc.ingest.target import filesystem
 from lance_hpc.storage.files import write_file
 
 Record = TypeVar("Record")

@@ -18,8 +18,8 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import pyarrow as pa
 
-from lance_hpc.data.reading import BATCH_BYTES, BATCH_ROWS, TOO_BIG_FIX, Reading
 from lance_hpc.errors import UserError
+from lance_hpc.ingest.reading import BATCH_BYTES, BATCH_ROWS, TOO_BIG_FIX, Reading
 
 TAR_BLOCK = 512
 # The most bytes one read of the stream asks for: a member's data is gathered from such chunks.

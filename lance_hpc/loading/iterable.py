@@ -15,9 +15,9 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from lance_hpc.data.reader import BatchReader
-from lance_hpc.data.sampling import read_hints, worker_steps
-from lance_hpc.data.transport import SharedBatch
+from lance_hpc.loading.reader import BatchReader
+from lance_hpc.loading.sampling import read_hints, worker_steps
+from lance_hpc.loading.transport import SharedBatch
 from lance_hpc.storage.datasets import ReadStats
 from lance_hpc.tasks.base import Batch
 

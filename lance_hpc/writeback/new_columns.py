@@ -11,7 +11,7 @@ An evaluation job records each fragment's metric sums the same way and writes no
 The version is pinned in ``started.json`` by rank 0 at the first start; the other ranks wait for
 it. A column an ``overwrite`` replaces stays in the dataset until the commit: its new values are
 written under a temporary name, and the commit both removes the old column and names the new one
-(:mod:`lance_hpc.data.column_swap`), so a failed job leaves the latest version as it was. If the
+(:mod:`lance_hpc.writeback.column_swap`), so a failed job leaves the latest version as it was. If the
 dataset moves on before the commit, the commit is refused with what changed: the new columns were
 computed for the pinned version's rows, and are never mixed into another's. A record of a commit
 counts only while the dataset still has what it names; otherwise the run starts over.
@@ -30,12 +30,12 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from lance_hpc.checkpoint.manifests import latest
-from lance_hpc.data import column_swap
-from lance_hpc.data.units import UnitRecords, balanced
 from lance_hpc.errors import UserError
+from lance_hpc.ingest.units import UnitRecords, balanced
 from lance_hpc.spec import JobSpec
 from lance_hpc.storage.datasets import open_dataset
 from lance_hpc.storage.options import storage_options
+from lance_hpc.writeback import column_swap
 
 # How often a rank waits for rank 0's pinned version, and for how long at most.
 WAIT_S, WAIT_LIMIT_S = 0.5, 600.0
@@ -80,7 +80,7 @@ class ColumnPlan:
     probes: frozenset[int] = frozenset()
 
     def assignment(self, world_size: int) -> list[list[int]]:
-        """Fragment indices per rank, balanced by rows (:func:`~lance_hpc.data.units.balanced`)."""
+        """Fragment indices per rank, balanced by rows (:func:`~lance_hpc.ingest.units.balanced`)."""
         return balanced([fragment.rows for fragment in self.fragments], world_size)
 
     def batches(self, indices: Iterable[int], batch_size: int) -> list[np.ndarray]:

@@ -1,6 +1,6 @@
 """Ingest as a job of many workers: each writes Lance fragments for its shards, one commit at the end.
 
-The plan: the source's shards (:mod:`lance_hpc.data.shards`) in a stable order, split between the
+The plan: the source's shards (:mod:`lance_hpc.ingest.shards`) in a stable order, split between the
 workers by size (the biggest shard first, to the worker with the least so far), and a run id that
 names this ingest (source, shards, columns, split, targets). Each worker writes its shards' rows
 straight into the target's data directory (``lance.fragment.write_fragments``: files no reader
@@ -10,14 +10,14 @@ record. The commit takes every shard's fragments once, in the plan's order, as o
 dataset (a new dataset; a new version with ``overwrite``; more rows with ``append``): the dataset
 appears whole or not at all, and its rows are in the same order whatever the number of workers or
 interruptions. Each split's commit carries the run id and is recorded as it lands
-(:mod:`lance_hpc.data.ingest_commits`): a rerun after a crash between the commits commits only what
+(:mod:`lance_hpc.ingest.commits`): a rerun after a crash between the commits commits only what
 is missing, and records that name what the datasets no longer hold make the run start over.
 
 The validation split is by a hash of each row's key (the sample key, the file's path, or the file
 and row), so a row lands in the same split whatever the worker count. Images are checked as they
-are read (:mod:`lance_hpc.data.image_check`): ``width`` and ``height`` are stored, and an unreadable,
+are read (:mod:`lance_hpc.ingest.image_check`): ``width`` and ``height`` are stored, and an unreadable,
 truncated or oversized image is skipped and counted, or fails the ingest with ``on_corrupt: fail``.
-Text is tokenised and packed into sequences as it is read (:mod:`lance_hpc.data.packing`) when the
+Text is tokenised and packed into sequences as it is read (:mod:`lance_hpc.ingest.packing`) when the
 plan has ``tokens``: the split is then by document, and the figures of the split (documents, bytes
 per token) are combined from the shard records at the commit.
 """
@@ -36,8 +36,9 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from lance_hpc.data.image_check import ENCODED_BYTES, MAX_PIXELS, image_size
-from lance_hpc.data.ingest_commits import (
+from lance_hpc.errors import ExitCode, UserError
+from lance_hpc.imports import child_environment, python_command
+from lance_hpc.ingest.commits import (
     COMMITTED_FILE,
     landed_splits,
     properties,
@@ -47,7 +48,8 @@ from lance_hpc.data.ingest_commits import (
     stale_records,
     start_over,
 )
-from lance_hpc.data.packing import (
+from lance_hpc.ingest.image_check import ENCODED_BYTES, MAX_PIXELS, image_size
+from lance_hpc.ingest.packing import (
     Packer,
     Tokens,
     rows_batch,
@@ -55,8 +57,8 @@ from lance_hpc.data.packing import (
     too_short,
     with_split_figures,
 )
-from lance_hpc.data.reading import Reading
-from lance_hpc.data.shards import (
+from lance_hpc.ingest.reading import Reading
+from lance_hpc.ingest.shards import (
     FILES_PER_SHARD,
     ColumnMap,
     Shard,
@@ -72,7 +74,7 @@ from lance_hpc.data.shards import (
     split_of,
     text_batches,
 )
-from lance_hpc.data.target import (
+from lance_hpc.ingest.target import (
     CLASS_NAMES_KEY,
     COMMAND_LINE_NAMES,
     SPEC_NAMES,
@@ -81,10 +83,8 @@ from lance_hpc.data.target import (
     filesystem,
     targets,
 )
-from lance_hpc.data.text import BYTES_PER_TOKEN_KEY, DOCUMENTS_KEY, KIND_KEY, Tokenizer, load_tokenizer
-from lance_hpc.data.units import UnitRecords, balanced
-from lance_hpc.errors import ExitCode, UserError
-from lance_hpc.imports import child_environment, python_command
+from lance_hpc.ingest.text import BYTES_PER_TOKEN_KEY, DOCUMENTS_KEY, KIND_KEY, Tokenizer, load_tokenizer
+from lance_hpc.ingest.units import UnitRecords, balanced
 from lance_hpc.spec.limits import DEFAULT_RECORD_MB
 from lance_hpc.storage.datasets import dataset_exists, open_dataset
 from lance_hpc.storage.options import storage_options
@@ -150,7 +150,7 @@ class Plan:
         return set(self.landed) == set(self.targets())
 
     def assignment(self, world_size: int) -> list[list[int]]:
-        """Shard indices per worker, balanced by bytes (:func:`~lance_hpc.data.units.balanced`)."""
+        """Shard indices per worker, balanced by bytes (:func:`~lance_hpc.ingest.units.balanced`)."""
         return balanced([shard.bytes for shard in self.shards], world_size)
 
     @property

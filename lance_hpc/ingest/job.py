@@ -3,7 +3,7 @@ commits once all are recorded.
 
 The ranks share no collective: shards differ in size, so ranks finish at different times, and a
 barrier would time out on a big shard. They coordinate through what they record beside the target
-(:mod:`lance_hpc.data.shard_ingest`): rank 0, once its own shards are written, waits until every
+(:mod:`lance_hpc.ingest.shard_ingest`): rank 0, once its own shards are written, waits until every
 shard has a record, then commits. SLURM does the rest: it starts the ranks, stops the job step if
 one fails, and requeues. A stop signal is honoured at a shard boundary: the shard in hand is
 finished and recorded, and USR2 requeues the job (rank 0 asks SLURM), whose next run writes only
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from lance_hpc.data.shard_ingest import (
+from lance_hpc.ingest.shard_ingest import (
     Plan,
     Records,
     ShardRecord,
@@ -27,7 +27,7 @@ from lance_hpc.data.shard_ingest import (
     shard_summary,
     stale_parts,
 )
-from lance_hpc.data.units import wait_for_all
+from lance_hpc.ingest.units import wait_for_all
 from lance_hpc.runtime.context import Summary
 from lance_hpc.runtime.environment import DistEnv
 from lance_hpc.runtime.preemption import Preemption, Requeue, after_preemption

@@ -1,4 +1,4 @@
-"""``python -m lance_hpc.ingest``: see :mod:`lance_hpc.data.ingest`.
+"""``python -m lance_hpc.ingest``: see :mod:`lance_hpc.ingest.dataset`.
 
 ``lance-hpc ingest --nproc N`` starts its workers this way. USR1 (a profiler trace, asked of a
 SLURM job with ``scancel --signal=USR1``, which signals every process of the job) is not theirs:
@@ -11,6 +11,6 @@ import sys
 if __name__ == "__main__":
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
-    from lance_hpc.data.ingest import main
+    from lance_hpc.ingest.dataset import main
 
     sys.exit(main())

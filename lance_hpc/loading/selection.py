@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from lance_hpc.data.mix import pinned_mix
-from lance_hpc.data.reader import fragment_table
-from lance_hpc.data.sampling import FragmentTable
 from lance_hpc.errors import UserError
+from lance_hpc.loading.mix import pinned_mix
+from lance_hpc.loading.reader import fragment_table
+from lance_hpc.loading.sampling import FragmentTable
 from lance_hpc.spec import DataSpec
 from lance_hpc.storage.datasets import Dataset, open_dataset
 from lance_hpc.storage.retry import retrying

@@ -25,7 +25,7 @@ and ``torchvision:<Name>:<root>`` (a torchvision dataset already on disk, opened
 ``download=False``: Food101, CIFAR10/100, ...; its official test split becomes the validation set).
 Every other source (``imagefolder:``, ``text:``, ``python-stdlib``, ``parquet:``, ``jsonl:``,
 ``webdataset:``, ``hf:``) is split into shards and written by one or many workers: see
-:mod:`lance_hpc.data.shard_ingest`.
+:mod:`lance_hpc.ingest.shard_ingest`.
 """
 
 from __future__ import annotations
@@ -42,12 +42,13 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import pyarrow as pa
 
-from lance_hpc.data import sources
-from lance_hpc.data.image_check import ENCODED_BYTES
-from lance_hpc.data.shard_ingest import ingest_here, ingest_shards_command
-from lance_hpc.data.shards import is_shard_source
-from lance_hpc.data.sources import ImageSource
-from lance_hpc.data.target import (
+from lance_hpc.errors import ExitCode, UserError
+from lance_hpc.ingest import sources
+from lance_hpc.ingest.image_check import ENCODED_BYTES
+from lance_hpc.ingest.shard_ingest import ingest_here, ingest_shards_command
+from lance_hpc.ingest.shards import is_shard_source
+from lance_hpc.ingest.sources import ImageSource
+from lance_hpc.ingest.target import (
     CLASS_NAMES_KEY,
     COMMAND_LINE_NAMES,
     SPEC_NAMES,
@@ -60,7 +61,6 @@ from lance_hpc.data.target import (
     targets,
     write_lance,
 )
-from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.spec import IngestSpec, load_spec
 from lance_hpc.spec.limits import DEFAULT_RECORD_MB, MAX_PIXELS, MAX_SAMPLE_FIELDS
 from lance_hpc.spec.problems import option_problems

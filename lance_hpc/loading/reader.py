@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 import torch
 
-from lance_hpc.data.sampling import FragmentTable
-from lance_hpc.data.transport import SharedBatch, worker_pool
 from lance_hpc.errors import UserError
+from lance_hpc.loading.sampling import FragmentTable
+from lance_hpc.loading.transport import SharedBatch, worker_pool
 from lance_hpc.storage.cache import open_cache
 from lance_hpc.storage.datasets import Dataset, ReadStats, open_dataset
 from lance_hpc.storage.integrity import explain_read_error
@@ -143,7 +143,7 @@ class BatchReader:
 
         In a DataLoader worker (and with ``shared``) the batch is written into one of the worker's
         shared buffers and reaches the main process as that same pair (see
-        :mod:`lance_hpc.data.transport`)."""
+        :mod:`lance_hpc.loading.transport`)."""
         ids = np.asarray(row_ids, dtype=np.int64)
         unique, inverse = np.unique(ids, return_inverse=True)  # sorted: Lance reads in file order
         if window is None:

@@ -11,18 +11,18 @@ import sys
 from dataclasses import replace
 from typing import Sequence
 
-from lance_hpc.data.ingest import resolve_source
-from lance_hpc.data.mix import MixPart, epoch_rows, mix_steps, probabilities, source_name
-from lance_hpc.data.sampling import (
+from lance_hpc.errors import ExitCode, UserError
+from lance_hpc.ingest.dataset import resolve_source
+from lance_hpc.ingest.shard_ingest import estimate_rows, plan_for_data
+from lance_hpc.ingest.shards import is_shard_source
+from lance_hpc.loading.mix import MixPart, epoch_rows, mix_steps, probabilities, source_name
+from lance_hpc.loading.sampling import (
     DataPlan,
     FragmentTable,
     eval_batches,
     plan_from_table,
 )
-from lance_hpc.data.selection import select_training_rows
-from lance_hpc.data.shard_ingest import estimate_rows, plan_for_data
-from lance_hpc.data.shards import is_shard_source
-from lance_hpc.errors import ExitCode, UserError
+from lance_hpc.loading.selection import select_training_rows
 from lance_hpc.spec import DataSpec, load_spec
 from lance_hpc.storage.datasets import dataset_exists, open_dataset, preflight_uri
 from lance_hpc.storage.integrity import check_data_files

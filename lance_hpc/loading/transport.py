@@ -69,7 +69,7 @@ class Buffer:
 class SharedBatch:
     """A batch written into a worker's buffer. Sent to the main process, it arrives as the pair
     ``(fields, stats)``: a dict of tensors over the same memory, and what reading it took
-    (a small picklable record, :class:`lance_hpc.data.reader.ReadStats`)."""
+    (a small picklable record, :class:`lance_hpc.loading.reader.ReadStats`)."""
 
     def __init__(self, buffer: Buffer, placed: Layout, rows: int) -> None:
         self.buffer = buffer

@@ -20,7 +20,8 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from lance_hpc.data.shards import (
+from lance_hpc.errors import ExitCode, UserError
+from lance_hpc.ingest.shards import (
     ColumnMap,
     document_texts,
     is_shard_source,
@@ -29,7 +30,6 @@ from lance_hpc.data.shards import (
     split_of,
     text_batches,
 )
-from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.storage.files import write_file
 
 # End-of-document tokens, in the order one is looked for in a loaded vocabulary.

@@ -19,8 +19,8 @@ from typing import Any, Iterable, Mapping
 
 import pyarrow.fs as pafs
 
-from lance_hpc.data.target import Target, filesystem
-from lance_hpc.data.units import UnitRecords
+from lance_hpc.ingest.target import Target, filesystem
+from lance_hpc.ingest.units import UnitRecords
 from lance_hpc.storage.datasets import dataset_exists, open_dataset
 
 RUN_PROPERTY = "lance_hpc.ingest.run"

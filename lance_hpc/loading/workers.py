@@ -18,8 +18,8 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import DataLoader
 
-from lance_hpc.data.reader import keep_batch
 from lance_hpc.imports import SAFE_PATH_VARIABLE
+from lance_hpc.loading.reader import keep_batch
 from lance_hpc.runtime.preemption import PREEMPTION_SIGNALS, PROFILE_SIGNAL
 from lance_hpc.runtime.watchdog import init_worker_dumps
 from lance_hpc.spec import DataSpec
