@@ -16,7 +16,7 @@ import lance
 import pytest
 
 from lance_hpc.ingest.dataset import main as ingest_main
-from lance_hpc.spec.limits import MAX_SAMPLE_FIELDS
+from lance_hpc.limits import MAX_SAMPLE_FIELDS
 from tests.support.shards import digit_rows
 
 REPO = Path(__file__).resolve().parent.parent

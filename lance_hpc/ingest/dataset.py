@@ -49,7 +49,6 @@ from lance_hpc.ingest.shard_ingest import ingest_here, ingest_shards_command
 from lance_hpc.ingest.shards import is_shard_source
 from lance_hpc.ingest.sources import ImageSource
 from lance_hpc.ingest.target import (
-    CLASS_NAMES_KEY,
     COMMAND_LINE_NAMES,
     SPEC_NAMES,
     Ingested,
@@ -61,11 +60,12 @@ from lance_hpc.ingest.target import (
     targets,
     write_lance,
 )
+from lance_hpc.limits import DEFAULT_RECORD_MB, MAX_PIXELS, MAX_SAMPLE_FIELDS
 from lance_hpc.spec import IngestSpec, load_spec
-from lance_hpc.spec.limits import DEFAULT_RECORD_MB, MAX_PIXELS, MAX_SAMPLE_FIELDS
 from lance_hpc.spec.problems import option_problems
 from lance_hpc.storage.datasets import dataset_exists
 from lance_hpc.storage.options import storage_options
+from lance_hpc.tasks.formats import CLASS_NAMES_KEY
 
 WRITE_CHUNK_ROWS = 256
 # Options that are fields of data.ingest too: held to the same bounds.

@@ -1,7 +1,7 @@
 """Images checked as they are ingested: the header read for the width and height, the end of the
 file checked for truncation, and a pixel limit. No pixel is decoded, so the check costs a small
 fraction of a decode; what it cannot read is skipped and counted (or fails the ingest). The pixel
-limit is the decoder's (:data:`~lance_hpc.spec.limits.MAX_PIXELS`): an image ingest keeps is one
+limit is the decoder's (:data:`~lance_hpc.limits.MAX_PIXELS`): an image ingest keeps is one
 training can decode."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import warnings
 
 from PIL import Image
 
-from lance_hpc.spec.limits import MAX_PIXELS
+from lance_hpc.limits import MAX_PIXELS
 
 # Lance field metadata for encoded images: stored as they are. JPEG, PNG and WebP bytes do not
 # compress, and trying costs Lance's writer most of its time (about 5x on the benchmark's photos).

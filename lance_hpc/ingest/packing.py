@@ -17,7 +17,8 @@ import numpy as np
 import pyarrow as pa
 
 from lance_hpc.errors import UserError
-from lance_hpc.ingest.text import (
+from lance_hpc.ingest.tokenizer import Tokenizer
+from lance_hpc.tasks.formats import (
     BYTES_PER_TOKEN_KEY,
     DOCUMENTS_KEY,
     EOD_ID_KEY,
@@ -28,7 +29,6 @@ from lance_hpc.ingest.text import (
     TOKENIZER_KEY,
     TOKENS_COLUMN,
     VOCAB_SIZE_KEY,
-    Tokenizer,
 )
 
 

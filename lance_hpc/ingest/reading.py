@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lance_hpc.errors import UserError
-from lance_hpc.spec.limits import MAX_SAMPLE_FIELDS
+from lance_hpc.limits import MAX_SAMPLE_FIELDS
 
 # Rows per record batch a shard is read in: bounded memory whatever the shard's size.
 BATCH_ROWS = 256

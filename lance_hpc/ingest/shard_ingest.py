@@ -75,7 +75,6 @@ from lance_hpc.ingest.shards import (
     text_batches,
 )
 from lance_hpc.ingest.target import (
-    CLASS_NAMES_KEY,
     COMMAND_LINE_NAMES,
     SPEC_NAMES,
     Target,
@@ -83,11 +82,12 @@ from lance_hpc.ingest.target import (
     filesystem,
     targets,
 )
-from lance_hpc.ingest.text import BYTES_PER_TOKEN_KEY, DOCUMENTS_KEY, KIND_KEY, Tokenizer, load_tokenizer
+from lance_hpc.ingest.tokenizer import Tokenizer, load_tokenizer
 from lance_hpc.ingest.units import UnitRecords, balanced
-from lance_hpc.spec.limits import DEFAULT_RECORD_MB
+from lance_hpc.limits import DEFAULT_RECORD_MB
 from lance_hpc.storage.datasets import dataset_exists, open_dataset
 from lance_hpc.storage.options import storage_options
+from lance_hpc.tasks.formats import BYTES_PER_TOKEN_KEY, CLASS_NAMES_KEY, DOCUMENTS_KEY, KIND_KEY
 
 MODES = ("create", "append", "overwrite")
 # Seconds between progress lines of a local run with several workers.

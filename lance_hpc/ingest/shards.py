@@ -33,8 +33,8 @@ import pyarrow.parquet as pq
 from lance_hpc.errors import UserError
 from lance_hpc.ingest.reading import BATCH_BYTES, BATCH_ROWS, TOO_BIG_FIX, Reading
 from lance_hpc.ingest.webdataset import webdataset_batches
+from lance_hpc.limits import DEFAULT_RECORD_MB
 from lance_hpc.spec.choices import INGEST_COLUMNS, SHARD_FORMATS, STDLIB_SOURCE, check_registry
-from lance_hpc.spec.limits import DEFAULT_RECORD_MB
 from lance_hpc.storage.options import filesystem_arguments
 
 FORMATS = ("parquet", "jsonl", "webdataset", "hf", "imagefolder", "text")

@@ -34,8 +34,6 @@ log = logging.getLogger("lance_hpc.data")
 # object store an interrupted or lost create leaves these, and a later create may go on beside them.
 UNCOMMITTED_LANCE_FILES = {"data": ".lance", "_transactions": ".txn"}
 ENTRIES_SHOWN = 5
-# Schema metadata of an image dataset: the class names as JSON (image_classification reads them).
-CLASS_NAMES_KEY = b"class_names"
 # A local dataset is written to the hidden sibling ".NAME" + PARTIAL_INFIX + 8 hex digits; one older
 # than LEFTOVER_AGE_S when the same target is ingested again was left by a killed ingest.
 PARTIAL_INFIX = ".partial-"

@@ -1,4 +1,8 @@
-"""Real tokenizers for text ingest: a Hugging Face ``tokenizers`` file, and training one offline.
+"""The tokenizers of a text ingest, by name, and training one offline.
+
+``tokenizer:`` (or ``--tokenizer``) names ``bytes`` (UTF-8 bytes, EOD 256), ``hf:<tokenizer.json>``
+or an import path ``package.module:factory`` returning an object with ``encode(text)``,
+``vocab_size`` and optionally ``eod_id`` (:func:`load_tokenizer`).
 
 ``tokenizer: hf:path/to/tokenizer.json`` (or ``--tokenizer hf:...``) loads any ``tokenizer.json``
 the ``tokenizers`` library reads (GPT-2's, Llama's, one trained here). Its end-of-document id is
@@ -15,12 +19,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
 from lance_hpc.errors import ExitCode, UserError
+from lance_hpc.imports import is_import_path, load_callable
 from lance_hpc.ingest.shards import (
     ColumnMap,
     document_texts,
@@ -65,6 +71,63 @@ def encoder(loaded: object) -> Callable[[str], np.ndarray]:
         return np.asarray(loaded.encode(text, add_special_tokens=False).ids, dtype=np.int64)  # type: ignore[attr-defined]
 
     return encode
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    """A loaded tokenizer: ``encode`` returns a 1-D array of ids below ``vocab_size`` (EOD included)."""
+
+    name: str
+    encode: Callable[[str], np.ndarray]
+    vocab_size: int
+    eod_id: int
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(np.uint16 if self.vocab_size <= 1 << 16 else np.int32)
+
+
+def _bytes_tokenizer() -> Tokenizer:
+    return Tokenizer("bytes", lambda text: np.frombuffer(text.encode("utf-8"), np.uint8), vocab_size=257, eod_id=256)
+
+
+TOKENIZERS: dict[str, Callable[[], Tokenizer]] = {"bytes": _bytes_tokenizer}
+
+
+def load_tokenizer(name: str) -> Tokenizer:
+    """The tokenizer ``name``: a registered one, ``hf:<tokenizer.json>``, or the factory an import
+    path names."""
+    if name in TOKENIZERS:
+        return TOKENIZERS[name]()
+    if name.startswith("hf:"):
+        hf_tokenizer, hf_vocab, hf_eod = load_hf(name[len("hf:") :])
+        return Tokenizer(name, encoder(hf_tokenizer), hf_vocab, hf_eod)
+    if not is_import_path(name):
+        raise UserError(
+            f"unknown tokenizer {name!r}: use {', '.join(TOKENIZERS)}, hf:<tokenizer.json> or an import path "
+            "package.module:factory"
+        )
+    try:
+        loaded = load_callable(name, "tokenizer")()
+    except UserError:
+        raise
+    except Exception as error:  # the factory is the user's code
+        raise UserError(f"tokenizer {name!r}: the factory raised {type(error).__name__}: {error}") from None
+    vocab_size, eod_id = getattr(loaded, "vocab_size", None), getattr(loaded, "eod_id", None)
+    if not callable(getattr(loaded, "encode", None)) or not isinstance(vocab_size, int) or vocab_size < 1:
+        raise UserError(f"tokenizer {name!r}: the factory must return an object with encode(text) and an int vocab_size")
+    if eod_id is None:
+        eod_id, vocab_size = vocab_size, vocab_size + 1
+    elif not 0 <= eod_id < vocab_size:
+        raise UserError(f"tokenizer {name!r}: eod_id {eod_id} is outside its vocabulary 0..{vocab_size - 1}")
+
+    def encode(text: str) -> np.ndarray:
+        ids = np.asarray(loaded.encode(text), dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+            raise UserError(f"tokenizer {name!r} returned ids outside its vocabulary 0..{vocab_size - 1}")
+        return ids
+
+    return Tokenizer(name, encode, vocab_size, int(eod_id))
 
 
 def documents(source_text: str, val_fraction: float = 0.0) -> Iterator[str]:

@@ -7,7 +7,7 @@ within the record limit whose contents the read needs; any other is passed over 
 memory never depends on what a header declares. A malformed header (a size that is not a number, a
 negative one, a checksum that does not match, a tar cut short) is one clear error naming the file and
 the byte: the next header cannot be found after it. A sample past a limit (a member over the record
-size, more fields than :data:`~lance_hpc.spec.limits.MAX_SAMPLE_FIELDS`) is skipped and counted, or
+size, more fields than :data:`~lance_hpc.limits.MAX_SAMPLE_FIELDS`) is skipped and counted, or
 fails the ingest, as ``on_corrupt`` says.
 """
 

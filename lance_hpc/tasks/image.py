@@ -18,7 +18,6 @@ import torch
 from pydantic import Field, field_validator, model_validator
 from torch import nn
 
-from lance_hpc.ingest.target import CLASS_NAMES_KEY
 from lance_hpc.tasks.base import (
     Batch,
     DatasetInfo,
@@ -29,6 +28,7 @@ from lance_hpc.tasks.base import (
     TaskOptions,
     column_problems,
 )
+from lance_hpc.tasks.formats import CLASS_NAMES_KEY
 from lance_hpc.tasks.image_decode import (
     AUGMENTS,
     IMAGENET_MEAN,

@@ -2,7 +2,7 @@
 
 JPEG goes through simplejpeg (libjpeg-turbo, straight into an H x W x 3 array); other formats, and
 JPEGs it refuses (CMYK, for one), through PIL. The size a header declares is checked against
-:data:`~lance_hpc.spec.limits.MAX_PIXELS` before any pixel is decoded: an image over it is a
+:data:`~lance_hpc.limits.MAX_PIXELS` before any pixel is decoded: an image over it is a
 corrupt row (ingest skips such images by the same limit). Pixels stay in that H x W x 3 layout from decode to batch: resizing keeps it (torch's uint8 antialiased kernel
 works on it without repacking) and the batch is allocated the same way, so each image lands in it
 with a plain copy. Batches are uint8 ``[B, 3, S, S]`` tensors in channels-last memory: they cross
@@ -23,7 +23,7 @@ import simplejpeg
 import torch
 import torch.nn.functional as nnf
 
-from lance_hpc.spec.limits import MAX_PIXELS
+from lance_hpc.limits import MAX_PIXELS
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
