@@ -34,10 +34,17 @@ class Ingest(JobKind):
     def run(self, spec: JobSpec, env: DistEnv, requeue: Requeue, signals: tuple[int, ...]) -> Summary:
         """This rank's shards of the source, and on rank 0 the commit."""
         from lance_hpc.ingest.job import run_ingest
-        from lance_hpc.runtime.preemption import Preemption
+        from lance_hpc.runtime.context import Summary
+        from lance_hpc.runtime.preemption import Preemption, after_preemption
 
         with Preemption(signals) as preemption:
-            return run_ingest(spec, env, preemption, requeue)
+
+            def stop() -> tuple[bool, str]:
+                preemption.agreed_signal = preemption.received  # no collective: each rank honours its own signal
+                return after_preemption(env, spec, preemption, requeue)
+
+            end = run_ingest(spec, env.rank, env.world_size, lambda: preemption.received is not None, stop)
+            return Summary(end.status, end.shards, 0, None, end.metrics)
 
     def progress(self, spec: JobSpec) -> list[str] | None:
         """The shards written (of how many), rows, skips, the commit or the time left."""
