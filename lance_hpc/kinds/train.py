@@ -73,8 +73,9 @@ def train(spec: JobSpec, env: DistEnv, requeue: Requeue, signals: tuple[int, ...
     from lance_hpc.ingest import ensure_dataset
     from lance_hpc.runtime import context, trainer
     from lance_hpc.runtime.environment import TrainingFailed, explain_failure, lost_peer, on_main_rank, process_group
-    from lance_hpc.runtime.preemption import INTERRUPT_SIGNAL, Preemption, after_preemption
-    from lance_hpc.runtime.watchdog import WATCH_DIR_VARIABLE, watch_dir
+    from lance_hpc.runtime.preemption import Preemption, after_preemption
+    from lance_hpc.runtime.watchdog import watch_dir
+    from lance_hpc.signals import INTERRUPT_SIGNAL, WATCH_DIR_VARIABLE
     from lance_hpc.storage.retry import StoreUnavailable
 
     entry = load_callable(spec.entry, "entry") if spec.entry else trainer.train

@@ -20,8 +20,7 @@ from torch.utils.data import DataLoader
 
 from lance_hpc.imports import SAFE_PATH_VARIABLE
 from lance_hpc.loading.reader import keep_batch
-from lance_hpc.runtime.preemption import PREEMPTION_SIGNALS, PROFILE_SIGNAL
-from lance_hpc.runtime.watchdog import init_worker_dumps
+from lance_hpc.signals import PREEMPTION_SIGNALS, PROFILE_SIGNAL, init_worker_dumps
 from lance_hpc.spec import DataSpec
 
 # What the worker server imports before any worker forks from it. Not Lance: a process that has

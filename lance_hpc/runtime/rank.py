@@ -27,15 +27,13 @@ from lance_hpc.kinds import job_kind
 from lance_hpc.runtime.context import Summary
 from lance_hpc.runtime.environment import SLURM_VARS, TrainingFailed, detect
 from lance_hpc.runtime.preemption import (
-    PREEMPTION_SIGNALS,
-    PROFILE_SIGNAL,
-    REQUEUE_SIGNAL,
     Requeue,
     hold,
     ignore_profile_requests,
     requeue_with_scontrol,
     requeue_with_submitit,
 )
+from lance_hpc.signals import PREEMPTION_SIGNALS, PROFILE_SIGNAL, REQUEUE_SIGNAL
 from lance_hpc.spec import load_spec_text
 from lance_hpc.spec.load import read_own_text
 from lance_hpc.storage.retry import StoreUnavailable
