@@ -29,6 +29,7 @@ LAYERS = (
     "quiet",  # the dependencies' warnings that do not apply
     "limits",  # the bounds ingest, decode and the spec agree on
     "storage",
+    "signals",  # the signals a rank's processes take
     "tasks",
     "spec",
     "slurm",
@@ -207,8 +208,8 @@ def test_the_top_level_names_the_steps_of_the_flow() -> None:
     assert {"spec", "launch", "runtime", "loading", "ingest", "writeback", "storage", "tasks", "manage"} <= packages
     modules = {path.stem for path in PACKAGE.glob("*.py")}
     # entry points (cli, the python -m commands), the public face, and what every step shares
-    # (errors, imports, limits, and quiet: the dependencies' warnings that do not apply)
-    assert modules <= {"__init__", "__main__", "cli", "submit", "run", "errors", "imports", "limits", "quiet"}
+    # (errors, imports, limits, signals, and quiet: the dependencies' warnings that do not apply)
+    assert modules <= {"__init__", "__main__", "cli", "submit", "run", "errors", "imports", "limits", "quiet", "signals"}
 
 
 def test_the_public_api_resolves_from_the_package_without_importing_torch_up_front() -> None:
