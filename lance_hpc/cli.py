@@ -145,6 +145,6 @@ def run(argv: list[str]) -> int:
         from lance_hpc import submit
 
         return submit.main(argv, prog="lance-hpc run")
-    from lance_hpc.runtime import rank as run_module
+    from lance_hpc.kinds import rank as run_module
 
     return run_module.main(argv)

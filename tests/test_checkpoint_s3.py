@@ -27,8 +27,8 @@ import torch.multiprocessing as mp
 from lance_hpc import loading
 from lance_hpc.checkpoint import lease, manifests, resuming, saving
 from lance_hpc.errors import ExitCode, UserError
+from lance_hpc.kinds.rank import exit_process
 from lance_hpc.loading import load_task
-from lance_hpc.runtime.rank import exit_process
 from lance_hpc.spec import SpecError, load_spec, load_spec_text
 from tests.support.checkpoints import state
 from tests.support.jobs import REPO_ROOT, write_spec

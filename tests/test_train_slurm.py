@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 import torch
 
+from lance_hpc.kinds.rank import SubmititJob
 from lance_hpc.launch.render import write_job_files
 from lance_hpc.launch.submit import make_executor
 from lance_hpc.loading import build_train_loader, load_task
-from lance_hpc.runtime.rank import SubmititJob
 from lance_hpc.slurm.queue import FINAL_STATES
 from lance_hpc.spec import JobSpec, load_spec
 from tests.support.jobs import (

@@ -155,7 +155,6 @@ def _size(count: float) -> str:
     return f"{count:.1f} GiB"
 
 
-
 class RankPlace(Protocol):
     """What a checkpoint needs of a rank's place in the job (the runtime's DistEnv is one)."""
 
