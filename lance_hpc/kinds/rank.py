@@ -22,10 +22,11 @@ from typing import Any, NoReturn
 
 import submitit
 
-from lance_hpc.errors import ExitCode, UserError, note_failure
+from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.kinds import job_kind
 from lance_hpc.runtime.context import Summary
 from lance_hpc.runtime.environment import SLURM_VARS, TrainingFailed, detect
+from lance_hpc.runtime.failures import note_failure
 from lance_hpc.runtime.preemption import (
     Requeue,
     hold,

@@ -16,8 +16,8 @@ import time
 from typing import Sequence
 
 from lance_hpc.checkpoint import manifests
-from lance_hpc.errors import ExitCode, UserError
-from lance_hpc.manage import logs, progress, run_reporting_errors, target_parser
+from lance_hpc.errors import ExitCode, UserError, run_reporting_errors
+from lance_hpc.manage import logs, progress, target_parser
 from lance_hpc.slurm import queue, records
 from lance_hpc.slurm.records import JobRef
 
