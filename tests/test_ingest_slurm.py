@@ -16,7 +16,8 @@ import lance
 import pytest
 
 from lance_hpc.ingest.dataset import main as ingest_main
-from lance_hpc.ingest.shard_ingest import Records, plan_for_data
+from lance_hpc.ingest.plan import plan_for_data
+from lance_hpc.ingest.records import Records
 from lance_hpc.launch.paths import JobPaths
 from lance_hpc.slurm.queue import FINAL_STATES
 from lance_hpc.spec import JobSpec, load_spec

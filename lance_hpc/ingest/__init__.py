@@ -2,7 +2,7 @@
 by one process or by the workers of an ingest job, each split committed once.
 
 Training uses :func:`ensure_dataset`. It is loaded from its module when first used, so naming the
-package costs nothing, and an ingest worker (:mod:`lance_hpc.ingest.shard_ingest`) never imports
+package costs nothing, and an ingest worker (:mod:`lance_hpc.ingest.write`) never imports
 torch.
 """
 

@@ -25,7 +25,7 @@ and ``torchvision:<Name>:<root>`` (a torchvision dataset already on disk, opened
 ``download=False``: Food101, CIFAR10/100, ...; its official test split becomes the validation set).
 Every other source (``imagefolder:``, ``text:``, ``python-stdlib``, ``parquet:``, ``jsonl:``,
 ``webdataset:``, ``hf:``) is split into shards and written by one or many workers: see
-:mod:`lance_hpc.ingest.shard_ingest`.
+:mod:`lance_hpc.ingest.plan` and the modules it names.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ import pyarrow as pa
 from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.ingest import sources
 from lance_hpc.ingest.image_check import ENCODED_BYTES
-from lance_hpc.ingest.shard_ingest import ingest_here, ingest_shards_command
+from lance_hpc.ingest.local import ingest_here, ingest_shards_command
 from lance_hpc.ingest.shards import is_shard_source
 from lance_hpc.ingest.sources import ImageSource
 from lance_hpc.ingest.target import (

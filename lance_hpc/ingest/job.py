@@ -3,7 +3,7 @@ commits once all are recorded.
 
 The ranks share no collective: shards differ in size, so ranks finish at different times, and a
 barrier would time out on a big shard. They coordinate through what they record beside the target
-(:mod:`lance_hpc.ingest.shard_ingest`): rank 0, once its own shards are written, waits until every
+(:mod:`lance_hpc.ingest.records`): rank 0, once its own shards are written, waits until every
 shard has a record, then commits. SLURM does the rest: it starts the ranks, stops the job step if
 one fails, and requeues. A stop signal is honoured at a shard boundary: the shard in hand is
 finished and recorded, and USR2 requeues the job (rank 0 asks SLURM), whose next run writes only
@@ -17,20 +17,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from lance_hpc.ingest.shard_ingest import (
-    Plan,
-    Records,
-    ShardRecord,
-    commit,
-    committed_line,
-    estimate_line,
-    plan_for_data,
-    resume_lines,
-    run_worker,
-    shard_summary,
-    stale_parts,
-)
+from lance_hpc.ingest.commit import commit, committed_line
+from lance_hpc.ingest.plan import Plan, plan_for_data
+from lance_hpc.ingest.records import Records, ShardRecord, resume_lines, stale_parts
+from lance_hpc.ingest.status import estimate_line, shard_summary
 from lance_hpc.ingest.units import wait_for_all
+from lance_hpc.ingest.write import run_worker
 from lance_hpc.spec import JobSpec
 
 # How often rank 0 looks for the other ranks' shard records while it waits to commit.

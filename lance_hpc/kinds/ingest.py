@@ -48,11 +48,11 @@ class Ingest(JobKind):
 
     def progress(self, spec: JobSpec) -> list[str] | None:
         """The shards written (of how many), rows, skips, the commit or the time left."""
-        from lance_hpc.ingest import shard_ingest
+        from lance_hpc.ingest.status import progress_lines
         from lance_hpc.ingest.target import Target
         from lance_hpc.storage.options import storage_options
 
         assert spec.data.ingest is not None  # job: ingest requires it
         train = Target(spec.data.uri, storage_options(spec.data.uri, spec.data.storage_options), "data.uri")
         ingest = spec.data.ingest
-        return shard_ingest.progress_lines(ingest.source, train, spec.slurm.world_size, ingest.files_per_shard)
+        return progress_lines(ingest.source, train, spec.slurm.world_size, ingest.files_per_shard)

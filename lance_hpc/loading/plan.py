@@ -13,7 +13,7 @@ from typing import Sequence
 
 from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.ingest.dataset import resolve_source
-from lance_hpc.ingest.shard_ingest import estimate_rows, plan_for_data
+from lance_hpc.ingest.plan import estimate_rows, plan_for_data
 from lance_hpc.ingest.shards import is_shard_source
 from lance_hpc.loading.mix import MixPart, epoch_rows, mix_steps, probabilities, source_name
 from lance_hpc.loading.sampling import (
