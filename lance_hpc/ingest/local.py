@@ -16,9 +16,7 @@ from lance_hpc.imports import child_environment, python_command
 from lance_hpc.ingest.commit import commit, committed_line
 from lance_hpc.ingest.plan import Plan, make_plan, plan_for_data, source_options, tokens_of
 from lance_hpc.ingest.records import Records, ShardRecord, resume_lines
-from lance_hpc.ingest.shards import (
-    ColumnMap,
-)
+from lance_hpc.ingest.shard_batches import ColumnMap
 from lance_hpc.ingest.status import estimate_line, shard_summary
 from lance_hpc.ingest.target import COMMAND_LINE_NAMES, targets
 from lance_hpc.ingest.write import run_worker

@@ -28,22 +28,16 @@ from lance_hpc.ingest.records import Records, records_root
 from lance_hpc.ingest.rerun import (
     landed_splits,
 )
-from lance_hpc.ingest.shards import (
-    FILES_PER_SHARD,
+from lance_hpc.ingest.shard_batches import (
     ColumnMap,
-    Shard,
-    Source,
-    class_names,
     document_texts,
     format_defaults,
-    list_shards,
     mapped_batches,
-    parse_source,
     plan_reading,
     row_keys,
-    split_of,
     text_batches,
 )
+from lance_hpc.ingest.shards import FILES_PER_SHARD, Shard, Source, class_names, list_shards, parse_source, split_of
 from lance_hpc.ingest.target import SPEC_NAMES, Target, existing_dataset, targets
 from lance_hpc.ingest.tokenizer import Tokenizer, load_tokenizer
 from lance_hpc.ingest.units import balanced

@@ -11,11 +11,7 @@ from lance_hpc.errors import UserError
 from lance_hpc.ingest.commit import describe_skips, totals
 from lance_hpc.ingest.plan import Plan, estimate_rows, source_options
 from lance_hpc.ingest.records import Records, records_root
-from lance_hpc.ingest.shards import (
-    FILES_PER_SHARD,
-    list_shards,
-    parse_source,
-)
+from lance_hpc.ingest.shards import FILES_PER_SHARD, list_shards, parse_source
 from lance_hpc.ingest.target import Target, filesystem
 
 

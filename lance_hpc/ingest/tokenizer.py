@@ -27,15 +27,8 @@ import numpy as np
 
 from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.imports import is_import_path, load_callable
-from lance_hpc.ingest.shards import (
-    ColumnMap,
-    document_texts,
-    is_shard_source,
-    list_shards,
-    parse_source,
-    split_of,
-    text_batches,
-)
+from lance_hpc.ingest.shard_batches import ColumnMap, document_texts, text_batches
+from lance_hpc.ingest.shards import is_shard_source, list_shards, parse_source, split_of
 from lance_hpc.storage.files import write_file
 
 # End-of-document tokens, in the order one is looked for in a loaded vocabulary.

@@ -25,14 +25,8 @@ from lance_hpc.ingest.packing import Packer, rows_batch
 from lance_hpc.ingest.plan import Plan
 from lance_hpc.ingest.reading import Reading
 from lance_hpc.ingest.records import Records, ShardRecord
-from lance_hpc.ingest.shards import (
-    Shard,
-    Source,
-    document_texts,
-    mapped_batches,
-    split_of,
-    text_batches,
-)
+from lance_hpc.ingest.shard_batches import document_texts, mapped_batches, text_batches
+from lance_hpc.ingest.shards import Shard, Source, split_of
 
 
 def _checked(

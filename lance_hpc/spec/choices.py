@@ -31,7 +31,7 @@ OUTPUT_TYPES = ("float16", "float32", "float64", "int32", "int64")
 # written <format>:<path or glob>; python-stdlib[:max_mb=N] is a text: corpus of this interpreter's library
 SHARD_FORMATS = ("parquet", "jsonl", "webdataset", "hf", "imagefolder", "text")
 STDLIB_SOURCE = "python-stdlib"
-# data.ingest.columns: the columns a source's fields map to (lance_hpc.ingest.shards.COLUMN_TYPES)
+# data.ingest.columns: the columns a source's fields map to (lance_hpc.ingest.shard_batches.COLUMN_TYPES)
 INGEST_COLUMNS = ("image", "label", "text", "key")
 # slurm.container.runtime (lance_hpc.launch.container.RUNTIMES)
 CONTAINER_RUNTIMES = ("apptainer", "pyxis")
