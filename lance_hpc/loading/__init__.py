@@ -24,7 +24,7 @@ _MODULE_OF = {
     "plan_data": "lance_hpc.loading.plan",
     "preflight": "lance_hpc.loading.plan",
     "check_selection": "lance_hpc.loading.plan",
-    "DataPlan": "lance_hpc.loading.sampling",
+    "DataPlan": "lance_hpc.loading.epoch_plan",
     "worker_context": "lance_hpc.loading.workers",
 }
 
@@ -48,6 +48,7 @@ __getattr__ = lazy_exports(__name__, _MODULE_OF)
 
 
 if TYPE_CHECKING:
+    from lance_hpc.loading.epoch_plan import DataPlan
     from lance_hpc.loading.loader import (
         EvalLoader,
         MixLoader,
@@ -58,5 +59,4 @@ if TYPE_CHECKING:
         load_task,
     )
     from lance_hpc.loading.plan import check_selection, plan_data, preflight
-    from lance_hpc.loading.sampling import DataPlan
     from lance_hpc.loading.workers import worker_context

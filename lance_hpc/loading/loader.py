@@ -17,12 +17,13 @@ import numpy as np
 import torch
 
 from lance_hpc.errors import UserError
+from lance_hpc.loading.epoch_plan import DataPlan, plan_from_table
 from lance_hpc.loading.iterable import LanceIterableDataset
 from lance_hpc.loading.mapstyle import BatchRequest, LanceMapDataset, PlanBatchSampler
 from lance_hpc.loading.mix import MixPart, MixPlanner, MixReader, MixSchedule, epoch_rows, mix_steps, source_name
 from lance_hpc.loading.reader import BatchReader
 from lance_hpc.loading.resume import EpochOrigin, ResumedEpoch, Segment, remainder_share_rows, rows_read
-from lance_hpc.loading.sampling import DataPlan, epoch_planner, eval_batches, plan_from_table, read_hints
+from lance_hpc.loading.sampling import epoch_planner, eval_batches, read_hints
 from lance_hpc.loading.selection import select_training_rows
 from lance_hpc.loading.workers import data_loader, stop_workers_after_failure, worker_context
 from lance_hpc.spec import DataSpec, JobSpec

@@ -15,13 +15,9 @@ from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.ingest.dataset import resolve_source
 from lance_hpc.ingest.plan import estimate_rows, plan_for_data
 from lance_hpc.ingest.shards import is_shard_source
+from lance_hpc.loading.epoch_plan import DataPlan, plan_from_table
 from lance_hpc.loading.mix import MixPart, epoch_rows, mix_steps, probabilities, source_name
-from lance_hpc.loading.sampling import (
-    DataPlan,
-    FragmentTable,
-    eval_batches,
-    plan_from_table,
-)
+from lance_hpc.loading.sampling import FragmentTable, eval_batches
 from lance_hpc.loading.selection import select_training_rows
 from lance_hpc.spec import DataSpec, load_spec
 from lance_hpc.storage.datasets import dataset_exists, open_dataset, preflight_uri

@@ -1,6 +1,16 @@
 """An epoch resumed at another world size: what each earlier segment of it (a run at one world
 size) read, and how the rows left are split over the ranks now, so that no row is read twice and
-none is skipped (:class:`ResumedEpoch`)."""
+none is skipped (:class:`ResumedEpoch`).
+
+An interrupted epoch is a chain of segments: the first read with the epoch's own plan, each later
+one after a resume that changed the world size or the per-rank batch. A new segment splits the rows
+the epoch has not yet consumed (in their planned order) into one contiguous share per rank, each cut
+into the same number of batches; shares differ by at most one row, so batches may differ by one row
+between ranks while every rank takes the same number of steps. The rest of the epoch is thus read
+exactly once. Two corners: with a batch of 1, a rank with the bigger share reads one batch of 2
+rows; with fewer rows left than ranks, a rank with no share repeats rows of the remainder (those
+repeats are never counted as read).
+"""
 
 from __future__ import annotations
 
