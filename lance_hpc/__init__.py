@@ -32,17 +32,17 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "column_problems",
         "task_class",
     ),
-    "lance_hpc.data": (
+    "lance_hpc.loading": (
         "EvalLoader",
         "TrainLoader",
         "build_eval_loader",
         "build_train_loader",
         "dataset_info",
-        "ensure_dataset",
         "load_task",
         "plan_data",
         "preflight",
     ),
+    "lance_hpc.ingest": ("ensure_dataset",),
     "lance_hpc.spec": ("JobSpec", "SpecError", "load_spec", "validate_spec"),
     "lance_hpc.errors": ("ExitCode", "UserError"),
 }
@@ -84,19 +84,19 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from lance_hpc.data import (
+    from lance_hpc.errors import ExitCode, UserError
+    from lance_hpc.ingest import ensure_dataset
+    from lance_hpc.kinds import JobKind
+    from lance_hpc.loading import (
         EvalLoader,
         TrainLoader,
         build_eval_loader,
         build_train_loader,
         dataset_info,
-        ensure_dataset,
         load_task,
         plan_data,
         preflight,
     )
-    from lance_hpc.errors import ExitCode, UserError
-    from lance_hpc.kinds import JobKind
     from lance_hpc.runtime.context import Context, Preempted, Summary, run_entry
     from lance_hpc.runtime.environment import DistEnv, process_group
     from lance_hpc.spec import JobSpec, SpecError, load_spec, validate_spec

@@ -27,9 +27,9 @@ COMMANDS = {
     "status": ("lance_hpc.manage.status", "main", "a job's state, restarts, step, last loss and time left"),
     "logs": ("lance_hpc.manage.logs", "main", "print a job's output across requeues; -f follows, --rank N"),
     "cancel": ("lance_hpc.manage.cancel", "main", "stop a job after it saves a checkpoint; --now at once"),
-    "plan": ("lance_hpc.data.plan", "main", "show how the data splits over ranks, steps and workers"),
-    "ingest": ("lance_hpc.data.ingest", "main", "write an image or text source into a Lance dataset"),
-    "tokenizer": ("lance_hpc.data.tokenizer", "main", "train a BPE tokenizer offline for text ingest (tokenizer train)"),
+    "plan": ("lance_hpc.loading.plan", "main", "show how the data splits over ranks, steps and workers"),
+    "ingest": ("lance_hpc.ingest.dataset", "main", "write an image or text source into a Lance dataset"),
+    "tokenizer": ("lance_hpc.ingest.tokenizer", "main", "train a BPE tokenizer offline for text ingest (tokenizer train)"),
     "checkpoint": (
         "lance_hpc.checkpoint.export",
         "main",
@@ -145,6 +145,6 @@ def run(argv: list[str]) -> int:
         from lance_hpc import submit
 
         return submit.main(argv, prog="lance-hpc run")
-    from lance_hpc.runtime import rank as run_module
+    from lance_hpc.kinds import rank as run_module
 
     return run_module.main(argv)

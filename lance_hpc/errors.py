@@ -5,6 +5,9 @@ codes every lance_hpc command and rank ends with."""
 from __future__ import annotations
 
 import enum
+import os
+import sys
+from typing import Callable
 
 
 class ExitCode(enum.IntEnum):
@@ -50,43 +53,17 @@ def worker_message(message: str, name: str) -> str:
     return message[position + len(marker) :].strip() if position >= 0 else message
 
 
-# Where a rank notes how it failed, for its launcher to name the rank whose error came first.
-FAILURE_DIR_VARIABLE = "LANCE_HPC_FAILURE_DIR"
-
-
-def note_failure(rank: int, message: str, lost_contact: bool, directory: str | None = None) -> None:
-    """Record that ``rank`` failed (with its own error, or by losing contact with another rank) in
-    the launcher's failure directory, when it set one."""
-    import json
-    import os
-    import socket
-    import time
-    from pathlib import Path
-
-    from lance_hpc.storage.files import write_file
-
-    folder = directory or os.environ.get(FAILURE_DIR_VARIABLE)
-    if not folder:
-        return
-    note = {"rank": rank, "host": socket.gethostname(), "time": time.time(), "lost_contact": lost_contact, "message": message}
+def run_reporting_errors(command: Callable[[], int], prog: str) -> int:
+    """Run ``command``; a UserError becomes one message and exit 2, Ctrl-C a quiet exit 130, and a
+    closed pipe on stdout a quiet end."""
     try:
-        write_file(Path(folder) / f"rank-{rank}.json", json.dumps(note))
-    except OSError:
-        pass  # the launcher then names a rank by exit codes alone
-
-
-def first_error(directory: str) -> dict | None:
-    """The note of the rank whose own error came first (one that only lost contact with another
-    rank is never the cause while a rank with an error of its own exists), or None."""
-    import json
-    import os
-
-    notes = []
-    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
-        if name.startswith("rank-") and name.endswith(".json"):
-            try:
-                with open(os.path.join(directory, name)) as file:
-                    notes.append(json.load(file))
-            except (OSError, ValueError):
-                continue
-    return min(notes, key=lambda note: (note["lost_contact"], note["time"]), default=None)
+        return command()
+    except UserError as error:
+        print(f"{prog}: {error}", file=sys.stderr)
+        return ExitCode.USER_ERROR
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader went away (``lance-hpc logs ... | head``): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lance_hpc.runtime.rank import exit_process
+from lance_hpc.kinds.rank import exit_process
 from lance_hpc.spec import DataSpec
 from tests.support.loaders import eval_loader, train_loader, write_dataset
 

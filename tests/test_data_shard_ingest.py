@@ -17,12 +17,16 @@ import lance
 import pyarrow as pa
 import pytest
 
-from lance_hpc.data import ensure_dataset
-from lance_hpc.data.ingest import main as ingest_main
-from lance_hpc.data.plan import plan_data
-from lance_hpc.data.shard_ingest import Records, commit, make_plan, progress_lines, run_worker
-from lance_hpc.data.shards import split_of
-from lance_hpc.data.target import COMMAND_LINE_NAMES, targets
+from lance_hpc.ingest import ensure_dataset
+from lance_hpc.ingest.commit import commit
+from lance_hpc.ingest.dataset import main as ingest_main
+from lance_hpc.ingest.plan import make_plan
+from lance_hpc.ingest.records import Records
+from lance_hpc.ingest.shards import split_of
+from lance_hpc.ingest.status import progress_lines
+from lance_hpc.ingest.target import COMMAND_LINE_NAMES, targets
+from lance_hpc.ingest.write import run_worker
+from lance_hpc.loading.plan import plan_data
 from lance_hpc.spec import load_spec, load_spec_text
 from tests.support.jobs import Digits, train_here, write_spec
 from tests.support.shards import digit_rows, ingest_job_spec, write_parquet, write_webdataset

@@ -10,12 +10,12 @@ import lance
 import numpy as np
 import pytest
 
-from lance_hpc.data.ingest import main as ingest_main
-from lance_hpc.data.shards import split_of
-from lance_hpc.data.text import BYTES_PER_TOKEN_KEY, DOCUMENTS_KEY, EOD_ID_KEY, VOCAB_SIZE_KEY, load_tokenizer
-from lance_hpc.data.tokenizer import documents
-from lance_hpc.data.tokenizer import main as tokenizer_main
 from lance_hpc.errors import UserError
+from lance_hpc.ingest.dataset import main as ingest_main
+from lance_hpc.ingest.shards import split_of
+from lance_hpc.ingest.tokenizer import documents, load_tokenizer
+from lance_hpc.ingest.tokenizer import main as tokenizer_main
+from lance_hpc.tasks.formats import BYTES_PER_TOKEN_KEY, DOCUMENTS_KEY, EOD_ID_KEY, VOCAB_SIZE_KEY
 
 SOURCE = "python-stdlib:max_mb=0.5"
 

@@ -19,11 +19,12 @@ import pyarrow as pa
 import pytest
 import yaml
 
-from lance_hpc.data import column_swap, ensure_dataset
-from lance_hpc.data.loader import RowsLoader
+from lance_hpc.ingest import ensure_dataset
+from lance_hpc.loading.loader import RowsLoader
 from lance_hpc.runtime.environment import detect, select_device
-from lance_hpc.runtime.infer_job import load_model
 from lance_hpc.spec import DataSpec, IngestSpec, load_spec
+from lance_hpc.writeback import column_swap
+from lance_hpc.writeback.job import load_model
 from tests.support.infer import FAIL_AFTER_BATCHES
 from tests.support.jobs import BASE_SPEC, REPO_ROOT, Digits, train_here, write_spec
 from tests.support.ranks import launch, rank_pid, read_until
@@ -114,7 +115,7 @@ def test_two_ranks_write_typed_columns_in_row_order_once_and_leave_the_images_al
     assert (types["predicted"], types["score"], types["loss"]) == (pa.int64(), pa.float32(), pa.float64())
     # the same model over the rows in order, in this process: the columns are each row's own
     loaded = load_spec(spec).spec
-    from lance_hpc.data import load_task
+    from lance_hpc.loading import load_task
 
     task = load_task(loaded)
     model = load_model(loaded, task, select_device(detect({})))

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 
 from lance_hpc.checkpoint import resuming
-from lance_hpc.data import build_train_loader, load_task
 from lance_hpc.errors import UserError
 from lance_hpc.launch.render import write_job_files
-from lance_hpc.manage import logs, progress, records
-from lance_hpc.slurm import queue
+from lance_hpc.loading import build_train_loader, load_task
+from lance_hpc.manage import logs, progress
+from lance_hpc.slurm import queue, records
 from lance_hpc.spec import JobSpec, expand, load_spec
 from tests.support.jobs import REPO_ROOT, Digits, write_spec
 from tests.support.ports import free_port

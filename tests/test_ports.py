@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from lance_hpc.launch.ports import PICK_PORT_PROGRAM, PORT_RANGE, master_port_lines
+from lance_hpc.runtime.ports import PICK_PORT_PROGRAM, PORT_RANGE, master_port_lines
 from tests.support.jobs import REPO_ROOT, write_spec
 
 

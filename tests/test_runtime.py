@@ -15,8 +15,8 @@ import torch
 
 from lance_hpc.checkpoint import resuming, saving
 from lance_hpc.checkpoint.resuming import Checkpoint
-from lance_hpc.data import load_task
 from lance_hpc.imports import load_callable
+from lance_hpc.loading import load_task
 from lance_hpc.runtime.context import run_entry
 from lance_hpc.runtime.environment import detect, process_group
 from lance_hpc.runtime.preemption import Preemption

@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 import yaml
 
+from lance_hpc.kinds.rank import SubmititJob
 from lance_hpc.launch import render
 from lance_hpc.launch.paths import JobPaths
-from lance_hpc.launch.ports import port_for_job
 from lance_hpc.launch.render import write_job_files
 from lance_hpc.launch.submit import make_executor
-from lance_hpc.runtime.rank import SubmititJob
+from lance_hpc.runtime.ports import port_for_job
 from lance_hpc.spec import load_spec
 from tests.support.jobs import REPO_ROOT, Digits
 from tests.support.jobs import write_spec as write_digits_spec

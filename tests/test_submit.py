@@ -144,7 +144,7 @@ def test_an_existing_log_directory_keeps_its_mode_and_links_there_are_replaced(t
 def test_another_users_job_files_are_neither_replaced_nor_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """In a shared log directory the same job name must not swap someone's spec under their
     queued job, and a rank refuses a spec file another user owns."""
-    from lance_hpc.runtime import rank as run  # imports torch: only here
+    from lance_hpc.kinds import rank as run  # imports torch: only here
 
     log_dir = tmp_path / "shared-logs"
     raw = {**FULL_SPEC, "slurm": {**FULL_SPEC["slurm"], "log_dir": str(log_dir)}}

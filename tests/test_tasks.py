@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from lance_hpc.data import build_train_loader, dataset_info, load_task
 from lance_hpc.errors import UserError
+from lance_hpc.loading import build_train_loader, dataset_info, load_task
 from lance_hpc.spec import DataSpec, SpecError, load_spec, validate_spec
 from lance_hpc.spec.choices import STYLES
 from lance_hpc.tasks import ROW_ID, TaskError, build_task

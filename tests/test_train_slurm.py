@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 import torch
 
-from lance_hpc.data import build_train_loader, load_task
+from lance_hpc.kinds.rank import SubmititJob
 from lance_hpc.launch.render import write_job_files
 from lance_hpc.launch.submit import make_executor
-from lance_hpc.runtime.rank import SubmititJob
+from lance_hpc.loading import build_train_loader, load_task
 from lance_hpc.slurm.queue import FINAL_STATES
 from lance_hpc.spec import JobSpec, load_spec
 from tests.support.jobs import (
@@ -363,7 +363,7 @@ def test_a_filtered_mix_requeued_by_usr2_draws_each_source_epoch_once(
     ranks, sent USR2 early in epoch 2: the requeued job resumes with the versions and filter it
     pinned, and over both runs each source's rows come once per source epoch (a row's count is its
     source's whole epochs or one more), the filter holds, every step draws both sources."""
-    from lance_hpc.data.mix import offset_of, source_of
+    from lance_hpc.loading.mix import offset_of, source_of
 
     (tmp_path / "rows").mkdir()
     mix = [

@@ -62,7 +62,7 @@ def image_options(spec: JobSpec, job: str) -> ImageOptions:
 
 
 def run_job_benchmark(args: argparse.Namespace) -> int:
-    from lance_hpc.data import ensure_dataset
+    from lance_hpc.ingest import ensure_dataset
     from lance_hpc.spec import load_spec
 
     spec = load_spec(args.job, overrides=args.overrides).spec
@@ -135,7 +135,7 @@ def tune(args: argparse.Namespace) -> int:
     next), within ``--budget-s``; print the choice and the runner-up, and ``--write`` them back."""
     import time
 
-    from lance_hpc.data import ensure_dataset
+    from lance_hpc.ingest import ensure_dataset
     from lance_hpc.spec import load_spec
     from lance_hpc.spec.yaml_text import set_block_keys
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lance_hpc.errors import UserError
+from lance_hpc.errors import UserError, run_reporting_errors
 
 PROG = "lance-hpc checkpoint"
 FORMATS = (".pt", ".safetensors")
@@ -72,8 +72,6 @@ def export(directory: str, out: Path, step: int | None) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from lance_hpc.manage import run_reporting_errors
-
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Work with a job's checkpoints.",

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
@@ -27,9 +27,6 @@ from lance_hpc.checkpoint.shard_files import delete_shards, shard_directories
 from lance_hpc.checkpoint.sharded import SHARDS_SUFFIX, ShardedSaver, shards_name
 from lance_hpc.checkpoint.stores import Location, NoSpace, locate, open_store
 from lance_hpc.errors import UserError
-
-if TYPE_CHECKING:
-    from lance_hpc.runtime.environment import DistEnv
 
 # The checkpoint layout Context.save writes: named objects, named loaders per rank.
 FORMAT = 2
@@ -158,8 +155,24 @@ def _size(count: float) -> str:
     return f"{count:.1f} GiB"
 
 
+class RankPlace(Protocol):
+    """What a checkpoint needs of a rank's place in the job (the runtime's DistEnv is one)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def restart_count(self) -> int: ...
+
+    @property
+    def job_ref(self) -> str | None: ...
+
+
 @contextmanager
-def writer_lease(directory: str | Path, env: DistEnv) -> Iterator[lease.Lease | None]:
+def writer_lease(directory: str | Path, env: RankPlace) -> Iterator[lease.Lease | None]:
     """Collective: rank 0 takes the lease of checkpoint.dir before any rank writes there, and
     yields it (other ranks get None); when another run holds it, every rank raises the same
     UserError, so none waits for the others. On leaving, the lease is released, unless it was

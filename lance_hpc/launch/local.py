@@ -28,15 +28,16 @@ from pathlib import Path
 from types import FrameType
 
 from lance_hpc.checkpoint import lease
-from lance_hpc.errors import FAILURE_DIR_VARIABLE, ExitCode, UserError, first_error
+from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.imports import child_environment, python_command
 from lance_hpc.kinds import job_kind
 from lance_hpc.launch.paths import JobPaths
-from lance_hpc.launch.ports import free_port
 from lance_hpc.launch.render import write_job_files
 from lance_hpc.quiet import exec_children
 from lance_hpc.runtime.environment import SLURM_VARS
-from lance_hpc.runtime.preemption import INTERRUPT_SIGNAL, PREEMPTION_SIGNALS, PROFILE_SIGNAL
+from lance_hpc.runtime.failures import FAILURE_DIR_VARIABLE, first_error
+from lance_hpc.runtime.ports import free_port
+from lance_hpc.signals import INTERRUPT_SIGNAL, PREEMPTION_SIGNALS, PROFILE_SIGNAL
 from lance_hpc.spec import JobSpec, SweepRun, expand, load_spec
 
 # After one rank fails, the others get this long to notice (a broken connection) and exit.

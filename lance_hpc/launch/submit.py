@@ -19,12 +19,12 @@ from submitit.core import utils as submitit_utils
 
 from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.kinds import job_kind
+from lance_hpc.kinds.rank import SubmititJob
 from lance_hpc.launch import render
 from lance_hpc.launch.paths import JobPaths
 from lance_hpc.launch.render import write_job_files
-from lance_hpc.manage.records import record_submission
-from lance_hpc.runtime.rank import SubmititJob
 from lance_hpc.slurm.queue import FINAL_STATES, show_job
+from lance_hpc.slurm.records import record_submission
 from lance_hpc.spec import JobSpec, expand
 
 

@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Sequence
 
 from lance_hpc.checkpoint import manifests
+from lance_hpc.errors import run_reporting_errors
 from lance_hpc.kinds import registered_kind
-from lance_hpc.manage import logs, progress, records, run_reporting_errors, target_parser
-from lance_hpc.manage.records import JobRef
+from lance_hpc.manage import logs, progress, target_parser
 from lance_hpc.runtime.watchdog import activity_line, watch_dir
-from lance_hpc.slurm import queue
+from lance_hpc.slurm import queue, records
+from lance_hpc.slurm.records import JobRef
 from lance_hpc.spec import JobSpec
 
 PROG = "lance-hpc status"

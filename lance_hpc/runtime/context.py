@@ -48,12 +48,12 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from lance_hpc import data
+from lance_hpc import loading
 from lance_hpc.checkpoint import resuming, saving
 from lance_hpc.checkpoint.resuming import Checkpoint
 from lance_hpc.checkpoint.sharded import ShardedSaver, bare, is_tensor_state, load_shards, restore_tensor_state, tensor_state
-from lance_hpc.data import EvalLoader, MixLoader, TrainLoader, selection
 from lance_hpc.errors import UserError
+from lance_hpc.loading import EvalLoader, MixLoader, TrainLoader, selection
 from lance_hpc.parallel import fsdp
 from lance_hpc.parallel.fsdp import default_blocks, note_default_blocks
 from lance_hpc.parallel.materialise import MetaModel, build_on_meta, materialise, seeded, to_empty
@@ -357,7 +357,7 @@ class Context:
 
     def train_loader(self, decoder: Decoder | None = None) -> TrainLoader:
         """This rank's training batches with the spec's strategy; ``decoder`` defaults to the task's."""
-        loader = data.build_train_loader(
+        loader = loading.build_train_loader(
             selection.pinned_data(self.spec.data, self._resumed),
             decoder or self.task.decoder(train=True),
             self.rank,
@@ -373,7 +373,7 @@ class Context:
         pass gathers the model's shards from every rank, each rank gets as many batches as the rank
         with the most (the extra ones hold no rows)."""
         decoder = decoder or self.task.decoder(train=False)
-        loader = data.build_eval_loader(
+        loader = loading.build_eval_loader(
             self.spec.data if uri is None else self.spec.data.model_copy(update={"val_uri": uri}),
             decoder,
             self.rank,

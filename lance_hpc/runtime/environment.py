@@ -7,7 +7,7 @@
   sets the same variables); they win even inside a SLURM allocation.
 - ``slurm``: a task started by ``srun`` (``SLURM_STEP_ID`` is set). The master is the first host
   of the node list; the port is the MASTER_PORT the batch step picked free on that node
-  (:mod:`lance_hpc.launch.ports`), or, in a script that skips that step, one derived from the job
+  (:mod:`lance_hpc.runtime.ports`), or, in a script that skips that step, one derived from the job
   id, so every rank computes the same address without talking to the others.
 - ``local``: a plain single process.
 
@@ -34,7 +34,7 @@ import torch.distributed as dist
 from submitit.slurm.slurm import SlurmParseException, _parse_node_list
 
 from lance_hpc.errors import UserError
-from lance_hpc.launch.ports import port_for_job
+from lance_hpc.runtime.ports import port_for_job
 
 # Every SLURM variable this module reads, in one place (submitit's JobEnvironment._env does the same).
 SLURM_VARS = {

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lance_hpc.data.mix import source_name
+from lance_hpc.loading.mix import source_name
 from lance_hpc.runtime.context import Context
 from lance_hpc.spec import JobSpec, TrainSpec
 from lance_hpc.tasks import ROW_ID

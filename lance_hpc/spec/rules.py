@@ -14,8 +14,8 @@ from pydantic import BaseModel, ValidationError
 
 from lance_hpc.errors import UserError
 from lance_hpc.imports import is_import_path, load_callable
-from lance_hpc.kinds import KIND_ADVICE, KINDS, job_kind
 from lance_hpc.spec.choices import JOB_KINDS, SAMPLERS, SHARD_FORMATS, STDLIB_SOURCE, STYLES, check_registry
+from lance_hpc.spec.kinds import KIND_ADVICE, KINDS, JobKindBase, kind_class
 from lance_hpc.spec.problems import Problem, from_pydantic, section_of
 from lance_hpc.spec.schema import SlurmSpec, TrainSpec, parse_time_limit
 from lance_hpc.storage.options import unsupported
@@ -60,8 +60,7 @@ def moved_key_problems(raw: dict[str, Any]) -> list[Problem]:
     return problems
 
 
-# The kinds the spec documents are the kinds that run (the registry cannot import the spec: the
-# spec imports it to validate ``job``).
+# The kinds the spec documents are the kinds that run.
 check_registry(KINDS, JOB_KINDS, "job")
 
 
@@ -77,7 +76,7 @@ def job_problems(raw: Mapping[str, Any], imports: bool = True) -> list[Problem]:
             return []
         return [Problem("job", f"unknown job kind {name!r}", KIND_ADVICE)]
     try:
-        job_kind(name)
+        kind_class(name, JobKindBase)()
     except UserError as error:
         return [_problem_from_user_error("job", error)]
     return []

@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from lance_hpc.limits import DEFAULT_RECORD_MB, MAX_PIXELS, MAX_RECORD_MB, MAX_SEQUENCE_LENGTH
 from lance_hpc.spec.choices import (
     CONTAINER_RUNTIMES,
     EVAL_MODES,
@@ -23,7 +24,6 @@ from lance_hpc.spec.choices import (
     STYLES,
     UNEVEN_MODES,
 )
-from lance_hpc.spec.limits import DEFAULT_RECORD_MB, MAX_PIXELS, MAX_RECORD_MB, MAX_SEQUENCE_LENGTH
 from lance_hpc.spec.predicates import check_predicate
 from lance_hpc.spec.secrets import redacted
 from lance_hpc.storage.options import is_remote
