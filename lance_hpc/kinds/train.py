@@ -69,7 +69,8 @@ def train(spec: JobSpec, env: DistEnv, requeue: Requeue, signals: tuple[int, ...
 
     from lance_hpc import data
     from lance_hpc.checkpoint import saving
-    from lance_hpc.runtime import context, trainer
+    from lance_hpc.runtime import trainer
+    from lance_hpc.runtime.entry import run_entry
     from lance_hpc.runtime.environment import TrainingFailed, explain_failure, lost_peer, on_main_rank, process_group
     from lance_hpc.runtime.preemption import INTERRUPT_SIGNAL, Preemption, after_preemption
     from lance_hpc.runtime.watchdog import WATCH_DIR_VARIABLE, watch_dir
@@ -89,7 +90,7 @@ def train(spec: JobSpec, env: DistEnv, requeue: Requeue, signals: tuple[int, ...
         ):
             on_main_rank(lambda: data.ensure_dataset(spec.data), "prepare the dataset")
             task = data.load_task(spec)
-            summary = context.run_entry(entry, spec, env, device, preemption, task)
+            summary = run_entry(entry, spec, env, device, preemption, task)
             if summary.status == "preempted":
                 outcome: list[Any] = [None]
                 if env.is_main:
