@@ -6,7 +6,7 @@ tasks. Launch, status, the dry run and the rank ask the kind; none of them branc
 so a new kind is one module here (or in the user's own code) and one line in :data:`KINDS`.
 Registered kinds are imported only when used: ``import lance_hpc.kinds`` costs nothing, and a
 login-node command (status, dry run) loads only what the kind's method itself needs. The spec
-validates ``job`` against :data:`KINDS` (:func:`lance_hpc.spec.rules.job_problems`, which also
+validates ``job`` against :data:`KINDS` (:func:`lance_hpc.spec.named_code.job_problems`, which also
 checks the registry against the names the spec documents), so this package imports no spec code.
 """
 

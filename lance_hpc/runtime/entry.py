@@ -20,7 +20,7 @@ from lance_hpc.runtime.preemption import Preemption
 from lance_hpc.runtime.step_loop import Preempted, StopNotHonoured
 from lance_hpc.spec import JobSpec
 from lance_hpc.spec.flat import flatten
-from lance_hpc.spec.rules import entry_options
+from lance_hpc.spec.named_code import entry_options
 from lance_hpc.tasks import Task
 
 
