@@ -16,7 +16,9 @@ __version__ = "0.1.0"
 quiet_dependencies()
 
 _PUBLIC: dict[str, tuple[str, ...]] = {
-    "lance_hpc.runtime.context": ("Context", "Preempted", "Summary", "run_entry"),
+    "lance_hpc.runtime.context": ("Context", "Summary"),
+    "lance_hpc.runtime.step_loop": ("Preempted",),
+    "lance_hpc.runtime.entry": ("run_entry",),
     "lance_hpc.runtime.environment": ("DistEnv", "process_group"),
     "lance_hpc.kinds": ("JobKind",),
     "lance_hpc.tasks": (
@@ -97,8 +99,10 @@ if TYPE_CHECKING:
         plan_data,
         preflight,
     )
-    from lance_hpc.runtime.context import Context, Preempted, Summary, run_entry
+    from lance_hpc.runtime.context import Context, Summary
+    from lance_hpc.runtime.entry import run_entry
     from lance_hpc.runtime.environment import DistEnv, process_group
+    from lance_hpc.runtime.step_loop import Preempted
     from lance_hpc.spec import JobSpec, SpecError, load_spec, validate_spec
     from lance_hpc.tasks import (
         ROW_ID,

@@ -28,7 +28,7 @@ from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.loading import load_task
 from lance_hpc.loading.selection import pinned_data
 from lance_hpc.runtime import trainer
-from lance_hpc.runtime.context import run_entry
+from lance_hpc.runtime.entry import run_entry
 from lance_hpc.runtime.environment import DistEnv, detect, process_group
 from lance_hpc.runtime.metrics import TAGS
 from lance_hpc.runtime.preemption import Preemption, after_preemption

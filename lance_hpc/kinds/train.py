@@ -71,7 +71,8 @@ def train(spec: JobSpec, env: DistEnv, requeue: Requeue, signals: tuple[int, ...
     from lance_hpc import loading
     from lance_hpc.checkpoint import saving
     from lance_hpc.ingest import ensure_dataset
-    from lance_hpc.runtime import context, trainer
+    from lance_hpc.runtime import trainer
+    from lance_hpc.runtime.entry import run_entry
     from lance_hpc.runtime.environment import TrainingFailed, explain_failure, lost_peer, on_main_rank, process_group
     from lance_hpc.runtime.preemption import Preemption, after_preemption
     from lance_hpc.runtime.watchdog import watch_dir
@@ -92,7 +93,7 @@ def train(spec: JobSpec, env: DistEnv, requeue: Requeue, signals: tuple[int, ...
         ):
             on_main_rank(lambda: ensure_dataset(spec.data), "prepare the dataset")
             task = loading.load_task(spec)
-            summary = context.run_entry(entry, spec, env, device, preemption, task)
+            summary = run_entry(entry, spec, env, device, preemption, task)
             if summary.status == "preempted":
                 outcome: list[Any] = [None]
                 if env.is_main:
