@@ -46,14 +46,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
-from tqdm import tqdm
 
 from lance_hpc import loading
 from lance_hpc.checkpoint import resuming, saving
+from lance_hpc.checkpoint.manifests import CHECKPOINT_PATTERN
 from lance_hpc.checkpoint.resuming import Checkpoint
 from lance_hpc.checkpoint.sharded import ShardedSaver, bare, is_tensor_state, load_shards, restore_tensor_state, tensor_state
 from lance_hpc.errors import UserError
 from lance_hpc.loading import EvalLoader, MixLoader, TrainLoader, selection
+from lance_hpc.output import ProgressDisplay, progress_bar
 from lance_hpc.parallel import fsdp
 from lance_hpc.parallel.fsdp import default_blocks, note_default_blocks
 from lance_hpc.parallel.materialise import MetaModel, build_on_meta, materialise, seeded, to_empty
@@ -251,7 +252,7 @@ class Context:
         self._own_s, self._wait_s, self._timed_steps = 0.0, 0.0, 0  # this rank's work and data wait since the last log point
         self._profiler = StepProfiler(spec, env.rank, device)
         self._shown: dict[str, float] = {}  # scalars logged at the current log point: the bar and the log line
-        self._bar: tqdm | None = None
+        self._bar: ProgressDisplay | None = None
 
     # ---- where this rank runs ------------------------------------------------------------------
 
@@ -755,18 +756,10 @@ class Context:
         figures.update({f"perf/rank/{rank}/data_wait_s": value for rank, value in enumerate(wait)})
         return figures
 
-    def _progress_bar(self, total: int, done: int) -> tqdm:
-        # In a SLURM log (no terminal) a bar redrawn ten times a second buries everything else.
-        redraw_s = 0.1 if sys.stdout.isatty() else 30.0
-        return tqdm(
-            total=total,
-            initial=done,
-            desc=f"epoch {self._epoch + 1}",
-            leave=False,
-            mininterval=redraw_s,
-            disable=not (self.is_main and self.spec.logging.progress),
-            file=sys.stdout,
-        )
+    def _progress_bar(self, total: int, done: int) -> ProgressDisplay:
+        # epochs counted from 1, as every line that names one (lance_hpc.runtime.trainer.epoch_number)
+        enabled = self.is_main and self.spec.logging.progress
+        return progress_bar(total, f"epoch {self._epoch + 1}", done=done, unit="steps", enabled=enabled)
 
     def _already_finished(self) -> str:
         limit = (
@@ -848,6 +841,7 @@ def run_entry(
     metrics = {key: float(value) for key, value in result.items()} if isinstance(result, dict) else {}
     if env.is_main:
         print(final_line(task, metrics, context.step), flush=True)
+        print(checkpoint_line(context.last_checkpoint, context.resumed_from), flush=True)
     return Summary("completed", context.step, context.epoch, context.last_checkpoint, metrics)
 
 
@@ -870,6 +864,16 @@ def final_line(task: Task, metrics: dict[str, float], step: int) -> str:
         return f"final validation {task.headline(metrics)} after {step} steps"
     values = ", ".join(f"{tag} {value:.4g}" for tag, value in metrics.items())
     return f"training finished after {step} steps" + (f": {values}" if values else "")
+
+
+def checkpoint_line(saved: str | None, resumed_from: str | None) -> str:
+    """Where a finished run left its state: ``checkpoint step 270: checkpoints/digits/step-00000270.pt``."""
+    if saved is None and resumed_from is not None:
+        return f"checkpoint: none saved by this run; the latest is {resumed_from}"
+    if saved is None:
+        return "checkpoint: none saved (the entry never called ctx.steps() or ctx.save())"
+    named = CHECKPOINT_PATTERN.match(saved.rstrip("/").rsplit("/", 1)[-1])
+    return f"checkpoint step {int(named.group(1))}: {saved}" if named else f"checkpoint: {saved}"
 
 
 def _ended(resumed: Checkpoint, spec: JobSpec) -> bool:
