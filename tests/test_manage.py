@@ -433,7 +433,7 @@ def test_unknown_jobs_unsubmitted_specs_and_missing_slurm_are_clear_errors(
     spec_path, _ = long_job(tmp_path, digits, slurm_cluster, "neversubmitted")
     for command in ("status", "logs", "cancel"):
         never = lance_hpc(slurm_cluster, command, str(spec_path), check_rc=2).stderr
-        assert "has no job that lance_hpc can find" in never and f"lance-hpc submit {spec_path}" in never
+        assert "has no SLURM job that lance_hpc can find" in never and f"lance-hpc submit {spec_path}" in never
     no_slurm = {**environ(slurm_cluster), "PATH": str(Path(sys.executable).parent / "no-slurm-here")}
     result = subprocess.run(
         [sys.executable, "-m", "lance_hpc", "cancel", "12"], env=no_slurm, cwd=REPO_ROOT, capture_output=True, text=True

@@ -1,7 +1,7 @@
 """What a local run prints, read as a person reads it in a log file (``... --local > run.log``, or
 SLURM's log): progress as plain lines, not a bar redrawn with carriage returns; every line whole
 though two ranks write into the same file; epochs numbered alike in every line; and, at the end,
-where the checkpoint went."""
+where the checkpoint went. Then what ``lance-hpc status`` and ``logs`` say of a local run."""
 
 from __future__ import annotations
 
@@ -84,6 +84,30 @@ def test_the_end_of_a_run_says_where_its_checkpoint_is(trained: tuple[Path, str]
     assert saved is not None and saved.step == 60
     assert f"\ncheckpoint step 60: {saved.location}\n" in log, log
     assert Path(saved.location).is_file()
+
+
+@pytest.mark.slow
+def test_status_after_a_local_run_shows_what_it_left_and_logs_says_where_its_output_went(trained: tuple[Path, str]) -> None:
+    directory, _ = trained
+    spec_file = directory / "digits.spec.yaml"
+    environ = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    status = subprocess.run(
+        [sys.executable, "-m", "lance_hpc", "status", str(spec_file)], capture_output=True, text=True, env=environ, timeout=300
+    )
+    assert status.returncode == 0, status.stdout + status.stderr
+    saved = manifests.latest(directory / "checkpoints")
+    assert saved is not None
+    assert status.stdout.startswith(f"{spec_file} (digits): no SLURM job; what its --local runs left\n"), status.stdout
+    assert f"  checkpoint  step 60, epoch 2: {saved.location}\n" in status.stdout
+    assert re.search(r"  last log    step 60: loss [0-9.]+, [0-9,.]+ samples/s\n", status.stdout), status.stdout
+    assert "  finished    step 60 of 60\n" in status.stdout and "submit it with" not in status.stdout
+    assert "  output      a --local run prints to the terminal (or the file) it ran in" in status.stdout
+    logs = subprocess.run(
+        [sys.executable, "-m", "lance_hpc", "logs", str(spec_file)], capture_output=True, text=True, env=environ, timeout=300
+    )
+    assert logs.returncode == 2 and "Traceback" not in logs.stderr, logs.stderr
+    assert "a --local run prints to the terminal (or the file) it ran in" in logs.stderr, logs.stderr
+    assert f"checkpoints in {directory / 'checkpoints'}" in logs.stderr, logs.stderr
 
 
 @pytest.mark.slow
