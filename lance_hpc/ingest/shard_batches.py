@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
-from lance_hpc.errors import UserError
+from lance_hpc.errors import UserError, listing
 from lance_hpc.ingest.reading import BATCH_BYTES, BATCH_ROWS, TOO_BIG_FIX, Reading
 from lance_hpc.ingest.shards import IMAGE_EXTENSIONS, Shard, Source, file_key
 from lance_hpc.ingest.webdataset import webdataset_batches
@@ -49,7 +49,7 @@ class ColumnMap:
                     continue
             elif wanted not in fields:
                 raise UserError(
-                    f"columns.{column} names {wanted!r}, which the source does not have; its fields: {', '.join(fields)}\n"
+                    f"columns.{column} names {wanted!r}, which the source does not have; its fields:{listing(fields, '    ')}\n"
                     f"  fix: set columns.{column} to one of them, or to '' if the source has no {column}"
                 )
             chosen[column] = wanted
@@ -259,7 +259,7 @@ def text_batches(source: Source, shard: Shard, columns: ColumnMap, reading: Read
     for batch in mapped_batches(source, shard, columns, reading):
         if "text" not in batch.schema.names:
             raise UserError(
-                f"{source.uri(shard.path)}: no text field to tokenise (its fields: {', '.join(batch.schema.names)})\n"
+                f"{source.uri(shard.path)}: no text field to tokenise; its fields:{listing(batch.schema.names, '    ')}\n"
                 "  fix: map columns.text to the field that holds the documents' text"
             )
         yield batch
