@@ -233,10 +233,25 @@ def _as_column(column: str, values: pa.Array, where: str, name: str) -> pa.Array
     try:
         return values.cast(wanted)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as error:
+        if column == "label" and (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
+            raise UserError(_class_names_message(values, where, name)) from None
         raise UserError(
             f"{where}: field {name!r} ({values.type}) cannot become the {column} column ({wanted}): {error}\n"
             f"  fix: map columns.{column} to the right field"
         ) from None
+
+
+def _class_names_message(values: pa.Array, where: str, name: str) -> str:
+    """A label field of class names: what the ingest can do instead (it numbers no names itself)."""
+    found = next((value for value in values.to_pylist() if value is not None and not value.strip().lstrip("-").isdigit()), "")
+    return (
+        f"{where}: field {name!r} holds {found[:40]!r}, a class name, but the label column holds class numbers (0, 1, ...)\n"
+        "  fix: map the label to a field of class numbers: --column label=FIELD (data.ingest.columns: {label: FIELD}),\n"
+        "       a JSON field of each sample, say;\n"
+        f"       or ingest without a label: --column label='' (columns: {{label: ''}}) keeps {name!r} as a text column;\n"
+        "       or lay the images out as <dir>/<class>/<file> for an imagefolder: source, which numbers its class\n"
+        "       directories itself and keeps their names"
+    )
 
 
 def row_keys(batch: pa.RecordBatch) -> list[str]:
