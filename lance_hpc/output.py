@@ -54,7 +54,8 @@ def progress_bar(
 
 class ProgressLines:
     """Progress for a log file: ``epoch 2: 120/270 steps (44%), 3.1 steps/s, loss 0.412``, a line at
-    most every ``every_s`` seconds and one when it closes (with the values set last), each written whole."""
+    most every ``every_s`` seconds and one at the end (once the last values are set, or when it
+    closes), each written whole."""
 
     def __init__(
         self,
@@ -80,6 +81,8 @@ class ProgressLines:
 
     def set_postfix(self, values: dict[str, Any]) -> None:
         self.postfix = dict(values)
+        if self.count >= self.total and self.count != self._printed:  # the last step's values: its line now,
+            self._print()  # before the lines that follow the end (an evaluation)
 
     def close(self) -> None:
         if self.count != self._printed:
