@@ -53,6 +53,25 @@ def worker_message(message: str, name: str) -> str:
     return message[position + len(marker) :].strip() if position >= 0 else message
 
 
+def listing(names: list[str], indent: str = "      ", width: int = 100, most: int = 40) -> str:
+    """``names`` for a message, each whole: on lines of their own after a newline, each line
+    starting with ``indent`` and broken only between names (a terminal that wraps a long line cuts
+    a name in two); past ``most`` names, ``and N more``."""
+    shown = [f"{name}," for name in names[:most]]
+    if shown:
+        shown[-1] = shown[-1].removesuffix(",")
+    if len(names) > most:
+        shown[-1] += ","
+        shown.append(f"and {len(names) - most} more")
+    lines = [indent + (shown[0] if shown else "none")]
+    for name in shown[1:]:
+        if len(lines[-1]) + 1 + len(name) > width:
+            lines.append(indent + name)
+        else:
+            lines[-1] += " " + name
+    return "\n" + "\n".join(lines)
+
+
 def run_reporting_errors(command: Callable[[], int], prog: str) -> int:
     """Run ``command``; a UserError becomes one message and exit 2, Ctrl-C a quiet exit 130, and a
     closed pipe on stdout a quiet end."""

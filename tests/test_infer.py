@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -327,6 +328,14 @@ def test_a_filter_writes_values_for_its_rows_only_and_evaluates_only_them(traine
     assert done.returncode == 0, done.stdout + done.stderr
     chosen = int((table.column("label").to_numpy() >= 5).sum())
     assert f"for {chosen:,} rows" in done.stdout and f"{chosen:,} of 359 rows (infer.filter)" in done.stdout
+    # each fragment's line counts the rows the filter selected in it (none in the first ones)
+    labels = table.column("label").to_numpy()
+    shown = dict(re.findall(r"rank \d: fragment (\d+): (.+) in [0-9.]+ s", done.stdout))
+    expected = {
+        str(index): f"{int((labels[start : start + 64] >= 5).sum()):,} of {len(labels[start : start + 64]):,} rows (infer.filter)"
+        for index, start in enumerate(range(0, len(labels), 64))
+    }
+    assert shown == expected and shown["0"].startswith("0 of 64"), done.stdout
     written = lance.dataset(uri).to_table(columns=["label", "twice"]).to_pylist()
     assert all(row["twice"] == 2 * row["label"] if row["label"] >= 5 else row["twice"] is None for row in written)
     evaluation = infer_spec(tmp_path / "eval", uri, checkpoint, job="evaluate", metrics_file=str(tmp_path / "m.json"))

@@ -27,6 +27,7 @@ LAYERS = (
     "errors",  # UserError and exit codes
     "imports",  # import paths, child processes
     "quiet",  # the dependencies' warnings that do not apply
+    "output",  # what a process prints: whole lines, progress for a terminal or a log file
     "limits",  # the bounds ingest, decode and the spec agree on
     "storage",
     "signals",  # the signals a rank's processes take
@@ -224,8 +225,10 @@ def test_the_top_level_names_the_steps_of_the_flow() -> None:
     assert {"spec", "launch", "runtime", "loading", "ingest", "writeback", "storage", "tasks", "manage"} <= packages
     modules = {path.stem for path in PACKAGE.glob("*.py")}
     # entry points (cli, the python -m commands), the public face, and what every step shares
-    # (errors, imports, limits, signals, and quiet: the dependencies' warnings that do not apply)
-    assert modules <= {"__init__", "__main__", "cli", "submit", "run", "errors", "imports", "limits", "quiet", "signals"}
+    # (errors, imports, limits, signals, output: how lines are printed, and quiet: the dependencies'
+    # warnings that do not apply)
+    shared = {"errors", "imports", "limits", "quiet", "signals", "output"}
+    assert modules <= {"__init__", "__main__", "cli", "submit", "run", *shared}
 
 
 def test_the_public_api_resolves_from_the_package_without_importing_torch_up_front() -> None:

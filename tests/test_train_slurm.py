@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 
+from lance_hpc.checkpoint import manifests
 from lance_hpc.kinds.rank import SubmititJob
 from lance_hpc.launch.render import write_job_files
 from lance_hpc.launch.submit import make_executor
@@ -144,6 +145,8 @@ def test_four_ranks_on_two_nodes_train_to_the_bar(reference: SlurmRun) -> None:
     assert float(FINAL_ACCURACY.search(reference.output).group(1)) >= 0.90, reference.output
     final = final_state(Path(reference.spec.checkpoint.dir).parent)
     assert len(final["ranks"]) == TASKS and final["step"] == reference.spec.train.epochs * steps_per_epoch(reference.spec)
+    saved = manifests.latest(reference.spec.checkpoint.dir)  # rank 0 says where it went (srun labels its lines)
+    assert saved is not None and f"0: checkpoint step {final['step']}: {saved.location}\n" in reference.output
 
 
 def test_usr2_mid_epoch_requeues_and_resumes_to_the_same_weights(

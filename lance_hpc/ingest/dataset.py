@@ -182,10 +182,10 @@ def write_split(
 ) -> bool:
     """Write ``items[indices]`` to ``target`` as one Lance commit; False when another ingest
     created the dataset first."""
-    from tqdm import tqdm
+    from lance_hpc.output import progress_bar
 
     schema = schema_for(items.class_names, items.name)
-    with tqdm(total=len(indices), desc=f"ingest {target.uri}", unit="img", file=sys.stderr, mininterval=1.0) as progress:
+    with progress_bar(len(indices), f"ingest {target.uri}", unit="img", stream=sys.stderr) as progress:
         reader = pa.RecordBatchReader.from_batches(schema, _batches(items, indices, schema, progress))
         return write_lance(reader, target, rows_per_fragment=rows_per_fragment, replace=replace)
 

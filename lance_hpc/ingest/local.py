@@ -19,6 +19,7 @@ from lance_hpc.ingest.records import Records, ShardRecord, resume_lines
 from lance_hpc.ingest.shard_batches import ColumnMap
 from lance_hpc.ingest.status import estimate_line, shard_summary
 from lance_hpc.ingest.target import COMMAND_LINE_NAMES, targets
+from lance_hpc.ingest.tokenizer import ensure_tokenizer
 from lance_hpc.ingest.write import run_worker
 from lance_hpc.storage.options import storage_options
 
@@ -26,8 +27,17 @@ from lance_hpc.storage.options import storage_options
 PROGRESS_S = 2.0
 
 
+def prepare_tokenizer(data: Any) -> None:
+    """A spec's ingest that tokenises with ``hf:<file>``: the tokenizer trained there first when the
+    file does not exist yet (:func:`~lance_hpc.ingest.tokenizer.ensure_tokenizer`)."""
+    ingest = data.ingest
+    if ingest is not None and tokens_of(ingest.source, ingest.tokenize, ingest.tokenizer, ingest.sequence_length):
+        ensure_tokenizer(ingest, ingest.val_fraction if data.val_uri else 0.0)
+
+
 def ingest_here(data: Any, *, overwrite: bool = False) -> tuple[int, int]:
     """A spec's shard source ingested by this process alone (a training job's start); (train, val) rows."""
+    prepare_tokenizer(data)
     plan = plan_for_data(data, overwrite=overwrite)
     for line in resume_lines(plan):
         print(line, flush=True)

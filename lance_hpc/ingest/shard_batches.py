@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
-from lance_hpc.errors import UserError
+from lance_hpc.errors import UserError, listing
 from lance_hpc.ingest.reading import BATCH_BYTES, BATCH_ROWS, TOO_BIG_FIX, Reading
 from lance_hpc.ingest.shards import IMAGE_EXTENSIONS, Shard, Source, file_key
 from lance_hpc.ingest.webdataset import webdataset_batches
@@ -49,7 +49,7 @@ class ColumnMap:
                     continue
             elif wanted not in fields:
                 raise UserError(
-                    f"columns.{column} names {wanted!r}, which the source does not have; its fields: {', '.join(fields)}\n"
+                    f"columns.{column} names {wanted!r}, which the source does not have; its fields:{listing(fields, '    ')}\n"
                     f"  fix: set columns.{column} to one of them, or to '' if the source has no {column}"
                 )
             chosen[column] = wanted
@@ -233,10 +233,25 @@ def _as_column(column: str, values: pa.Array, where: str, name: str) -> pa.Array
     try:
         return values.cast(wanted)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as error:
+        if column == "label" and (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
+            raise UserError(_class_names_message(values, where, name)) from None
         raise UserError(
             f"{where}: field {name!r} ({values.type}) cannot become the {column} column ({wanted}): {error}\n"
             f"  fix: map columns.{column} to the right field"
         ) from None
+
+
+def _class_names_message(values: pa.Array, where: str, name: str) -> str:
+    """A label field of class names: what the ingest can do instead (it numbers no names itself)."""
+    found = next((value for value in values.to_pylist() if value is not None and not value.strip().lstrip("-").isdigit()), "")
+    return (
+        f"{where}: field {name!r} holds {found[:40]!r}, a class name, but the label column holds class numbers (0, 1, ...)\n"
+        "  fix: map the label to a field of class numbers: --column label=FIELD (data.ingest.columns: {label: FIELD}),\n"
+        "       a JSON field of each sample, say;\n"
+        f"       or ingest without a label: --column label='' (columns: {{label: ''}}) keeps {name!r} as a text column;\n"
+        "       or lay the images out as <dir>/<class>/<file> for an imagefolder: source, which numbers its class\n"
+        "       directories itself and keeps their names"
+    )
 
 
 def row_keys(batch: pa.RecordBatch) -> list[str]:
@@ -259,7 +274,7 @@ def text_batches(source: Source, shard: Shard, columns: ColumnMap, reading: Read
     for batch in mapped_batches(source, shard, columns, reading):
         if "text" not in batch.schema.names:
             raise UserError(
-                f"{source.uri(shard.path)}: no text field to tokenise (its fields: {', '.join(batch.schema.names)})\n"
+                f"{source.uri(shard.path)}: no text field to tokenise; its fields:{listing(batch.schema.names, '    ')}\n"
                 "  fix: map columns.text to the field that holds the documents' text"
             )
         yield batch

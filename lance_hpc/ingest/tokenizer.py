@@ -29,11 +29,12 @@ from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.imports import is_import_path, load_callable
 from lance_hpc.ingest.shard_batches import ColumnMap, document_texts, text_batches
 from lance_hpc.ingest.shards import is_shard_source, list_shards, parse_source, split_of
+from lance_hpc.spec import IngestSpec
 from lance_hpc.storage.files import write_file
 
 # End-of-document tokens, in the order one is looked for in a loaded vocabulary.
 EOD_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<eod>", "[SEP]")
-DEFAULT_VOCAB = 8192
+DEFAULT_VOCAB: int = IngestSpec.model_fields["vocab_size"].default
 
 
 def load_hf(path: str) -> tuple[object, int, int]:
@@ -44,7 +45,8 @@ def load_hf(path: str) -> tuple[object, int, int]:
     if not Path(path).is_file():
         raise UserError(
             f"tokenizer hf:{path}: no such file (relative paths start from the directory you run in)\n"
-            f"  fix: name a tokenizer.json, or train one offline: lance-hpc tokenizer train SOURCE {path} --vocab-size 8192"
+            f"  fix: name a tokenizer.json, or train one offline: lance-hpc tokenizer train SOURCE {path} --vocab-size "
+            f"{DEFAULT_VOCAB} (a training job, or a --local run, whose data.ingest names it trains it there itself)"
         )
     try:
         loaded = HfTokenizer.from_file(path)
@@ -177,6 +179,26 @@ def train(
         "bytes_per_token": len(sample.encode()) / tokens if tokens else 0.0,
         "seconds": time.monotonic() - started,
     }
+
+
+def ensure_tokenizer(ingest: IngestSpec, val_fraction: float) -> None:
+    """Train the BPE that ``ingest.tokenizer`` (``hf:<file>``) names when the file does not exist
+    yet, on the documents the ingest trains on (those a ``val_fraction`` holds out are left out),
+    saying so: a job ingests its data on first use, and makes its tokenizer first."""
+    if not ingest.tokenizer.startswith("hf:") or Path(ingest.tokenizer[len("hf:") :]).exists():
+        return
+    path = Path(ingest.tokenizer[len("hf:") :])
+    print(
+        f"tokenizer {ingest.tokenizer} does not exist yet: training a {ingest.vocab_size:,}-token byte-level BPE "
+        f"on the training documents of {ingest.source} (data.ingest.vocab_size), as lance-hpc tokenizer train does",
+        flush=True,
+    )
+    figures = train(ingest.source, path, ingest.vocab_size, val_fraction=val_fraction)
+    print(
+        f"  trained on {figures['documents']:,.0f} documents in {figures['seconds']:.1f} s, "
+        f"{figures['bytes_per_token']:.2f} bytes per token on a sample; wrote {path}",
+        flush=True,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -199,7 +199,7 @@ def sample_key(name: str) -> tuple[str, str] | None:
 
 class _Samples:
     """Consecutive members sharing a key, gathered into one record each: ``.json`` members add
-    their fields, ``.cls`` an integer, ``.txt`` a string, other extensions their bytes."""
+    their fields, ``.cls`` an integer (its text when it holds a name), ``.txt`` a string, other extensions their bytes."""
 
     def __init__(self, where: str, max_bytes: int, reading: Reading) -> None:
         self.where, self.max_bytes, self.reading = where, max_bytes, reading
@@ -257,10 +257,11 @@ class _Samples:
                 for field_name, value in fields.items():
                     self.current.setdefault(field_name, value)
         elif extension == "cls":
+            text = data.decode("utf-8", errors="replace").strip()
             try:
-                self.current["cls"] = int(data.decode().strip())
-            except ValueError:
-                raise UserError(f"{self.where}: {name} holds {data[:40]!r}, not a class number") from None
+                self.current["cls"] = int(text)
+            except ValueError:  # a class name: kept as text, which the label column refuses with its fix
+                self.current["cls"] = text
         elif extension == "txt":
             self.current["txt"] = data.decode("utf-8", errors="replace")
         else:

@@ -20,9 +20,13 @@ class Ingest(JobKind):
     name = "ingest"
 
     def check(self, spec: JobSpec, nproc: int | None) -> list[str]:
-        """The targets checked and the shards listed: the plan in a few lines."""
+        """The targets checked and the shards listed: the plan in a few lines. Here (``nproc`` ranks on
+        this machine) a tokenizer the ingest names but lacks is trained first."""
         from lance_hpc.ingest.job import check_ingest
+        from lance_hpc.ingest.local import prepare_tokenizer
 
+        if nproc is not None:
+            prepare_tokenizer(spec.data)
         return [check_ingest(spec)]
 
     def plan(self, spec: JobSpec, source: str) -> str:

@@ -24,6 +24,7 @@ import submitit
 
 from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.kinds import job_kind
+from lance_hpc.output import whole_lines
 from lance_hpc.runtime.context import Summary
 from lance_hpc.runtime.environment import SLURM_VARS, TrainingFailed, detect
 from lance_hpc.runtime.failures import note_failure
@@ -42,7 +43,8 @@ from lance_hpc.storage.retry import StoreUnavailable
 
 def run_job(spec_file: str, requeue: Requeue, signals: tuple[int, ...] = PREEMPTION_SIGNALS) -> Summary:
     """Run this rank's part of the job described by ``spec_file`` (the kind its ``job`` names); requeue it when preempted."""
-    hold((PROFILE_SIGNAL,))  # held already in python -m lance_hpc.run; not yet in a submitit task
+    hold((PROFILE_SIGNAL,))  # held already in python -m lance_hpc.run; a submitit task ignored it until here
+    whole_lines()  # the ranks share a log: each line in one write
     # Loading the spec imports its task and entry, so a task file's directory is on sys.path
     # before the worker server starts and copies it (workers then unpickle the task's decoder).
     # Read only if this user owns it: the spec names the code this rank imports and runs.

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from lance_hpc.errors import UserError
+from lance_hpc.errors import UserError, listing
 from lance_hpc.loading.mix import pinned_mix
 from lance_hpc.loading.reader import fragment_table
 from lance_hpc.loading.sampling import FragmentTable
@@ -67,10 +67,11 @@ def filter_problem(error: Exception, dataset: Dataset, where: str, predicate: st
     message = re.sub(r",\s*/\S+\.rs:\d+:\d+\s*$", "", message.strip())
     message = message.replace("Invalid user input: ", "")
     message = re.sub(r"\s*Valid fields are [^.]*\.+", "", message)
-    columns = ", ".join(name for name in dataset.schema.names if name not in META_COLUMNS)
+    columns = [name for name in dataset.schema.names if name not in META_COLUMNS]
     return UserError(
         f"{where}: Lance cannot apply the filter {predicate!r}: {message}\n"
-        f"  fix: write a SQL predicate over the dataset's columns ({columns}), e.g. label < 5 AND quality > 0.8"
+        f"  fix: write a SQL predicate over the dataset's columns, e.g. label < 5 AND quality > 0.8; its columns:"
+        f"{listing(columns, '    ')}"
     )
 
 

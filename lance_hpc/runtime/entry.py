@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from lance_hpc.checkpoint import resuming
+from lance_hpc.checkpoint.manifests import CHECKPOINT_PATTERN
 from lance_hpc.checkpoint.resuming import Checkpoint
 from lance_hpc.errors import UserError
 from lance_hpc.runtime.context import Context, Summary
@@ -63,6 +64,7 @@ def run_entry(
     metrics = {key: float(value) for key, value in result.items()} if isinstance(result, dict) else {}
     if env.is_main:
         print(final_line(task, metrics, context.step), flush=True)
+        print(checkpoint_line(context.last_checkpoint, context.resumed_from), flush=True)
     return Summary("completed", context.step, context.epoch, context.last_checkpoint, metrics)
 
 
@@ -72,6 +74,16 @@ def final_line(task: Task, metrics: dict[str, float], step: int) -> str:
         return f"final validation {task.headline(metrics)} after {step} steps"
     values = ", ".join(f"{tag} {value:.4g}" for tag, value in metrics.items())
     return f"training finished after {step} steps" + (f": {values}" if values else "")
+
+
+def checkpoint_line(saved: str | None, resumed_from: str | None) -> str:
+    """Where a finished run left its state: ``checkpoint step 270: checkpoints/digits/step-00000270.pt``."""
+    if saved is None and resumed_from is not None:
+        return f"checkpoint: none saved by this run; the latest is {resumed_from}"
+    if saved is None:
+        return "checkpoint: none saved (the entry never called ctx.steps() or ctx.save())"
+    named = CHECKPOINT_PATTERN.match(saved.rstrip("/").rsplit("/", 1)[-1])
+    return f"checkpoint step {int(named.group(1))}: {saved}" if named else f"checkpoint: {saved}"
 
 
 def _ended(resumed: Checkpoint, spec: JobSpec) -> bool:

@@ -3,11 +3,10 @@ with ``logging.progress: false``, one line per log point."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from tqdm import tqdm
+from lance_hpc.output import ProgressDisplay, progress_bar
 
 
 class ProgressBar:
@@ -16,23 +15,15 @@ class ProgressBar:
 
     def __init__(self, is_main: bool, progress: bool) -> None:
         self.is_main, self.progress = is_main, progress
-        self._bar: tqdm | None = None
+        self._bar: ProgressDisplay | None = None
         self._shown: dict[str, float] = {}  # scalars logged at the current log point: the bar and the log line
 
     @contextmanager
     def epoch(self, total: int, done: int, epoch: int) -> Iterator[None]:
-        """The bar of ``epoch`` (counted from 0), ``done`` of its ``total`` steps already taken."""
-        # In a SLURM log (no terminal) a bar redrawn ten times a second buries everything else.
-        redraw_s = 0.1 if sys.stdout.isatty() else 30.0
-        bar = tqdm(
-            total=total,
-            initial=done,
-            desc=f"epoch {epoch + 1}",
-            leave=False,
-            mininterval=redraw_s,
-            disable=not (self.is_main and self.progress),
-            file=sys.stdout,
-        )
+        """The bar of ``epoch`` (counted from 0, shown from 1 as every line that names one counts
+        them), ``done`` of its ``total`` steps already taken: a bar on a terminal, plain lines in a
+        log file (:func:`lance_hpc.output.progress_bar`)."""
+        bar = progress_bar(total, f"epoch {epoch + 1}", done=done, unit="steps", enabled=self.is_main and self.progress)
         with bar as self._bar:
             yield
         self._bar = None

@@ -123,7 +123,7 @@ def resolve(target: str, overrides: Sequence[str] = (), job_id: str | None = Non
             )
         ids = [job_id]
     if not ids:
-        raise never_submitted(spec, target)
+        raise NeverSubmitted(spec, target)
     return [JobRef(one, spec, target) for one in (ids if every else ids[-1:])]
 
 
@@ -132,7 +132,7 @@ def sweep_runs(spec: JobSpec, target: str, job_id: str | None, every: bool) -> l
     runs = expand(spec, target, imports=False)
     arrays = sorted({found.partition("_")[0] for found in job_ids_of(spec)}, key=queue.job_order)
     if not arrays:
-        raise never_submitted(spec, target)
+        raise NeverSubmitted(spec, target)
     refs = [run_ref(array, run, spec, target) for array in (arrays if every or job_id else arrays[-1:]) for run in runs]
     if job_id is not None:
         refs = [ref for ref in refs if job_id in (ref.job_id, ref.job_id.partition("_")[0])]
@@ -159,12 +159,24 @@ def job_refs(job_id: str) -> list[JobRef]:
     return [run_ref(array_id, run, spec, source) for run in runs] or [JobRef(job_id, spec, source)]
 
 
-def never_submitted(spec: JobSpec, target: str) -> UserError:
-    return UserError(
-        f"{target} ({spec.name}) has no job that lance_hpc can find: none in {records_path(spec)}, "
-        f"no {spec.name}-<id>.out log in {spec.slurm.log_dir}, none named {spec.name} in squeue\n"
-        f"  fix: submit it with `lance-hpc submit {target}`, or give the job id instead of the spec"
-    )
+class NeverSubmitted(UserError):
+    """A spec with no SLURM job to report on (``spec``: it, validated; ``target``: as it was named)."""
+
+    def __init__(self, spec: JobSpec, target: str) -> None:
+        self.spec, self.target = spec, target
+        super().__init__(
+            f"{target} ({spec.name}) has no SLURM job that lance_hpc can find: none in {records_path(spec)}, "
+            f"no {spec.name}-<id>.out log in {spec.slurm.log_dir}, none named {spec.name} in squeue\n"
+            f"  {LOCAL_RUNS_NOTE.format(checkpoints=spec.checkpoint.dir, events=spec.logging.tensorboard_dir)}\n"
+            f"  fix: submit it with `lance-hpc submit {target}`, or give the job id instead of the spec"
+        )
+
+
+# What status, logs and cancel say of runs they do not follow.
+LOCAL_RUNS_NOTE = (
+    "lance-hpc status, logs and cancel follow SLURM jobs; a --local run prints to the terminal (or the file) "
+    "it ran in, stops with Ctrl-C, and keeps its checkpoints in {checkpoints} and its TensorBoard events in {events}"
+)
 
 
 def load_own_spec(path: Path, overrides: Sequence[str] = (), follow_links: bool = True) -> JobSpec:

@@ -42,6 +42,13 @@ class IngestSpec(Section):
         description="Text sources: bytes (UTF-8, nothing to download), hf:<tokenizer.json> (e.g. one trained by "
         "lance-hpc tokenizer train) or pkg.mod:factory.",
     )
+    vocab_size: int = Field(
+        8192,
+        ge=300,
+        le=MAX_INT,
+        description="tokenizer: hf:<file> that does not exist yet: the job trains a byte-level BPE of this many tokens "
+        "there first, on the source's training documents (as lance-hpc tokenizer train does).",
+    )
     tokenize: bool | None = Field(
         None,
         description="Pack the source's text into token sequences for a language model: by default yes for text: and "

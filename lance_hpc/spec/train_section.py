@@ -95,7 +95,10 @@ TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 class LoggingSpec(Section):
     tensorboard_dir: str = Field("runs/{name}", description="TensorBoard event directory (rank 0 writes).")
     log_every_steps: int = Field(20, ge=1, le=MAX_INT, description="Log scalars every N steps.")
-    progress: bool = Field(True, description="Show a progress bar on rank 0.")
+    progress: bool = Field(
+        True,
+        description="Show progress on rank 0: a bar on a terminal; in a log file, a plain line every 30 s and at each epoch's end.",
+    )
     trackers: list[str] = Field(
         default_factory=lambda: ["tensorboard"],
         description="Where rank 0 logs: tensorboard, wandb, mlflow (credentials and servers from their environment variables).",

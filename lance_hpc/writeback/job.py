@@ -187,7 +187,10 @@ def _work(
         record.rows = plan.rows_selected(index)
         records.write(index, record)
         done.append(index)
-        print(f"rank {env.rank}: fragment {fragment.id}: {fragment.rows:,} rows in {record.seconds:.1f} s", flush=True)
+        rows_text = (
+            f"{record.rows:,} of {fragment.rows:,} rows (infer.filter)" if plan.selected is not None else f"{record.rows:,} rows"
+        )
+        print(f"rank {env.rank}: fragment {fragment.id}: {rows_text} in {record.seconds:.1f} s", flush=True)
     return done, already
 
 
