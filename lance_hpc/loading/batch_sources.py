@@ -18,7 +18,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from lance_hpc.errors import UserError
-from lance_hpc.loading.epoch_plan import DataPlan, plan_from_table
+from lance_hpc.loading.epoch_plan import DataPlan, spec_plan
 from lance_hpc.loading.mix import MixPart, MixPlanner, MixReader, MixSchedule, epoch_rows, mix_steps, source_name
 from lance_hpc.loading.reader import BatchReader
 from lance_hpc.loading.resume import EpochOrigin, ResumedEpoch, Segment, remainder_share_rows, rows_read
@@ -109,17 +109,8 @@ class DatasetBatches:
         )
         self.dataset_version: int = int(dataset.version)
         table = self.table = self.selection.table
-        self.plan: DataPlan = plan_from_table(
-            table,
-            world_size,
-            data.batch_size,
-            style=data.style,
-            sampler=data.sampler,
-            uneven=data.uneven,
-            uri=data.uri,
-            version=self.dataset_version,
-            selected=self.selection.describe() if data.filter else "",
-        )
+        selected = self.selection.describe() if data.filter else ""
+        self.plan: DataPlan = spec_plan(data, table, world_size, uri=data.uri, version=self.dataset_version, selected=selected)
         if self.plan.steps_per_rank == 0:
             raise UserError(
                 f"{data.uri} has {self.plan.rows} rows, too few for {world_size} ranks with uneven: {data.uneven}: "
