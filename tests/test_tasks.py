@@ -48,7 +48,7 @@ def test_every_builtin_task_with_every_strategy_reads_rows_exactly_once(
     world_size = 3
     data = DataSpec(uri=dataset.train, style=style, sampler=sampler, uneven=uneven, batch_size=40, num_workers=0, seed=1)
     loaders = [build_train_loader(data, task.decoder(train=True), rank, world_size) for rank in range(world_size)]
-    rows = loaders[0].plan.rows
+    rows = loaders[0].source.plan.rows
     for epoch in (0, 1):
         seen, steps = [], []
         for loader in loaders:

@@ -393,7 +393,7 @@ def test_a_filtered_mix_requeued_by_usr2_draws_each_source_epoch_once(
     ids = torch.tensor(rows).numpy()
     sources, offsets = source_of(ids), offset_of(ids)
     train = build_train_loader(spec.data, load_task(spec).decoder(train=True), 0, TASKS)
-    below_five = set(train.selections[0].offsets.tolist())
+    below_five = set(train.source.selections[0].offsets.tolist())
     assert set(offsets[sources == 0].tolist()) <= below_five
     for source, size in ((0, len(below_five)), (1, 359)):
         counts = collections.Counter(offsets[sources == source].tolist())

@@ -90,7 +90,7 @@ def test_one_rank_with_grad_accumulation_and_max_steps(tmp_path: Path, digits) -
     assert summary.status == "completed" and summary.step == 5 and "val/accuracy" in summary.metrics
     state = final_state(tmp_path)
     loader = loading.build_train_loader(spec.data, load_task(spec).decoder(train=True), 0, 1)
-    assert state["step"] == 5 and state["progress"] == pytest.approx(5 * 3 * 16 / loader.plan.rows_per_rank)
+    assert state["step"] == 5 and state["progress"] == pytest.approx(5 * 3 * 16 / loader.source.plan.rows_per_rank)
     logged = scalars(tmp_path / "runs")
     assert [step for step, _ in logged["train/loss"]] == [5]
     assert math.ceil(loader.steps_per_epoch / 3) > 5  # so max_steps, not the epoch, ended the run

@@ -16,7 +16,7 @@ import pyarrow as pa
 from lance_hpc.errors import UserError
 from lance_hpc.ingest.packing import too_short, with_split_figures
 from lance_hpc.ingest.plan import Plan
-from lance_hpc.ingest.records import Records, ShardRecord
+from lance_hpc.ingest.records import ShardRecord
 from lance_hpc.ingest.rerun import (
     landed_splits,
     properties,
@@ -52,7 +52,7 @@ def totals(records: Iterable[ShardRecord], splits: Iterable[str]) -> tuple[dict[
 def commit(plan: Plan) -> Committed:
     """Every shard's fragments, once each and in plan order, as one commit per dataset; a split
     whose commit by an earlier run of this ingest the dataset holds is not committed again."""
-    records = Records.of(plan)
+    records = plan.shard_records()
     finished = records.finished()
     rows, skipped = totals(finished.values(), plan.targets())
     found = landed_splits(records, plan.targets(), plan.run_id)
@@ -97,7 +97,7 @@ def _commit_split(plan: Plan, split: str, schema: pa.Schema, finished: Mapping[i
     else:
         operation = lance.LanceOperation.Overwrite(schema, fragments)
     # Recorded first, so that a rerun after a crash at any point from here knows where to look.
-    record_intent(Records.of(plan), split, read_version)
+    record_intent(plan.shard_records(), split, read_version)
     transaction = lance.Transaction(read_version or 0, operation, transaction_properties=properties(plan.run_id, split))
     dataset = lance.LanceDataset.commit(target.uri, transaction, storage_options=target.options or None, max_retries=0)
     return int(dataset.version)

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from lance_hpc.ingest.commit import commit, committed_line
-from lance_hpc.ingest.plan import Plan, plan_for_data
-from lance_hpc.ingest.records import Records, ShardRecord, resume_lines, stale_parts
+from lance_hpc.ingest.plan import Plan, plan_for_data, resume_lines, stale_parts
+from lance_hpc.ingest.records import ShardRecord
 from lance_hpc.ingest.status import estimate_line, shard_summary
 from lance_hpc.ingest.units import wait_for_all
 from lance_hpc.ingest.write import run_worker
@@ -51,7 +51,7 @@ def run_ingest(
     whether a stop signal came; ``requeue``, asked on rank 0 once it stopped, whether the job went
     back into the queue, and what to tell the user."""
     plan = ingest_plan(spec, check_targets=False)  # the launcher checked the targets before the ranks started
-    records = Records.of(plan)
+    records = plan.shard_records()
     if rank == 0:
         for line in resume_lines(plan):  # records naming what the datasets lack are discarded here
             print(line, flush=True)
@@ -109,7 +109,7 @@ def check_ingest(spec: JobSpec) -> str:
     lines = shard_summary(plan, spec.slurm.world_size)
     lines.append(f"columns: {', '.join(f'{item.name} ({item.type})' for item in plan.schema)}")
     lines.append(estimate_line(plan))
-    finished = len(Records.of(plan).finished())
+    finished = len(plan.shard_records().finished())
     if finished:
         lines.append(f"{finished} shard(s) already written by an earlier run of this ingest: the job writes the rest")
     return "\n".join(lines)

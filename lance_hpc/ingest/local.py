@@ -14,8 +14,8 @@ from typing import Any, Callable, Sequence
 from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.imports import child_environment, python_command
 from lance_hpc.ingest.commit import commit, committed_line
-from lance_hpc.ingest.plan import Plan, make_plan, plan_for_data, source_options, tokens_of
-from lance_hpc.ingest.records import Records, ShardRecord, resume_lines
+from lance_hpc.ingest.plan import Plan, make_plan, plan_for_data, resume_lines, source_options, tokens_of
+from lance_hpc.ingest.records import Records, ShardRecord
 from lance_hpc.ingest.shard_batches import ColumnMap
 from lance_hpc.ingest.status import estimate_line, shard_summary
 from lance_hpc.ingest.target import COMMAND_LINE_NAMES, targets
@@ -101,7 +101,7 @@ def ingest_shards_command(args: Any, argv: list[str]) -> int:
             return 0
         for line in resume_lines(plan):
             print(line, flush=True)
-        records = Records.of(plan)
+        records = plan.shard_records()
         if not plan.complete:
             before = len(records.finished())
             if before:

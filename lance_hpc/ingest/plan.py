@@ -3,8 +3,9 @@ shards (:mod:`lance_hpc.ingest.shards`) in a stable order, split between the wor
 biggest shard first, to the worker with the least so far), the schema read from the first shard (or
 made by the tokenizer), the targets checked (nothing that is not a Lance dataset is ever written
 into), and a run id that names this ingest (source, shards, columns, split, targets), under which
-its records live (:mod:`lance_hpc.ingest.records`). Also the rows a plan will write, estimated before
-it runs from a sample of its first shard.
+its records live (:mod:`lance_hpc.ingest.records`). Before a run of the plan writes anything, its
+records are held against the datasets (:func:`resume_lines`). Also the rows a plan will write,
+estimated before it runs from a sample of its first shard.
 
 The rest of the ingest: each worker writes its shards (:mod:`lance_hpc.ingest.write`), one commit
 takes them all (:mod:`lance_hpc.ingest.commit`), run here (:mod:`lance_hpc.ingest.local`) or as a
@@ -25,9 +26,7 @@ from lance_hpc.errors import UserError
 from lance_hpc.ingest.image_check import ENCODED_BYTES, MAX_PIXELS
 from lance_hpc.ingest.packing import Tokens, token_schema
 from lance_hpc.ingest.records import Records, records_root
-from lance_hpc.ingest.rerun import (
-    landed_splits,
-)
+from lance_hpc.ingest.rerun import landed_splits, stale_records, start_over
 from lance_hpc.ingest.shard_batches import (
     ColumnMap,
     document_texts,
@@ -96,6 +95,10 @@ class Plan:
     def records(self) -> str:
         """Where finished shards are recorded: a hidden folder beside the training dataset."""
         return f"{records_root(self.train.uri)}/{self.run_id}"
+
+    def shard_records(self) -> Records:
+        """The records of this plan's finished shards."""
+        return Records(self.records, self.train.options)
 
 
 def make_plan(
@@ -325,3 +328,36 @@ def estimate_rows(plan: Plan) -> dict[str, int]:
 def _sample_keys(batches: list[pa.RecordBatch]) -> Iterable[tuple[str, str]]:
     for batch in batches:
         yield from ((key, "") for key in row_keys(batch))
+
+
+def stale_parts(plan: Plan) -> list[str]:
+    """What this run's records name that the datasets no longer hold (none: every record counts)."""
+    records = plan.shard_records()
+    finished = records.finished()  # before the files are listed: a record is written after its files
+    fragments = {
+        split: [text for record in finished.values() for text in record.fragments.get(split, [])] for split in plan.targets()
+    }
+    return stale_records(records, plan.targets(), plan.run_id, fragments)
+
+
+def resume_lines(plan: Plan) -> list[str]:
+    """Before a run writes anything, in the one process that starts it: records naming what the
+    datasets no longer hold are discarded (the run starts over, the splits still committed kept),
+    and a line says so, or says which commits of an earlier run of this ingest were found."""
+    records = plan.shard_records()
+    stale = stale_parts(plan)
+    if stale:
+        dropped = start_over(records, keep=plan.landed)
+        return [
+            f"starting over: an earlier run of this ingest recorded {'; '.join(stale)} (deleted or rewritten since); "
+            f"its {dropped} shard record(s) are discarded and every shard is written again"
+        ]
+    if not plan.landed or records.committed() == plan.landed:
+        return []
+    order = sorted(plan.targets(), key=lambda name: name != "val")  # the order of the commits
+    found = ", ".join(
+        f"{split} ({plan.targets()[split].uri} version {plan.landed[split]})" for split in order if split in plan.landed
+    )
+    left = [split for split in order if split not in plan.landed]
+    rest = f"committing {', '.join(left)}" if left else "recording the ingest as committed"
+    return [f"found the commits of an earlier run of this ingest that stopped before the rest: {found}; {rest}"]

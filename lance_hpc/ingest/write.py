@@ -24,7 +24,7 @@ from lance_hpc.ingest.image_check import image_size
 from lance_hpc.ingest.packing import Packer, rows_batch
 from lance_hpc.ingest.plan import Plan
 from lance_hpc.ingest.reading import Reading
-from lance_hpc.ingest.records import Records, ShardRecord
+from lance_hpc.ingest.records import ShardRecord
 from lance_hpc.ingest.shard_batches import document_texts, mapped_batches, text_batches
 from lance_hpc.ingest.shards import Shard, Source, split_of
 
@@ -218,7 +218,7 @@ def run_worker(
     progress: Callable[[ShardRecord], None] = lambda record: None,
 ) -> WorkerReport:
     """This worker's shards that have no record yet, one at a time; ``stop()`` is asked between shards."""
-    records = Records.of(plan)
+    records = plan.shard_records()
     finished = records.finished()
     report = WorkerReport()
     for index in plan.assignment(world_size)[rank]:

@@ -5,8 +5,12 @@ plans its steps by."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from lance_hpc.loading.sampling import FragmentTable, rank_share, strategy_function
+
+if TYPE_CHECKING:
+    from lance_hpc.spec import DataSpec
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,23 @@ def plan_from_table(
         last_batch_rows=share.last_batch_rows,
         dropped=share.dropped,
         padded=share.padded,
+        uri=uri,
+        version=version,
+        selected=selected,
+    )
+
+
+def spec_plan(
+    data: DataSpec, table: FragmentTable, world_size: int, *, uri: str, version: int | None = None, selected: str = ""
+) -> DataPlan:
+    """The DataPlan of ``data``'s layout (style, sampler, uneven, batch size) over ``table``."""
+    return plan_from_table(
+        table,
+        world_size,
+        data.batch_size,
+        style=data.style,
+        sampler=data.sampler,
+        uneven=data.uneven,
         uri=uri,
         version=version,
         selected=selected,

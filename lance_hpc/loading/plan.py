@@ -15,7 +15,7 @@ from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.ingest.dataset import resolve_source
 from lance_hpc.ingest.plan import estimate_rows, plan_for_data
 from lance_hpc.ingest.shards import is_shard_source
-from lance_hpc.loading.epoch_plan import DataPlan, plan_from_table
+from lance_hpc.loading.epoch_plan import DataPlan, plan_from_table, spec_plan
 from lance_hpc.loading.mix import MixPart, epoch_rows, mix_steps, probabilities, source_name
 from lance_hpc.loading.sampling import FragmentTable, eval_batches
 from lance_hpc.loading.selection import select_training_rows
@@ -46,29 +46,14 @@ def plan_data(data: DataSpec, world_size: int) -> DataPlan:
     """One epoch of the job's training data for ``world_size`` ranks, from metadata only."""
     options = storage_options(data.uri, data.storage_options)
     if not dataset_exists(data.uri, options) and data.ingest is not None:
-        return plan_from_table(
-            _table_before_ingest(data),
-            world_size,
-            data.batch_size,
-            style=data.style,
-            sampler=data.sampler,
-            uneven=data.uneven,
-            uri=f"{data.uri} (to be ingested from {data.ingest.source})",
+        return spec_plan(
+            data, _table_before_ingest(data), world_size, uri=f"{data.uri} (to be ingested from {data.ingest.source})"
         )
     if data.mix is not None:
         return plan_mix(data, world_size)
     _, selection = select_training_rows(data.uri, options, data.version, data.tag, data.filter)
-    return plan_from_table(
-        selection.table,
-        world_size,
-        data.batch_size,
-        style=data.style,
-        sampler=data.sampler,
-        uneven=data.uneven,
-        uri=data.uri,
-        version=selection.version,
-        selected=selection.describe() if data.filter else "",
-    )
+    selected = selection.describe() if data.filter else ""
+    return spec_plan(data, selection.table, world_size, uri=data.uri, version=selection.version, selected=selected)
 
 
 def plan_mix(data: DataSpec, world_size: int) -> DataPlan:
