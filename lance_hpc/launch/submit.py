@@ -31,7 +31,7 @@ from lance_hpc.spec import JobSpec, expand
 # A submitit task imports numpy and unpickles the job (lance_hpc, submitit) before lance_hpc can
 # take USR1 over, and USR1's default action ends a process: `scancel --signal=USR1` (a profiler
 # trace) reaching the task then would kill it. The shell ignores USR1 and execs Python, which keeps
-# it ignored until lance_hpc.runtime.rank installs its own handler (the sbatch path's
+# it ignored until lance_hpc.kinds.rank installs its own handler (the sbatch path's
 # lance_hpc.run holds it from its first line).
 IGNORE_USR1 = 'trap "" USR1; exec "$0" "$@"'
 
