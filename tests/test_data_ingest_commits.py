@@ -14,7 +14,7 @@ from pathlib import Path
 import lance
 import pytest
 
-from lance_hpc.data.ingest import main as ingest_main
+from lance_hpc.cli.ingest import main as ingest_main
 from lance_hpc.data.shard_ingest import make_plan, run_worker
 from lance_hpc.data.shards import split_of
 from lance_hpc.data.target import COMMAND_LINE_NAMES, targets

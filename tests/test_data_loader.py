@@ -8,12 +8,12 @@ import threading
 import pytest
 import torch
 
+from lance_hpc.cli.plan import main as plan_main
 from lance_hpc.data import (
     dataset_info,
     plan_data,
     preflight,
 )
-from lance_hpc.data.plan import main as plan_main
 from lance_hpc.errors import UserError
 from lance_hpc.spec import DataSpec, IngestSpec
 from lance_hpc.tasks.image import ImageClassification, ImageOptions

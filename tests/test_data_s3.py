@@ -6,8 +6,8 @@ endpoint; credentials never printed."""
 import lance
 import pytest
 
+from lance_hpc.cli.plan import main as plan_main
 from lance_hpc.data import dataset_info, ensure_dataset, plan_data, preflight
-from lance_hpc.data.plan import main as plan_main
 from lance_hpc.errors import UserError
 from lance_hpc.spec import DataSpec, IngestSpec
 from lance_hpc.storage.options import redact, storage_options

@@ -17,8 +17,8 @@ import lance
 import pyarrow as pa
 import pytest
 
+from lance_hpc.cli.ingest import main as ingest_main
 from lance_hpc.data import ensure_dataset
-from lance_hpc.data.ingest import main as ingest_main
 from lance_hpc.data.plan import plan_data
 from lance_hpc.data.shard_ingest import Records, commit, make_plan, progress_lines, run_worker
 from lance_hpc.data.shards import split_of

@@ -12,7 +12,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from lance_hpc.data.ingest import ensure_dataset, main
+from lance_hpc.cli.ingest import main
+from lance_hpc.data.ingest import ensure_dataset
 from lance_hpc.data.packing import Packer
 from lance_hpc.data.plan import plan_data
 from lance_hpc.data.shards import STDLIB_SKIPPED_DIRS, file_key, list_shards, parse_source, split_of

@@ -10,11 +10,11 @@ import lance
 import numpy as np
 import pytest
 
-from lance_hpc.data.ingest import main as ingest_main
+from lance_hpc.cli.ingest import main as ingest_main
+from lance_hpc.cli.tokenizer import main as tokenizer_main
 from lance_hpc.data.shards import split_of
 from lance_hpc.data.text import BYTES_PER_TOKEN_KEY, DOCUMENTS_KEY, EOD_ID_KEY, VOCAB_SIZE_KEY, load_tokenizer
 from lance_hpc.data.tokenizer import documents
-from lance_hpc.data.tokenizer import main as tokenizer_main
 from lance_hpc.errors import UserError
 
 SOURCE = "python-stdlib:max_mb=0.5"

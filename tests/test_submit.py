@@ -15,7 +15,8 @@ import pytest
 import yaml
 from submitit.core.utils import DelayedSubmission
 
-from lance_hpc import cli, submit
+from lance_hpc import cli
+from lance_hpc.cli import submit
 from lance_hpc.errors import ExitCode
 from lance_hpc.launch import render
 from lance_hpc.launch.paths import JobPaths
@@ -144,7 +145,7 @@ def test_an_existing_log_directory_keeps_its_mode_and_links_there_are_replaced(t
 def test_another_users_job_files_are_neither_replaced_nor_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """In a shared log directory the same job name must not swap someone's spec under their
     queued job, and a rank refuses a spec file another user owns."""
-    from lance_hpc.runtime import rank as run  # imports torch: only here
+    from lance_hpc.cli.run import rank_main  # imports torch: only here
 
     log_dir = tmp_path / "shared-logs"
     raw = {**FULL_SPEC, "slurm": {**FULL_SPEC["slurm"], "log_dir": str(log_dir)}}
@@ -157,7 +158,7 @@ def test_another_users_job_files_are_neither_replaced_nor_run(tmp_path: Path, ca
     err = capsys.readouterr().err
     assert f"{spec_file} belongs to uid 12345, not to you" in err and "fix: set another slurm.log_dir" in err
     assert spec_file.read_text() == before and spec_file.stat().st_uid == 12345
-    assert run.main([str(spec_file)]) == ExitCode.USER_ERROR
+    assert rank_main([str(spec_file)]) == ExitCode.USER_ERROR
     err = capsys.readouterr().err
     assert f"{spec_file} belongs to uid 12345" in err and "never runs code from a file another user owns" in err
 
@@ -359,7 +360,7 @@ def test_cli_lists_commands_and_rejects_unknown_ones(capsys: pytest.CaptureFixtu
 
 
 def test_cli_missing_module_is_a_clear_message(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setitem(cli.COMMANDS, "plan", ("lance_hpc.no_such_module", "main", "plan"))
+    monkeypatch.setitem(cli.COMMANDS, "plan", ("lance_hpc.no_such_module", "plan"))
     assert cli.main(["plan", "job.yaml"]) == 2
     assert "lance-hpc plan: not available, lance_hpc.no_such_module cannot be loaded" in capsys.readouterr().err
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from lance_hpc import submit
+from lance_hpc.cli import submit
 from lance_hpc.data import build_train_loader, load_task
 from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.launch import render
