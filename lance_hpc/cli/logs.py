@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import Sequence
+from typing import Literal, Sequence
 
 from lance_hpc.cli.arguments import target_parser
 from lance_hpc.cli.reporting import run_reporting_errors
@@ -35,5 +35,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rank is not None and args.rank < 0:
         parser.error("--rank must be 0 or more")
-    stream = "stdout" if args.stdout else "stderr" if args.stderr else None
+    stream: Literal["stdout", "stderr"] | None = "stdout" if args.stdout else "stderr" if args.stderr else None
     return run_reporting_errors(lambda: print_logs(args.target, args.set, args.job, args.rank, stream, args.follow), PROG)

@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence, TextIO
+from typing import Callable, Literal, Sequence, TextIO
 
 from submitit.core.utils import JobPaths as SubmititPaths
 
@@ -180,7 +180,14 @@ def check_labels(logs: JobLogs, rank: int | None) -> None:
         )
 
 
-def print_logs(target: str, overrides: list[str], job_id: str | None, rank: int | None, stream: str | None, follow: bool) -> int:
+def print_logs(
+    target: str,
+    overrides: list[str],
+    job_id: str | None,
+    rank: int | None,
+    stream: Literal["stdout", "stderr"] | None,
+    follow: bool,
+) -> int:
     """Print the output of the job ``target`` (a spec or a job id) names: only rank ``rank``'s lines,
     only one ``stream`` ("stdout" or "stderr") when given; with ``follow``, until the job ends."""
     refs = records.resolve(target, overrides, job_id)
