@@ -16,7 +16,7 @@ Context``) and listed on the docs page "Tasks and script mode", section "Public 
   instead of a traceback.
 
 Everything else stays importable from its own module (``lance_hpc.spec.load_spec``,
-``lance_hpc.data.plan_data``, ...), without the promise that it keeps its name. Each name here is
+``lance_hpc.loading.plan_data``, ...), without the promise that it keeps its name. Each name here is
 loaded from its module when first used, so ``import lance_hpc`` (and every command that only
 reads a spec or the queue) does not pay for torch and Lance.
 """
@@ -46,7 +46,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     "lance_hpc.runtime.environment": ("DistEnv", "process_group"),
     "lance_hpc.kinds": ("JobKind",),
     "lance_hpc.spec": ("JobSpec",),
-    "lance_hpc.data": ("ensure_dataset",),
+    "lance_hpc.ingest": ("ensure_dataset",),
     "lance_hpc.errors": ("UserError",),
 }
 _MODULE_OF = {name: module for module, names in _PUBLIC.items() for name in names}
@@ -70,8 +70,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from lance_hpc.data import ensure_dataset
     from lance_hpc.errors import UserError
+    from lance_hpc.ingest import ensure_dataset
     from lance_hpc.kinds import JobKind
     from lance_hpc.runtime.context import Context, Summary
     from lance_hpc.runtime.environment import DistEnv, process_group

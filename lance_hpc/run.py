@@ -10,6 +10,6 @@ if __name__ == "__main__":
     preemption.hold()
 
     from lance_hpc.cli.run import rank_main
-    from lance_hpc.runtime.rank import exit_process
+    from lance_hpc.kinds.rank import exit_process
 
     exit_process(rank_main())

@@ -366,7 +366,7 @@ def test_shuffle_statistics_tell_a_random_order_from_a_class_ordered_scan():
     import numpy as np
 
     from benchmarks.shuffle_quality import batch_order, expected_distinct_labels
-    from lance_hpc.data.sampling import FragmentTable
+    from lance_hpc.loading.sampling import FragmentTable
 
     labels = np.repeat(np.arange(10), 100)  # written in class order, the worst case
     table = FragmentTable.from_rows([250, 250, 250, 250])

@@ -42,10 +42,10 @@ def test_the_face_is_small_and_every_name_resolves() -> None:
 def test_internals_are_not_on_the_face_but_stay_in_their_modules(name: str) -> None:
     with pytest.raises(AttributeError, match=f"has no attribute '{name}'"):
         getattr(lance_hpc, name)
-    from lance_hpc import data, spec, tasks
-    from lance_hpc.runtime import context
+    from lance_hpc import loading, spec, tasks
+    from lance_hpc.runtime import entry
 
-    assert any(hasattr(module, name) for module in (data, spec, tasks, context)), name
+    assert any(hasattr(module, name) for module in (loading, spec, tasks, entry)), name
 
 
 @pytest.mark.parametrize("name", sorted(set(lance_hpc.__all__) - ALIASES))

@@ -19,9 +19,10 @@ import torch
 import yaml
 
 from lance_hpc.runtime import preemption
-from lance_hpc.runtime.preemption import PROFILE_SIGNAL, hold, ignore_profile_requests
+from lance_hpc.runtime.preemption import hold, ignore_profile_requests
 from lance_hpc.runtime.profile import StepProfiler
-from lance_hpc.runtime.watchdog import WORKER_DUMP_SIGNAL, Progress, Watchdog, start_time
+from lance_hpc.runtime.watchdog import Progress, Watchdog
+from lance_hpc.signals import PROFILE_SIGNAL, WORKER_DUMP_SIGNAL, start_time
 from lance_hpc.spec import load_spec
 from tests.support.jobs import BASE_SPEC, REPO_ROOT, write_spec
 from tests.support.ranks import launch, rank_pid, read_until
@@ -165,7 +166,7 @@ def test_the_watchdog_signals_a_worker_only_while_its_pid_and_start_time_still_m
 def test_a_worker_records_its_pid_with_its_start_time(tmp_path: Path, monkeypatch) -> None:
     import faulthandler
 
-    from lance_hpc.runtime.watchdog import WATCH_DIR_VARIABLE, init_worker_dumps
+    from lance_hpc.signals import WATCH_DIR_VARIABLE, init_worker_dumps
 
     monkeypatch.setenv(WATCH_DIR_VARIABLE, str(tmp_path))
     monkeypatch.setenv("RANK", "0")

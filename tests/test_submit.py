@@ -19,6 +19,7 @@ from lance_hpc.cli import submit
 from lance_hpc.errors import ExitCode
 from lance_hpc.launch import render
 from lance_hpc.launch.paths import JobPaths
+from lance_hpc.launch.submit import IGNORE_USR1
 from lance_hpc.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -327,5 +328,6 @@ def test_submitit_asks_for_the_same_job_as_the_script(raw: Any, shims: Path, tmp
     if spec.sweep:
         spec_file = JobPaths.of(spec).run_specs.replace("{index}", "$SLURM_ARRAY_TASK_ID")
     assert our_command == [*prefix, "python3", "-P", "-m", "lance_hpc.run", spec_file]
-    # which runs SubmititJob(spec file), in the same container
-    assert their_command[: len(prefix) + 5] == [*prefix, "python3", "-P", "-u", "-m", "submitit.core._submit"]
+    # which runs SubmititJob(spec file), in the same container, started by a shell that ignores USR1
+    python = [*prefix, "sh", "-c", IGNORE_USR1, "python3", "-P", "-u", "-m", "submitit.core._submit"]
+    assert their_command[: len(python)] == python

@@ -16,9 +16,9 @@ import pytest
 import yaml
 
 from lance_hpc.cli import submit
-from lance_hpc.data import build_train_loader, load_task
 from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.launch import render
+from lance_hpc.loading import build_train_loader, load_task
 from lance_hpc.runtime.environment import detect
 from lance_hpc.spec import SpecError, expand, load_spec, validate_spec
 from lance_hpc.spec.sweep import combinations, parse_sweep_option

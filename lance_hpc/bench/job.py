@@ -67,7 +67,7 @@ def run_job_benchmark(
     """Measure the data pipeline of the job spec ``job`` (``runs`` runs of ``seconds`` each), for
     each of ``workers`` and ``batch_sizes`` (default the job's own), and print the table; 1 if a
     measurement failed."""
-    from lance_hpc.data import ensure_dataset
+    from lance_hpc.ingest import ensure_dataset
     from lance_hpc.spec import load_spec
 
     spec = load_spec(job, overrides=overrides).spec
@@ -131,7 +131,7 @@ def tune(job: str, overrides: Sequence[str], out: Path, seconds: float | None, b
     the spec file ``job``."""
     import time
 
-    from lance_hpc.data import ensure_dataset
+    from lance_hpc.ingest import ensure_dataset
     from lance_hpc.spec import load_spec
     from lance_hpc.spec.yaml_text import set_block_keys
 

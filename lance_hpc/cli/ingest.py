@@ -1,5 +1,5 @@
 """``lance-hpc ingest SOURCE URI`` or ``lance-hpc ingest --spec job.yaml`` (also ``python -m
-lance_hpc.ingest``): write a source into Lance datasets (:mod:`lance_hpc.data.ingest`); a sharded
+lance_hpc.ingest``): write a source into Lance datasets (:mod:`lance_hpc.ingest.dataset`); a sharded
 source by ``--nproc`` workers on this machine (:mod:`lance_hpc.cli.ingest_shards`).
 
 USR1 does not end the command or its workers: the dispatcher ignores it before the imports
@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Sequence
 
 from lance_hpc.cli.reporting import run_reporting_errors
 from lance_hpc.errors import UserError
-from lance_hpc.spec.limits import DEFAULT_RECORD_MB, MAX_PIXELS, MAX_SAMPLE_FIELDS
+from lance_hpc.limits import DEFAULT_RECORD_MB, MAX_PIXELS, MAX_SAMPLE_FIELDS
 
 if TYPE_CHECKING:
-    from lance_hpc.data.target import Ingested
+    from lance_hpc.ingest.target import Ingested
 
 # Options that are fields of data.ingest too: held to the same bounds.
 BOUNDED_OPTIONS = ("val_fraction", "rows_per_fragment", "sequence_length", "files_per_shard", "max_pixels", "max_record_mb")
@@ -121,9 +121,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def ingest_command(parser: argparse.ArgumentParser, args: argparse.Namespace, arguments: list[str]) -> int:
-    from lance_hpc.data.ingest import ensure_dataset, ingest
-    from lance_hpc.data.shards import is_shard_source
-    from lance_hpc.data.target import COMMAND_LINE_NAMES, SPEC_NAMES
+    from lance_hpc.ingest.dataset import ensure_dataset, ingest
+    from lance_hpc.ingest.shards import is_shard_source
+    from lance_hpc.ingest.target import COMMAND_LINE_NAMES, SPEC_NAMES
     from lance_hpc.spec import load_spec
     from lance_hpc.storage.options import storage_options
 

@@ -1,4 +1,4 @@
-"""``lance-hpc ingest`` of a sharded source (:mod:`lance_hpc.data.shard_ingest`) on this machine.
+"""``lance-hpc ingest`` of a sharded source (:mod:`lance_hpc.ingest.plan` and the modules it names) on this machine.
 
 This process plans the shards; with ``--nproc N`` it starts each worker as the same command line
 with ``--worker RANK/WORLD``, shows their progress, and commits once they are all done (with one,
@@ -13,11 +13,15 @@ import subprocess
 import time
 from typing import Any, Callable, Sequence
 
-from lance_hpc.data import shard_ingest
-from lance_hpc.data.shard_ingest import ColumnMap, Plan, Records, ShardRecord
-from lance_hpc.data.target import COMMAND_LINE_NAMES, targets
 from lance_hpc.errors import UserError
 from lance_hpc.imports import child_environment, python_command
+from lance_hpc.ingest.commit import commit, committed_line
+from lance_hpc.ingest.plan import Plan, make_plan, resume_lines, source_options, tokens_of
+from lance_hpc.ingest.records import Records, ShardRecord
+from lance_hpc.ingest.shard_batches import ColumnMap
+from lance_hpc.ingest.status import estimate_line, shard_summary
+from lance_hpc.ingest.target import COMMAND_LINE_NAMES, targets
+from lance_hpc.ingest.write import run_worker
 from lance_hpc.storage.options import storage_options
 
 # Seconds between progress lines of a local run with several workers.
@@ -50,7 +54,7 @@ def ingest_shards(args: argparse.Namespace, arguments: list[str]) -> int:
         raise UserError("--append and --overwrite: give one (append adds rows; overwrite replaces them in a new version)")
     if args.nproc < 1:
         raise UserError(f"--nproc {args.nproc}: give 1 or more workers")
-    plan = shard_ingest.make_plan(
+    plan = make_plan(
         args.source,
         train,
         val,
@@ -61,29 +65,29 @@ def ingest_shards(args: argparse.Namespace, arguments: list[str]) -> int:
         on_corrupt=args.on_corrupt,
         max_pixels=args.max_pixels,
         check_targets=not args.worker,
-        source_options=shard_ingest.source_options(args.source, spec_options),
-        tokens=shard_ingest.tokens_of(args.source, args.tokenize, args.tokenizer, args.sequence_length),
+        source_options=source_options(args.source, spec_options),
+        tokens=tokens_of(args.source, args.tokenize, args.tokenizer, args.sequence_length),
         files_per_shard=args.files_per_shard,
         max_record_mb=args.max_record_mb,
     )
     if args.worker:
         rank, _, world = args.worker.partition("/")
-        shard_ingest.run_worker(plan, int(rank), int(world))
+        run_worker(plan, int(rank), int(world))
         return 0
     if args.dry_run:
-        print("\n".join(shard_ingest.shard_summary(plan, args.nproc)))
+        print("\n".join(shard_summary(plan, args.nproc)))
         print(f"schema: {', '.join(f'{item.name} ({item.type})' for item in plan.schema)}")
-        print(shard_ingest.estimate_line(plan))
+        print(estimate_line(plan))
         return 0
-    for line in shard_ingest.resume_lines(plan):
+    for line in resume_lines(plan):
         print(line, flush=True)
-    records = Records.of(plan)
+    records = plan.shard_records()
     if not plan.complete:
         before = len(records.finished())
         if before:
             print(f"resuming: {before} of {len(plan.shards)} shards were written by an earlier run", flush=True)
         if args.nproc == 1:
-            shard_ingest.run_worker(plan, 0, 1, progress=shower(records, plan))
+            run_worker(plan, 0, 1, progress=shower(records, plan))
         else:
             quiet = {**os.environ, "LANCE_LOG": os.environ.get("LANCE_LOG", "error")}  # not one warning per new fragment
             workers = [
@@ -94,8 +98,8 @@ def ingest_shards(args: argparse.Namespace, arguments: list[str]) -> int:
                 for rank in range(args.nproc)
             ]
             wait_for(workers, records, plan)
-    done = shard_ingest.commit(plan)
-    print(shard_ingest.committed_line(plan, done))
+    done = commit(plan)
+    print(committed_line(plan, done))
     return 0
 
 

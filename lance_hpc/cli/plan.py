@@ -33,7 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def show_plan(spec_file: str, overrides: list[str], world_size: int | None, check: bool) -> int:
-    from lance_hpc.data.plan import describe_eval, plan_data, preflight
+    from lance_hpc.loading.plan import describe_eval, plan_data, preflight
     from lance_hpc.spec import load_spec
 
     spec = load_spec(spec_file, overrides).spec

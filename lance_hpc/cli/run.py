@@ -45,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for given, option in ((args.nproc is not None, "--nproc"), (args.set, "--set"), (args.sweep, "--sweep")):
             if given:
                 parser.error(f"{option} goes with --local (one rank runs the resolved spec as it is)")
-        from lance_hpc.runtime.rank import run_rank
+        from lance_hpc.kinds.rank import run_rank
 
         return run_rank(args.spec)
     return run_reporting_errors(lambda: run_locally(args.spec, args.set, args.sweep, args.nproc))
@@ -69,6 +69,6 @@ def rank_main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("spec_file", help="the resolved job spec (YAML) the batch script names")
     args = parser.parse_args(argv)
-    from lance_hpc.runtime.rank import run_rank
+    from lance_hpc.kinds.rank import run_rank
 
     return run_rank(args.spec_file)

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Sequence
 
 from lance_hpc.cli.reporting import run_reporting_errors
-from lance_hpc.data import tokenizer
+from lance_hpc.ingest import tokenizer
 
 
 def build_parser() -> argparse.ArgumentParser:

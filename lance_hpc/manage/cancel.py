@@ -16,9 +16,9 @@ import time
 
 from lance_hpc.checkpoint import manifests
 from lance_hpc.errors import ExitCode, UserError
-from lance_hpc.manage import logs, progress, records
-from lance_hpc.manage.records import JobRef
-from lance_hpc.slurm import queue
+from lance_hpc.manage import logs, progress
+from lance_hpc.slurm import queue, records
+from lance_hpc.slurm.records import JobRef
 
 PROG = "lance-hpc cancel"
 POLL_S, PROGRESS_EVERY_S = 1.0, 10.0

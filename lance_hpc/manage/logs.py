@@ -20,9 +20,8 @@ from submitit.core.utils import JobPaths as SubmititPaths
 
 from lance_hpc.errors import UserError
 from lance_hpc.launch.paths import JobPaths
-from lance_hpc.manage import records
-from lance_hpc.manage.records import JobRef
-from lance_hpc.slurm import queue
+from lance_hpc.slurm import queue, records
+from lance_hpc.slurm.records import JobRef
 
 PROG = "lance-hpc logs"
 RANK_LABEL = re.compile(rb"^\s*(\d+): ?")

@@ -7,7 +7,7 @@
   sets the same variables); they win even inside a SLURM allocation.
 - ``slurm``: a task started by ``srun`` (``SLURM_STEP_ID`` is set). The master is the first host
   of the node list; the port is the MASTER_PORT the batch step picked free on that node
-  (:mod:`lance_hpc.launch.ports`), or, in a script that skips that step, one derived from the job
+  (:mod:`lance_hpc.runtime.ports`), or, in a script that skips that step, one derived from the job
   id, so every rank computes the same address without talking to the others.
 - ``local``: a plain single process.
 
@@ -21,6 +21,8 @@ import os
 import random
 import re
 import socket
+import sys
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,7 +34,7 @@ import torch.distributed as dist
 from submitit.slurm.slurm import SlurmParseException, _parse_node_list
 
 from lance_hpc.errors import UserError
-from lance_hpc.launch.ports import port_for_job
+from lance_hpc.runtime.ports import port_for_job
 
 # Every SLURM variable this module reads, in one place (submitit's JobEnvironment._env does the same).
 SLURM_VARS = {
@@ -57,6 +59,8 @@ SLURM_VARS = {
     "array_task_id": "SLURM_ARRAY_TASK_ID",
 }
 # Words in the errors gloo, NCCL and the TCP store raise when a peer process is gone.
+# How long rank 0 keeps trying to listen on a MASTER_PORT that another process holds.
+PORT_WAIT_S = 15.0
 LOST_PEER_HINTS = ("connection reset", "connection closed", "broken pipe", "timed out", "timeout", "socket")
 
 Launcher = Literal["slurm", "torchrun", "local"]
@@ -265,23 +269,47 @@ def process_group(env: DistEnv, timeout_s: float) -> Iterator[torch.device]:
             device_id=device if device.type == "cuda" else None,
         )
     else:
-        try:
-            dist.init_process_group(
-                backend,
-                init_method=f"tcp://{env.master_addr}:{env.master_port}",
-                rank=env.rank,
-                world_size=env.world_size,
-                timeout=timeout,
-                device_id=device if device.type == "cuda" else None,
-            )
-        except dist.DistNetworkError as error:
-            if env.is_main and port_in_use(error):
-                raise UserError(port_in_use_message(env)) from None
-            raise
+        _meet(env, backend, timeout, device)
     try:
         yield device
     finally:
         dist.destroy_process_group()
+
+
+def _meet(env: DistEnv, backend: str, timeout: datetime.timedelta, device: torch.device) -> None:
+    """The ranks' rendezvous on MASTER_PORT: rank 0 hosts the store there, the others connect.
+    When another process holds the port (a connection of the node's may take any port for a
+    moment, between the batch step's check and rank 0's start), rank 0 tries again for up to
+    :data:`PORT_WAIT_S` seconds while the other ranks keep knocking, and only then stops with a
+    message that names the port and the node. The store is made here, not by
+    ``init_process_group``, so that a failed try leaves no half-made group behind."""
+    deadline = time.monotonic() + PORT_WAIT_S
+    pause = 0.25
+    while True:
+        try:
+            store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=env.is_main, timeout=timeout)
+            break
+        except dist.DistNetworkError as error:
+            if not (env.is_main and port_in_use(error)):
+                raise
+            if time.monotonic() + pause > deadline:
+                raise UserError(port_in_use_message(env)) from None
+            if pause == 0.25:
+                print(
+                    f"rank 0: port {env.master_port} is held by another process; trying again for up to {PORT_WAIT_S:.0f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, 4.0)
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+    )
 
 
 def port_in_use(error: BaseException) -> bool:
@@ -296,7 +324,7 @@ def port_in_use_message(env: DistEnv) -> str:
     node = os.environ.get(SLURM_VARS["node_name"]) or socket.gethostname()
     return (
         f"rank 0 cannot listen on port {env.master_port} on {node} for the ranks' rendezvous: another process "
-        "on that node holds it (address already in use); no rank of this job failed\n"
+        f"on that node has held it for {PORT_WAIT_S:.0f} s (address already in use); no rank of this job failed\n"
         "  fix: run the job again (a batch script rendered by lance_hpc picks a free port on rank 0's node), "
         "or set MASTER_PORT to a port that is free there"
     )

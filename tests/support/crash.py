@@ -20,7 +20,7 @@ CRASHED = 97
 def crash_at(point: str) -> None:
     import lance
 
-    from lance_hpc.data.units import UnitRecords
+    from lance_hpc.ingest.units import UnitRecords
 
     where, _, nth = point.partition(":")
     made = [0]
