@@ -146,7 +146,7 @@ def _run_today(config: Measurement, out: Path) -> int:
 def _run_lance_hpc(config: Measurement, out: Path) -> int:
     import lance
 
-    from lance_hpc.ingest.dataset import main
+    from lance_hpc.cli.ingest import main
 
     arguments = [config.data["source"], str(out / "train.lance"), "--nproc", str(config.num_workers)]
     if main([*arguments, "--rows-per-fragment", "1024"]) != 0:

@@ -76,7 +76,7 @@ def _run_text(config: Measurement, out: Path) -> int:
     """Tokens written: rows x sequence length."""
     import lance
 
-    from lance_hpc.ingest.dataset import main
+    from lance_hpc.cli.ingest import main
 
     arguments = [config.data["source"], str(out / "train.lance"), "--nproc", str(config.num_workers), "--tokenize"]
     arguments += ["--sequence-length", str(SEQUENCE_LENGTH), "--tokenizer", config.data["tokenizer"]]

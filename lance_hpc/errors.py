@@ -5,9 +5,6 @@ codes every lance_hpc command and rank ends with."""
 from __future__ import annotations
 
 import enum
-import os
-import sys
-from typing import Callable
 
 
 class ExitCode(enum.IntEnum):
@@ -70,19 +67,3 @@ def listing(names: list[str], indent: str = "      ", width: int = 100, most: in
         else:
             lines[-1] += " " + name
     return "\n" + "\n".join(lines)
-
-
-def run_reporting_errors(command: Callable[[], int], prog: str) -> int:
-    """Run ``command``; a UserError becomes one message and exit 2, Ctrl-C a quiet exit 130, and a
-    closed pipe on stdout a quiet end."""
-    try:
-        return command()
-    except UserError as error:
-        print(f"{prog}: {error}", file=sys.stderr)
-        return ExitCode.USER_ERROR
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
-    except BrokenPipeError:  # the reader went away (``lance-hpc logs ... | head``): stop quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
-        return 0

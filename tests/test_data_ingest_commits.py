@@ -14,7 +14,7 @@ from pathlib import Path
 import lance
 import pytest
 
-from lance_hpc.ingest.dataset import main as ingest_main
+from lance_hpc.cli.ingest import main as ingest_main
 from lance_hpc.ingest.plan import make_plan
 from lance_hpc.ingest.shards import split_of
 from lance_hpc.ingest.target import COMMAND_LINE_NAMES, targets

@@ -8,9 +8,9 @@ import threading
 import pytest
 import torch
 
+from lance_hpc.cli.plan import main as plan_main
 from lance_hpc.errors import UserError
 from lance_hpc.loading import dataset_info, plan_data, preflight
-from lance_hpc.loading.plan import main as plan_main
 from lance_hpc.spec import DataSpec, IngestSpec
 from lance_hpc.tasks.image import ImageClassification, ImageOptions
 from tests.support.loaders import eval_loader, spec, train_loader, write_dataset

@@ -17,9 +17,9 @@ import lance
 import pyarrow as pa
 import pytest
 
+from lance_hpc.cli.ingest import main as ingest_main
 from lance_hpc.ingest import ensure_dataset
 from lance_hpc.ingest.commit import commit
-from lance_hpc.ingest.dataset import main as ingest_main
 from lance_hpc.ingest.plan import make_plan
 from lance_hpc.ingest.shards import split_of
 from lance_hpc.ingest.status import progress_lines

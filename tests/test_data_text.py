@@ -12,8 +12,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from lance_hpc.cli.ingest import main
 from lance_hpc.errors import UserError
-from lance_hpc.ingest.dataset import ensure_dataset, main
+from lance_hpc.ingest.dataset import ensure_dataset
 from lance_hpc.ingest.packing import Packer
 from lance_hpc.ingest.shards import STDLIB_SKIPPED_DIRS, file_key, list_shards, parse_source, split_of
 from lance_hpc.ingest.tokenizer import load_tokenizer

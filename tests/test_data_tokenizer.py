@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import yaml
 
+from lance_hpc.cli.ingest import main as ingest_main
+from lance_hpc.cli.tokenizer import main as tokenizer_main
 from lance_hpc.errors import UserError
-from lance_hpc.ingest.dataset import main as ingest_main
 from lance_hpc.ingest.shards import split_of
 from lance_hpc.ingest.tokenizer import documents, load_tokenizer
-from lance_hpc.ingest.tokenizer import main as tokenizer_main
 from lance_hpc.tasks.formats import BYTES_PER_TOKEN_KEY, DOCUMENTS_KEY, EOD_ID_KEY, VOCAB_SIZE_KEY
 from tests.support.jobs import REPO_ROOT
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import lance
 import pytest
 
-from lance_hpc.ingest.dataset import main as ingest_main
+from lance_hpc.cli.ingest import main as ingest_main
 from lance_hpc.limits import MAX_SAMPLE_FIELDS
 from tests.support.shards import digit_rows
 
@@ -201,7 +201,7 @@ def write_zeros_sample(path: Path, member_bytes: int) -> None:
 # (the test process's) peak from before the fork.
 PEAK = (
     "import re, sys\n"
-    "from lance_hpc.ingest.dataset import main\n"
+    "from lance_hpc.cli.ingest import main\n"
     "code = main(sys.argv[1:])\n"
     "status = open('/proc/self/status').read()\n"
     "print('peak-kib', re.search(r'VmHWM:\\s*(\\d+) kB', status).group(1))\n"

@@ -15,7 +15,7 @@ from typing import Callable
 import lance
 import pytest
 
-from lance_hpc.ingest.dataset import main as ingest_main
+from lance_hpc.cli.ingest import main as ingest_main
 from lance_hpc.ingest.plan import plan_for_data
 from lance_hpc.launch.paths import JobPaths
 from lance_hpc.slurm.queue import FINAL_STATES

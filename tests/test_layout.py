@@ -45,10 +45,10 @@ LAYERS = (
     "manage",
     "lance_hpc",  # the public face, lance_hpc/__init__.py
     "bench",
-    "run",
+    "cli",  # the command line: a parser per command over the subsystems' functions
+    "run",  # python -m shims over cli/
     "submit",
-    "cli",
-    "__main__",
+    "__main__",  # every python -m entry (lance_hpc, lance_hpc.ingest, lance_hpc.bench): a shim over cli/
 )
 
 
@@ -104,7 +104,10 @@ def import_graph(type_checking: bool = False) -> dict[str, set[str]]:
 
 def layer_of(module: str) -> str:
     """The package a module belongs to (``lance_hpc.loading.mix`` -> ``loading``), or the module
-    itself at the top level (``lance_hpc.errors`` -> ``errors``; the package's own face is ``lance_hpc``)."""
+    itself at the top level (``lance_hpc.errors`` -> ``errors``; the package's own face is ``lance_hpc``);
+    every ``__main__`` is the layer of the ``python -m`` entries."""
+    if module.endswith(".__main__"):  # a package's python -m entry runs its command line, above it
+        return "__main__"
     return module.split(".")[1] if "." in module else module
 
 
@@ -222,21 +225,10 @@ def test_every_package_imports_only_the_layers_below_it() -> None:
 
 def test_the_top_level_names_the_steps_of_the_flow() -> None:
     packages = {path.name for path in PACKAGE.iterdir() if (path / "__init__.py").exists()}
-    assert {"spec", "launch", "runtime", "loading", "ingest", "writeback", "storage", "tasks", "manage"} <= packages
+    assert {"cli", "spec", "launch", "runtime", "loading", "ingest", "writeback", "storage", "tasks", "manage"} <= packages
     modules = {path.stem for path in PACKAGE.glob("*.py")}
-    # entry points (cli, the python -m commands), the public face, and what every step shares
+    # the public face, the python -m shims over cli/ (submit, run), and what every step shares
     # (errors, imports, limits, signals, output: how lines are printed, and quiet: the dependencies'
     # warnings that do not apply)
     shared = {"errors", "imports", "limits", "quiet", "signals", "output"}
-    assert modules <= {"__init__", "__main__", "cli", "submit", "run", *shared}
-
-
-def test_the_public_api_resolves_from_the_package_without_importing_torch_up_front() -> None:
-    import subprocess
-    import sys
-
-    for name in lance_hpc.__all__:
-        assert getattr(lance_hpc, name) is not None, name
-    assert lance_hpc.Context.__module__ == "lance_hpc.runtime.context"
-    probe = "import sys, lance_hpc; print('torch' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip() == "False"
+    assert modules <= {"__init__", "__main__", "submit", "run", *shared}

@@ -12,7 +12,7 @@ from typing import Iterator
 import pytest
 import yaml
 
-from lance_hpc.manage import cancel, logs, status
+from lance_hpc.cli import cancel, logs, status
 from lance_hpc.slurm import queue, records
 from lance_hpc.spec import SpecError, load_spec
 

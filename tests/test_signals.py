@@ -178,10 +178,11 @@ def test_a_worker_records_its_pid_with_its_start_time(tmp_path: Path, monkeypatc
     assert pid_file.read_text() == f"{os.getpid()} {start_time(os.getpid())}"
 
 
-def test_lance_hpc_ingest_run_by_hand_survives_usr1(tmp_path: Path) -> None:
-    """The command itself (not only its workers and a job's ranks): USR1 sent to it while it writes
-    leaves it running to the end."""
-    command = [sys.executable, "-m", "lance_hpc", "ingest", "sklearn-digits", str(tmp_path / "train.lance")]
+@pytest.mark.parametrize("entry", [["lance_hpc", "ingest"], ["lance_hpc.ingest"]], ids=["lance-hpc", "python-m-shim"])
+def test_lance_hpc_ingest_run_by_hand_survives_usr1(tmp_path: Path, entry: list[str]) -> None:
+    """The command itself (not only its workers and a job's ranks), as lance-hpc or its python -m
+    shim: USR1 sent to it while it writes leaves it running to the end."""
+    command = [sys.executable, "-m", *entry, "sklearn-digits", str(tmp_path / "train.lance")]
     command += ["--val-uri", str(tmp_path / "val.lance")]
     environ = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path, env=environ)

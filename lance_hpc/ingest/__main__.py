@@ -1,16 +1,16 @@
-"""``python -m lance_hpc.ingest``: see :mod:`lance_hpc.ingest.dataset`.
+"""``python -m lance_hpc.ingest``: the same as ``lance-hpc ingest`` (see :mod:`lance_hpc.cli.ingest`).
 
-``lance-hpc ingest --nproc N`` starts its workers this way. USR1 (a profiler trace, asked of a
-SLURM job with ``scancel --signal=USR1``, which signals every process of the job) is not theirs:
-it is ignored from the first line, before the imports below take seconds, instead of ending the
-process as it would by default."""
+USR1 (a profiler trace, asked of a SLURM job with ``scancel --signal=USR1``, which signals every
+process of the job) is not for an ingest: it is ignored from the first line, before the imports
+below take seconds, instead of ending the process as it would by default."""
 
-import signal
 import sys
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    from lance_hpc.cli import ignore_profile_requests
 
-    from lance_hpc.ingest.dataset import main
+    ignore_profile_requests()
+
+    from lance_hpc.cli.ingest import main
 
     sys.exit(main())

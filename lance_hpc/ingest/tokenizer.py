@@ -16,16 +16,15 @@ documents an ingest with that fraction holds out for validation are left out of 
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator
 
 import numpy as np
 
-from lance_hpc.errors import ExitCode, UserError
+from lance_hpc.errors import UserError
 from lance_hpc.imports import is_import_path, load_callable
 from lance_hpc.ingest.shard_batches import ColumnMap, document_texts, text_batches
 from lance_hpc.ingest.shards import is_shard_source, list_shards, parse_source, split_of
@@ -199,46 +198,3 @@ def ensure_tokenizer(ingest: IngestSpec, val_fraction: float) -> None:
         f"{figures['bytes_per_token']:.2f} bytes per token on a sample; wrote {path}",
         flush=True,
     )
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``lance-hpc tokenizer train SOURCE OUT.json [--vocab-size N]``."""
-    parser = argparse.ArgumentParser(
-        prog="lance-hpc tokenizer",
-        description="Train a byte-level BPE tokenizer offline on a text source, for text ingest "
-        "(tokenizer: hf:OUT.json in a spec, --tokenizer hf:OUT.json on the command line).",
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
-    training = commands.add_parser("train", help="train a BPE on a text source and save its tokenizer.json")
-    training.add_argument(
-        "source",
-        help="text:<glob> (one document per file), python-stdlib[:max_mb=N], or a parquet:/jsonl:/hf:/webdataset: "
-        "source with a text field",
-    )
-    training.add_argument("out", help="the tokenizer.json to write (never written over)")
-    training.add_argument(
-        "--vocab-size", type=int, default=DEFAULT_VOCAB, help=f"tokens in the vocabulary (default {DEFAULT_VOCAB})"
-    )
-    training.add_argument("--min-frequency", type=int, default=2, help="pairs seen fewer times are not merged (default 2)")
-    training.add_argument(
-        "--val-fraction",
-        type=float,
-        default=0.0,
-        help="leave out the documents an ingest with this val_fraction holds out, so validation text stays unseen",
-    )
-    args = parser.parse_args(argv)
-    try:
-        figures = train(args.source, Path(args.out), args.vocab_size, args.min_frequency, args.val_fraction)
-    except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return ExitCode.USER_ERROR
-    print(
-        f"trained a {figures['vocab_size']:.0f}-token BPE on {figures['documents']:.0f} documents of {args.source} in "
-        f"{figures['seconds']:.1f} s: {figures['bytes_per_token']:.2f} bytes per token on a sample; wrote {args.out}\n"
-        f"use it: tokenizer: hf:{args.out}"
-    )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

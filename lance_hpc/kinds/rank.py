@@ -11,13 +11,11 @@ checkpoint holds the state; run again to resume), 130 interrupted (Ctrl-C) befor
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import dataclasses
 import os
 import sys
 import traceback
-from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import submitit
@@ -80,13 +78,12 @@ class SubmititJob(submitit.helpers.Checkpointable):
         return dataclasses.asdict(summary)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lance_hpc.run", description=__doc__.splitlines()[0])
-    parser.add_argument("spec_file", help="resolved job spec (YAML)")
-    args = parser.parse_args(argv)
+def run_rank(spec_file: str) -> int:
+    """Run this rank of the job in ``spec_file`` (``python -m lance_hpc.run``) and return its exit
+    code; how it failed is printed once and noted for the launcher (:func:`note_failure`)."""
     rank = int(os.environ.get("RANK") or os.environ.get(SLURM_VARS["rank"]) or 0)
     try:
-        summary = run_job(args.spec_file, requeue_with_scontrol)
+        summary = run_job(spec_file, requeue_with_scontrol)
     except UserError as error:
         print(f"lance_hpc.run: {error}", file=sys.stderr, flush=True)
         note_failure(rank, str(error), lost_contact=False)
@@ -123,7 +120,3 @@ def exit_process(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-if __name__ == "__main__":
-    exit_process(main())

@@ -6,12 +6,8 @@ dataset that ``data.ingest`` has yet to create is planned from the source's size
 
 from __future__ import annotations
 
-import argparse
-import sys
 from dataclasses import replace
-from typing import Sequence
 
-from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.ingest.dataset import resolve_source
 from lance_hpc.ingest.plan import estimate_rows, plan_for_data
 from lance_hpc.ingest.shards import is_shard_source
@@ -19,7 +15,7 @@ from lance_hpc.loading.epoch_plan import DataPlan, plan_from_table, spec_plan
 from lance_hpc.loading.mix import MixPart, epoch_rows, mix_steps, probabilities, source_name
 from lance_hpc.loading.sampling import FragmentTable, eval_batches
 from lance_hpc.loading.selection import select_training_rows
-from lance_hpc.spec import DataSpec, load_spec
+from lance_hpc.spec import DataSpec
 from lance_hpc.storage.datasets import dataset_exists, open_dataset, preflight_uri
 from lance_hpc.storage.integrity import check_data_files
 from lance_hpc.storage.options import storage_options
@@ -140,28 +136,3 @@ def check_selection(data: DataSpec) -> list[str]:
             f"{where}: {uri} version {selection.version}" + (f" (tag {tag!r})" if tag else "") + f", {selection.describe()}"
         )
     return lines
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``lance-hpc plan job.yaml [--world-size N] [--set KEY=VALUE ...] [--check]``."""
-    parser = argparse.ArgumentParser(prog="lance-hpc plan", description="Show the data plan of a job spec.")
-    parser.add_argument("spec", help="job spec YAML")
-    parser.add_argument("--world-size", type=int, help="ranks to plan for (default: the spec's nodes x tasks per node)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field")
-    parser.add_argument("--check", action="store_true", help="also run the preflight check on the data")
-    args = parser.parse_args(argv)
-    try:
-        spec = load_spec(args.spec, args.set).spec
-        world_size = args.world_size or spec.slurm.world_size
-        if world_size < 1:
-            raise UserError("--world-size must be >= 1")
-        if args.check:
-            preflight(spec.data)
-        plan = plan_data(spec.data, world_size)
-        print(f"data plan of {spec.name}:")
-        print(plan)
-        print(describe_eval(spec.data, world_size))
-    except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return ExitCode.USER_ERROR
-    return 0

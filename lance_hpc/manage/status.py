@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Sequence
 
 from lance_hpc.checkpoint import manifests
-from lance_hpc.errors import run_reporting_errors
 from lance_hpc.kinds import registered_kind
-from lance_hpc.manage import logs, progress, target_parser
+from lance_hpc.manage import logs, progress
 from lance_hpc.runtime.watchdog import activity_line, watch_dir
 from lance_hpc.slurm import queue, records
 from lance_hpc.slurm.records import JobRef
@@ -159,36 +157,21 @@ def _read(path: Path) -> str:
         return ""
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = target_parser(
-        PROG,
-        "Show a job's SLURM state, restarts, checkpoint, last loss and throughput, and the time it has left.",
-        (
-            "The state comes from scontrol/squeue (and sacct where SLURM keeps accounting); once SLURM has\n"
-            "forgotten a job, from what lance_hpc recorded in <slurm.log_dir>/jobs.jsonl and the job's log.\n\n"
-            "examples:\n"
-            "  lance-hpc status jobs/map_gpu.yaml          # the latest job of this spec\n"
-            "  lance-hpc status jobs/map_gpu.yaml --all    # every job of this spec\n"
-            "  lance-hpc status 1234"
-        ),
-    )
-    parser.add_argument("--all", action="store_true", help="with a spec: every job it has had, oldest first")
-    args = parser.parse_args(argv)
-
-    def command() -> int:
-        try:
-            refs = records.resolve(args.target, args.set, args.job, every=args.all)
-        except records.NeverSubmitted as never:
-            print("\n".join(local_report(never)), flush=True)
-            return 0
-        if not queue.have_slurm():
-            print(
-                f"{PROG}: scontrol not found on PATH, so SLURM's view is missing below; run this on the login node for it",
-                file=sys.stderr,
-            )
-        for index, ref in enumerate(refs):
-            job = queue.show_job(ref.job_id) if queue.have_slurm() else None
-            print(("\n" if index else "") + "\n".join(report(ref, job)), flush=True)
+def show_status(target: str, overrides: list[str], job_id: str | None, every: bool) -> int:
+    """Print the report of each job ``target`` (a spec or a job id) names: its latest job, the one
+    ``job_id`` picks, or with ``every`` all of them, oldest first; for a spec never submitted, what
+    its runs on this machine left."""
+    try:
+        refs = records.resolve(target, overrides, job_id, every=every)
+    except records.NeverSubmitted as never:
+        print("\n".join(local_report(never)), flush=True)
         return 0
-
-    return run_reporting_errors(command, PROG)
+    if not queue.have_slurm():
+        print(
+            f"{PROG}: scontrol not found on PATH, so SLURM's view is missing below; run this on the login node for it",
+            file=sys.stderr,
+        )
+    for index, ref in enumerate(refs):
+        job = queue.show_job(ref.job_id) if queue.have_slurm() else None
+        print(("\n" if index else "") + "\n".join(report(ref, job)), flush=True)
+    return 0

@@ -124,6 +124,9 @@ class InferSpec(Section):
 
 
 class JobSpec(Section):
+    """A validated job spec (frozen): what the ranks run (``job``, ``task``, ``entry``), on which data,
+    where SLURM runs it, and how it trains, saves checkpoints and logs; one section per attribute."""
+
     name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="Job name.")
     job: str = Field(
         "train",

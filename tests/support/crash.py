@@ -47,6 +47,6 @@ def crash_at(point: str) -> None:
 
 if __name__ == "__main__":
     crash_at(sys.argv[1])
-    from lance_hpc.ingest.dataset import main
+    from lance_hpc.cli.ingest import main
 
     sys.exit(main(sys.argv[sys.argv.index("--") + 1 :]))
