@@ -22,6 +22,7 @@ from pyarrow import fs
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
 from lance_hpc.checkpoint.stores import LocalDirectory, ObjectStore, Store, open_store
+from lance_hpc.storage.files import sync_to_disk
 
 
 class ObjectFiles(FileSystemBase):
@@ -74,16 +75,8 @@ def flush(path: Path) -> None:
     """Every file of the shard directory ``path`` and the directory itself on disk (fsync)."""
     for entry in sorted(path.iterdir()):
         if entry.is_file() and not entry.is_symlink():
-            descriptor = os.open(entry, os.O_RDONLY)
-            try:
-                os.fsync(descriptor)
-            finally:
-                os.close(descriptor)
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
+            sync_to_disk(entry)
+    sync_to_disk(path)
 
 
 def writer(

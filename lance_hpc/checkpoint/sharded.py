@@ -177,7 +177,7 @@ class ShardedSaver:
         publish = finish if dist.get_rank() == 0 else None
         if not background:
             local = shard_files.is_local(directory)
-            dcp.save(tensors, storage_writer=shard_files.writer(directory, name, synced=not local))
+            dcp.save(tensors, storage_writer=shard_files.writer(directory, name, synced=False))
             self.blocked_s = self.write_s = time.monotonic() - started
             if not local:
                 self._warn_if_slow()
