@@ -375,7 +375,8 @@ def test_a_filtered_mix_requeued_by_usr2_draws_each_source_epoch_once(
     ]
     task = {
         "name": f"{REPO_ROOT}/tests/custom_task.py:RowLoggingMLP",
-        "options": {"hidden": 16, "row_log": str(tmp_path / "rows")},
+        # 80 ms per batch: epoch 2 lasts long enough that USR2 lands in it however busy the machine is
+        "options": {"hidden": 16, "row_log": str(tmp_path / "rows"), "decode_delay_s": 0.08},
     }
     spec = job_spec(tmp_path, digits, slurm_cluster, task=task, data={"mix": mix}, train={"epochs": 2, "lr": 0.01})
     _, output, stopped = interrupt_with_usr2(slurm_cluster, spec)
