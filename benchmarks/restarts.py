@@ -72,7 +72,7 @@ def measure(config: Measurement) -> Result:
 
 
 def _kill_and_time(cluster: Any, work: Path, mode: str) -> dict[str, float]:
-    from lance_hpc.data import ensure_dataset
+    from lance_hpc.ingest import ensure_dataset
     from lance_hpc.spec import DataSpec, IngestSpec, load_spec
     from tests.support.jobs import Digits, write_spec
     from tests.support.slurm import environ, sbatch

@@ -15,7 +15,7 @@ import lance
 import pytest
 import yaml
 
-from lance_hpc.data import ensure_dataset
+from lance_hpc.ingest import ensure_dataset
 from lance_hpc.launch.paths import JobPaths
 from lance_hpc.slurm.queue import FINAL_STATES
 from lance_hpc.spec import DataSpec, IngestSpec, load_spec

@@ -19,13 +19,14 @@ from typing import Any
 
 import pytest
 
-from lance_hpc import errors
+from lance_hpc.kinds import standby
 from lance_hpc.launch import render, restarts
 from lance_hpc.launch.paths import JobPaths
 from lance_hpc.launch.restarts import Attempt, Cause, StepReport, attempt_cause, choose_nodes, decide
 from lance_hpc.manage.attempts import attempt_lines
-from lance_hpc.manage.records import JobRef
 from lance_hpc.runtime import attempt as rank_attempt
+from lance_hpc.runtime import failures
+from lance_hpc.slurm.records import JobRef
 from lance_hpc.spec import SpecError, validate_spec
 
 KILLED = Cause("killed", "was killed (srun: Killed)", 1, "node2")
@@ -99,12 +100,12 @@ def test_srun_and_the_ranks_notes_say_which_rank_or_node_failed_first(tmp_path: 
         late.read(line)
     assert late.first_task() == Cause("exit", "exited with exit code 1 (srun)", 0, "node1")
     (tmp_path / "late").mkdir()
-    errors.note_failure(0, "lost contact", lost_contact=True, directory=str(tmp_path / "late"), host="node1")
+    failures.note_failure(0, "lost contact", lost_contact=True, directory=str(tmp_path / "late"), host="node1")
     assert attempt_cause(tmp_path / "late", late, 137) == Cause("killed", "was killed (srun: Killed)", 1, "node1")
 
     # a rank's own error beats srun's account of who exited; one that lost contact does not
-    errors.note_failure(0, "lost contact", lost_contact=True, directory=str(tmp_path), host="node1")
-    errors.note_failure(1, "ValueError: bad batch", lost_contact=False, directory=str(tmp_path), step=5, host="node2")
+    failures.note_failure(0, "lost contact", lost_contact=True, directory=str(tmp_path), host="node1")
+    failures.note_failure(1, "ValueError: bad batch", lost_contact=False, directory=str(tmp_path), step=5, host="node2")
     assert attempt_cause(tmp_path, report, 1) == BAD_BATCH
 
     # a failed node beats both: its ranks' errors follow from it
@@ -121,7 +122,7 @@ def test_the_supervisor_imports_the_standard_library_only_and_names_what_the_ran
     assert imported - {"__future__"} <= set(sys.stdlib_module_names), imported - set(sys.stdlib_module_names)
     for name in ("ATTEMPT_VARIABLE", "RESTARTS_LEFT_VARIABLE", "FAILED_AT_VARIABLE", "FAILED_STEP_VARIABLE", "STANDBY_VARIABLE"):
         assert getattr(restarts, name) == getattr(rank_attempt, name), name
-    assert restarts.FAILURE_DIR_VARIABLE == errors.FAILURE_DIR_VARIABLE
+    assert restarts.FAILURE_DIR_VARIABLE == failures.FAILURE_DIR_VARIABLE
     assert restarts.REQUEUE_REQUEST_VARIABLE == "LANCE_HPC_REQUEUE_REQUEST"
 
 
@@ -250,7 +251,7 @@ def test_a_restarted_rank_knows_when_the_failure_was_and_a_standby_rank_waits_fo
     go = tmp_path / "attempt1.go"
     go.write_text(json.dumps({"environ": {"MASTER_PORT": "23456", "LANCE_HPC_FAILED_AT": "12.5"}}))
     environ = {"LANCE_HPC_STANDBY": str(go), "SLURM_PROCID": "3"}
-    rank_attempt.wait_if_standby(str(tmp_path / "missing.yaml"), environ)
+    standby.wait_if_standby(str(tmp_path / "missing.yaml"), environ)
     assert environ == {"SLURM_PROCID": "3", "MASTER_PORT": "23456", "LANCE_HPC_FAILED_AT": "12.5"}
     assert (tmp_path / "attempt1.go.ready-3").exists()  # what the supervisor counts to say the standby is ready
 
@@ -321,8 +322,8 @@ def test_a_rendezvous_port_another_process_took_is_noted_as_a_fault_and_a_spec_e
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from lance_hpc.errors import UserError
-    from lance_hpc.runtime.environment import PortInUse
-    from lance_hpc.runtime.rank import note_rank_failure
+    from lance_hpc.kinds.rank import note_rank_failure
+    from lance_hpc.runtime.failures import PortInUse
 
     monkeypatch.setenv("LANCE_HPC_FAILURE_DIR", str(tmp_path))
     for rank, error in ((0, PortInUse("rank 0 cannot listen on port 20009")), (1, UserError("no column 'image'"))):

@@ -16,12 +16,12 @@ a node failed), the allocation stays (``#SBATCH --no-kill``), and the next attem
 
 Once an attempt is past its start, a standby step runs beside it (``srun --overlap``): the next
 attempt's ranks, started ahead, their imports done, waiting for a go file
-(:func:`lance_hpc.runtime.attempt.wait_if_standby`). A restart on the same nodes releases them, so
+(:func:`lance_hpc.kinds.standby.wait_if_standby`). A restart on the same nodes releases them, so
 it skips Python's start-up; a restart on other nodes, or the job's end, cancels them.
 
 Every attempt is one line in ``<record>/attempts.jsonl`` when it starts and one when it ends (its
 nodes, ranks, exit code and cause), which ``lance-hpc status`` shows; the ranks note their own
-errors in ``<record>/run<R>-attempt<N>/rank-<r>.json`` (:func:`lance_hpc.errors.note_failure`).
+errors in ``<record>/run<R>-attempt<N>/rank-<r>.json`` (:func:`lance_hpc.runtime.failures.note_failure`).
 The local launcher (``--local``) uses the same policy (:func:`decide`) for its ranks.
 
 The batch step runs this file with the node's own ``python3 -I``, outside any container, where
@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Collection, Sequence
 
-# What the ranks of an attempt read (lance_hpc.runtime.attempt and lance_hpc.errors name the same).
+# What the ranks of an attempt read (lance_hpc.runtime.attempt and lance_hpc.runtime.failures name the same).
 FAILURE_DIR_VARIABLE = "LANCE_HPC_FAILURE_DIR"  # where each rank notes how it failed
 ATTEMPT_VARIABLE = "LANCE_HPC_ATTEMPT"  # 0 for the first attempt in the allocation
 RESTARTS_LEFT_VARIABLE = "LANCE_HPC_RESTARTS_LEFT"  # whether a hang may end the step (the watchdog)
@@ -71,7 +71,7 @@ SRUN_NODE_FAILURE = re.compile(r"^srun: error: Node failure on (?P<host>\S+)")
 # sinfo's compact node states (%t) in which a node takes no new step; a trailing * means not
 # responding. Not resv or maint: a job that runs in a reservation sees its nodes so.
 UNUSABLE_STATES = ("down", "drain", "drng", "fail", "boot", "pow", "npc", "inval", "unk", "futr")
-PORT_RANGE = (20000, 60000)  # as lance_hpc.launch.ports
+PORT_RANGE = (20000, 60000)  # as lance_hpc.runtime.ports
 # A standby step starts once the running attempt published a step, or this long after it started.
 STANDBY_AFTER_S = 30.0
 STANDBY_CANCEL_S = 10.0  # how long a standby step gets to end on SIGTERM before srun is killed
@@ -190,7 +190,7 @@ def choose_nodes(allocated: Sequence[str], left_out: dict[str, str], wanted: int
 
 
 def notes(directory: str | Path) -> list[dict[str, Any]]:
-    """The failure notes the ranks wrote in ``directory`` (lance_hpc.errors.note_failure)."""
+    """The failure notes the ranks wrote in ``directory`` (lance_hpc.runtime.failures.note_failure)."""
     found = []
     folder = Path(directory)
     for path in sorted(folder.glob("rank-*.json")) if folder.is_dir() else []:
@@ -375,7 +375,7 @@ class Step:
     """One srun: its stderr passed on line by line and read for failures (:class:`StepReport`).
 
     A standby step (``go`` set) is the next attempt started ahead: its ranks import everything,
-    then wait for ``go`` (:func:`lance_hpc.runtime.attempt.wait_if_standby`), which says either
+    then wait for ``go`` (:func:`lance_hpc.kinds.standby.wait_if_standby`), which says either
     what they need to know of the failure before them, or that they are not needed."""
 
     def __init__(self, command: list[str], environ: dict[str, str], nodes: list[str], go: Path | None = None) -> None:

@@ -8,7 +8,7 @@ import time
 
 from lance_hpc.launch.paths import JobPaths
 from lance_hpc.launch.restarts import ATTEMPTS_FILE, Attempt, read_attempts
-from lance_hpc.manage.records import JobRef
+from lance_hpc.slurm.records import JobRef
 
 
 def attempts_of(ref: JobRef) -> list[Attempt]:

@@ -9,23 +9,21 @@
 - With restarts left, a hang the watchdog names ends the attempt at once (:func:`end_step_on_hang`)
   instead of waiting for the collective timeout: the next attempt starts from the checkpoint.
 - A rank of a standby step (the next attempt, started ahead) waits with its imports done until the
-  supervisor says go (:func:`wait_if_standby`): a restart then skips Python's start-up.
+  supervisor says go (:func:`lance_hpc.kinds.standby.wait_if_standby`): a restart then skips
+  Python's start-up.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lance_hpc.errors import ExitCode, note_failure
+from lance_hpc.errors import ExitCode
+from lance_hpc.runtime.failures import note_failure
 
 if TYPE_CHECKING:
     from lance_hpc.runtime.context import Context
@@ -36,12 +34,7 @@ ATTEMPT_VARIABLE = "LANCE_HPC_ATTEMPT"
 RESTARTS_LEFT_VARIABLE = "LANCE_HPC_RESTARTS_LEFT"
 FAILED_AT_VARIABLE = "LANCE_HPC_FAILED_AT"
 FAILED_STEP_VARIABLE = "LANCE_HPC_FAILED_STEP"
-STANDBY_VARIABLE = "LANCE_HPC_STANDBY"
-# How often a waiting standby rank looks for its go file: the delay it adds to a restart, and the
-# metadata reads it costs a shared file system while it waits (one per rank per interval).
-STANDBY_POLL_S = 0.2
-# A waiting standby rank ends quietly on these (srun passes SIGTERM on; submitit's task would ignore it).
-QUIT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STANDBY_VARIABLE = "LANCE_HPC_STANDBY"  # a standby rank's go file (lance_hpc.kinds.standby)
 
 _failed_step: list[int | None] = [None]
 
@@ -131,61 +124,3 @@ def end_step_on_hang(environ: Mapping[str, str] = os.environ) -> Callable[[dict[
         os._exit(ExitCode.FAILED)
 
     return end
-
-
-def wait_if_standby(spec_file: str, environ: dict[str, str] | os._Environ = os.environ) -> None:
-    """In a rank of a standby step: import what the job will (:func:`warm_up`), then wait until
-    the supervisor's go file says go, take the variables it brings and run; or that this step is
-    not needed, then end."""
-    go = environ.get(STANDBY_VARIABLE)
-    if not go:
-        return
-    from lance_hpc.runtime import preemption
-
-    # USR2 and USR1 reach every step of the job: while it waits, a standby rank must not act on them
-    # (submitit's own USR2 handler would requeue the job from here, before the running ranks save)
-    previous = {signum: signal.getsignal(signum) for signum in (*preemption.HELD_SIGNALS, *QUIT_SIGNALS)}
-    preemption.hold()
-    for signum in QUIT_SIGNALS:  # the supervisor cancels a standby step that never read its go file so
-        signal.signal(signum, lambda signum, frame: os._exit(0))
-    warm_up(spec_file)
-    rank = environ.get("SLURM_PROCID") or environ.get("RANK") or "0"
-    with contextlib.suppress(OSError):  # the supervisor counts these to say the standby is ready
-        Path(f"{go}.ready-{rank}").touch()
-    while True:
-        try:
-            message = json.loads(Path(go).read_text())
-            break
-        except (OSError, ValueError):  # not written yet (it is renamed into place whole)
-            time.sleep(STANDBY_POLL_S)
-    if message.get("cancel"):
-        os._exit(0)
-    for signum, handler in previous.items():
-        signal.signal(signum, handler)
-    environ.update(message.get("environ", {}))
-    environ.pop(STANDBY_VARIABLE, None)
-
-
-# What a rank imports only on first use, after its start: a standby rank imports them ahead.
-WARM_MODULES = ("lance", "lance.dataset", "pyarrow.dataset", "torch.utils.tensorboard", "lance_hpc.runtime.trainer")
-
-
-def warm_up(spec_file: str) -> None:
-    """Import the job's own code (its task, entry and kind, as the rank loads them) and what the
-    run imports on first use; nothing that opens files of the job or talks to other ranks. A
-    failure here is left for the run itself to report."""
-    import importlib
-
-    from lance_hpc.kinds import job_kind
-    from lance_hpc.spec import load_spec_text
-    from lance_hpc.spec.load import read_own_text
-
-    deterministic = False
-    with contextlib.suppress(Exception):
-        spec = load_spec_text(read_own_text(spec_file), spec_file).spec
-        job_kind(spec.job)
-        deterministic = spec.train.deterministic
-    # torch.use_deterministic_algorithms imports torch._inductor.config: seconds of imports
-    for module in [*WARM_MODULES, *(["torch._inductor.config"] if deterministic else [])]:
-        with contextlib.suppress(Exception):
-            importlib.import_module(module)

@@ -7,7 +7,7 @@
   sets the same variables); they win even inside a SLURM allocation.
 - ``slurm``: a task started by ``srun`` (``SLURM_STEP_ID`` is set). The master is the first host
   of the node list; the port is the MASTER_PORT the batch step picked free on that node
-  (:mod:`lance_hpc.launch.ports`), or, in a script that skips that step, one derived from the job
+  (:mod:`lance_hpc.runtime.ports`), or, in a script that skips that step, one derived from the job
   id, so every rank computes the same address without talking to the others.
 - ``local``: a plain single process.
 
@@ -21,6 +21,8 @@ import os
 import random
 import re
 import socket
+import sys
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,8 +34,9 @@ import torch.distributed as dist
 from submitit.slurm.slurm import SlurmParseException, _parse_node_list
 
 from lance_hpc.errors import UserError
-from lance_hpc.launch.ports import port_for_job
 from lance_hpc.runtime.attempt import ATTEMPT_VARIABLE
+from lance_hpc.runtime.failures import PortInUse
+from lance_hpc.runtime.ports import port_for_job, take_held_port
 
 # Every SLURM variable this module reads, in one place (submitit's JobEnvironment._env does the same).
 SLURM_VARS = {
@@ -58,6 +61,8 @@ SLURM_VARS = {
     "array_task_id": "SLURM_ARRAY_TASK_ID",
 }
 # Words in the errors gloo, NCCL and the TCP store raise when a peer process is gone.
+# How long rank 0 keeps trying to listen on a MASTER_PORT that another process holds.
+PORT_WAIT_S = 15.0
 LOST_PEER_HINTS = ("connection reset", "connection closed", "broken pipe", "timed out", "timeout", "socket")
 
 Launcher = Literal["slurm", "torchrun", "local"]
@@ -268,28 +273,57 @@ def process_group(env: DistEnv, timeout_s: float) -> Iterator[torch.device]:
             device_id=device if device.type == "cuda" else None,
         )
     else:
-        try:
-            dist.init_process_group(
-                backend,
-                init_method=f"tcp://{env.master_addr}:{env.master_port}",
-                rank=env.rank,
-                world_size=env.world_size,
-                timeout=timeout,
-                device_id=device if device.type == "cuda" else None,
-            )
-        except dist.DistNetworkError as error:
-            if env.is_main and port_in_use(error):
-                raise PortInUse(port_in_use_message(env)) from None
-            raise
+        _meet(env, backend, timeout, device)
     try:
         yield device
     finally:
         dist.destroy_process_group()
 
 
-class PortInUse(UserError):
-    """Rank 0 could not listen on MASTER_PORT: another process took it. The user's to fix by hand,
-    but no fault of the job: a restart inside the allocation, on another port, gets past it."""
+def _meet(env: DistEnv, backend: str, timeout: datetime.timedelta, device: torch.device) -> None:
+    """The ranks' rendezvous on MASTER_PORT: rank 0 hosts the store there, the others connect.
+    Rank 0 hosts it on the socket the batch step has held the port with since it picked it
+    (:func:`lance_hpc.runtime.ports.take_held_port`) when there is one. Else it listens itself;
+    when another process holds the port (a connection of the node's may take any port for a
+    moment), it tries again for up to :data:`PORT_WAIT_S` seconds while the other ranks keep
+    knocking, and only then stops with a message that names the port and the node. The store is
+    made here, not by ``init_process_group``, so that a failed try leaves no half-made group behind."""
+    held = take_held_port(env.master_port) if env.is_main else None
+    if held is not None:  # the batch step's socket, listening on the port since it was picked
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, True, timeout=timeout, master_listen_fd=held)
+    else:
+        store = _listen_or_connect(env, timeout)
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+    )
+
+
+def _listen_or_connect(env: DistEnv, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The store on MASTER_PORT without a socket handed over: rank 0 listens, trying again while
+    another process holds the port; the others connect."""
+    deadline = time.monotonic() + PORT_WAIT_S
+    pause = 0.25
+    while True:
+        try:
+            return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=env.is_main, timeout=timeout)
+        except dist.DistNetworkError as error:
+            if not (env.is_main and port_in_use(error)):
+                raise
+            if time.monotonic() + pause > deadline:
+                raise PortInUse(port_in_use_message(env)) from None
+            if pause == 0.25:
+                print(
+                    f"rank 0: port {env.master_port} is held by another process; trying again for up to {PORT_WAIT_S:.0f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, 4.0)
 
 
 def port_in_use(error: BaseException) -> bool:
@@ -304,7 +338,7 @@ def port_in_use_message(env: DistEnv) -> str:
     node = os.environ.get(SLURM_VARS["node_name"]) or socket.gethostname()
     return (
         f"rank 0 cannot listen on port {env.master_port} on {node} for the ranks' rendezvous: another process "
-        "on that node holds it (address already in use); no rank of this job failed\n"
+        f"on that node has held it for {PORT_WAIT_S:.0f} s (address already in use); no rank of this job failed\n"
         "  fix: run the job again (a batch script rendered by lance_hpc picks a free port on rank 0's node), "
         "or set MASTER_PORT to a port that is free there"
     )

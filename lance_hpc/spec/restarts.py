@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from lance_hpc.spec.problems import Problem
-from lance_hpc.spec.schema import SlurmSpec
+from lance_hpc.spec.slurm_section import SlurmSpec
 
 
 def restart_problems(slurm: Mapping[str, Any]) -> list[Problem]:

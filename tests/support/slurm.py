@@ -123,7 +123,7 @@ def is_rank_command(command: list[bytes]) -> bool:
 
 def is_standby(environ: list[bytes] | set[bytes]) -> bool:
     """Whether a rank's /proc environ (split at NUL) is that of a standby rank, started ahead of a
-    restart and waiting (lance_hpc.runtime.attempt.wait_if_standby): not one that is running."""
+    restart and waiting (lance_hpc.kinds.standby.wait_if_standby): not one that is running."""
     return any(entry.startswith(b"LANCE_HPC_STANDBY=") for entry in environ)
 
 
