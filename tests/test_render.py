@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from lance_hpc.errors import UserError
-from lance_hpc.launch import render
+from lance_hpc.launch import render, restart_script
 from lance_hpc.launch.paths import JobPaths
 from lance_hpc.spec import REDACTED, JobSpec, load_spec, validate_spec
 from tests.support.render import check_golden, write_restarts_program
@@ -110,7 +110,7 @@ def test_script_requests_what_the_spec_says() -> None:
     assert directive_lines == sorted(directive_lines)
     # the supervisor, then srun (restarts inside the allocation), on two lines
     launch = shlex.split(script[script.rindex("\npython3 -I ") :].replace("\\\n", " "))
-    assert launch[:3] == ["python3", "-I", "/project/logs/full-options/full-options.restarts.py"]
+    assert launch[:3] == ["python3", "-I", "/project/logs/full-options/full-options.restarts.pyz"]
     assert "--max-restarts=2" in launch and "--nodes=4" in launch and "--min-nodes=4" in launch
     assert launch[launch.index("--") + 1 :] == [
         "srun", "--unbuffered", "--label", "--kill-on-bad-exit=1", "--cpus-per-task=12",
@@ -165,7 +165,7 @@ def test_site_template_gets_the_same_variables(tmp_path: Path) -> None:
     assert "#SBATCH --licenses=scratch" in script
     assert "echo 'a b' site" in script  # values are quoted on output, also in site templates
     assert script.rstrip().endswith("apptainer exec /images/train.sif python3 -P -m lance_hpc.run /x.yaml")
-    assert f"{render.restart_supervisor(spec)} srun " in script
+    assert f"{restart_script.restart_supervisor(spec)} srun " in script
 
 
 def test_a_site_template_without_the_restart_supervisor_is_refused_unless_restarts_are_off(tmp_path: Path) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import ast
 import json
 import os
-import shutil
 import stat
 import subprocess
 import sys
@@ -20,12 +19,12 @@ from typing import Any
 import pytest
 
 from lance_hpc.kinds import standby
-from lance_hpc.launch import render, restarts
+from lance_hpc.launch import render, restart_script, restarts
 from lance_hpc.launch.paths import JobPaths
-from lance_hpc.launch.restarts import Attempt, Cause, StepReport, attempt_cause, choose_nodes, decide
+from lance_hpc.launch.restarts import Attempt, Cause, StepReport, attempt_cause, choose_nodes, decide, supervisor
 from lance_hpc.manage.attempts import attempt_lines
 from lance_hpc.runtime import attempt as rank_attempt
-from lance_hpc.runtime import failures
+from lance_hpc.runtime import failures, preemption
 from lance_hpc.slurm.records import JobRef
 from lance_hpc.spec import SpecError, validate_spec
 
@@ -114,16 +113,32 @@ def test_srun_and_the_ranks_notes_say_which_rank_or_node_failed_first(tmp_path: 
     assert report.failed_nodes == {"node2": "srun reported a node failure"}
 
 
-def test_the_supervisor_imports_the_standard_library_only_and_names_what_the_ranks_read() -> None:
-    """It runs outside any container, where lance_hpc may not be installed."""
-    tree = ast.parse(Path(restarts.__file__).read_text())
-    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
-    assert imported - {"__future__"} <= set(sys.stdlib_module_names), imported - set(sys.stdlib_module_names)
+def test_the_supervisor_program_holds_what_it_imports_of_lance_hpc_and_names_what_the_ranks_read() -> None:
+    """It runs outside any container, where lance_hpc may not be installed: every module in it imports
+    the standard library and the modules packed beside it, nothing else."""
+    sources = restart_script.packed_sources()
+    packed = {name.removesuffix(".py").removesuffix("/__init__").replace("/", ".") for name in sources}
+    assert {"lance_hpc.launch.restarts.supervisor", "lance_hpc.runtime.ports", "__main__"} <= packed, sorted(packed)
+    for name, source in sources.items():
+        tree = ast.parse(source, name)
+        imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        outside = {
+            module for module in imported if module.split(".")[0] not in sys.stdlib_module_names and module not in packed
+        } - {"__future__"}
+        assert not outside, f"{name} imports {sorted(outside)}, which the supervisor program does not hold"
+    assert restart_script.supervisor_program() == restart_script.supervisor_program()  # a re-render writes the same file
     for name in ("ATTEMPT_VARIABLE", "RESTARTS_LEFT_VARIABLE", "FAILED_AT_VARIABLE", "FAILED_STEP_VARIABLE", "STANDBY_VARIABLE"):
-        assert getattr(restarts, name) == getattr(rank_attempt, name), name
-    assert restarts.FAILURE_DIR_VARIABLE == failures.FAILURE_DIR_VARIABLE
-    assert restarts.REQUEUE_REQUEST_VARIABLE == "LANCE_HPC_REQUEUE_REQUEST"
+        assert getattr(supervisor, name) == getattr(rank_attempt, name), name
+    assert supervisor.FAILURE_DIR_VARIABLE == failures.FAILURE_DIR_VARIABLE
+    assert supervisor.REQUEUE_REQUEST_VARIABLE == preemption.REQUEUE_REQUEST_VARIABLE
+
+
+def write_program(tmp_path: Path) -> Path:
+    """The supervisor as write_job_files writes it beside a job's script."""
+    program = tmp_path / "job.restarts.pyz"
+    program.write_bytes(restart_script.supervisor_program())
+    return program
 
 
 FAKE_SRUN = """#!/bin/bash
@@ -143,8 +158,7 @@ fi
 
 def supervise(tmp_path: Path, message: str, **variables: str) -> tuple[subprocess.CompletedProcess[str], list[Attempt]]:
     """The supervisor as the batch script runs it: a copy, with python3 -I, around a fake srun."""
-    program = tmp_path / "job.restarts.py"
-    shutil.copy(restarts.__file__, program)
+    program = write_program(tmp_path)
     srun = tmp_path / "bin" / "srun"
     srun.parent.mkdir(exist_ok=True)
     srun.write_text(FAKE_SRUN.format(ranks=2))
@@ -200,14 +214,14 @@ def test_the_script_asks_for_spares_keeps_the_allocation_and_runs_srun_through_t
     directives = dict(render.sbatch_directives(script))
     assert directives["nodes"] == "5" and directives["no-kill"] is True
     supervisor = (
-        "python3 -I /logs/big.restarts.py --max-restarts=2 --nodes=4 --min-nodes=3 --tasks-per-node=1 "
+        "python3 -I /logs/big.restarts.pyz --max-restarts=2 --nodes=4 --min-nodes=3 --tasks-per-node=1 "
         '--record=/logs/big.attempts/"$SLURM_JOB_ID" --progress=/logs/big.watch/"$SLURM_JOB_ID" --'
     )
     assert f"{supervisor} \\\n    srun --unbuffered" in script
-    assert render.srun_through_restarts(spec)[-1] == f'srun() {{ {supervisor} srun "$@"; }}'  # submitit's script
+    assert restart_script.srun_through_restarts(spec)[-1] == f'srun() {{ {supervisor} srun "$@"; }}'  # submitit's script
     off = validate_spec({**raw, "slurm": {"nodes": 4, "max_restarts": 0, "log_dir": "/logs"}}).spec
     assert "no-kill" not in dict(render.sbatch_directives(render.render_sbatch(off, "/x.yaml")))
-    assert render.srun_through_restarts(off) == [] and "restarts.py" not in render.render_sbatch(off, "/x.yaml")
+    assert restart_script.srun_through_restarts(off) == [] and "restarts.pyz" not in render.render_sbatch(off, "/x.yaml")
 
 
 @pytest.mark.parametrize(
@@ -297,8 +311,7 @@ exit "$EXIT"
 def test_a_standby_step_started_ahead_is_released_for_a_restart_or_cancelled_at_the_end(tmp_path: Path, exit_code: int) -> None:
     """Once the running attempt published a step, the next attempt's ranks start and wait: a failure
     releases them with the failure's time, a job that finishes tells them they are not needed."""
-    program, srun = tmp_path / "job.restarts.py", tmp_path / "bin" / "srun"
-    shutil.copy(restarts.__file__, program)
+    program, srun = write_program(tmp_path), tmp_path / "bin" / "srun"
     srun.parent.mkdir()
     srun.write_text(STANDBY_SRUN)
     srun.chmod(srun.stat().st_mode | stat.S_IXUSR)

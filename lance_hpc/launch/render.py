@@ -20,7 +20,8 @@ and the script, outside the container, requeues the job once srun has ended.
 
 With ``slurm.max_restarts`` the allocation survives a failed node (``--no-kill``, and
 ``slurm.spare_nodes`` more nodes), and srun runs through the restart supervisor
-(:mod:`lance_hpc.launch.restarts`, copied beside the script), which starts a failed step again.
+(:mod:`lance_hpc.launch.restarts`, written beside the script by :mod:`lance_hpc.launch.restart_script`),
+which starts a failed step again.
 """
 
 from __future__ import annotations
@@ -36,17 +37,17 @@ import jinja2
 
 from lance_hpc.errors import UserError
 from lance_hpc.imports import SAFE_PATH_FLAG, SAFE_PATH_VARIABLE
-from lance_hpc.launch import restarts
 from lance_hpc.launch.container import container_launch
 from lance_hpc.launch.paths import (
     ARRAY_INDEX,
     JobPaths,
+    job_reference,
     make_private_dirs,
     write_private,
 )
+from lance_hpc.launch.restart_script import restart_supervisor, supervisor_program
 from lance_hpc.runtime.ports import master_port_lines
 from lance_hpc.runtime.preemption import REQUEUE_FUNCTION, requeue_handler
-from lance_hpc.runtime.watchdog import watch_dir
 from lance_hpc.spec import JobSpec, Problem, SpecError, expand, run_count
 from lance_hpc.spec.secrets import redact_text
 
@@ -186,46 +187,6 @@ def launch_command(spec: JobSpec, spec_file: str) -> ShellText:
     return ShellText(f"{shlex.join([*python_command(spec), '-m', ENTRY_MODULE])} {_spec_file_word(spec, spec_file)}")
 
 
-def restart_supervisor(spec: JobSpec) -> ShellText:
-    """What runs srun when the job restarts inside its allocation (``python3 -I <log_dir>/<name>.restarts.py
-    ... --``), with the node's own Python, outside any container; empty for slurm.max_restarts: 0."""
-    slurm = spec.slurm
-    if not slurm.max_restarts:
-        return ShellText("")
-    paths, job = JobPaths.of(spec), job_reference(spec)
-    options = [
-        f"--max-restarts={slurm.max_restarts}",
-        f"--nodes={slurm.nodes}",
-        f"--min-nodes={slurm.fewest_nodes}",
-        f"--tasks-per-node={slurm.ntasks_per_node}",
-        *([] if slurm.restart_standby else ["--no-standby"]),
-    ]
-    words = [PYTHON, "-I", str(paths.restarts_program), *options]
-    record = f'--record={shlex.quote(str(paths.attempts) + "/")}"{job}"'
-    # a sweep's runs have names of their own, which the script cannot know: their steps go unpublished here
-    progress = (
-        "" if spec.sweep else f' --progress={shlex.quote(str(watch_dir(slurm.log_dir, spec.name, None).parent) + "/")}"{job}"'
-    )
-    return ShellText(f"{shlex.join(words)} {record}{progress} --")
-
-
-def srun_through_restarts(spec: JobSpec) -> list[str]:
-    """For submitit's script, whose srun line lance_hpc does not write: a shell function ``srun``
-    that runs the real one through the restart supervisor."""
-    supervisor = restart_supervisor(spec)
-    if not supervisor:
-        return []
-    return [
-        "# restarts inside this allocation (slurm.max_restarts): the srun line below runs through the supervisor",
-        f'srun() {{ {supervisor} srun "$@"; }}',
-    ]
-
-
-def job_reference(spec: JobSpec) -> ShellText:
-    """The job as the script names it at run time: the job id, or a sweep run's ARRAYID_TASKID."""
-    return ShellText("${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}" if spec.sweep else "$SLURM_JOB_ID")
-
-
 def render_sbatch(spec: JobSpec, spec_file: str) -> str:
     """The sbatch script for ``spec``, whose tasks run ``python3 -P -m lance_hpc.run spec_file``.
 
@@ -241,7 +202,7 @@ def render_sbatch(spec: JobSpec, spec_file: str) -> str:
     flags = {**resource_flags(spec), **log_flags}
     srun = ShellText(shlex.join(["srun", *srun_args(spec)]))
     command = launch_command(spec, spec_file)
-    supervisor = restart_supervisor(spec)
+    supervisor = ShellText(restart_supervisor(spec))
     variables = {
         # a site template may print any field: it gets the spec with credential-looking values redacted
         "spec": JobSpec.model_validate(spec.redacted_dict()),
@@ -252,7 +213,7 @@ def render_sbatch(spec: JobSpec, spec_file: str) -> str:
         "setup": [ShellText(redact_text(line)) for line in _user_setup(spec)],
         "exports": [ShellText(line) for line in export_lines(spec)],
         "requeue_handler": [ShellText(line) for line in requeue_handler(spec)],
-        "job_ref": job_reference(spec),
+        "job_ref": ShellText(job_reference(spec)),
         "array": array_range(spec) or "",
         "srun": srun,
         "command": command,
@@ -384,9 +345,13 @@ def write_job_files(spec: JobSpec, script_path: Path | None = None) -> tuple[Pat
     runs = expand(spec) if spec.sweep else []
     # before writing anything: rendering may refuse
     script = render_sbatch(spec, paths.task_spec(bool(runs)))
-    files = {spec_file: spec.to_yaml(), **{paths.run_spec(run.index): run.spec.to_yaml() for run in runs}, script_path: script}
+    files: dict[Path, str | bytes] = {
+        spec_file: spec.to_yaml(),
+        **{paths.run_spec(run.index): run.spec.to_yaml() for run in runs},
+        script_path: script,
+    }
     if spec.slurm.max_restarts:
-        files[paths.restarts_program] = Path(restarts.__file__).read_text()
+        files[paths.restarts_program] = supervisor_program()
     for path, text in files.items():
         try:
             make_private_dirs(path.parent)  # also the log directory: SLURM cannot open logs in a missing one

@@ -24,6 +24,7 @@ from lance_hpc.launch import render
 from lance_hpc.launch.container import container_launch
 from lance_hpc.launch.paths import JobPaths
 from lance_hpc.launch.render import write_job_files
+from lance_hpc.launch.restart_script import srun_through_restarts
 from lance_hpc.slurm.queue import FINAL_STATES, show_job
 from lance_hpc.slurm.records import record_submission
 from lance_hpc.spec import JobSpec, expand
@@ -60,7 +61,7 @@ def make_executor(spec: JobSpec, folder: Path) -> submitit.SlurmExecutor:
         **named,
         signal_delay_s=spec.slurm.signal_delay_s,
         # a failing setup line stops the job; submitit's srun line then runs through the restart supervisor
-        setup=[render.STRICT_MODE, *render.setup_lines(spec), *render.srun_through_restarts(spec)],
+        setup=[render.STRICT_MODE, *render.setup_lines(spec), *srun_through_restarts(spec)],
         srun_args=[arg for arg in render.srun_args(spec) if arg != "--unbuffered"],  # submitit adds it
         additional_parameters=additional,
         wckey=None,

@@ -28,8 +28,8 @@ from lance_hpc.runtime.failures import note_failure
 if TYPE_CHECKING:
     from lance_hpc.runtime.context import Context
 
-# Set by the supervisor for each attempt (the same names as in lance_hpc.launch.restarts, which
-# runs without lance_hpc and cannot import them).
+# Set by the supervisor for each attempt (lance_hpc.launch.restarts.supervisor names the same: it
+# runs from a zip of the standard-library modules it needs, which this module is not).
 ATTEMPT_VARIABLE = "LANCE_HPC_ATTEMPT"
 RESTARTS_LEFT_VARIABLE = "LANCE_HPC_RESTARTS_LEFT"
 FAILED_AT_VARIABLE = "LANCE_HPC_FAILED_AT"

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from lance_hpc.launch import restarts
 from lance_hpc.launch.paths import JobPaths, make_private_dirs, write_private
+from lance_hpc.launch.restart_script import supervisor_program
 from lance_hpc.spec import JobSpec
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
@@ -39,4 +39,4 @@ def write_restarts_program(spec: JobSpec) -> None:
     if spec.slurm.max_restarts:
         path = JobPaths.of(spec).restarts_program
         make_private_dirs(path.parent)
-        write_private(path, Path(restarts.__file__).read_text())
+        write_private(path, supervisor_program())
