@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
+import socket
 import stat
 import subprocess
 import sys
@@ -27,6 +29,7 @@ from lance_hpc.runtime import attempt as rank_attempt
 from lance_hpc.runtime import failures, preemption
 from lance_hpc.slurm.records import JobRef
 from lance_hpc.spec import SpecError, validate_spec
+from tests.support.jobs import REPO_ROOT
 
 KILLED = Cause("killed", "was killed (srun: Killed)", 1, "node2")
 BAD_BATCH = Cause("error", "ValueError: bad batch", 1, "node2", step=5)
@@ -360,3 +363,67 @@ def test_a_rank_on_fewer_nodes_than_the_job_holds_is_a_misconfiguration_unless_t
         detect(task)
     env = detect({**task, rank_attempt.ATTEMPT_VARIABLE: "0"})
     assert (env.world_size, env.num_nodes, env.master_addr) == (1, 1, "node1")
+
+
+TAKE_PORT = """\
+import os, socket
+from lance_hpc.runtime.ports import take_held_port
+
+# rank 0 of an attempt, on the supervisor's node: it takes over the socket held for it on MASTER_PORT, if one is
+port, attempt = int(os.environ["MASTER_PORT"]), os.environ["LANCE_HPC_ATTEMPT"]
+name = os.environ.get("LANCE_HPC_PORT_HANDOFF", "")
+held = take_held_port(port)
+if held is None:
+    print(f"attempt {attempt}: port {port} not held")
+else:
+    with socket.socket(fileno=held) as listener:
+        listening = listener.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+        print(f"attempt {attempt}: port {port} held, listening {listening}, handed over as {name}")
+"""
+PORT_SRUN = """#!/bin/bash
+python3 "$TAKE_PORT"
+[ "$LANCE_HPC_ATTEMPT" = 0 ] && { echo "srun: error: here: task 1: Killed" >&2; exit 137; }
+exit 0
+"""
+ALLOCATION = {
+    # the job holds one node, this one, and SLURM marks it usable
+    "scontrol": '#!/bin/bash\n[ "$2" = job ] && echo "JobId=7 NodeList=here" || echo here\n',
+    "sinfo": "#!/bin/bash\necho 'here idle'\n",
+    "srun": PORT_SRUN,
+}
+
+
+def test_a_restart_gets_a_port_held_for_its_rank_0_as_the_first_attempt_does(tmp_path: Path) -> None:
+    """After the first attempt, the batch step's holder is gone and another process took the port
+    (the test holds it): the restart runs on a port the supervisor holds from before srun starts,
+    which its rank 0 takes over listening; once the job ends nothing holds it."""
+    program, bin_dir = write_program(tmp_path), tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in ALLOCATION.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    (tmp_path / "take_port.py").write_text(TAKE_PORT)
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        first_port = taken.getsockname()[1]
+        environ = {
+            "PATH": f"{bin_dir}:{os.environ['PATH']}",
+            "PYTHONPATH": str(REPO_ROOT),  # for the fake rank 0 (the supervisor itself runs with -I)
+            "TAKE_PORT": str(tmp_path / "take_port.py"),
+            "SLURM_JOB_ID": "7",
+            "SLURMD_NODENAME": "here",
+            "MASTER_PORT": str(first_port),
+            "LANCE_HPC_PORT_HANDOFF": "lance_hpc-port-of-the-batch-step-gone",
+        }
+        command = [sys.executable, "-I", str(program), "--max-restarts=1", "--nodes=1", "--min-nodes=1", "--tasks-per-node=2"]
+        command += [f"--record={tmp_path / 'record'}", "--no-standby", "--", "srun", "true"]
+        result = subprocess.run(command, env=environ, capture_output=True, text=True, timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert f"attempt 0: port {first_port} not held" in output, output
+    restarted = re.search(r"attempt 1: port (\d+) held, listening 1, handed over as (lance_hpc-port-\w+)", output)
+    assert restarted and int(restarted.group(1)) != first_port, output
+    assert "attempt 2 of at most 2 on here: 2 ranks" in output, output
+    with socket.socket() as probe:  # the holder ended with the hand-over; nothing listens there now
+        probe.bind(("0.0.0.0", int(restarted.group(1))))

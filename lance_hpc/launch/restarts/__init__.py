@@ -9,6 +9,8 @@ a node failed), the allocation stays (``#SBATCH --no-kill``), and the next attem
 - on the allocation's nodes that SLURM still gives the job and does not mark down, drained or not
   responding, and that srun did not report failed; the first ``--nodes`` of them (later ones are
   spares), or as few as ``--min-nodes`` (fewer ranks: the checkpoint resumes on any world size);
+- on a port held for its rank 0 from before it starts, as the batch step holds one for the first
+  attempt (:mod:`~lance_hpc.launch.restarts.port_holder`);
 - unless the attempt ended with the same error at the same step as an earlier one (a bug, not a
   fault: the job stops at once with that error and the rank that raised it), or with a problem in
   the spec or data (exit 2), or stopped by a signal (exit 3), or no restarts are left (the job
@@ -25,12 +27,12 @@ errors in ``<record>/run<R>-attempt<N>/rank-<r>.json`` (:func:`lance_hpc.runtime
 The local launcher (``--local``) uses the same policy (:func:`decide`) for its ranks.
 
 The modules: ``policy`` (attempts, causes, what restarts and on which nodes), ``causes`` (what srun
-and the ranks' notes say of a failure), ``nodes`` (what SLURM says of the allocation's nodes, a free port),
-``step`` (one srun) and ``supervisor`` (the loop and its command line).
+and the ranks' notes say of a failure), ``nodes`` (what SLURM says of the allocation's nodes),
+``port_holder``, ``step`` (one srun) and ``supervisor`` (the loop and its command line).
 
 The batch step runs the supervisor with the node's own ``python3 -I``, outside any container, where
 lance_hpc may not be installed: these modules import the standard library, each other and
-:mod:`lance_hpc.runtime.ports` (its port range) only (a test holds them to that), and the renderer writes them
+:mod:`lance_hpc.runtime.ports` only (a test holds them to that), and the renderer writes them
 beside the job's script as one zip application (:mod:`lance_hpc.launch.restart_script`).
 """
 

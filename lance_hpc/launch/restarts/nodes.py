@@ -1,18 +1,13 @@
 """What SLURM says of the allocation's nodes (which it still gives the job, which it marks
-unusable), how far the ranks got (the watchdog's files), and a rendezvous port free on this node,
-for the next attempt."""
+unusable), and how far the ranks got (the watchdog's files), for the next attempt."""
 
 from __future__ import annotations
 
 import json
-import random
 import re
-import socket
 import subprocess
 from pathlib import Path
 from typing import Sequence
-
-from lance_hpc.runtime.ports import PORT_RANGE
 
 # sinfo's compact node states (%t) in which a node takes no new step; a trailing * means not
 # responding. Not resv or maint: a job that runs in a reservation sees its nodes so.
@@ -57,28 +52,3 @@ def furthest_step(progress_dir: str | None) -> int | None:
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return max(steps) if steps else None
-
-
-def port_free(port: int) -> bool:
-    """Whether rank 0 could listen on ``port`` here (the rendezvous store sets SO_REUSEADDR too)."""
-    for family, address in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
-        try:
-            with socket.socket(family) as probe:
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                probe.bind((address, port))
-        except OSError as error:
-            if error.errno not in (97, 99):  # EAFNOSUPPORT, EADDRNOTAVAIL: no IPv6 here
-                return False
-    return True
-
-
-def rendezvous_port(current: str | None) -> str | None:
-    """MASTER_PORT for the next attempt: the one the batch step picked while it is free, else a
-    free one drawn from the same range; None when none was found (the ranks fall back)."""
-    if current and current.isdigit() and port_free(int(current)):
-        return current
-    for _ in range(100):
-        port = random.randrange(*PORT_RANGE)
-        if port_free(port):
-            return str(port)
-    return None

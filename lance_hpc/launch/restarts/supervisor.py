@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from lance_hpc.launch.restarts.causes import StepReport, attempt_cause, notes
-from lance_hpc.launch.restarts.nodes import allocated_nodes, furthest_step, rendezvous_port, unusable_nodes
+from lance_hpc.launch.restarts.nodes import allocated_nodes, furthest_step, unusable_nodes
 from lance_hpc.launch.restarts.policy import (
     ATTEMPTS_FILE,
     NOT_RESTARTED,
@@ -25,7 +25,9 @@ from lance_hpc.launch.restarts.policy import (
     first_code,
     first_error,
 )
+from lance_hpc.launch.restarts.port_holder import PortHolder
 from lance_hpc.launch.restarts.step import Step
+from lance_hpc.runtime.ports import HANDOFF_VARIABLE
 
 # What the ranks of an attempt read (lance_hpc.runtime.attempt and lance_hpc.runtime.failures name the same).
 FAILURE_DIR_VARIABLE = "LANCE_HPC_FAILURE_DIR"  # where each rank notes how it failed
@@ -54,6 +56,7 @@ class Supervisor:
         self.left_out: dict[str, str] = {}
         self.history: list[Attempt] = []
         self.standby: Step | None = None
+        self.holder: PortHolder | None = None  # the port held for the running attempt's rank 0
         self.stopping = False
 
     def stop(self, signum: int, frame: Any) -> None:
@@ -69,6 +72,7 @@ class Supervisor:
         finally:
             if self.standby is not None:
                 self.standby.cancel()
+            self.release_port()
 
     def loop(self) -> int:
         while True:
@@ -121,6 +125,8 @@ class Supervisor:
         self.write(attempt)
         self.history.append(attempt)
         environ = self.environment(allocated, number)
+        if number and ranks > 1 and nodes and nodes[0] == self.here:  # rank 0 starts on this node
+            environ.update(self.hold_port())
         step, self.standby = self.standby, None
         if step is not None and step.nodes == nodes and step.running():
             step.release({name: value for name, value in environ.items() if os.environ.get(name) != value})
@@ -136,6 +142,7 @@ class Supervisor:
                 say(f"attempt {number + 2}'s {ranks} ranks are started and waiting, should this one fail")
             time.sleep(POLL_S)
         attempt.exit_code, attempt.ended = step.wait(), time.time()
+        self.release_port()
         if attempt.exit_code != 0:
             self.explain(attempt, step.report)
         return attempt
@@ -205,10 +212,6 @@ class Supervisor:
             environ[FAILED_AT_VARIABLE] = f"{previous.failed_at or previous.ended or time.time():.3f}"
             if previous.step is not None:
                 environ[FAILED_STEP_VARIABLE] = str(previous.step)
-            if allocated and allocated[0] == self.here:  # rank 0 listens here: on a port free now
-                port = rendezvous_port(environ.get("MASTER_PORT"))
-                if port:
-                    environ["MASTER_PORT"] = port
         if allocated and str(len(allocated)) != environ.get("SLURM_JOB_NUM_NODES"):
             # srun refuses a step whose SLURM_JOB_NUM_NODES disagrees with the allocation left
             for name in ("SLURM_JOB_NUM_NODES", "SLURM_NNODES"):
@@ -216,6 +219,23 @@ class Supervisor:
             for name in ("SLURM_JOB_NODELIST", "SLURM_NODELIST"):
                 environ[name] = ",".join(allocated)
         return environ
+
+    def hold_port(self) -> dict[str, str]:
+        """MASTER_PORT for a restart, held on this node for its rank 0 from now on (see
+        :mod:`~lance_hpc.launch.restarts.port_holder`), with the name rank 0 takes it over by; when
+        no port is free, the one before, which rank 0 listens on itself (waiting a little if
+        something holds it)."""
+        self.holder = PortHolder(self.job_id)
+        held = self.holder.variables()
+        if not held:
+            say(f"no free port found on {self.here} for attempt {len(self.history)}'s rank 0; it listens on MASTER_PORT itself")
+        return held or {HANDOFF_VARIABLE: ""}  # the batch step's holder, named in the environment, is gone
+
+    def release_port(self) -> None:
+        """Stop the holder of the port held for the attempt that ended, if rank 0 never took it over."""
+        if self.holder is not None:
+            self.holder.stop()
+            self.holder = None
 
     def give_up(self, allocated: list[str]) -> int:
         left = ", ".join(f"{node} ({why})" for node, why in self.left_out.items())
