@@ -300,7 +300,8 @@ def waiting_task(folder: Path, timeout_s: float = 120) -> int:
                     words = (entry / "cmdline").read_bytes().split(b"\0")
                 except OSError:
                     continue
-                python = Path(words[0].decode(errors="replace")).name.startswith("python")  # not srun's
+                # not srun's, nor the restart supervisor's (a python3 whose command line holds srun's)
+                python = Path(words[0].decode(errors="replace")).name.startswith("python") and b"srun" not in words
                 if python and b"submitit.core._submit" in words and str(folder).encode() in words:
                     return int(entry.name)
         time.sleep(0.5)
