@@ -28,12 +28,13 @@ The local launcher (``--local``) uses the same policy (:func:`decide`) for its r
 
 The modules: ``policy`` (attempts, causes, what restarts and on which nodes), ``causes`` (what srun
 and the ranks' notes say of a failure), ``nodes`` (what SLURM says of the allocation's nodes),
-``port_holder``, ``step`` (one srun) and ``supervisor`` (the loop and its command line).
+``port_holder``, ``step`` (one srun) and ``supervisor`` (the loop); the command line the batch
+script runs is :mod:`lance_hpc.cli.restarts`.
 
 The batch step runs the supervisor with the node's own ``python3 -I``, outside any container, where
-lance_hpc may not be installed: these modules import the standard library, each other and
-:mod:`lance_hpc.runtime.ports` only (a test holds them to that), and the renderer writes them
-beside the job's script as one zip application (:mod:`lance_hpc.launch.restart_script`).
+lance_hpc may not be installed: these modules and its command line import the standard library,
+each other and :mod:`lance_hpc.runtime.ports` only (a test holds them to that), and the renderer
+writes them beside the job's script as one zip application (:mod:`lance_hpc.launch.restart_script`).
 """
 
 from lance_hpc.launch.restarts.causes import StepReport, attempt_cause, cause_from_note, first_note, notes

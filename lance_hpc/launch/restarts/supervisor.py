@@ -1,17 +1,18 @@
-"""The supervisor: the loop over a job's attempts in its allocation (:class:`Supervisor`) and the
-command line the batch script runs it with (:func:`main`); see :mod:`lance_hpc.launch.restarts`."""
+"""The supervisor: the loop over a job's attempts in its allocation (:class:`Supervisor`); see
+:mod:`lance_hpc.launch.restarts`. Its command line, which the batch script runs, is
+:mod:`lance_hpc.cli.restarts`."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from lance_hpc.launch.restarts.causes import StepReport, attempt_cause, notes
 from lance_hpc.launch.restarts.nodes import allocated_nodes, furthest_step, unusable_nodes
@@ -44,10 +45,24 @@ STANDBY_AFTER_S = 30.0
 POLL_S = 0.1
 
 
+@dataclass(frozen=True)
+class Options:
+    """What the batch script tells the supervisor (:mod:`lance_hpc.cli.restarts`, from the spec)."""
+
+    max_restarts: int  # slurm.max_restarts
+    nodes: int  # slurm.nodes: the nodes a step runs on
+    min_nodes: int  # slurm.min_nodes: the fewest a restart may use
+    tasks_per_node: int
+    record: str  # directory of attempts.jsonl and the ranks' failure notes
+    progress: str | None  # the watchdog's directory, where the ranks publish their step
+    standby: bool  # slurm.restart_standby
+    command: list[str]  # srun and its arguments
+
+
 class Supervisor:
     """The loop over a job's attempts in this allocation."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: Options) -> None:
         self.args = args
         self.record = Path(args.record)
         self.run = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
@@ -263,37 +278,3 @@ def _seconds(attempt: Attempt) -> str:
 def say(text: str, error: bool = False) -> None:
     stream = sys.stderr if error else sys.stdout
     print(f"lance_hpc: {text}", file=stream, flush=True)
-
-
-def parser() -> argparse.ArgumentParser:
-    result = argparse.ArgumentParser(
-        prog="python3 -I <name>.restarts.pyz",
-        description="Run a job step with srun; start it again inside the allocation when it fails.",
-    )
-    result.add_argument("--max-restarts", type=int, required=True, help="slurm.max_restarts")
-    result.add_argument("--nodes", type=int, required=True, help="slurm.nodes: the nodes a step runs on")
-    result.add_argument("--min-nodes", type=int, required=True, help="slurm.min_nodes: the fewest a restart may use")
-    result.add_argument("--tasks-per-node", type=int, required=True, help="ranks per node")
-    result.add_argument("--record", required=True, help="directory of attempts.jsonl and the ranks' failure notes")
-    result.add_argument("--progress", help="the watchdog's directory, where the ranks publish their step")
-    result.add_argument(
-        "--no-standby",
-        dest="standby",
-        action="store_false",
-        help="start no ranks ahead for the next attempt (slurm.restart_standby)",
-    )
-    result.add_argument("command", nargs=argparse.REMAINDER, help="-- srun ...")
-    return result
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    if args.command and args.command[0] == "--":
-        args.command = args.command[1:]
-    if not args.command:
-        parser().error("give the step's command after --")
-    return Supervisor(args).main()
-
-
-if __name__ == "__main__":
-    sys.exit(main())
