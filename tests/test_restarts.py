@@ -293,6 +293,23 @@ def test_the_benchmark_section_reports_both_paths_and_judges_their_ratio() -> No
     assert [target.met for target in section.section_report(None, summaries).targets] == [False]  # type: ignore[arg-type]
 
 
+# The job holds one node, this one, and SLURM marks it usable.
+ALLOCATION = {
+    "scontrol": '#!/bin/bash\n[ "$2" = job ] && echo "JobId=7 NodeList=here" || echo here\n',
+    "sinfo": "#!/bin/bash\necho 'here idle'\n",
+}
+
+
+def fake_slurm(bin_dir: Path, srun: str) -> dict[str, str]:
+    """scontrol, sinfo and ``srun`` in ``bin_dir`` for an allocation of one node, ``here``; the
+    variables the batch step would have."""
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in {**ALLOCATION, "srun": srun}.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURMD_NODENAME": "here"}
+
+
 STANDBY_SRUN = """#!/bin/bash
 # a standby step: its 2 ranks say they are ready, then wait for the go file
 if [ -n "$LANCE_HPC_STANDBY" ]; then
@@ -314,14 +331,12 @@ exit "$EXIT"
 @pytest.mark.parametrize("exit_code", [137, 0])
 def test_a_standby_step_started_ahead_is_released_for_a_restart_or_cancelled_at_the_end(tmp_path: Path, exit_code: int) -> None:
     """Once the running attempt published a step, the next attempt's ranks start and wait: a failure
-    releases them with the failure's time, a job that finishes tells them they are not needed."""
-    program, srun = write_program(tmp_path), tmp_path / "bin" / "srun"
-    srun.parent.mkdir()
-    srun.write_text(STANDBY_SRUN)
-    srun.chmod(srun.stat().st_mode | stat.S_IXUSR)
+    releases them with the failure's time and a port held for their rank 0, a job that finishes
+    tells them they are not needed."""
+    program = write_program(tmp_path)
     (tmp_path / "progress").mkdir()
     record = tmp_path / "record"
-    environ = {"PATH": f"{srun.parent}:{os.environ['PATH']}", "PROGRESS": str(tmp_path / "progress"), "RECORD": str(record)}
+    environ = {**fake_slurm(tmp_path / "bin", STANDBY_SRUN), "PROGRESS": str(tmp_path / "progress"), "RECORD": str(record)}
     command = [sys.executable, "-I", str(program), "--max-restarts=2", "--nodes=1", "--min-nodes=1", "--tasks-per-node=2"]
     command += [f"--record={record}", f"--progress={tmp_path / 'progress'}", "--", "srun", "true"]
     result = subprocess.run(command, env={**environ, "EXIT": str(exit_code)}, capture_output=True, text=True, timeout=60)
@@ -329,8 +344,11 @@ def test_a_standby_step_started_ahead_is_released_for_a_restart_or_cancelled_at_
     assert "lance_hpc: attempt 2's 2 ranks are started and waiting, should this one fail" in result.stdout
     go = json.loads((record / "run0-attempt1.go").read_text())
     if exit_code:
-        assert "attempt 2 of at most 3: 2 ranks (its ranks were started and waiting)" in result.stdout, result.stdout
+        assert "attempt 2 of at most 3 on here: 2 ranks (its ranks were started and waiting)" in result.stdout, result.stdout
         assert "standby released as attempt 1: " in result.stdout and "LANCE_HPC_FAILED_AT" in go["environ"], result.stdout
+        assert go["environ"]["MASTER_PORT"].isdigit() and go["environ"]["LANCE_HPC_PORT_HANDOFF"].startswith("lance_hpc-port-"), (
+            go
+        )
     else:
         assert go == {"cancel": True} and "standby released" not in result.stdout
 
@@ -386,34 +404,22 @@ python3 "$TAKE_PORT"
 [ "$LANCE_HPC_ATTEMPT" = 0 ] && { echo "srun: error: here: task 1: Killed" >&2; exit 137; }
 exit 0
 """
-ALLOCATION = {
-    # the job holds one node, this one, and SLURM marks it usable
-    "scontrol": '#!/bin/bash\n[ "$2" = job ] && echo "JobId=7 NodeList=here" || echo here\n',
-    "sinfo": "#!/bin/bash\necho 'here idle'\n",
-    "srun": PORT_SRUN,
-}
 
 
 def test_a_restart_gets_a_port_held_for_its_rank_0_as_the_first_attempt_does(tmp_path: Path) -> None:
     """After the first attempt, the batch step's holder is gone and another process took the port
     (the test holds it): the restart runs on a port the supervisor holds from before srun starts,
     which its rank 0 takes over listening; once the job ends nothing holds it."""
-    program, bin_dir = write_program(tmp_path), tmp_path / "bin"
-    bin_dir.mkdir()
-    for name, text in ALLOCATION.items():
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
+    program = write_program(tmp_path)
     (tmp_path / "take_port.py").write_text(TAKE_PORT)
     with socket.socket() as taken:
         taken.bind(("0.0.0.0", 0))
         taken.listen()
         first_port = taken.getsockname()[1]
         environ = {
-            "PATH": f"{bin_dir}:{os.environ['PATH']}",
+            **fake_slurm(tmp_path / "bin", PORT_SRUN),
             "PYTHONPATH": str(REPO_ROOT),  # for the fake rank 0 (the supervisor itself runs with -I)
             "TAKE_PORT": str(tmp_path / "take_port.py"),
-            "SLURM_JOB_ID": "7",
-            "SLURMD_NODENAME": "here",
             "MASTER_PORT": str(first_port),
             "LANCE_HPC_PORT_HANDOFF": "lance_hpc-port-of-the-batch-step-gone",
         }
