@@ -28,6 +28,7 @@ from benchmarks import (
     object_storage,
     peer_loaders,
     report,
+    restarts,
     sharded,
     shuffle_quality,
     text_ingest,
@@ -111,6 +112,16 @@ SECTIONS: dict[str, Section] = {
         sharded.configs,
         sharded.section_report,
         runs=1,
+    ),
+    "restarts": Section(
+        "what a dead rank costs a job on the SLURM test cluster (started here: root and Debian's SLURM packages): "
+        "rank 1 of 4 SIGKILLed, the job restarted inside its allocation (its next ranks started ahead) against "
+        "the same job requeued at once; seconds from the kill to the first step after it, the steps done again, "
+        "and their ratio",
+        restarts.configs,
+        restarts.section_report,
+        runs=1,
+        once=(restarts.KIND,),
     ),
     "gpu": Section(
         "ResNet-50 training on one CUDA GPU (bf16, channels-last), fed by the default strategy from local disk "

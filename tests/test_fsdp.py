@@ -283,6 +283,7 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint_loadable(tmp_pat
         data={"batch_size": 4},
         train={**FSDP, "epochs": 1, "max_steps": 25, "lr": 0.001},
         logging={"log_every_steps": 1, "progress": False},
+        slurm={"max_restarts": 0},  # the killed run stays dead: its checkpoints are what is looked at
     )
     directory = tmp_path / "checkpoints"
     job = launch(spec_file)

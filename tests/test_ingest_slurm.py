@@ -1,6 +1,7 @@
 """Ingest as a job on the real two-node SLURM test cluster: a rank killed before its shards are
-written, or in the middle of one, fails the job; the requeued job writes only the missing shards and commits once, and the
-dataset equals, row for row, a single-worker ingest of the same source on this machine."""
+written, or in the middle of one, ends the job's step; the job starts again in the same allocation
+(no requeue), writes only the missing shards and commits once, and the dataset equals, row for row,
+a single-worker ingest of the same source on this machine. USR2 requeues it, with the same result."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from lance_hpc.launch.paths import JobPaths
 from lance_hpc.slurm.queue import FINAL_STATES
 from lance_hpc.spec import JobSpec, load_spec
 from tests.support.shards import digit_rows, write_webdataset
-from tests.support.slurm import environ, is_rank_command, job_fields, sbatch, signal_steps, wait_for_text
+from tests.support.slurm import environ, is_rank_command, is_standby, job_fields, sbatch, signal_steps, wait_for_text
 from tests.support.slurm_cluster import SlurmCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
@@ -41,7 +42,7 @@ def rank_process(spec_file: str, rank: int, timeout_s: float = 120) -> int:
                 variables = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if f"SLURM_PROCID={rank}".encode() in variables:
+            if f"SLURM_PROCID={rank}".encode() in variables and not is_standby(variables):
                 return int(entry)
         time.sleep(0.02)
     raise AssertionError(f"rank {rank} of {spec_file} never started")
@@ -97,10 +98,12 @@ def start_with_rank1_stopped(cluster: SlurmCluster, spec: JobSpec) -> tuple[str,
     return job_id, rank1, out
 
 
-def assert_finished_like_local(tmp_path: Path, cluster: SlurmCluster, job_id: str, out: Path) -> str:
-    fields = wait_until(cluster, job_id, lambda f: f.get("JobState") in FINAL_STATES and int(f.get("Restarts", 0)) >= 1, 300)
+def assert_finished_like_local(tmp_path: Path, cluster: SlurmCluster, job_id: str, out: Path, requeues: int = 1) -> str:
+    fields = wait_until(
+        cluster, job_id, lambda f: f.get("JobState") in FINAL_STATES and int(f.get("Restarts", 0)) >= requeues, 300
+    )
     log = out.read_text()
-    assert fields["JobState"] == "COMPLETED", log
+    assert fields["JobState"] == "COMPLETED" and int(fields["Restarts"]) == requeues, log
     assert "rank 0: 0 shard(s) written, 6 written before" in log, log
     assert "rank 1: 6 shard(s) written, 0 written before" in log, log
     assert log.count("committed:") == 1
@@ -110,18 +113,15 @@ def assert_finished_like_local(tmp_path: Path, cluster: SlurmCluster, job_id: st
     return log
 
 
-def test_a_killed_rank_then_requeue_writes_only_the_missing_shards_and_equals_a_local_ingest(
+def test_a_killed_rank_restarts_the_job_in_its_allocation_which_writes_only_the_missing_shards(
     tmp_path: Path, slurm_cluster: SlurmCluster
 ) -> None:
     spec, _ = ingest_job(tmp_path, slurm_cluster)
     job_id, rank1, out = start_with_rank1_stopped(slurm_cluster, spec)
     os.kill(rank1, signal.SIGKILL)
-    fields = wait_until(slurm_cluster, job_id, lambda f: f.get("JobState") in FINAL_STATES, 120)
-    assert fields["JobState"] != "COMPLETED", fields
-    with pytest.raises(ValueError):  # nothing committed: no dataset to read
-        lance.dataset(str(tmp_path / "cluster.lance"))
-    subprocess.run(["scontrol", "requeue", job_id], env=environ(slurm_cluster), check=True)
-    assert_finished_like_local(tmp_path, slurm_cluster, job_id, out)
+    log = assert_finished_like_local(tmp_path, slurm_cluster, job_id, out, requeues=0)
+    assert "lance_hpc: attempt 1 failed after" in log and "rank 1 on node2 was killed" in log, log
+    assert "attempt 2 of at most 3 on node1, node2: 2 ranks" in log, log
 
 
 def test_usr2_stops_the_ingest_at_a_shard_boundary_and_requeues_it(tmp_path: Path, slurm_cluster: SlurmCluster) -> None:
@@ -134,9 +134,11 @@ def test_usr2_stops_the_ingest_at_a_shard_boundary_and_requeues_it(tmp_path: Pat
     assert "ingest stopped with 6/12 shards written; requeued" in log, log
 
 
-def test_a_rank_killed_in_the_middle_of_a_shard_is_redone_whole_on_requeue(tmp_path: Path, slurm_cluster: SlurmCluster) -> None:
+def test_a_rank_killed_in_the_middle_of_a_shard_is_redone_whole_by_the_restart(
+    tmp_path: Path, slurm_cluster: SlurmCluster
+) -> None:
     """Rank 0's one big shard is being written (fragments on disk, no record yet) when the rank is
-    killed: the requeued job writes that shard again, the commit takes only recorded fragments, and
+    killed: the job's next attempt writes that shard again, the commit takes only recorded fragments, and
     the dataset equals a single-worker local ingest row for row."""
     rows = digit_rows(1710)
     write_webdataset(tmp_path / "wds", rows[:1700], per_tar=1700)  # shard 0: rank 0's, written in 425 fragments
@@ -176,15 +178,10 @@ data:
     written = {path.name for path in data.glob("*.lance")}
     assert 0 not in finished and written - recorded, (sorted(finished), len(written))  # in the middle of shard 0
     os.kill(rank0, signal.SIGKILL)
-    fields = wait_until(slurm_cluster, job_id, lambda f: f.get("JobState") in FINAL_STATES, 120)
-    assert fields["JobState"] != "COMPLETED", fields
-    subprocess.run(["scontrol", "requeue", job_id], env=environ(slurm_cluster), check=True)
-    fields = wait_until(
-        slurm_cluster, job_id, lambda f: f.get("JobState") in FINAL_STATES and int(f.get("Restarts", 0)) >= 1, 300
-    )
+    fields = wait_until(slurm_cluster, job_id, lambda f: f.get("JobState") in FINAL_STATES, 300)
     log = (Path(spec.slurm.log_dir) / f"{spec.name}-{job_id}.out").read_text()
-    assert fields["JobState"] == "COMPLETED", log
-    rerun = log[log.index("(restart 1)") :]
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "0", log  # restarted in its allocation
+    rerun = log[log.index("lance_hpc: attempt 2 of at most") :]
     assert "rank 0: 1 shard(s) written, 0 written before" in rerun and log.count("committed:") == 1, log
     dataset = lance.dataset(str(tmp_path / "cluster.lance"))
     assert dataset.version == 1 and dataset.count_rows() == 1710

@@ -28,6 +28,7 @@ from lance_hpc.slurm import queue, records
 from lance_hpc.spec import JobSpec, expand, load_spec
 from tests.support.jobs import REPO_ROOT, Digits, write_spec
 from tests.support.ports import free_port
+from tests.support.slurm import lance_hpc as run_lance_hpc
 from tests.support.slurm import signal_steps
 from tests.support.slurm_cluster import SlurmCluster
 
@@ -222,18 +223,8 @@ def environ(cluster: SlurmCluster) -> dict[str, str]:
 
 
 def lance_hpc(cluster: SlurmCluster, *args: str, check_rc: int | None = 0) -> subprocess.CompletedProcess[str]:
-    """Run the real command line, as a user on the login node would."""
-    result = subprocess.run(
-        [sys.executable, "-m", "lance_hpc", *args],
-        env=environ(cluster),
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if check_rc is not None:
-        assert result.returncode == check_rc, f"rc {result.returncode}\n{result.stdout}\n{result.stderr}"
-    return result
+    """Run the real command line, as a user on the login node would, in this module's environment."""
+    return run_lance_hpc(cluster, *args, check_rc=check_rc, env=environ(cluster))
 
 
 def long_job(directory: Path, dataset: Digits, cluster: SlurmCluster, name: str) -> tuple[Path, JobSpec]:

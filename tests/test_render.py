@@ -22,10 +22,10 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from lance_hpc.errors import UserError
-from lance_hpc.launch import render
+from lance_hpc.launch import render, restart_script
 from lance_hpc.launch.paths import JobPaths
 from lance_hpc.spec import REDACTED, JobSpec, load_spec, validate_spec
-from tests.support.render import check_golden
+from tests.support.render import check_golden, write_restarts_program
 
 ROOT = Path(__file__).resolve().parents[1]
 JOBS = sorted((ROOT / "jobs").glob("*.yaml"))
@@ -102,14 +102,17 @@ def test_script_requests_what_the_spec_says() -> None:
         "account": "proj-123", "constraint": "a100&ib", "cpus-per-task": "12",
         "error": "/project/logs/full-options/full-options-%j.err", "exclusive": True,
         "contiguous": True, "gpus-per-node": "8", "job-name": "full-options", "mail-type": "END,FAIL",
-        "mem": "480GB", "nice": "10", "nodes": "4", "ntasks-per-node": "8", "open-mode": "append",
+        "mem": "480GB", "nice": "10", "no-kill": True, "nodes": "4", "ntasks-per-node": "8", "open-mode": "append",
         "output": "/project/logs/full-options/full-options-%j.out", "partition": "gpu", "qos": "high",
         "requeue": True, "reservation": "big-run", "signal": "USR2@300", "time": "2160",
     }  # fmt: skip
     directive_lines = [line for line in script.splitlines() if line.startswith("#SBATCH")]
     assert directive_lines == sorted(directive_lines)
-    last = script.strip().splitlines()[-1]
-    assert shlex.split(last) == [
+    # the supervisor, then srun (restarts inside the allocation), on two lines
+    launch = shlex.split(script[script.rindex("\npython3 -I ") :].replace("\\\n", " "))
+    assert launch[:3] == ["python3", "-I", "/project/logs/full-options/full-options.restarts.pyz"]
+    assert "--max-restarts=2" in launch and "--nodes=4" in launch and "--min-nodes=4" in launch
+    assert launch[launch.index("--") + 1 :] == [
         "srun", "--unbuffered", "--label", "--kill-on-bad-exit=1", "--cpus-per-task=12",
         "python3", "-P", "-m", "lance_hpc.run", "/project/x.spec.yaml",
     ]  # fmt: skip
@@ -154,7 +157,7 @@ def test_site_template_gets_the_same_variables(tmp_path: Path) -> None:
         {{ line }}
         {% endfor %}
         echo {{ spec.slurm.partition }} {{ spec.name | quote }}
-        {{ srun }} apptainer exec /images/train.sif {{ command }}
+        {{ restarts }} {{ srun }} apptainer exec /images/train.sif {{ command }}
         """)
     )
     spec = spec_from({"name": "site", "data": {"uri": "/d"}, "slurm": {"template": str(template), "partition": "a b"}})
@@ -162,6 +165,18 @@ def test_site_template_gets_the_same_variables(tmp_path: Path) -> None:
     assert "#SBATCH --licenses=scratch" in script
     assert "echo 'a b' site" in script  # values are quoted on output, also in site templates
     assert script.rstrip().endswith("apptainer exec /images/train.sif python3 -P -m lance_hpc.run /x.yaml")
+    assert f"{restart_script.restart_supervisor(spec)} srun " in script
+
+
+def test_a_site_template_without_the_restart_supervisor_is_refused_unless_restarts_are_off(tmp_path: Path) -> None:
+    template = tmp_path / "site.sbatch.j2"
+    template.write_text("#!/bin/bash\n{% for line in sbatch_lines %}\n{{ line }}\n{% endfor %}\n{{ srun }} {{ command }}\n")
+    raw = {"name": "site", "data": {"uri": "/d"}, "slurm": {"template": str(template)}}
+    with pytest.raises(UserError, match=r"without the restart supervisor that slurm.max_restarts \(2\) needs"):
+        render.render_sbatch(spec_from(raw), "/x.yaml")
+    raw["slurm"]["max_restarts"] = 0
+    script = render.render_sbatch(spec_from(raw), "/x.yaml")
+    assert "--no-kill" not in script and script.rstrip().endswith("lance_hpc.run /x.yaml")
 
 
 def test_a_site_template_sees_the_spec_with_credentials_redacted(tmp_path: Path) -> None:
@@ -229,8 +244,9 @@ def expected_directives(spec: JobSpec) -> dict[str, str | bool]:
     return {**flags, "output": stdout, "error": stderr}
 
 
-def run_with_shims(script: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+def run_with_shims(script: str, tmp_path: Path, spec: JobSpec) -> subprocess.CompletedProcess[str]:
     """Run a rendered script with bash; srun is a shim that records its arguments."""
+    write_restarts_program(spec)
     shims = tmp_path / "shims"
     shims.mkdir(exist_ok=True)
     srun = shims / "srun"
@@ -254,7 +270,7 @@ def test_hostile_values_never_execute(attack: str, tmp_path: Path) -> None:
         assert any(char in value for char in "\n\r"), error
         return
     assert dict(render.sbatch_directives(script)) == expected_directives(spec)
-    result = run_with_shims(script, tmp_path)
+    result = run_with_shims(script, tmp_path, spec)
     assert result.returncode == 0, result.stderr
     assert not marker.exists()
     srun_args = (tmp_path / "srun.args").read_text().splitlines()
@@ -267,13 +283,13 @@ def test_setup_lines_run_but_cannot_add_directives(tmp_path: Path) -> None:
     spec = spec_from({"name": "setup", "data": {"uri": "/d"}, "slurm": {"setup": setup, "log_dir": str(tmp_path)}})
     script = render.render_sbatch(spec, "/x.yaml")
     assert dict(render.sbatch_directives(script)) == expected_directives(spec)
-    assert run_with_shims(script, tmp_path).returncode == 0
+    assert run_with_shims(script, tmp_path, spec).returncode == 0
     assert ran.exists()  # setup lines are the user's shell, by design
 
 
 def test_failing_setup_line_stops_the_job(tmp_path: Path) -> None:
     spec = spec_from({"name": "setup", "data": {"uri": "/d"}, "slurm": {"setup": ["false"], "log_dir": str(tmp_path)}})
-    result = run_with_shims(render.render_sbatch(spec, "/x.yaml"), tmp_path)
+    result = run_with_shims(render.render_sbatch(spec, "/x.yaml"), tmp_path, spec)
     assert result.returncode != 0 and not (tmp_path / "srun.args").exists()
 
 

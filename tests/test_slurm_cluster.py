@@ -26,6 +26,7 @@ from lance_hpc.spec import load_spec
 from tests.support.jobs import REPO_ROOT, Digits
 from tests.support.jobs import write_spec as write_digits_spec
 from tests.support.ports import free_ports
+from tests.support.render import write_restarts_program
 from tests.support.slurm import environ as job_environ
 from tests.support.slurm import job_log, signal_steps
 from tests.support.slurm import sbatch as sbatch_spec
@@ -36,7 +37,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "jobs" / "quickstart.yaml"
 # The built-in template's header, setup and exports, with the trainer swapped for a probe that
-# prints what each task sees (in one write: srun --unbuffered interleaves the tasks' output).
+# prints what each task sees (in one write: srun --unbuffered interleaves the tasks' output), run
+# through the restart supervisor as the built-in template runs the trainer.
 PROBE_TEMPLATE = textwrap.dedent("""\
     #!/bin/bash
     {% for line in sbatch_lines %}
@@ -46,7 +48,7 @@ PROBE_TEMPLATE = textwrap.dedent("""\
     {% for line in setup + exports %}
     {{ line }}
     {% endfor %}
-    {{ srun }} python3 -c 'import os; os.write(1, ("PROBE " + " ".join(f"{k}={os.environ.get(k)}" for k in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_JOB_NODELIST", "SLURMD_NODENAME", "OMP_NUM_THREADS", "SETUP_RAN")) + "\\n").encode())'
+    {{ restarts }} {{ srun }} python3 -c 'import os; os.write(1, ("PROBE " + " ".join(f"{k}={os.environ.get(k)}" for k in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_JOB_NODELIST", "SLURMD_NODENAME", "OMP_NUM_THREADS", "SETUP_RAN")) + "\\n").encode())'
     """)
 
 
@@ -113,6 +115,7 @@ def test_rendered_script_runs_two_nodes_by_two_tasks(slurm_cluster: SlurmCluster
     )
     assert dict(render.sbatch_directives(probe)) == dict(render.sbatch_directives(render.render_sbatch(spec, "/x.yaml")))
     (tmp_path / "probe.sbatch").write_text(probe)
+    write_restarts_program(spec)
 
     result = sbatch(slurm_cluster, "--parsable", str(tmp_path / "probe.sbatch"))
     assert result.returncode == 0, result.stderr
@@ -297,7 +300,8 @@ def waiting_task(folder: Path, timeout_s: float = 120) -> int:
                     words = (entry / "cmdline").read_bytes().split(b"\0")
                 except OSError:
                     continue
-                python = Path(words[0].decode(errors="replace")).name.startswith("python")  # not srun's
+                # not srun's, nor the restart supervisor's (a python3 whose command line holds srun's)
+                python = Path(words[0].decode(errors="replace")).name.startswith("python") and b"srun" not in words
                 if python and b"submitit.core._submit" in words and str(folder).encode() in words:
                     return int(entry.name)
         time.sleep(0.5)

@@ -340,6 +340,7 @@ def test_an_outage_longer_than_io_timeout_stops_every_rank_with_one_message(s3_d
         train={"epochs": 50},
         logging={"log_every_steps": 1, "progress": False},
         checkpoint={"every_steps": 5},
+        slurm={"max_restarts": 0},  # one outage, one stop: a restart would wait out io_timeout_s again
     )
     job = subprocess.Popen(
         [sys.executable, "-m", "lance_hpc.submit", str(spec_file), "--local", "--nproc", "2"],

@@ -17,7 +17,7 @@ from submitit.core.utils import DelayedSubmission
 
 from lance_hpc.cli import submit
 from lance_hpc.errors import ExitCode
-from lance_hpc.launch import render
+from lance_hpc.launch import render, restart_script
 from lance_hpc.launch.paths import JobPaths
 from lance_hpc.launch.submit import IGNORE_USR1
 from lance_hpc.spec import load_spec
@@ -115,12 +115,14 @@ def test_files_that_hold_the_spec_are_private(tmp_path: Path) -> None:
     written = [
         log_dir / "full.spec.yaml",
         log_dir / "full.sbatch",
+        log_dir / "full.restarts.pyz",
         log_dir / "full.sweep" / "0.spec.yaml",
         log_dir / "full.sweep" / "1.spec.yaml",
     ]
     assert {path.name: mode(path) for path in written} == {path.name: 0o600 for path in written}
     assert mode(log_dir) == mode(tmp_path / "new") == mode(log_dir / "full.sweep") == 0o700
     assert sorted(path.name for path in log_dir.iterdir()) == [
+        "full.restarts.pyz",
         "full.sbatch",
         "full.spec.yaml",
         "full.sweep",
@@ -276,7 +278,7 @@ def section(script: str, start: str, end: str) -> list[str]:
 
 def srun_call(script: str) -> tuple[list[str], list[str]]:
     """(srun options without the log paths, the command srun starts)."""
-    words = shlex.split(next(line for line in script.split("\n") if line.startswith("srun ")))
+    words = shlex.split(next(line.strip() for line in script.split("\n") if line.strip().startswith("srun ")))
     options, command, index = [], [], 1
     while index < len(words):
         if words[index] in ("--output", "--error"):
@@ -319,7 +321,10 @@ def test_submitit_asks_for_the_same_job_as_the_script(raw: Any, shims: Path, tmp
     assert ("array" in our_flags) == bool(spec.sweep)
 
     setup = section(ours, "#!", 'echo "job ')  # strict mode, setup lines, exports, a container's requeue handler
-    assert setup[0] == render.STRICT_MODE and setup == section(theirs, "# setup", "# command")
+    # submitit writes its own srun line, which a shell function runs through the restart supervisor
+    supervisor = [f'srun() {{ {restart_script.restart_supervisor(spec)} srun "$@"; }}']
+    assert setup[0] == render.STRICT_MODE and setup + supervisor == section(theirs, "# setup", "# command")
+    assert f"{restart_script.restart_supervisor(spec)} \\\n    srun " in ours
     our_options, our_command = srun_call(ours)
     their_options, their_command = srun_call(theirs)
     assert our_options == their_options

@@ -35,15 +35,20 @@ def three_faults(straggler: int, silent_worker: int, stuck: int) -> dict[str, fl
     }
 
 
-def hanging_spec(tmp_path: Path, digits, options: dict[str, float], **sections) -> Path:
+def hanging_spec(tmp_path: Path, digits, options: dict[str, float], restarts: int = 0, **sections) -> Path:
+    """A job of HangingMLP; without ``restarts`` (slurm.max_restarts) the watchdog only reports a
+    hang, with them a hang it names ends the attempt."""
     task = {"name": f"{REPO_ROOT}/tests/custom_task.py:HangingMLP", "options": {"hidden": 8, **options}}
+    slurm = {"max_restarts": restarts, **sections.pop("slurm", {})}
+    train = {**WATCHDOG, **sections.pop("train", {})}
     return write_spec(
         tmp_path,
         digits,
         task=task,
-        train=WATCHDOG,
+        train=train,
         logging={"progress": False, "log_every_steps": 5},
         data={"num_workers": 1},  # a worker to hang
+        slurm=slurm,
         **sections,
     )
 
@@ -114,6 +119,27 @@ def test_a_straggler_a_silent_dataloader_worker_and_a_stuck_rank_are_each_named_
     assert status["overdue"] and status["phase"] == "compute" and 40 <= status["step"] < 50
 
 
+def test_with_a_restart_left_a_hang_the_watchdog_names_ends_the_attempt_and_the_job_completes(tmp_path: Path, digits) -> None:
+    """Rank 1 blocks for good at its 40th batch (step 40 of the epoch's 45): rank 0's watchdog
+    names it, notes the hang and ends the attempt, long before the 60 s collective timeout; the
+    next attempt resumes from step 30, runs its 15 steps and the job completes."""
+    spec = hanging_spec(tmp_path, digits, {"hang_rank": 1, "hang_step": 40}, restarts=1, train={"epochs": 1})
+    launcher = launch(spec)
+    try:
+        output = launcher.communicate(timeout=300)[0]
+    finally:
+        launcher.kill()
+    print(output)
+    assert launcher.returncode == 0, output
+    assert output.count("ending this attempt so that the job starts again from its checkpoint") == 1, output
+    assert re.search(
+        r"restart 1 of at most 1, from the latest checkpoint, after: rank 1 on \S+ at step 39: hung in the loop's own work "
+        r"\(forward, backward, optimizer\) \(named by the watchdog\)",
+        output,
+    ), output
+    assert re.search(r"resuming from \S+ at step 30", output) and "final validation accuracy" in output, output
+
+
 def stop(launcher) -> None:
     launcher.send_signal(signal.SIGKILL)  # the ranks die with it (PR_SET_PDEATHSIG)
     launcher.communicate(timeout=60)
@@ -127,11 +153,10 @@ def test_a_straggler_a_silent_worker_and_a_stuck_rank_on_the_cluster_are_named_a
     answering for 12 s, then rank 2 blocks in its loop. The job log names each with its node (the
     hangs with the top of their stacks), and lance-hpc status shows the job as stuck."""
     import subprocess
-    import sys
 
     from lance_hpc.runtime.watchdog import activity_line, watch_dir
     from lance_hpc.spec import load_spec
-    from tests.support.slurm import environ, sbatch, wait_for_text
+    from tests.support.slurm import environ, lance_hpc, sbatch, wait_for_text
 
     slurm = {"partition": slurm_cluster.partition, "nodes": 2, "tasks_per_node": 2, "cpus_per_task": 1, "time": "00:10:00"}
     spec_path = hanging_spec(tmp_path, digits, three_faults(straggler=3, silent_worker=1, stuck=2), name="stuck", slurm=slurm)
@@ -155,14 +180,7 @@ def test_a_straggler_a_silent_worker_and_a_stuck_rank_on_the_cluster_are_named_a
         assert sorted(path.name for path in (directory / "stacks").glob("rank-?.txt")) == [f"rank-{r}.txt" for r in range(4)]
         line = activity_line(directory)
         assert line is not None and line.startswith("STUCK: rank 2 on node"), line
-        status = subprocess.run(
-            [sys.executable, "-m", "lance_hpc", "status", str(spec_path)],
-            env=environ(slurm_cluster),
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        ).stdout
+        status = lance_hpc(slurm_cluster, "status", str(spec_path)).stdout
         print(status)
         assert re.search(r"ranks +STUCK: rank 2 on node\d in the loop's own work", status), status
     finally:

@@ -22,10 +22,12 @@ import submitit
 
 from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.kinds import job_kind
+from lance_hpc.kinds.standby import wait_if_standby
 from lance_hpc.output import whole_lines
+from lance_hpc.runtime.attempt import failed_step
 from lance_hpc.runtime.context import Summary
-from lance_hpc.runtime.environment import SLURM_VARS, TrainingFailed, detect
-from lance_hpc.runtime.failures import note_failure
+from lance_hpc.runtime.environment import LOST_PEER_HINTS, SLURM_VARS, TrainingFailed, detect
+from lance_hpc.runtime.failures import PortInUse, note_failure
 from lance_hpc.runtime.preemption import (
     Requeue,
     hold,
@@ -70,7 +72,12 @@ class SubmititJob(submitit.helpers.Checkpointable):
 
     def __call__(self) -> dict[str, Any]:
         # submitit's protocol: USR2 checkpoints and requeues; SIGTERM keeps submitit's handler (it logs it)
-        summary = run_job(self.spec_file, requeue_with_submitit, signals=(REQUEUE_SIGNAL,))
+        wait_if_standby(self.spec_file)  # a rank started ahead of a restart waits for its turn
+        try:
+            summary = run_job(self.spec_file, requeue_with_submitit, signals=(REQUEUE_SIGNAL,))
+        except Exception as error:  # submitit keeps the error as the task's result; the restart supervisor reads the note
+            note_rank_failure(error)
+            raise
         if summary.status == "unsaved":
             exit_process(ExitCode.FAILED)
         if summary.status == "requeued":
@@ -80,31 +87,49 @@ class SubmititJob(submitit.helpers.Checkpointable):
 
 def run_rank(spec_file: str) -> int:
     """Run this rank of the job in ``spec_file`` (``python -m lance_hpc.run``) and return its exit
-    code; how it failed is printed once and noted for the launcher (:func:`note_failure`)."""
-    rank = int(os.environ.get("RANK") or os.environ.get(SLURM_VARS["rank"]) or 0)
+    code; how it failed is printed once and noted for the launcher (:func:`note_rank_failure`)."""
+    wait_if_standby(spec_file)  # a rank started ahead of a restart waits for its turn
     try:
         summary = run_job(spec_file, requeue_with_scontrol)
     except UserError as error:
         print(f"lance_hpc.run: {error}", file=sys.stderr, flush=True)
-        note_failure(rank, str(error), lost_contact=False)
+        note_rank_failure(error)
         return ExitCode.USER_ERROR
     except StoreUnavailable as error:  # the store, not the code, failed: its message says it all
         print(f"lance_hpc.run: {error}", file=sys.stderr, flush=True)
-        note_failure(rank, str(error), lost_contact=False)
+        note_rank_failure(error)
         return ExitCode.FAILED
     except TrainingFailed as error:
         if error.show_traceback:
             traceback.print_exception(error.__cause__, file=sys.stderr)
         print(f"lance_hpc.run: {error}", file=sys.stderr, flush=True)
-        cause = error.__cause__
-        own = f"{type(cause).__name__}: {cause}" if cause is not None and error.show_traceback else str(error)
-        note_failure(rank, own.strip().splitlines()[0], lost_contact=not error.show_traceback)
+        note_rank_failure(error)
         return ExitCode.FAILED
+    except Exception as error:  # ingest, inference, a kind of one's own: its traceback as always, and a note
+        note_rank_failure(error)
+        raise
     except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save yet
         return ExitCode.INTERRUPTED
     if summary.status == "unsaved":  # a stop signal the loop could not honour: it said so
         return ExitCode.FAILED
     return ExitCode.STOPPED if summary.status == "stopped" else ExitCode.OK
+
+
+def note_rank_failure(error: BaseException) -> None:
+    """Note how this rank failed, for its launcher (see lance_hpc.runtime.failures.note_failure): its own
+    error's first line, or that it lost contact with another rank; the step it was at; and whether
+    the user must fix something (a restart cannot help then)."""
+    rank = int(os.environ.get("RANK") or os.environ.get(SLURM_VARS["rank"]) or 0)
+    message, lost_contact = str(error), False
+    if isinstance(error, TrainingFailed):
+        cause = error.__cause__
+        own = f"{type(cause).__name__}: {cause}" if cause is not None and error.show_traceback else str(error)
+        message, lost_contact = own.strip().splitlines()[0], not error.show_traceback
+    elif not isinstance(error, (UserError, StoreUnavailable)):
+        message = f"{type(error).__name__}: {error}".strip().splitlines()[0]
+        lost_contact = any(hint in message.lower() for hint in LOST_PEER_HINTS)  # another rank went away first
+    user_error = isinstance(error, UserError) and not isinstance(error, PortInUse)  # a taken port is a fault
+    note_failure(rank, message, lost_contact, step=failed_step(), user_error=user_error)
 
 
 def exit_process(code: int) -> NoReturn:

@@ -4,7 +4,9 @@
 (the built-in training prepares the dataset and checks the task against it), then starts ``python -P -m lance_hpc.run SPEC`` N times (without the
 working directory on sys.path, see :mod:`lance_hpc.imports`) with the variables torchrun would set
 (gloo on CPU), forwards SLURM's stop signals to them, and when one rank dies stops the others and
-says which rank died and how.
+says which rank died and how. A failed attempt starts again from the latest checkpoint, as in a
+SLURM allocation (slurm.max_restarts; the same error at the same step twice stops the job, see
+:mod:`lance_hpc.launch.restarts`).
 
 Ctrl-C behaves like SIGTERM under SLURM: the ranks agree at the next step, save and exit 3, and
 rerunning the same command continues. A second Ctrl-C stops every rank at once. The ranks run in
@@ -32,10 +34,12 @@ from lance_hpc.imports import child_environment, python_command
 from lance_hpc.kinds import job_kind
 from lance_hpc.launch.paths import JobPaths
 from lance_hpc.launch.render import write_job_files
+from lance_hpc.launch.restarts import NOT_RESTARTED, Attempt, Cause, cause_from_note, decide, first_note
 from lance_hpc.output import whole_lines
 from lance_hpc.quiet import exec_children
+from lance_hpc.runtime.attempt import ATTEMPT_VARIABLE, FAILED_AT_VARIABLE, FAILED_STEP_VARIABLE, RESTARTS_LEFT_VARIABLE
 from lance_hpc.runtime.environment import SLURM_VARS
-from lance_hpc.runtime.failures import FAILURE_DIR_VARIABLE, first_error
+from lance_hpc.runtime.failures import FAILURE_DIR_VARIABLE
 from lance_hpc.runtime.ports import free_port
 from lance_hpc.signals import INTERRUPT_SIGNAL, PREEMPTION_SIGNALS, PROFILE_SIGNAL
 from lance_hpc.spec import JobSpec, SweepRun, expand, load_spec
@@ -65,6 +69,43 @@ def run_local(spec_file: str | Path, nproc: int) -> int:
     except KeyboardInterrupt:
         print("\nlance_hpc: interrupted before training started; nothing to save", file=sys.stderr, flush=True)
         return ExitCode.INTERRUPTED
+    history: list[Attempt] = []
+    while True:
+        attempt = Attempt(len(history), time.time(), ["localhost"], nproc)
+        history.append(attempt)
+        attempt.exit_code, attempt.cause = run_ranks(spec_file, nproc, attempt_environment(history, spec.slurm.max_restarts))
+        attempt.ended = time.time()
+        decision = decide(history, spec.slurm.max_restarts)
+        if not decision.restart:
+            if decision.exit_code != 0 and attempt.exit_code not in NOT_RESTARTED and len(history) > 1:
+                print(
+                    f"lance_hpc.launch.local: the job failed after {len(history)} attempts: {decision.reason}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return decision.exit_code
+        failed = attempt.cause.describe() if attempt.cause else f"exit code {attempt.exit_code}"
+        print(
+            f"lance_hpc.launch.local: {decision.reason}, from the latest checkpoint, after: {failed}", file=sys.stderr, flush=True
+        )
+
+
+def attempt_environment(history: list[Attempt], max_restarts: int) -> dict[str, str]:
+    """What the ranks of the newest attempt read: its number, the restarts left after it, and after a
+    restart when the one before failed (lance_hpc.runtime.attempt)."""
+    number = len(history) - 1
+    environ = {ATTEMPT_VARIABLE: str(number), RESTARTS_LEFT_VARIABLE: str(max_restarts - number)}
+    if number:
+        previous = history[-2]
+        environ[FAILED_AT_VARIABLE] = f"{previous.failed_at or previous.ended or time.time():.3f}"
+        if previous.cause is not None and previous.cause.step is not None:
+            environ[FAILED_STEP_VARIABLE] = str(previous.cause.step)
+    return environ
+
+
+def run_ranks(spec_file: Path, nproc: int, attempt_env: dict[str, str]) -> tuple[int, Cause | None]:
+    """One attempt: ``nproc`` ranks started, their signals forwarded, waited for; returns the exit
+    code (0, or the first failed rank's) and, after a failure, its cause."""
     port = free_port()
     ranks: list[subprocess.Popen] = []
     interrupts = []
@@ -105,6 +146,7 @@ def run_local(spec_file: str | Path, nproc: int) -> int:
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port),
                 FAILURE_DIR_VARIABLE: failures,
+                **attempt_env,
             }
             with exec_children():
                 ranks.append(
@@ -115,8 +157,10 @@ def run_local(spec_file: str | Path, nproc: int) -> int:
                         preexec_fn=die_with_parent,
                     )
                 )
-        code = wait_for_ranks(ranks, stopped_at_once=lambda: len(interrupts) > 1, failures=failures)
-        return ExitCode.INTERRUPTED if len(interrupts) > 1 else code
+        code, failed = wait_for_ranks(ranks, stopped_at_once=lambda: len(interrupts) > 1, failures=failures)
+        if len(interrupts) > 1:
+            return ExitCode.INTERRUPTED, None
+        return code, None if code in NOT_RESTARTED else local_cause(failed, failures)
     finally:
         shutil.rmtree(failures, ignore_errors=True)
         for signum, handler in previous.items():
@@ -125,6 +169,17 @@ def run_local(spec_file: str | Path, nproc: int) -> int:
             if process.poll() is None:
                 process.kill()
                 process.wait()
+
+
+def local_cause(failed: tuple[int, int] | None, failures: str) -> Cause:
+    """Why the ranks failed: the first own error a rank noted, else the rank seen failing first."""
+    note = first_note(failures)
+    if note is not None and not note["lost_contact"]:
+        return cause_from_note(note)
+    if failed is None:
+        return Cause("exit", "the ranks failed")
+    rank, code = failed
+    return Cause("killed" if code < 0 else "exit", describe_exit(code), rank, "localhost")
 
 
 def run_sweep_locally(spec: JobSpec, nproc: int | None) -> int:
@@ -159,10 +214,11 @@ def die_with_parent() -> None:
 
 def wait_for_ranks(
     ranks: Sequence[subprocess.Popen], stopped_at_once: Callable[[], bool] = lambda: False, failures: str | None = None
-) -> int:
+) -> tuple[int, tuple[int, int] | None]:
     """Wait for every rank; after the first failure give the others GRACE_S, then kill them.
     ``failures``: the directory where the ranks note how they failed (:func:`note_failure`): the
-    last line names the rank whose own error came first, not one that lost contact with it."""
+    last line names the rank whose own error came first, not one that lost contact with it.
+    Returns the exit code and (rank, exit code) of the rank seen failing first, if one did."""
     failed: tuple[int, int] | None = None
     deadline = float("inf")
     # every rank polled each time (not any(), which stops at the first one running): a rank that
@@ -171,7 +227,7 @@ def wait_for_ranks(
         if stopped_at_once():
             for process in ranks:
                 process.wait()
-            return ExitCode.INTERRUPTED
+            return ExitCode.INTERRUPTED, failed
         if failed is None:
             failed = first_failure(ranks)
             if failed is not None:
@@ -193,10 +249,10 @@ def wait_for_ranks(
         codes = {process.returncode for process in ranks}
         for code in (ExitCode.STOPPED, ExitCode.INTERRUPTED):
             if code in codes:
-                return code
-        return ExitCode.OK
+                return code, None
+        return ExitCode.OK, None
     rank, code = failed
-    note = first_error(failures) if failures else None
+    note = first_note(failures) if failures else None
     if note is not None and not note["lost_contact"] and 0 <= note["rank"] < len(ranks):
         rank, code = note["rank"], ranks[note["rank"]].returncode
         others = [str(other) for other, process in enumerate(ranks) if other != rank and process.returncode not in (0, None)]
@@ -208,7 +264,7 @@ def wait_for_ranks(
         file=sys.stderr,
         flush=True,
     )
-    return code if code > 0 else 128 - code
+    return (code if code > 0 else 128 - code), failed
 
 
 def first_failure(ranks: Sequence[subprocess.Popen]) -> tuple[int, int] | None:

@@ -2,8 +2,10 @@
 
 :class:`JobPaths` is the one answer for a spec: the resolved spec its tasks read
 (``<log_dir>/<name>.spec.yaml``), the sbatch script (``<log_dir>/<name>.sbatch``), a sweep's run
-specs (``<log_dir>/<name>.sweep/<index>.spec.yaml``), the job's SLURM logs (``%j`` the job id,
-``%A_%a`` a sweep's array job and task id; requeues append to them) and submitit's folder.
+specs (``<log_dir>/<name>.sweep/<index>.spec.yaml``), the restart supervisor the script runs
+(``<log_dir>/<name>.restarts.pyz``) and its records (``<log_dir>/<name>.attempts/<job id>/``), the
+job's SLURM logs (``%j`` the job id, ``%A_%a`` a sweep's array job and task id, as
+:func:`job_reference` names the job at run time; requeues append to them) and submitit's folder.
 
 The resolved spec and the script say everything the job does (its paths, its setup lines), and the
 job's tasks run whatever the spec file says: only their owner may read or change them. Files are
@@ -36,6 +38,8 @@ class JobPaths:
     stdout: str
     stderr: str
     submitit_folder: Path
+    restarts_program: Path  # the supervisor of restarts inside the allocation (lance_hpc.launch.restarts)
+    attempts: Path  # its records, one directory per job (or array task) id
 
     @classmethod
     def of(cls, spec: JobSpec) -> JobPaths:
@@ -48,6 +52,8 @@ class JobPaths:
             stdout=f"{logs}.out",
             stderr=f"{logs}.err",
             submitit_folder=log_dir / "submitit",
+            restarts_program=log_dir / f"{spec.name}.restarts.pyz",
+            attempts=log_dir / f"{spec.name}.attempts",
         )
 
     def run_spec(self, index: int) -> Path:
@@ -59,6 +65,12 @@ class JobPaths:
         return self.run_specs if sweep else str(self.spec_file)
 
 
+def job_reference(spec: JobSpec) -> str:
+    """The job as its batch script names it at run time (shell text): the job id, or a sweep run's
+    ARRAYID_TASKID, as its log files are named."""
+    return "${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}" if spec.sweep else "$SLURM_JOB_ID"
+
+
 def make_private_dirs(directory: Path) -> None:
     """Create ``directory`` and its missing parents readable by their owner alone (0700). One that
     exists keeps the mode its owner chose: a group's shared log directory stays shared, while the
@@ -68,7 +80,7 @@ def make_private_dirs(directory: Path) -> None:
         path.mkdir(mode=PRIVATE_DIR_MODE, exist_ok=True)
 
 
-def write_private(path: Path, text: str) -> None:
+def write_private(path: Path, text: str | bytes) -> None:
     """Replace ``path`` by a file holding ``text``, readable and writable by its owner alone (0600).
 
     The text is written to a fresh temporary file (0600, an unguessable name, never an existing

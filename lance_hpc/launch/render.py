@@ -17,6 +17,11 @@ file per run (``%A_%a``), and a launch that reads the spec file of ``$SLURM_ARRA
 in a container (``slurm.container``) gets the runtime's srun options or command prefix, and a
 requeue handler: rank 0 cannot run ``scontrol`` inside the container, so it writes a request file
 and the script, outside the container, requeues the job once srun has ended.
+
+With ``slurm.max_restarts`` the allocation survives a failed node (``--no-kill``, and
+``slurm.spare_nodes`` more nodes), and srun runs through the restart supervisor
+(:mod:`lance_hpc.launch.restarts`, written beside the script by :mod:`lance_hpc.launch.restart_script`),
+which starts a failed step again.
 """
 
 from __future__ import annotations
@@ -36,9 +41,11 @@ from lance_hpc.launch.container import container_launch
 from lance_hpc.launch.paths import (
     ARRAY_INDEX,
     JobPaths,
+    job_reference,
     make_private_dirs,
     write_private,
 )
+from lance_hpc.launch.restart_script import restart_supervisor, supervisor_program
 from lance_hpc.runtime.ports import master_port_lines
 from lance_hpc.runtime.preemption import REQUEUE_FUNCTION, requeue_handler
 from lance_hpc.spec import JobSpec, Problem, SpecError, expand, run_count
@@ -66,6 +73,7 @@ FLAG_FIELDS = {
     "constraint": "slurm.constraint",
     "exclusive": "slurm.exclusive",
     "requeue": "slurm.max_requeues",
+    "no-kill": "slurm.max_restarts",
     "signal": "slurm.signal_delay_s",
     "output": "slurm.log_dir",
     "error": "slurm.log_dir",
@@ -107,7 +115,7 @@ def resource_flags(spec: JobSpec) -> dict[str, str | int | bool]:
     }
     flags: dict[str, str | int | bool] = {
         "job-name": spec.name,
-        "nodes": slurm.nodes,
+        "nodes": slurm.nodes + slurm.spare_nodes,
         "ntasks-per-node": slurm.ntasks_per_node,
         "cpus-per-task": slurm.cpus_per_task,
         # minutes, as submitit needs them for its requeue logic: both paths then write the same flag
@@ -121,6 +129,8 @@ def resource_flags(spec: JobSpec) -> dict[str, str | int | bool]:
         flags["array"] = str(array_range(spec))
     if slurm.exclusive:
         flags["exclusive"] = True
+    if slurm.max_restarts:
+        flags["no-kill"] = True  # a failed node leaves the allocation, which the job's next attempt uses
     problems = []
     for key, value in slurm.extra_flags.items():
         flag = key.replace("_", "-")
@@ -177,11 +187,6 @@ def launch_command(spec: JobSpec, spec_file: str) -> ShellText:
     return ShellText(f"{shlex.join([*python_command(spec), '-m', ENTRY_MODULE])} {_spec_file_word(spec, spec_file)}")
 
 
-def job_reference(spec: JobSpec) -> ShellText:
-    """The job as the script names it at run time: the job id, or a sweep run's ARRAYID_TASKID."""
-    return ShellText("${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}" if spec.sweep else "$SLURM_JOB_ID")
-
-
 def render_sbatch(spec: JobSpec, spec_file: str) -> str:
     """The sbatch script for ``spec``, whose tasks run ``python3 -P -m lance_hpc.run spec_file``.
 
@@ -197,6 +202,7 @@ def render_sbatch(spec: JobSpec, spec_file: str) -> str:
     flags = {**resource_flags(spec), **log_flags}
     srun = ShellText(shlex.join(["srun", *srun_args(spec)]))
     command = launch_command(spec, spec_file)
+    supervisor = ShellText(restart_supervisor(spec))
     variables = {
         # a site template may print any field: it gets the spec with credential-looking values redacted
         "spec": JobSpec.model_validate(spec.redacted_dict()),
@@ -207,11 +213,12 @@ def render_sbatch(spec: JobSpec, spec_file: str) -> str:
         "setup": [ShellText(redact_text(line)) for line in _user_setup(spec)],
         "exports": [ShellText(line) for line in export_lines(spec)],
         "requeue_handler": [ShellText(line) for line in requeue_handler(spec)],
-        "job_ref": job_reference(spec),
+        "job_ref": ShellText(job_reference(spec)),
         "array": array_range(spec) or "",
         "srun": srun,
         "command": command,
-        "launch": ShellText(f"{srun} {command}"),
+        "restarts": supervisor,
+        "launch": ShellText(f"{supervisor} \\\n    {srun} {command}" if supervisor else f"{srun} {command}"),
         "log_out": stdout,
         "log_err": stderr,
     }
@@ -223,6 +230,13 @@ def render_sbatch(spec: JobSpec, spec_file: str) -> str:
         raise UserError(
             f"sbatch template {_template_name(spec)} leaves out the requeue handler a container job needs\n"
             "  fix: add {% for line in requeue_handler %}{{ line }}{% endfor %} before the srun line"
+        )
+    if supervisor and supervisor not in script:
+        raise UserError(
+            f"sbatch template {_template_name(spec)} runs srun without the restart supervisor that slurm.max_restarts "
+            f"({spec.slurm.max_restarts}) needs\n"
+            "  fix: write {{ launch }} for the srun line (or {{ restarts }} {{ srun }} {{ command }}), "
+            "or set slurm.max_restarts: 0"
         )
     return script
 
@@ -324,14 +338,20 @@ def _template(spec: JobSpec) -> jinja2.Template:
 
 
 def write_job_files(spec: JobSpec, script_path: Path | None = None) -> tuple[Path, Path]:
-    """Write the resolved spec (and a sweep's run specs) and the sbatch script; returns the paths
-    of the spec and the script."""
+    """Write the resolved spec (and a sweep's run specs), the sbatch script and the restart
+    supervisor it runs; returns the paths of the spec and the script."""
     paths = JobPaths.of(spec)
     spec_file, script_path = paths.spec_file, script_path or paths.script
     runs = expand(spec) if spec.sweep else []
     # before writing anything: rendering may refuse
     script = render_sbatch(spec, paths.task_spec(bool(runs)))
-    files = {spec_file: spec.to_yaml(), **{paths.run_spec(run.index): run.spec.to_yaml() for run in runs}, script_path: script}
+    files: dict[Path, str | bytes] = {
+        spec_file: spec.to_yaml(),
+        **{paths.run_spec(run.index): run.spec.to_yaml() for run in runs},
+        script_path: script,
+    }
+    if spec.slurm.max_restarts:
+        files[paths.restarts_program] = supervisor_program()
     for path, text in files.items():
         try:
             make_private_dirs(path.parent)  # also the log directory: SLURM cannot open logs in a missing one

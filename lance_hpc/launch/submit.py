@@ -24,6 +24,7 @@ from lance_hpc.launch import render
 from lance_hpc.launch.container import container_launch
 from lance_hpc.launch.paths import JobPaths
 from lance_hpc.launch.render import write_job_files
+from lance_hpc.launch.restart_script import srun_through_restarts
 from lance_hpc.slurm.queue import FINAL_STATES, show_job
 from lance_hpc.slurm.records import record_submission
 from lance_hpc.spec import JobSpec, expand
@@ -59,7 +60,8 @@ def make_executor(spec: JobSpec, folder: Path) -> submitit.SlurmExecutor:
     executor.update_parameters(
         **named,
         signal_delay_s=spec.slurm.signal_delay_s,
-        setup=[render.STRICT_MODE, *render.setup_lines(spec)],  # a failing setup line stops the job
+        # a failing setup line stops the job; submitit's srun line then runs through the restart supervisor
+        setup=[render.STRICT_MODE, *render.setup_lines(spec), *srun_through_restarts(spec)],
         srun_args=[arg for arg in render.srun_args(spec) if arg != "--unbuffered"],  # submitit adds it
         additional_parameters=additional,
         wckey=None,
@@ -131,11 +133,13 @@ def wait_for(job: submitit.Job) -> int:
     """Wait for a submitit job to end; print its result, or its exit status and where its logs are."""
     tasks = [job.task(index) for index in range(job.num_tasks)]
     state, exit_code = "PENDING", "?"
-    # Our own loop: submitit's wait() asks sacct, which clusters without accounting do not have.
-    while not all(task.paths.result_pickle.exists() for task in tasks):
+    # Our own loop: submitit's wait() asks sacct, which clusters without accounting do not have. A
+    # failed attempt leaves results that the job's next attempt in the allocation replaces: while
+    # SLURM shows the job, its end is what counts.
+    while True:
         shown = show_job(job.job_id)
         state, exit_code = (shown.state, shown.exit_code or "?") if shown else ("UNKNOWN", "?")
-        if state in FINAL_STATES:
+        if state in FINAL_STATES or (shown is None and all(task.paths.result_pickle.exists() for task in tasks)):
             break
         time.sleep(2)
     if all(task.paths.result_pickle.exists() for task in tasks):

@@ -1,7 +1,8 @@
 """``lance-hpc status``: where a job is, how far it got, its last loss and how long it has left.
 
-SLURM says the state and restarts while it knows the job; the checkpoint, the TensorBoard events
-and the log say the rest, also for a job SLURM has forgotten.
+SLURM says the state and restarts (requeues) while it knows the job; the restart supervisor's records
+say the attempts inside each allocation; the checkpoint, the TensorBoard events and the log say the
+rest, also for a job SLURM has forgotten.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 from lance_hpc.checkpoint import manifests
 from lance_hpc.kinds import registered_kind
 from lance_hpc.manage import logs, progress
+from lance_hpc.manage.attempts import attempt_lines
 from lance_hpc.runtime.watchdog import activity_line, watch_dir
 from lance_hpc.slurm import queue, records
 from lance_hpc.slurm.records import JobRef
@@ -55,6 +57,9 @@ def report(ref: JobRef, job: queue.SlurmJob | None) -> list[str]:
     if job is not None:
         records.record_state(spec, job)
     lines.append(f"  spec        {ref.spec_source}{ref.run_label}")
+    found = attempt_lines(ref)  # restarts inside the allocation, beside SLURM's requeues in the headline
+    if found:
+        lines += [f"  attempts    {found[0]}", *(f"              {line}" for line in found[1:])]
     job_logs = logs.job_logs(ref, job)
     ended = job is None or job.ended
     if ended:

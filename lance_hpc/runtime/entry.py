@@ -14,6 +14,7 @@ from lance_hpc.checkpoint import resuming
 from lance_hpc.checkpoint.manifests import CHECKPOINT_PATTERN
 from lance_hpc.checkpoint.resuming import Checkpoint
 from lance_hpc.errors import UserError
+from lance_hpc.runtime import attempt
 from lance_hpc.runtime.context import Context, Summary
 from lance_hpc.runtime.environment import DistEnv, configure_process
 from lance_hpc.runtime.metrics import build_logger
@@ -47,6 +48,7 @@ def run_entry(
         {**flatten(spec.redacted_dict()), "world_size": env.world_size}, (f"val/{task.headline_metric}", "val/loss")
     )
     context = Context(spec, env, device, task, logger, preemption, resumed, entry_options(entry, spec.entry_options))
+    attempt.report_restart(context)
     context._begin_run()
     try:
         result = entry(context)
@@ -59,6 +61,9 @@ def run_entry(
         if env.is_main:
             print(f"lance_hpc.run: {stop}", file=sys.stderr, flush=True)
         return Summary("unsaved", context.step, context.epoch, None)
+    except Exception:
+        attempt.remember_step(context.step)  # for the failure note: the same error at the same step stops restarts
+        raise
     finally:
         context._end_run()
     metrics = {key: float(value) for key, value in result.items()} if isinstance(result, dict) else {}

@@ -34,6 +34,8 @@ import torch.distributed as dist
 from submitit.slurm.slurm import SlurmParseException, _parse_node_list
 
 from lance_hpc.errors import UserError
+from lance_hpc.runtime.attempt import ATTEMPT_VARIABLE
+from lance_hpc.runtime.failures import PortInUse
 from lance_hpc.runtime.ports import port_for_job, take_held_port
 
 # Every SLURM variable this module reads, in one place (submitit's JobEnvironment._env does the same).
@@ -208,6 +210,8 @@ def _check_outside_srun(environ: Mapping[str, str]) -> None:
 
 def _check_single_task_on_many_nodes(environ: Mapping[str, str], world_size: int) -> None:
     nodes = _int(environ, SLURM_VARS["num_nodes"], 1)
+    if ATTEMPT_VARIABLE in environ:  # the restart supervisor chose the step's nodes: the others are spares
+        nodes = _maybe_int(environ, SLURM_VARS["step_num_nodes"]) or nodes
     if world_size == 1 and nodes > 1:
         raise UserError(
             f"world size is 1 but the job holds {nodes} nodes: all but one node would sit idle\n"
@@ -311,7 +315,7 @@ def _listen_or_connect(env: DistEnv, timeout: datetime.timedelta) -> dist.TCPSto
             if not (env.is_main and port_in_use(error)):
                 raise
             if time.monotonic() + pause > deadline:
-                raise UserError(port_in_use_message(env)) from None
+                raise PortInUse(port_in_use_message(env)) from None
             if pause == 0.25:
                 print(
                     f"rank 0: port {env.master_port} is held by another process; trying again for up to {PORT_WAIT_S:.0f} s",

@@ -1,6 +1,7 @@
-"""How the ranks of a local run tell their launcher which of them failed first: each notes its own
-failure in the launcher's failure directory, and the launcher names the rank whose error came
-first rather than one that only lost contact with it."""
+"""How the ranks tell their launcher how they failed: each notes its own failure in the launcher's
+failure directory. The launcher (the restart supervisor, :mod:`lance_hpc.launch.restarts`, or the
+local one) names the rank whose error came first rather than one that only lost contact with it,
+and decides from the notes whether a restart could help."""
 
 from __future__ import annotations
 
@@ -10,34 +11,48 @@ import socket
 import time
 from pathlib import Path
 
+from lance_hpc.errors import UserError
 from lance_hpc.storage.files import write_file
 
-# Where a rank notes how it failed, for its launcher to name the rank whose error came first.
+# Where a rank notes how it failed (the restart supervisor names the same variable).
 FAILURE_DIR_VARIABLE = "LANCE_HPC_FAILURE_DIR"
 
 
-def note_failure(rank: int, message: str, lost_contact: bool, directory: str | None = None) -> None:
+class PortInUse(UserError):
+    """Rank 0 could not listen on MASTER_PORT: another process took it. The user's to fix by hand,
+    but no fault of the job's: a restart inside the allocation, on another port, gets past it, so
+    its note does not call it a user error."""
+
+
+def note_failure(
+    rank: int,
+    message: str,
+    lost_contact: bool,
+    directory: str | None = None,
+    *,
+    step: int | None = None,
+    user_error: bool = False,
+    what: str = "error",
+    host: str | None = None,
+) -> None:
     """Record that ``rank`` failed (with its own error, or by losing contact with another rank) in
-    the launcher's failure directory, when it set one."""
+    the launcher's failure directory, when it set one: at which step, whether the user must fix
+    something (no restart helps then), and ``what`` (error, or hang when the watchdog names a
+    stuck rank)."""
     folder = directory or os.environ.get(FAILURE_DIR_VARIABLE)
     if not folder:
         return
-    note = {"rank": rank, "host": socket.gethostname(), "time": time.time(), "lost_contact": lost_contact, "message": message}
+    note = {
+        "rank": rank,
+        "host": host or os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+        "time": time.time(),
+        "lost_contact": lost_contact,
+        "message": message,
+        "step": step,
+        "user_error": user_error,
+        "what": what,
+    }
     try:
         write_file(Path(folder) / f"rank-{rank}.json", json.dumps(note))
     except OSError:
         pass  # the launcher then names a rank by exit codes alone
-
-
-def first_error(directory: str) -> dict | None:
-    """The note of the rank whose own error came first (one that only lost contact with another
-    rank is never the cause while a rank with an error of its own exists), or None."""
-    notes = []
-    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
-        if name.startswith("rank-") and name.endswith(".json"):
-            try:
-                with open(os.path.join(directory, name)) as file:
-                    notes.append(json.load(file))
-            except (OSError, ValueError):
-                continue
-    return min(notes, key=lambda note: (note["lost_contact"], note["time"]), default=None)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from lance_hpc.runtime import attempt
 from lance_hpc.runtime.environment import DistEnv
 from lance_hpc.runtime.watchdog import Progress, Stragglers, Watchdog, host_name, watch_dir
 from lance_hpc.spec import JobSpec
@@ -41,8 +42,9 @@ class RankWatch:
         directory = watch_dir(self.spec.slurm.log_dir, self.spec.name, self.env.job_ref)
         # fire well before the collective timeout ends the job with nothing said
         ceiling = max(self.spec.train.collective_timeout_s * 0.5, 1.0)
+        on_hang = attempt.end_step_on_hang() if self.is_main else None  # with restarts left, a hang ends the attempt
         self._watchdog = Watchdog(
-            self.progress, directory, self.env.rank, self.world_size, settings.factor, settings.floor_s, ceiling
+            self.progress, directory, self.env.rank, self.world_size, settings.factor, settings.floor_s, ceiling, on_hang=on_hang
         )
         self._watchdog.start()
 

@@ -179,11 +179,14 @@ class Watchdog(threading.Thread):
         ceiling_s: float,
         say: Callable[[str], None] = lambda text: print(text, file=sys.stderr, flush=True),
         poll_s: float = 0.5,
+        on_hang: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         super().__init__(name="lance_hpc-watchdog", daemon=True)
         self.progress, self.directory, self.rank, self.world_size = progress, directory, rank, world_size
         self.factor, self.floor_s, self.ceiling_s = factor, floor_s, ceiling_s
         self.say, self.poll_s = say, poll_s
+        self.on_hang = on_hang  # rank 0: what to do with the stuck rank's status once reported (end the attempt)
+        self.stuck: dict[str, Any] | None = None  # the status of the rank the last report named
         self.host = host_name()
         self.stop = threading.Event()
         self.dumped_step: int | None = None
@@ -225,6 +228,8 @@ class Watchdog(threading.Thread):
             time.sleep(min(3 * self.poll_s + PUBLISH_S, 5.0))  # the others publish and dump too
             self.reported_step = progress.step
             self.say(self.report(limit))
+            if self.on_hang is not None and self.stuck is not None:
+                self.on_hang(self.stuck)
 
     def publish(self, overdue: bool) -> None:
         progress = self.progress
@@ -284,7 +289,7 @@ class Watchdog(threading.Thread):
         silent = [status for status in statuses if now - status["time"] > STALE_S]
         busy = [status for status in statuses if status not in silent and status["phase"] != "collective"]
         candidates = silent or busy or statuses
-        stuck = min(candidates, key=lambda status: (status["step"], -status.get("phase_s", 0.0)))
+        stuck = self.stuck = min(candidates, key=lambda status: (status["step"], -status.get("phase_s", 0.0)))
         if stuck in silent:
             what = f"stopped answering {now - stuck['time']:.0f} s ago (its watchdog thread is blocked: native code holding the GIL, or the process died)"
         else:

@@ -12,6 +12,7 @@ from typing import Any, Mapping
 
 from lance_hpc.spec.choices import SAMPLERS, SHARD_FORMATS, STDLIB_SOURCE, STYLES
 from lance_hpc.spec.problems import Problem, section_of
+from lance_hpc.spec.restarts import restart_problems
 from lance_hpc.spec.schema import SlurmSpec, TrainSpec, parse_time_limit
 from lance_hpc.storage.options import unsupported
 
@@ -124,6 +125,7 @@ def cross_field_problems(raw: Mapping[str, Any]) -> list[Problem]:
                 f"set tasks_per_node: {gpus} or remove it",
             )
         )
+    problems += restart_problems(slurm)
     template = slurm.get("template")
     if isinstance(template, str) and not Path(template).is_file():
         problems.append(Problem("slurm.template", f"template file {template} does not exist", "fix the path or remove the key"))

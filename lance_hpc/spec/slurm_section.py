@@ -80,6 +80,27 @@ class SlurmSpec(Section):
     )
     template: str | None = Field(None, description="Path of a site sbatch template; null: built-in.")
     max_requeues: int = Field(3, ge=0, le=MAX_INT, description="How many times a preempted job requeues itself.")
+    max_restarts: int = Field(
+        2,
+        ge=0,
+        le=MAX_INT,
+        description="How many times a failed step (a rank died or hung, a node failed) starts again inside the allocation, "
+        "from the latest checkpoint; 0: a failure ends the job.",
+    )
+    min_nodes: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_INT,
+        description="After a node fails, go on with as few nodes as this (fewer ranks); null: slurm.nodes.",
+    )
+    spare_nodes: int = Field(
+        0, ge=0, le=MAX_INT, description="Extra nodes held idle that take a failed node's place at a restart (same world size)."
+    )
+    restart_standby: bool = Field(
+        True,
+        description="Start the next attempt's ranks ahead, imports done, so a restart skips Python's start-up "
+        "(an idle process per rank: a few hundred MB of host memory).",
+    )
     signal_delay_s: int = Field(
         120, ge=10, le=MAX_INT, description="Seconds before the time limit SLURM sends USR2 to save and requeue."
     )
@@ -99,6 +120,11 @@ class SlurmSpec(Section):
     @property
     def world_size(self) -> int:
         return self.nodes * self.ntasks_per_node
+
+    @property
+    def fewest_nodes(self) -> int:
+        """The fewest nodes a restart may go on with: min_nodes, else all of them."""
+        return self.nodes if self.min_nodes is None else self.min_nodes
 
     @property
     def time_seconds(self) -> int:

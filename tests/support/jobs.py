@@ -85,7 +85,9 @@ def write_spec(directory: Path, dataset: Digits, name: str = "digits", **section
     raw["data"].update(uri=dataset.train, val_uri=dataset.val)
     raw["checkpoint"]["dir"] = str(directory / "checkpoints")
     raw["logging"]["tensorboard_dir"] = str(directory / "runs")
-    raw["slurm"] = {"log_dir": str(directory / "logs")}
+    # no standby ranks (started ahead of a restart) unless a test asks: on a machine of 2 cores their
+    # imports would slow every other job of the suite; the restart tests ask for them
+    raw["slurm"] = {"log_dir": str(directory / "logs"), "restart_standby": False}
     for section, values in sections.items():
         if isinstance(values, dict):
             raw.setdefault(section, {}).update(values)

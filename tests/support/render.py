@@ -1,5 +1,5 @@
 """Golden files for rendered batch scripts: compare a script with ``tests/golden/NAME``, or record
-it there when ``LANCE_HPC_RECORD_GOLDEN=1``."""
+it there when ``LANCE_HPC_RECORD_GOLDEN=1``; and the files a rendered script needs to run."""
 
 from __future__ import annotations
 
@@ -8,6 +8,10 @@ import os
 from pathlib import Path
 
 import pytest
+
+from lance_hpc.launch.paths import JobPaths, make_private_dirs, write_private
+from lance_hpc.launch.restart_script import supervisor_program
+from lance_hpc.spec import JobSpec
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 
@@ -27,3 +31,12 @@ def check_golden(name: str, text: str) -> None:
             "  LANCE_HPC_RECORD_GOLDEN=1 python -m pytest tests/test_render.py",
             pytrace=False,
         )
+
+
+def write_restarts_program(spec: JobSpec) -> None:
+    """Put the restart supervisor where a script rendered for ``spec`` runs it, as
+    ``write_job_files`` does (for tests that run a rendered script without writing the job's files)."""
+    if spec.slurm.max_restarts:
+        path = JobPaths.of(spec).restarts_program
+        make_private_dirs(path.parent)
+        write_private(path, supervisor_program())

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -118,3 +119,32 @@ def is_rank_command(command: list[bytes]) -> bool:
     srun that started it, whose command line names the same and whose environment (the batch
     step's) says SLURM_PROCID=0 as well."""
     return os.path.basename(command[0]).startswith(b"python") and command[1:4] == [b"-P", b"-m", b"lance_hpc.run"]
+
+
+def is_standby(environ: list[bytes] | set[bytes]) -> bool:
+    """Whether a rank's /proc environ (split at NUL) is that of a standby rank, started ahead of a
+    restart and waiting (lance_hpc.kinds.standby.wait_if_standby): not one that is running."""
+    return any(entry.startswith(b"LANCE_HPC_STANDBY=") for entry in environ)
+
+
+def lance_hpc(
+    cluster: cluster_module.SlurmCluster,
+    *args: str,
+    check_rc: int | None = 0,
+    timeout_s: float = 300,
+    env: Mapping[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run the real command line (``lance-hpc ARGS``) against ``cluster``, as a user on the login
+    node would (in ``env``, else :func:`environ`); with ``check_rc``, fail showing its output unless
+    it exits so."""
+    result = subprocess.run(
+        [sys.executable, "-m", "lance_hpc", *args],
+        env=dict(env or environ(cluster)),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    if check_rc is not None:
+        assert result.returncode == check_rc, f"rc {result.returncode}\n{result.stdout}\n{result.stderr}"
+    return result

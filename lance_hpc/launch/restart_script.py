@@ -1,0 +1,92 @@
+"""What a batch script needs to restart its job inside the allocation (slurm.max_restarts): the
+command srun runs through (:func:`restart_supervisor`, and for submitit's script a shell function
+``srun``), and the supervisor itself (:func:`supervisor_program`), written beside the script.
+
+The supervisor (:mod:`lance_hpc.launch.restarts`) runs with the node's own ``python3 -I``, outside
+any container, where lance_hpc may not be installed. So it is one file, ``<log_dir>/<name>.restarts.pyz``:
+a zip application that holds its own modules, its command line (:mod:`lance_hpc.cli.restarts`) and
+:mod:`lance_hpc.runtime.ports` (whose port holder it runs before each restart) under empty
+``__init__`` files of the packages above them, and a ``__main__`` that runs the command line. Python puts the file
+first on sys.path even with ``-I``; the modules in it import nothing else but the standard library.
+"""
+
+from __future__ import annotations
+
+import io
+import shlex
+import zipfile
+from pathlib import Path
+
+from lance_hpc.launch.paths import JobPaths, job_reference
+from lance_hpc.runtime.watchdog import watch_dir
+from lance_hpc.spec import JobSpec
+
+PACKAGE = Path(__file__).resolve().parents[1]  # lance_hpc/
+# What the program holds of lance_hpc (relative to the package): the supervisor's modules, its
+# command line and the port holder's module.
+PACKED = ("launch/restarts", "cli/restarts.py", "runtime/ports.py")
+MAIN = "import sys\n\nfrom lance_hpc.cli.restarts import main\n\nsys.exit(main())\n"
+# The same bytes for the same sources: a re-rendered job writes the same file.
+ZIP_TIME = (1980, 1, 1, 0, 0, 0)
+
+
+def packed_sources() -> dict[str, str]:
+    """Path in the program -> source: the modules :data:`PACKED` names, the empty ``__init__`` files
+    of the packages above them, and ``__main__.py``."""
+    sources = {"__main__.py": MAIN}
+    for name in PACKED:
+        path = PACKAGE / name
+        for module in sorted(path.glob("*.py")) if path.is_dir() else [path]:
+            inside = Path("lance_hpc") / module.relative_to(PACKAGE)
+            sources[inside.as_posix()] = module.read_text()
+            for parent in inside.parents:
+                if parent != Path("."):
+                    sources.setdefault(f"{parent.as_posix()}/__init__.py", "")
+    return dict(sorted(sources.items()))
+
+
+def supervisor_program() -> bytes:
+    """The supervisor as the one file ``python3 -I`` runs (a zip application)."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for name, source in packed_sources().items():
+            entry = zipfile.ZipInfo(name, ZIP_TIME)
+            entry.compress_type = zipfile.ZIP_DEFLATED
+            entry.external_attr = 0o644 << 16
+            archive.writestr(entry, source)
+    return buffer.getvalue()
+
+
+def restart_supervisor(spec: JobSpec) -> str:
+    """What runs srun when the job restarts inside its allocation (``python3 -I <log_dir>/<name>.restarts.pyz
+    ... --``), with the node's own Python, outside any container; empty for slurm.max_restarts: 0."""
+    slurm = spec.slurm
+    if not slurm.max_restarts:
+        return ""
+    paths, job = JobPaths.of(spec), job_reference(spec)
+    options = [
+        f"--max-restarts={slurm.max_restarts}",
+        f"--nodes={slurm.nodes}",
+        f"--min-nodes={slurm.fewest_nodes}",
+        f"--tasks-per-node={slurm.ntasks_per_node}",
+        *([] if slurm.restart_standby else ["--no-standby"]),
+    ]
+    words = ["python3", "-I", str(paths.restarts_program), *options]
+    record = f'--record={shlex.quote(str(paths.attempts) + "/")}"{job}"'
+    # a sweep's runs have names of their own, which the script cannot know: their steps go unpublished here
+    progress = (
+        "" if spec.sweep else f' --progress={shlex.quote(str(watch_dir(slurm.log_dir, spec.name, None).parent) + "/")}"{job}"'
+    )
+    return f"{shlex.join(words)} {record}{progress} --"
+
+
+def srun_through_restarts(spec: JobSpec) -> list[str]:
+    """For submitit's script, whose srun line lance_hpc does not write: a shell function ``srun``
+    that runs the real one through the restart supervisor."""
+    supervisor = restart_supervisor(spec)
+    if not supervisor:
+        return []
+    return [
+        "# restarts inside this allocation (slurm.max_restarts): the srun line below runs through the supervisor",
+        f'srun() {{ {supervisor} srun "$@"; }}',
+    ]
