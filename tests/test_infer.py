@@ -117,7 +117,7 @@ def test_two_ranks_write_typed_columns_in_row_order_once_and_leave_the_images_al
     from lance_hpc.data import load_task
 
     task = load_task(loaded)
-    model = load_model(loaded, task, select_device(detect({})))
+    model, _ = load_model(loaded, task, select_device(detect({})))
     rows = np.arange(table.count_rows())
     loader = RowsLoader(loaded.data, task.decoder(train=False), 0, uri, 1, [rows[i : i + 50] for i in range(0, len(rows), 50)])
     import torch

@@ -85,6 +85,7 @@ from lance_hpc.data.text import BYTES_PER_TOKEN_KEY, DOCUMENTS_KEY, KIND_KEY, To
 from lance_hpc.data.units import UnitRecords, balanced
 from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.imports import child_environment, python_command
+from lance_hpc.lineage.provenance import derived_columns
 from lance_hpc.spec.limits import DEFAULT_RECORD_MB
 from lance_hpc.storage.datasets import dataset_exists, open_dataset
 from lance_hpc.storage.options import storage_options
@@ -132,6 +133,8 @@ class Plan:
     _tokenizer: Tokenizer | None = field(default=None, repr=False, compare=False)
     # splits whose commit by this run (an earlier process of it) the datasets hold: split -> version
     landed: dict[str, int] = field(default_factory=dict)
+    # append: per split, the columns lance_hpc derived (inference write-back) the new rows lack: null
+    unfilled: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -214,6 +217,7 @@ def make_plan(
     else:
         schema = _schema(source, shards[0], columns)
     read_versions: dict[str, int | None] = {}
+    unfilled: dict[str, list[str]] = {}
     for split, target in splits.items():
         # A UserError for anything but a Lance dataset; a worker trusts the check of the command
         # that started it (other workers' fragments may be landing in the folder meanwhile).
@@ -233,7 +237,7 @@ def make_plan(
             )
         read_versions[split] = int(found.version) if found is not None else None
         if found is not None and mode == "append":
-            _check_append_schema(found, schema, target)
+            unfilled[split] = _check_append_schema(found, schema, target)
     return Plan(
         source_text,
         source,
@@ -252,6 +256,7 @@ def make_plan(
         tokens,
         tokenizer,
         ours,
+        {split: names for split, names in unfilled.items() if names},
     )
 
 
@@ -321,10 +326,13 @@ def _absolute(target: Target) -> Target:
     return Target(os.path.abspath(target.uri), target.options, target.name)
 
 
-def _check_append_schema(found: Any, ours: pa.Schema, target: Target) -> None:
+def _check_append_schema(found: Any, ours: pa.Schema, target: Target) -> list[str]:
     """Rows appended must have the dataset's columns and types (and token sequences, its tokenizer):
-    one clear error before any shard."""
-    theirs = {item.name: item.type for item in found.schema}
+    one clear error before any shard. The columns lance_hpc derived from the rows (an inference's
+    write-back) are not the source's: rows without them are appended with nulls there, which a job
+    with ``infer.refresh: missing`` fills. Returns those columns."""
+    derived = [name for name in derived_columns(found.schema) if name not in ours.names]
+    theirs = {item.name: item.type for item in found.schema if item.name not in derived}
     mine = {item.name: item.type for item in ours}
     if KIND_KEY in (ours.metadata or {}):
         shared = [key for key in (ours.metadata or {}) if key != b"source"]
@@ -338,9 +346,19 @@ def _check_append_schema(found: Any, ours: pa.Schema, target: Target) -> None:
         differ = sorted(name for name in set(mine) | set(theirs) if mine.get(name) != theirs.get(name))
         raise UserError(
             f"{target.name} {target.uri}: these rows do not have the dataset's columns ({', '.join(differ)} differ), "
-            "so they cannot be appended\n  fix: map the columns to match (--column / data.ingest.columns), or "
-            "--overwrite to make these rows the new version"
+            "so they cannot be appended\n  fix: map the source's fields to the dataset's columns (--column / "
+            "data.ingest.columns)"
         )
+    return derived
+
+
+def unfilled_lines(plan: Plan) -> list[str]:
+    """What an append leaves null: the columns lance_hpc derived that the new rows lack, per dataset."""
+    return [
+        f"{plan.targets()[split].uri}: the new rows have no values in {', '.join(names)} (columns an inference job "
+        "wrote) until a job with infer.refresh: missing computes them for those rows only"
+        for split, names in plan.unfilled.items()
+    ]
 
 
 def _dataset_or_none(target: Target) -> Any | None:
@@ -789,11 +807,12 @@ def shard_summary(plan: Plan, world_size: int) -> list[str]:
 
 
 def committed_line(plan: Plan, done: Committed) -> str:
-    """``committed: URI version N, ...; rows train N, val N; skipped ...`` (or ``already committed``)."""
+    """``committed: URI version N, ...; rows train N, val N; skipped ...`` (or ``already committed``),
+    and what an append left null."""
     where = ", ".join(f"{plan.targets()[split].uri} version {version}" for split, version in done.versions.items())
     rows = ", ".join(f"{split} {count:,}" for split, count in done.rows.items())
     state = "already committed" if done.already else "committed"
-    return f"{state}: {where}; rows {rows}; skipped {describe_skips(done.skipped)}"
+    return "\n".join([f"{state}: {where}; rows {rows}; skipped {describe_skips(done.skipped)}", *unfilled_lines(plan)])
 
 
 def describe_skips(skipped: dict[str, int]) -> str:
@@ -867,7 +886,7 @@ def ingest_shards_command(args: Any, argv: list[str]) -> int:
         if args.dry_run:
             print("\n".join(shard_summary(plan, args.nproc)))
             print(f"schema: {', '.join(f'{item.name} ({item.type})' for item in plan.schema)}")
-            print(estimate_line(plan))
+            print("\n".join([estimate_line(plan), *unfilled_lines(plan)]))
             return 0
         for line in resume_lines(plan):
             print(line, flush=True)

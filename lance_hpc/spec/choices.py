@@ -27,6 +27,8 @@ ON_CORRUPT = ("skip", "fail")
 JOB_KINDS = ("train", "ingest", "infer", "evaluate")
 # infer.outputs: the Arrow value type of a new column (a vector output becomes a fixed-size list of it)
 OUTPUT_TYPES = ("float16", "float32", "float64", "int32", "int64")
+# infer.refresh: which rows a write-back job computes (lance_hpc.backfill)
+REFRESH_MODES = ("missing",)
 # data.ingest.source formats a job: ingest splits into shards (lance_hpc.data.shards.FORMATS), each
 # written <format>:<path or glob>; python-stdlib[:max_mb=N] is a text: corpus of this interpreter's library
 SHARD_FORMATS = ("parquet", "jsonl", "webdataset", "hf", "imagefolder", "text")

@@ -320,6 +320,10 @@ def infer_problems(raw: Mapping[str, Any]) -> list[Problem]:
         )
     if job == "evaluate" and infer.get("outputs"):
         problems.append(Problem("infer.outputs", "job: evaluate writes no column", "use job: infer to write them"))
+    if job == "evaluate" and infer.get("refresh"):
+        problems.append(
+            Problem("infer.refresh", "job: evaluate writes no column to refresh", "use job: infer, or remove the key")
+        )
     if job == "evaluate" and not infer.get("checkpoint"):
         problems.append(Problem("infer.checkpoint", "job: evaluate needs a checkpoint", "name a training job's checkpoint.dir"))
     outputs = infer.get("outputs")

@@ -19,6 +19,7 @@ from lance_hpc.spec.choices import (
     INGEST_COLUMNS,
     ON_CORRUPT,
     OUTPUT_TYPES,
+    REFRESH_MODES,
     SAMPLERS,
     STYLES,
     UNEVEN_MODES,
@@ -561,6 +562,12 @@ class InferSpec(_Section):
     metrics_file: str = Field(
         "runs/{name}/metrics.json", description="job: evaluate: where the metrics are written as JSON (rank 0)."
     )
+    refresh: str | None = Field(
+        None,
+        description="missing: compute the columns only for the rows that lack them (fragments appended since, or whose "
+        "values are all null), keeping every value and file there, in one commit; refused for columns another "
+        "checkpoint or function wrote, unless overwrite.",
+    )
 
     @field_validator("outputs")
     @classmethod
@@ -574,6 +581,11 @@ class InferSpec(_Section):
         return outputs
 
     check_filter = field_validator("filter")(check_predicate)
+
+    @field_validator("refresh")
+    @classmethod
+    def check_refresh(cls, refresh: str | None) -> str | None:
+        return None if refresh is None else _choice(lambda: REFRESH_MODES)(refresh)
 
 
 class JobSpec(_Section):
