@@ -36,6 +36,7 @@ COMMANDS = {
         "export a checkpoint's model (sharded or not) as one .pt or .safetensors",
     ),
     "bench": ("lance_hpc.bench.cli", "main", "benchmark a job's data pipeline (and, in a checkout, the peers)"),
+    "lineage": ("lance_hpc.lineage.show", "main", "where a dataset's columns and a checkpoint came from; warns of leakage"),
 }
 
 

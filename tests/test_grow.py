@@ -135,6 +135,10 @@ def test_a_refresh_computes_only_the_appended_rows_and_keeps_every_old_value_and
     assert (document["rows"], document["fragments"], document["dataset"]["version"]) == (40, 4, 1), document
     again = run_local(refresh)
     assert again.returncode == 0 and "already committed" in again.stdout and lance.dataset(uri).version == latest.version
+    chain = subprocess.run([sys.executable, "-m", "lance_hpc", "lineage", uri], capture_output=True, text=True)
+    assert "twice (int64): job: infer, function tests.support.infer:label_twice" in chain.stdout, chain.stdout + chain.stderr
+    assert "-> twice: read version 1, 40 rows in 4 fragment(s)" in chain.stdout, chain.stdout
+    assert f"refreshed: read version {appended}, 20 rows in 2 fragment(s)" in chain.stdout, chain.stdout
 
 
 def test_rows_appended_with_explicit_nulls_are_filled_and_their_null_file_left_out(
