@@ -57,6 +57,7 @@ KINDS: dict[str, str] = {
     "ingest": "lance_hpc.kinds.ingest:Ingest",
     "infer": "lance_hpc.kinds.infer:Infer",
     "evaluate": "lance_hpc.kinds.infer:Evaluate",
+    "map": "lance_hpc.kinds.map:Map",
 }
 
 KIND_ADVICE = (

@@ -544,7 +544,12 @@ class InferSpec(_Section):
     function: str | None = Field(
         None,
         description="Instead of the task's outputs: your function (my_pkg.infer:predict) taking (model, batch) on the "
-        "device and returning {column: tensor}; model is None without infer.checkpoint.",
+        "device and returning {column: tensor}; model is None without infer.checkpoint. job: map: your function "
+        "(my_pkg.features:sizes) taking a pyarrow RecordBatch of infer.columns and returning {column: array}.",
+    )
+    columns: list[str] = Field(
+        default_factory=list,
+        description="job: map: the columns your function reads, in batches of data.batch_size rows; empty: every column.",
     )
     outputs: dict[str, str] = Field(
         default_factory=dict,
@@ -594,7 +599,8 @@ class JobSpec(_Section):
         "train",
         description="What the ranks run: train (the built-in loop, or entry); ingest (data.ingest's source into data.uri, "
         "its shards split between the ranks, one commit at the end); infer (a model over data.uri, new columns "
-        "per fragment, one commit); evaluate (a checkpoint's metrics on data.uri); or an import path to your own "
+        "per fragment, one commit); evaluate (a checkpoint's metrics on data.uri); map (your function over batches "
+        "of data.uri's columns, no model, new columns the same way); or an import path to your own "
         "JobKind subclass (my_pkg.kinds:MyKind or path/to/file.py:MyKind).",
     )
     slurm: SlurmSpec = Field(default_factory=SlurmSpec, description="Resources and submission.")
@@ -608,7 +614,7 @@ class JobSpec(_Section):
         description="Script mode: your entry's own settings (ctx.options), checked against its Options model when it has one.",
     )
     train: TrainSpec = Field(default_factory=TrainSpec, description="Optimisation.")
-    infer: InferSpec | None = Field(None, description="job: infer and job: evaluate: the model and the new columns.")
+    infer: InferSpec | None = Field(None, description="job: infer, evaluate and map: the model or function, and the new columns.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoints.")
     logging: LoggingSpec = Field(default_factory=LoggingSpec, description="TensorBoard and progress.")
     sweep: dict[str, list[Any]] = Field(
