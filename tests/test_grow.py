@@ -112,6 +112,9 @@ def test_a_refresh_computes_only_the_appended_rows_and_keeps_every_old_value_and
     refresh = refresh_spec(spec)
     planned = dry_run(refresh)
     assert planned.returncode == 0 and "refresh: 20 rows in 2 of 6 fragments lack twice" in planned.stdout, planned.stdout
+    shown = subprocess.run([sys.executable, "-m", "lance_hpc", "plan", str(refresh)], capture_output=True, text=True)
+    assert shown.returncode == 0 and "infer plan of digits_infer:" in shown.stdout, shown.stdout + shown.stderr
+    assert "refresh: 20 rows in 2 of 6 fragments lack twice: only they are computed" in shown.stdout, shown.stdout
     done = run_local(refresh)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "refresh: 20 rows in 2 of 6 fragments lack twice: computing them only" in done.stdout, done.stdout

@@ -54,7 +54,9 @@ def begin(spec: JobSpec, env: DistEnv) -> Run | None:
     folder, records = new_columns.run_records(spec, name)
     options = storage_options(spec.data.uri, spec.data.storage_options)
     refresh = spec.infer.refresh is not None
-    committed = new_columns.earlier_commit(records, spec.data.uri, options, spec.infer.outputs, main=env.is_main, refresh=refresh)
+    committed = new_columns.earlier_commit(
+        records, spec.data.uri, options, spec.infer.outputs, main=env.is_main, refresh=refresh, filtered=bool(spec.infer.filter)
+    )
     if committed is None:
         return Run(name, producer(spec), folder, records, options)
     if env.is_main:
@@ -97,7 +99,10 @@ def announce(spec: JobSpec, plan: ColumnPlan, run: Run, world_size: int) -> None
     )
     dataset = plan.dataset()
     if dataset.latest_version != plan.version:
-        print(f"  note: the dataset is at version {dataset.latest_version} now; this run goes on reading version {plan.version}")
+        print(
+            f"  note: the dataset is at version {dataset.latest_version} now; this run goes on reading version {plan.version}",
+            flush=True,
+        )
     if plan.fill:  # the weights are known now: the columns must be this model's too
         missing.fills(dataset, spec.data.uri, spec.infer.outputs, run.made_by, False)
         lacking = missing.describe(dataset, plan.compute, spec.infer.outputs)
@@ -183,7 +188,10 @@ def check(spec: JobSpec, world_size: int | None, inputs: Callable[[], None]) -> 
     folder, records = new_columns.run_records(spec, name)
     committed, key, outputs = records.committed(), new_columns.run_name(folder), spec.infer.outputs
     refresh = producer(spec) if spec.infer.refresh else None
-    if committed is not None and new_columns.stale_commit(dataset, outputs, committed, key, refresh=bool(refresh)) is None:
+    filtered = bool(spec.infer.filter)
+    if committed is not None and not new_columns.stale_commit(
+        dataset, outputs, committed, key, refresh=bool(refresh), filtered=filtered
+    ):
         return f"already committed by an earlier run of this job: {spec.data.uri} version {committed} ({name})"
     inputs()
     if spec.job != "evaluate" and (records.pinned() is None or committed is not None):

@@ -159,20 +159,22 @@ class Records(UnitRecords[FragmentRecord]):
             self.store.delete_file(name)
 
 
-def stale_commit(dataset: Any, outputs: Mapping[str, str], version: int, run: str, *, refresh: bool = False) -> str | None:
+def stale_commit(
+    dataset: Any, outputs: Mapping[str, str], version: int, run: str, *, refresh: bool = False, filtered: bool = False
+) -> str | None:
     """Why a record that this run committed ``version`` no longer holds (None when it does): the
     dataset, at its latest version, must be at least that version and hold the columns that commit
     wrote, which their provenance says (a column dropped and added again, by hand or by another job,
     names another run or none; Lance may give it the same field id). A column committed before
     lance_hpc recorded provenance is taken on its name. For a refresh, which runs whenever rows lack
-    the columns, no row may lack them."""
+    the columns, no row may lack them (``filtered``: a fragment of nulls only is the filter's doing)."""
     if int(dataset.version) < version:
         return f"the dataset is at version {dataset.version} now (recreated?)"
     absent = [name for name in outputs if name not in dataset.schema.names]
     if absent:
         return f"its latest version (version {dataset.version}) has no column {', '.join(absent)}"
     if refresh:
-        gaps = missing.gaps(dataset, outputs)
+        gaps = missing.gaps(dataset, outputs, all_null=not filtered)
         return f"rows were added since: {missing.describe(dataset, gaps, outputs)}" if gaps else None
     try:
         then = dataset.checkout_version(version).schema
@@ -191,14 +193,23 @@ def stale_commit(dataset: Any, outputs: Mapping[str, str], version: int, run: st
 
 
 def earlier_commit(
-    records: Records, uri: str, options: dict[str, str], outputs: Mapping[str, str], *, main: bool, refresh: bool = False
+    records: Records,
+    uri: str,
+    options: dict[str, str],
+    outputs: Mapping[str, str],
+    *,
+    main: bool,
+    refresh: bool = False,
+    filtered: bool = False,
 ) -> int | None:
     """The version an earlier run of this job committed, while the dataset still has it; else None,
     after rank 0 has cleared that run's records (saying so in one line): the job starts over."""
     version = records.committed()
     if version is None:
         return None
-    reason = stale_commit(open_dataset(uri, None, options), outputs, version, run_name(records.path), refresh=refresh)
+    reason = stale_commit(
+        open_dataset(uri, None, options), outputs, version, run_name(records.path), refresh=refresh, filtered=filtered
+    )
     if reason is None:
         return version
     if main:

@@ -23,6 +23,7 @@ from lance_hpc.data.selection import select_training_rows
 from lance_hpc.data.shard_ingest import estimate_rows, plan_for_data
 from lance_hpc.data.shards import is_shard_source
 from lance_hpc.errors import ExitCode, UserError
+from lance_hpc.kinds import registered_kind
 from lance_hpc.spec import DataSpec, load_spec
 from lance_hpc.storage.datasets import dataset_exists, open_dataset, preflight_uri
 from lance_hpc.storage.integrity import check_data_files
@@ -176,6 +177,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UserError("--world-size must be >= 1")
         if args.check:
             preflight(spec.data)
+        kind = registered_kind(spec.job) if spec.job != "train" else None
+        if kind is not None:  # infer, evaluate, map, ingest: the kind's own plan, as the dry run shows it
+            print(f"{kind.name} plan of {spec.name}:\n{kind.plan(spec, args.spec)}")
+            return 0
         plan = plan_data(spec.data, world_size)
         print(f"data plan of {spec.name}:")
         print(plan)

@@ -39,7 +39,12 @@ class Map(JobKind):
     name = "map"
 
     def check(self, spec: JobSpec, nproc: int | None) -> list[str]:
-        """The dataset, the columns read and written, and the function's import checked; the work."""
+        """The dataset (ingested first, here, when data.ingest says so), the columns read and written,
+        and the function's import checked; the work."""
+        if nproc is not None and spec.data.ingest is not None:
+            from lance_hpc.data import ensure_dataset
+
+            ensure_dataset(spec.data)
         return [check_map(spec, nproc)]
 
     def plan(self, spec: JobSpec, source: str) -> str:
