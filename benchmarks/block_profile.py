@@ -42,10 +42,10 @@ CONFIGS = (
 
 def measure(fields: dict[str, Any]) -> dict[str, float]:
     """One epoch of the loader over ``fields`` (a DataSpec) in this process."""
-    from lance_hpc.data import build_train_loader
-    from lance_hpc.data.decode import Transform
+    from lance_hpc.loading import build_train_loader
     from lance_hpc.spec import DataSpec
     from lance_hpc.tasks.image import ImageDecoder
+    from lance_hpc.tasks.image_decode import Transform
 
     decoder = ImageDecoder("image", "label", Transform(PHOTOS.image_size, train=True, augment="none"))
     loader = build_train_loader(DataSpec.model_validate(fields), decoder, 0, 1)

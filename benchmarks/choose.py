@@ -46,7 +46,7 @@ from benchmarks.sections import (
 )
 from lance_hpc.bench.configs import Measurement
 from lance_hpc.bench.runner import Summary
-from lance_hpc.data.sampling import FragmentTable
+from lance_hpc.loading.sampling import FragmentTable
 from lance_hpc.spec import DataSpec
 
 BLOCK = ("lance_hpc map/block", "map", "block")
@@ -364,8 +364,8 @@ def _shuffle_part(context: Context, summaries: Summaries) -> tuple[list[str], li
     main set in class order (the benchmark's settings), and the trainings' validation accuracy."""
     import lance
 
-    from lance_hpc.data.reader import fragment_table
-    from lance_hpc.data.selection import select
+    from lance_hpc.loading.reader import fragment_table
+    from lance_hpc.loading.selection import select
 
     data = context.sets[0]
     digits = shuffle_quality.prepare_ordered_digits(context.data_dir)

@@ -36,9 +36,10 @@ from benchmarks import (
 from benchmarks.datasets import DataSetSpec, prepare
 from benchmarks.sections import Context, Section
 from benchmarks.worker import WORKER
-from lance_hpc.bench.cli import DEFAULT_OUT, _int_list
 from lance_hpc.bench.configs import Measurement
 from lance_hpc.bench.runner import run_rounds
+from lance_hpc.cli.arguments import int_list
+from lance_hpc.cli.bench import DEFAULT_OUT
 
 # The sections of the benchmark, in the order they are reported; --sections picks some.
 SECTIONS: dict[str, Section] = {
@@ -292,7 +293,7 @@ def parser() -> argparse.ArgumentParser:
     result.add_argument("--tiny", action="store_true", help="a few hundred small images, one run each (tests)")
     result.add_argument(
         "--workers",
-        type=_int_list,
+        type=int_list,
         help="workers per pipeline (default: the cores)",
     )
     return result

@@ -48,7 +48,7 @@ class DataSet:
 
 def _write_lance(spec: DataSetSpec, uri: Path) -> None:
     """lance_hpc's own ingest of the scikit-image photo source (every row to training)."""
-    from lance_hpc.data.ingest import ingest
+    from lance_hpc.ingest.dataset import ingest
 
     options = dict(count=spec.count, seed=spec.seed, min_side=spec.min_side, max_side=spec.max_side, quality=spec.quality)
     if spec.size is not None:

@@ -146,7 +146,7 @@ class TrainStep:
     """One optimizer step of ``config.train_model`` per batch, on ``config.device``, the way the
     image task takes one for the trainer: the model from :func:`lance_hpc.tasks.models.build_model`, the
     pixels moved without blocking (from pinned memory) and normalized on the device by
-    :func:`lance_hpc.data.decode.normalize`, channels-last and bf16 autocast on CUDA (fp32 and the
+    :func:`lance_hpc.tasks.image_decode.normalize`, channels-last and bf16 autocast on CUDA (fp32 and the
     default layout on the CPU). Each call waits for the device, so the caller's clock splits into
     waiting for data and training."""
 
@@ -166,7 +166,7 @@ class TrainStep:
         self.device_name = torch.cuda.get_device_name(self.device) if cuda else "CPU"
 
     def __call__(self, batch: Any) -> None:
-        from lance_hpc.data.decode import normalize
+        from lance_hpc.tasks.image_decode import normalize
 
         torch = self.torch
         images, labels = (batch["image"], batch["label"]) if isinstance(batch, dict) else (batch[0], batch[1])

@@ -98,7 +98,7 @@ def _spec(uri: Path, out: Path, workers: int) -> Path:
 def _run_loader(config: Measurement, out: Path) -> int:
     import lance
 
-    from lance_hpc.data.loader import RowsLoader, dataset_info
+    from lance_hpc.loading.loader import RowsLoader, dataset_info
     from lance_hpc.spec import load_spec
     from lance_hpc.tasks import build_task
 

@@ -130,9 +130,9 @@ def _run_today(config: Measurement, out: Path) -> int:
     pool) in a seeded random order and written by one Lance write, no image checked."""
     import numpy as np
 
-    from lance_hpc.data.ingest import write_split
-    from lance_hpc.data.sources import ImageSource
-    from lance_hpc.data.target import COMMAND_LINE_NAMES, Target
+    from lance_hpc.ingest.dataset import write_split
+    from lance_hpc.ingest.sources import ImageSource
+    from lance_hpc.ingest.target import COMMAND_LINE_NAMES, Target
 
     root = Path(config.data["source"])
     classes = sorted(entry.name for entry in root.iterdir() if entry.is_dir())
@@ -146,7 +146,7 @@ def _run_today(config: Measurement, out: Path) -> int:
 def _run_lance_hpc(config: Measurement, out: Path) -> int:
     import lance
 
-    from lance_hpc.data.ingest import main
+    from lance_hpc.cli.ingest import main
 
     arguments = [config.data["source"], str(out / "train.lance"), "--nproc", str(config.num_workers)]
     if main([*arguments, "--rows-per-fragment", "1024"]) != 0:

@@ -124,7 +124,7 @@ class LanceHpcDecode:
     def __call__(self, data: Any) -> Any:
         import numpy as np
 
-        from lance_hpc.data.decode import Transform, decode_pixels
+        from lance_hpc.tasks.image_decode import Transform, decode_pixels
 
         # augment "none" is the benchmark's resize-only setting; it draws nothing from the generator.
         return Transform(self.image_size, augment="none")(decode_pixels(data), np.random.default_rng(0))
@@ -199,8 +199,8 @@ class ArrowBatchDecode:
         import pyarrow as pa
         import torch
 
-        from lance_hpc.data.decode import Transform
         from lance_hpc.tasks.image import ImageDecoder
+        from lance_hpc.tasks.image_decode import Transform
 
         decoder = ImageDecoder("image", "label", Transform(self.image_size, augment="none"))
         out = {name: torch.empty((batch.num_rows, *spec.shape), dtype=spec.dtype) for name, spec in decoder.fields().items()}
@@ -428,12 +428,12 @@ def import_modules(config: Measurement) -> None:
     import torchvision  # noqa: F401
 
     if config.kind == "lance_hpc":
-        import lance_hpc.data  # noqa: F401
+        import lance_hpc.loading  # noqa: F401
     elif config.kind in PEER_PACKAGES:
         import importlib
 
         importlib.import_module(PEER_PACKAGES[config.kind][1])
-        import lance_hpc.data.decode  # noqa: F401
+        import lance_hpc.tasks.image_decode  # noqa: F401
     else:
         import lance.torch.data  # noqa: F401
 

@@ -1,7 +1,7 @@
 """How well each training strategy mixes a dataset written in class order (the worst case for
 strategies that read neighbouring rows together), in two ways:
 
-- from the planned batches alone (pure planning, :func:`lance_hpc.data.sampling.epoch_batches`
+- from the planned batches alone (pure planning, :func:`lance_hpc.loading.sampling.epoch_batches`
   with the options the loader passes): the mean number of distinct labels per batch against what a
   full random permutation gives, and the spread of each batch's rows over the dataset (the standard
   deviation of their positions over the row count) against a random batch's;
@@ -31,7 +31,7 @@ import yaml
 
 from benchmarks.ingest import timed
 from lance_hpc.bench.configs import Measurement, Result
-from lance_hpc.data.sampling import FragmentTable, epoch_batches
+from lance_hpc.loading.sampling import FragmentTable, epoch_batches
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO_ROOT / "jobs" / "quickstart.yaml"
@@ -89,8 +89,8 @@ def prepare_ordered_digits(data_dir: Path, log: Any = print) -> OrderedDigits:
     """The class-ordered digits under ``data_dir/digits-ordered``, written unless already there."""
     import lance
 
-    from lance_hpc.data.ingest import ingest
-    from lance_hpc.data.selection import bytes_per_row
+    from lance_hpc.ingest.dataset import ingest
+    from lance_hpc.loading.selection import bytes_per_row
 
     directory = data_dir / "digits-ordered"
     manifest_path = directory / "manifest.json"

@@ -38,7 +38,7 @@ def label(size_mb: int, workers: int, tokenizer: str) -> str:
 
 def prepare_corpus(root: Path, size_mb: int) -> Path:
     """``size_mb`` MB of JSON Lines (``{"id", "text"}``), the standard library's sources repeated, made once."""
-    from lance_hpc.data.shards import list_shards, parse_source
+    from lance_hpc.ingest.shards import list_shards, parse_source
 
     folder = root / f"stdlib-corpus-{size_mb}mb"
     if (folder / "done").exists():
@@ -64,7 +64,7 @@ def prepare_corpus(root: Path, size_mb: int) -> Path:
 
 
 def prepare_tokenizer(root: Path) -> Path:
-    from lance_hpc.data.tokenizer import train
+    from lance_hpc.ingest.tokenizer import train
 
     out = root / f"stdlib-bpe-{BPE_VOCAB}.json"
     if not out.exists():
@@ -76,7 +76,7 @@ def _run_text(config: Measurement, out: Path) -> int:
     """Tokens written: rows x sequence length."""
     import lance
 
-    from lance_hpc.data.ingest import main
+    from lance_hpc.cli.ingest import main
 
     arguments = [config.data["source"], str(out / "train.lance"), "--nproc", str(config.num_workers), "--tokenize"]
     arguments += ["--sequence-length", str(SEQUENCE_LENGTH), "--tokenizer", config.data["tokenizer"]]

@@ -1,6 +1,7 @@
 """Writes docs/spec-reference.md from the job spec's own models, so the reference cannot drift from
 what validation accepts: every section of :class:`lance_hpc.spec.JobSpec`, every field with its
-type, default and the one-line description it carries in ``lance_hpc/spec/schema.py``.
+type, default and the one-line description it carries in ``lance_hpc/spec/schema.py`` and the section
+modules beside it.
 
     python3 docs/gen_spec_reference.py          # rewrite the page
     python3 docs/gen_spec_reference.py --check  # exit 1 if the committed page is out of date
@@ -29,7 +30,8 @@ REGENERATE = "python3 docs/gen_spec_reference.py"
 HEADER = f"""# Spec reference
 
 Every field of a job spec, section by section, with its type, default and description. This page is
-generated from the spec's models in `lance_hpc/spec/schema.py` (`{REGENERATE}`); a test fails when
+generated from the spec's models in `lance_hpc/spec/` (`schema.py` and a module per section:
+`slurm_section.py`, `data_section.py`, `train_section.py`; `{REGENERATE}`); a test fails when
 it is out of date. A task's own options (`task.options`) are listed on [Tasks](tasks.md); how the
 fields work together is on [Job specs](job-specs.md).
 """
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     text = render()
     if args.check:
         if PAGE.read_text() != text:
-            print(f"{PAGE} is out of date with lance_hpc/spec/schema.py\n  fix: {REGENERATE}", file=sys.stderr)
+            print(f"{PAGE} is out of date with the models in lance_hpc/spec/\n  fix: {REGENERATE}", file=sys.stderr)
             return 1
         return 0
     PAGE.write_text(text)

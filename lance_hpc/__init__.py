@@ -1,8 +1,24 @@
 """lance_hpc: DDP training of PyTorch models on Lance datasets across SLURM clusters.
 
-The public API (docs/tasks.md, "Public API") is importable from here. Each name is loaded
-from its module when first used, so ``import lance_hpc`` (and every command that only reads a spec
-or the queue) does not pay for torch and Lance.
+The public face: the names your own code needs, importable from here (``from lance_hpc import
+Context``) and listed on the docs page "Tasks and script mode", section "Public API".
+
+- A task (``task.name: my_pkg.tasks:MyTask``): :class:`Task` and its :class:`TaskOptions`, the
+  worker half :class:`Decoder` with the :class:`FieldSpec` of each field it fills in a
+  :data:`Batch`, the :class:`DatasetInfo` it checks its options against, and
+  :class:`TaskError` / :func:`column_problems` to report what does not match.
+- A training loop of your own (``entry: my_pkg.train:main``): :class:`Context`.
+- A job kind of your own (``job: my_pkg.kinds:MyKind``): :class:`JobKind`, which gets the
+  :class:`JobSpec` and this rank's :class:`DistEnv`, joins the ranks with
+  :func:`process_group`, may create the dataset with :func:`ensure_dataset`, and returns a
+  :class:`Summary`.
+- :class:`UserError`: raise it with the fix in its message, and lance_hpc prints that message
+  instead of a traceback.
+
+Everything else stays importable from its own module (``lance_hpc.spec.load_spec``,
+``lance_hpc.loading.plan_data``, ...), without the promise that it keeps its name. Each name here is
+loaded from its module when first used, so ``import lance_hpc`` (and every command that only
+reads a spec or the queue) does not pay for torch and Lance.
 """
 
 from __future__ import annotations
@@ -16,12 +32,7 @@ __version__ = "0.1.0"
 quiet_dependencies()
 
 _PUBLIC: dict[str, tuple[str, ...]] = {
-    "lance_hpc.runtime.context": ("Context", "Preempted", "Summary", "run_entry"),
-    "lance_hpc.runtime.environment": ("DistEnv", "process_group"),
-    "lance_hpc.kinds": ("JobKind",),
     "lance_hpc.tasks": (
-        "ROW_ID",
-        "TASKS",
         "Batch",
         "DatasetInfo",
         "Decoder",
@@ -30,21 +41,13 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "TaskError",
         "TaskOptions",
         "column_problems",
-        "task_class",
     ),
-    "lance_hpc.data": (
-        "EvalLoader",
-        "TrainLoader",
-        "build_eval_loader",
-        "build_train_loader",
-        "dataset_info",
-        "ensure_dataset",
-        "load_task",
-        "plan_data",
-        "preflight",
-    ),
-    "lance_hpc.spec": ("JobSpec", "SpecError", "load_spec", "validate_spec"),
-    "lance_hpc.errors": ("ExitCode", "UserError"),
+    "lance_hpc.runtime.context": ("Context", "Summary"),
+    "lance_hpc.runtime.environment": ("DistEnv", "process_group"),
+    "lance_hpc.kinds": ("JobKind",),
+    "lance_hpc.spec": ("JobSpec",),
+    "lance_hpc.ingest": ("ensure_dataset",),
+    "lance_hpc.errors": ("UserError",),
 }
 _MODULE_OF = {name: module for module, names in _PUBLIC.items() for name in names}
 __all__ = [
@@ -53,56 +56,27 @@ __all__ = [
     "DatasetInfo",
     "Decoder",
     "DistEnv",
-    "EvalLoader",
-    "ExitCode",
     "FieldSpec",
     "JobKind",
     "JobSpec",
-    "Preempted",
-    "ROW_ID",
-    "SpecError",
     "Summary",
-    "TASKS",
     "Task",
     "TaskError",
     "TaskOptions",
-    "TrainLoader",
     "UserError",
-    "build_eval_loader",
-    "build_train_loader",
     "column_problems",
-    "dataset_info",
     "ensure_dataset",
-    "load_spec",
-    "load_task",
-    "plan_data",
-    "preflight",
     "process_group",
-    "run_entry",
-    "task_class",
-    "validate_spec",
 ]
 
 if TYPE_CHECKING:
-    from lance_hpc.data import (
-        EvalLoader,
-        TrainLoader,
-        build_eval_loader,
-        build_train_loader,
-        dataset_info,
-        ensure_dataset,
-        load_task,
-        plan_data,
-        preflight,
-    )
-    from lance_hpc.errors import ExitCode, UserError
+    from lance_hpc.errors import UserError
+    from lance_hpc.ingest import ensure_dataset
     from lance_hpc.kinds import JobKind
-    from lance_hpc.runtime.context import Context, Preempted, Summary, run_entry
+    from lance_hpc.runtime.context import Context, Summary
     from lance_hpc.runtime.environment import DistEnv, process_group
-    from lance_hpc.spec import JobSpec, SpecError, load_spec, validate_spec
+    from lance_hpc.spec import JobSpec
     from lance_hpc.tasks import (
-        ROW_ID,
-        TASKS,
         Batch,
         DatasetInfo,
         Decoder,
@@ -111,7 +85,6 @@ if TYPE_CHECKING:
         TaskError,
         TaskOptions,
         column_problems,
-        task_class,
     )
 
 

@@ -50,43 +50,20 @@ def worker_message(message: str, name: str) -> str:
     return message[position + len(marker) :].strip() if position >= 0 else message
 
 
-# Where a rank notes how it failed, for its launcher to name the rank whose error came first.
-FAILURE_DIR_VARIABLE = "LANCE_HPC_FAILURE_DIR"
-
-
-def note_failure(rank: int, message: str, lost_contact: bool, directory: str | None = None) -> None:
-    """Record that ``rank`` failed (with its own error, or by losing contact with another rank) in
-    the launcher's failure directory, when it set one."""
-    import json
-    import os
-    import socket
-    import time
-    from pathlib import Path
-
-    from lance_hpc.storage.files import write_file
-
-    folder = directory or os.environ.get(FAILURE_DIR_VARIABLE)
-    if not folder:
-        return
-    note = {"rank": rank, "host": socket.gethostname(), "time": time.time(), "lost_contact": lost_contact, "message": message}
-    try:
-        write_file(Path(folder) / f"rank-{rank}.json", json.dumps(note))
-    except OSError:
-        pass  # the launcher then names a rank by exit codes alone
-
-
-def first_error(directory: str) -> dict | None:
-    """The note of the rank whose own error came first (one that only lost contact with another
-    rank is never the cause while a rank with an error of its own exists), or None."""
-    import json
-    import os
-
-    notes = []
-    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
-        if name.startswith("rank-") and name.endswith(".json"):
-            try:
-                with open(os.path.join(directory, name)) as file:
-                    notes.append(json.load(file))
-            except (OSError, ValueError):
-                continue
-    return min(notes, key=lambda note: (note["lost_contact"], note["time"]), default=None)
+def listing(names: list[str], indent: str = "      ", width: int = 100, most: int = 40) -> str:
+    """``names`` for a message, each whole: on lines of their own after a newline, each line
+    starting with ``indent`` and broken only between names (a terminal that wraps a long line cuts
+    a name in two); past ``most`` names, ``and N more``."""
+    shown = [f"{name}," for name in names[:most]]
+    if shown:
+        shown[-1] = shown[-1].removesuffix(",")
+    if len(names) > most:
+        shown[-1] += ","
+        shown.append(f"and {len(names) - most} more")
+    lines = [indent + (shown[0] if shown else "none")]
+    for name in shown[1:]:
+        if len(lines[-1]) + 1 + len(name) > width:
+            lines.append(indent + name)
+        else:
+            lines[-1] += " " + name
+    return "\n" + "\n".join(lines)

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from lance_hpc.errors import UserError
+from lance_hpc.errors import UserError, listing
 
 PYTHONPATH_ADVICE = (
     "check the spelling, and that the package is importable where the job runs: installed in its "
@@ -84,7 +84,7 @@ def load_object(path: str, what: str) -> Any:
         if not hasattr(found, part):
             public = sorted(name for name in vars(module) if not name.startswith("_"))
             raise UserError(
-                f"{what}: {module_name!r} has no {attribute!r} (from {path!r}); it defines: {', '.join(public[:20]) or 'nothing'}\n"
+                f"{what}: {module_name!r} has no {attribute!r} (from {path!r}); it defines:{listing(public, '    ', most=20)}\n"
                 "  fix: name one of those after the colon"
             )
         found = getattr(found, part)

@@ -1,4 +1,4 @@
-"""``python -m lance_hpc.run SPEC_FILE``: the command every rank runs (see :mod:`lance_hpc.runtime.rank`).
+"""``python -m lance_hpc.run SPEC_FILE``: the command every rank runs (see :mod:`lance_hpc.cli.run`).
 
 It holds SLURM's preemption warning from its first line, while the imports below take seconds."""
 
@@ -9,6 +9,7 @@ if __name__ == "__main__":
 
     preemption.hold()
 
-    from lance_hpc.runtime.rank import exit_process, main
+    from lance_hpc.cli.run import rank_main
+    from lance_hpc.kinds.rank import exit_process
 
-    exit_process(main())
+    exit_process(rank_main())

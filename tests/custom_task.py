@@ -16,7 +16,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from lance_hpc.tasks import (
+from lance_hpc import (
     Batch,
     DatasetInfo,
     Decoder,

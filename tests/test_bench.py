@@ -21,9 +21,9 @@ from benchmarks.report import (
     table_rows,
     targets,
 )
-from lance_hpc.bench import main
 from lance_hpc.bench.configs import Measurement, Result
 from lance_hpc.bench.runner import Summary, exactly_once, run_rounds
+from lance_hpc.cli.bench import main
 
 TINY_LABELS = (
     "decode limit",
@@ -296,7 +296,7 @@ def test_without_a_job_spec_outside_a_checkout_the_command_says_where_the_compar
     """The peer comparison lives in the repository's benchmarks/, not in the package: installed from
     a wheel, ``lance-hpc bench`` without a spec says so. It never runs a benchmarks/ found in the
     working directory."""
-    from lance_hpc.bench import cli
+    from lance_hpc.cli import bench as cli
 
     (tmp_path / "benchmarks").mkdir()
     (tmp_path / "benchmarks" / "__main__.py").write_text("raise SystemExit('ran code from the working directory')\n")
@@ -366,7 +366,7 @@ def test_shuffle_statistics_tell_a_random_order_from_a_class_ordered_scan():
     import numpy as np
 
     from benchmarks.shuffle_quality import batch_order, expected_distinct_labels
-    from lance_hpc.data.sampling import FragmentTable
+    from lance_hpc.loading.sampling import FragmentTable
 
     labels = np.repeat(np.arange(10), 100)  # written in class order, the worst case
     table = FragmentTable.from_rows([250, 250, 250, 250])

@@ -22,7 +22,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lance_hpc.checkpoint import lease, manifests, resuming, rng_states, saving, stores
+from lance_hpc.checkpoint import lease, manifests, resuming, rng_states, saving, shard_files, stores
+from lance_hpc.checkpoint.sharded import ShardedSaver, tensor_state
 from lance_hpc.errors import UserError
 from lance_hpc.runtime import preemption
 from lance_hpc.runtime.environment import DistEnv
@@ -121,6 +122,32 @@ def test_collective_save_gathers_every_rank_and_keeps_k(tmp_path: Path, single_r
     loaded = resuming.load_latest(tmp_path).state
     assert len(loaded["ranks"]) == dist.get_world_size() and loaded["ranks"][0]["loader"] == {"batches_consumed": 4}
     assert set(loaded["ranks"][0]["rng"]) == {"python", "numpy", "torch", "cuda"}
+
+
+def test_a_sharded_save_is_listed_only_once_its_shards_are_on_disk(
+    tmp_path: Path, single_rank: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A synchronous sharded save to a file system returns once the shards are written; their
+    fsync and the step file follow in the background. When the flush fails, the save is never
+    listed, the error reaches the caller at the next wait, and the previous checkpoint stays."""
+    model = torch.nn.Linear(4, 3)
+    saver = ShardedSaver(None)
+    saving.save(tmp_path, 1, state(1), {}, keep=2, sharded=(saver, tensor_state({"model": model}), False))
+    saver.wait()
+    assert [path.name for path in saving.list_checkpoints(tmp_path)] == ["step-00000001.pt"]
+    flushed: list[Path] = []
+
+    def fail_to_flush(path: Path) -> None:
+        flushed.append(path)
+        raise OSError(errno.EIO, "input/output error")
+
+    monkeypatch.setattr(shard_files, "flush", fail_to_flush)
+    saving.save(tmp_path, 2, state(2), {}, keep=2, sharded=(saver, tensor_state({"model": model}), False))
+    with pytest.raises(RuntimeError, match="could not be written to disk on every rank"):
+        saver.wait()
+    assert flushed == [tmp_path / "step-00000002.dcp"]
+    assert [path.name for path in saving.list_checkpoints(tmp_path)] == ["step-00000001.pt"]
+    assert resuming.load_latest(tmp_path).step == 1
 
 
 def test_each_checkpoint_has_a_manifest_pruned_with_it(tmp_path: Path, single_rank: torch.device) -> None:

@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lance_hpc import data
+from lance_hpc import loading
 from lance_hpc.checkpoint import lease, manifests, resuming, saving
-from lance_hpc.data import load_task
 from lance_hpc.errors import ExitCode, UserError
-from lance_hpc.runtime.rank import exit_process
+from lance_hpc.kinds.rank import exit_process
+from lance_hpc.loading import load_task
 from lance_hpc.spec import SpecError, load_spec, load_spec_text
 from tests.support.checkpoints import state
 from tests.support.jobs import REPO_ROOT, write_spec
@@ -291,7 +291,7 @@ def test_a_local_job_interrupted_mid_run_resumes_from_its_s3_checkpoint(
 ) -> None:
     spec_file = write_spec(tmp_path, digits, train={"epochs": 2}, checkpoint={"dir": run_uri})
     spec = load_spec(spec_file).spec
-    steps_per_epoch = data.build_train_loader(spec.data, load_task(spec).decoder(train=True), 0, 2).steps_per_epoch
+    steps_per_epoch = loading.build_train_loader(spec.data, load_task(spec).decoder(train=True), 0, 2).steps_per_epoch
 
     refused = submit_local(spec_file, {"AWS_SECRET_ACCESS_KEY": "not-the-secret"})
     output = refused.communicate(timeout=300)[0]
@@ -354,7 +354,7 @@ def test_sharded_checkpoints_written_in_the_background_resume_from_s3(
         tmp_path, digits, train={"epochs": 2, "parallelism": "fsdp"}, checkpoint={"dir": run_uri, "async_save": True}
     )
     spec = load_spec(spec_file).spec
-    steps_per_epoch = data.build_train_loader(spec.data, load_task(spec).decoder(train=True), 0, 2).steps_per_epoch
+    steps_per_epoch = loading.build_train_loader(spec.data, load_task(spec).decoder(train=True), 0, 2).steps_per_epoch
     interrupted = submit_local(spec_file)
     read_until(interrupted, f"step {steps_per_epoch + 5}/")
     interrupted.send_signal(signal.SIGUSR2)

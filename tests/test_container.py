@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from lance_hpc.data import build_train_loader, load_task
 from lance_hpc.errors import UserError
 from lance_hpc.launch import render
+from lance_hpc.loading import build_train_loader, load_task
 from lance_hpc.runtime import preemption
 from lance_hpc.runtime.environment import DistEnv
 from lance_hpc.runtime.preemption import requeue_sbatch

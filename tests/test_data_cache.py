@@ -28,20 +28,18 @@ from lance_hpc.errors import UserError
 from lance_hpc.spec import CacheSpec, SpecError, load_spec_text
 from lance_hpc.storage import cache, cache_files
 from lance_hpc.storage.cache import NodeCache, open_cache
+from lance_hpc.storage.cache_dirs import ROOT_MARKER, cache_root, user_directory
+from lance_hpc.storage.cache_eviction import evict
 from lance_hpc.storage.cache_files import (
     GIB,
     PARTIAL,
-    ROOT_MARKER,
     CachedFile,
     Source,
-    cache_root,
     dataset_key,
-    evict,
     fetch,
     fragment_files,
     lock_path,
     manifest_names,
-    user_directory,
 )
 from lance_hpc.storage.cache_names import OutsideRoot
 from lance_hpc.storage.datasets import ReadStats

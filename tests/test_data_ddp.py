@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lance_hpc.runtime.rank import exit_process
+from lance_hpc.kinds.rank import exit_process
 from lance_hpc.spec import DataSpec
 from tests.support.loaders import eval_loader, train_loader, write_dataset
 
@@ -51,8 +51,8 @@ def rank_main(rank: int, world_size: int, store: str, uri: str, out_dir: str) ->
             "planned": loader.steps_per_epoch,
             "all_steps": [int(c) for c in step_counts],
             "rows": rows,
-            "dropped": loader.plan.dropped,
-            "padded": loader.plan.padded,
+            "dropped": loader.source.plan.dropped,
+            "padded": loader.source.plan.padded,
         }
         del loader
     evaluated = [batch["label"].tolist() for batch in eval_loader(data, rank, world_size)]

@@ -11,8 +11,13 @@ import pytest
 import torch
 from PIL import ImageFile
 
-from lance_hpc.data import decode as decode_module
-from lance_hpc.data.decode import (
+from lance_hpc.ingest.image_check import image_size
+from lance_hpc.ingest.sources import encode_image, skimage_photo_crops
+from lance_hpc.loading.reader import ROW_ID_FIELD, CorruptRowError, apply_corrupt_policy
+from lance_hpc.tasks import image_decode as decode_module
+from lance_hpc.tasks.base import ROW_ID
+from lance_hpc.tasks.image import ImageDecoder
+from lance_hpc.tasks.image_decode import (
     MAX_PIXELS,
     Transform,
     binary_values,
@@ -21,11 +26,6 @@ from lance_hpc.data.decode import (
     normalize,
     random_resized_crop_box,
 )
-from lance_hpc.data.image_check import image_size
-from lance_hpc.data.reader import ROW_ID_FIELD, CorruptRowError, apply_corrupt_policy
-from lance_hpc.data.sources import encode_image, skimage_photo_crops
-from lance_hpc.tasks.base import ROW_ID
-from lance_hpc.tasks.image import ImageDecoder
 
 
 def photo_bytes(count=4, size=None):

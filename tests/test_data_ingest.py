@@ -16,11 +16,12 @@ import pyarrow as pa
 import pytest
 from pyarrow import fs
 
-from lance_hpc.data import ingest as ingest_module
-from lance_hpc.data.ingest import ensure_dataset, ingest, main, resolve_source
-from lance_hpc.data.sources import PHOTO_NAMES, encode_image, skimage_photo_crops
-from lance_hpc.data.target import Ingested
+from lance_hpc.cli.ingest import main
 from lance_hpc.errors import UserError
+from lance_hpc.ingest import dataset as ingest_module
+from lance_hpc.ingest.dataset import ensure_dataset, ingest, resolve_source
+from lance_hpc.ingest.sources import PHOTO_NAMES, encode_image, skimage_photo_crops
+from lance_hpc.ingest.target import Ingested
 from lance_hpc.spec import DataSpec, IngestSpec, SpecError, validate_spec
 from lance_hpc.storage.options import filesystem_arguments, storage_options
 

@@ -14,10 +14,11 @@ from pathlib import Path
 import lance
 import pytest
 
-from lance_hpc.data.ingest import main as ingest_main
-from lance_hpc.data.shard_ingest import make_plan, run_worker
-from lance_hpc.data.shards import split_of
-from lance_hpc.data.target import COMMAND_LINE_NAMES, targets
+from lance_hpc.cli.ingest import main as ingest_main
+from lance_hpc.ingest.plan import make_plan
+from lance_hpc.ingest.shards import split_of
+from lance_hpc.ingest.target import COMMAND_LINE_NAMES, targets
+from lance_hpc.ingest.write import run_worker
 from tests.support.crash import CRASHED
 from tests.support.shards import digit_rows, ingest_job_spec, write_webdataset
 

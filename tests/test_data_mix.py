@@ -9,9 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lance_hpc.data.mix import MixPart, MixSchedule, draw_counts, offset_of, source_of
-from lance_hpc.data.sampling import FragmentTable
 from lance_hpc.errors import UserError
+from lance_hpc.loading.mix import MixPart, MixSchedule, draw_counts, offset_of, source_of
+from lance_hpc.loading.sampling import FragmentTable
 from lance_hpc.spec import DataSpec, MixSource
 from tests.support.loaders import train_loader, write_dataset
 
@@ -194,7 +194,7 @@ def test_a_mix_of_weights_whose_sum_overflows_reads_both_sources_through_the_loa
 
 
 def test_a_mix_checkpoint_resumes_only_with_its_sources(two_sources, tmp_path):
-    from lance_hpc.data.mix import pinned_mix
+    from lance_hpc.loading.mix import pinned_mix
 
     small, big = two_sources
     data = mix_spec([(small, {}), (big, {})], [1, 1])

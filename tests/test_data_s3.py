@@ -6,9 +6,10 @@ endpoint; credentials never printed."""
 import lance
 import pytest
 
-from lance_hpc.data import dataset_info, ensure_dataset, plan_data, preflight
-from lance_hpc.data.plan import main as plan_main
+from lance_hpc.cli.plan import main as plan_main
 from lance_hpc.errors import UserError
+from lance_hpc.ingest import ensure_dataset
+from lance_hpc.loading import dataset_info, plan_data, preflight
 from lance_hpc.spec import DataSpec, IngestSpec
 from lance_hpc.storage.options import redact, storage_options
 from lance_hpc.tasks.image import ImageClassification, ImageOptions

@@ -14,13 +14,13 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from lance_hpc.data.resume import EpochOrigin, ResumedEpoch, Segment, remainder_share_rows, rows_read
-from lance_hpc.data.sampling import (
+from lance_hpc.loading.epoch_plan import plan_from_table
+from lance_hpc.loading.resume import EpochOrigin, ResumedEpoch, Segment, remainder_share_rows, rows_read
+from lance_hpc.loading.sampling import (
     BlockPlan,
     FragmentTable,
     epoch_batches,
     eval_batches,
-    plan_from_table,
     rank_share,
     read_hints,
     runs_of,

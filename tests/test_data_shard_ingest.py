@@ -17,12 +17,15 @@ import lance
 import pyarrow as pa
 import pytest
 
-from lance_hpc.data import ensure_dataset
-from lance_hpc.data.ingest import main as ingest_main
-from lance_hpc.data.plan import plan_data
-from lance_hpc.data.shard_ingest import Records, commit, make_plan, progress_lines, run_worker
-from lance_hpc.data.shards import split_of
-from lance_hpc.data.target import COMMAND_LINE_NAMES, targets
+from lance_hpc.cli.ingest import main as ingest_main
+from lance_hpc.ingest import ensure_dataset
+from lance_hpc.ingest.commit import commit
+from lance_hpc.ingest.plan import make_plan
+from lance_hpc.ingest.shards import split_of
+from lance_hpc.ingest.status import progress_lines
+from lance_hpc.ingest.target import COMMAND_LINE_NAMES, targets
+from lance_hpc.ingest.write import run_worker
+from lance_hpc.loading.plan import plan_data
 from lance_hpc.spec import load_spec, load_spec_text
 from tests.support.jobs import Digits, train_here, write_spec
 from tests.support.shards import digit_rows, ingest_job_spec, write_parquet, write_webdataset
@@ -122,7 +125,7 @@ def test_an_interrupted_ingest_resumes_with_only_the_missing_shards_and_equals_a
     assert report.stopped and len(report.done) == 2
     with pytest.raises(ValueError):  # written fragments are not a dataset before the commit
         lance.dataset(str(tmp_path / "part.lance"))
-    assert len(Records.of(plan).finished()) == 2
+    assert len(plan.shard_records().finished()) == 2
     progress = progress_lines(source, train, world_size=2)
     assert progress[0] == "2 of 8 shards written (train 16 rows; skipped none)" and "left:" in progress[1], progress
     capsys.readouterr()
@@ -151,7 +154,7 @@ def test_a_worker_starting_after_rank_0_committed_finds_its_shards_recorded_not_
     plan = make_plan(source, train, None)
     run_worker(plan, 0, 1)
     commit(plan)
-    records = Records.of(plan)
+    records = plan.shard_records()
     records.store.delete_file(f"{records.path}/committed.json")  # the moment before rank 0 records its commit
     late = make_plan(source, train, None, check_targets=False)  # a rank: the launcher checked the target
     assert run_worker(late, 1, 2).already == late.assignment(2)[1]

@@ -4,7 +4,7 @@ import io
 
 from PIL import Image
 
-from lance_hpc.data.sources import PHOTO_NAMES, skimage_photo_crops, sklearn_digits
+from lance_hpc.ingest.sources import PHOTO_NAMES, skimage_photo_crops, sklearn_digits
 
 
 def test_photo_crops_are_deterministic_prefix_stable_jpegs_in_the_size_range():

@@ -12,11 +12,15 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from lance_hpc.data.ingest import ensure_dataset, main
-from lance_hpc.data.packing import Packer
-from lance_hpc.data.plan import plan_data
-from lance_hpc.data.shards import STDLIB_SKIPPED_DIRS, file_key, list_shards, parse_source, split_of
-from lance_hpc.data.text import (
+from lance_hpc.cli.ingest import main
+from lance_hpc.errors import UserError
+from lance_hpc.ingest.dataset import ensure_dataset
+from lance_hpc.ingest.packing import Packer
+from lance_hpc.ingest.shards import STDLIB_SKIPPED_DIRS, file_key, list_shards, parse_source, split_of
+from lance_hpc.ingest.tokenizer import load_tokenizer
+from lance_hpc.loading.plan import plan_data
+from lance_hpc.spec import DataSpec, IngestSpec
+from lance_hpc.tasks.formats import (
     BYTES_PER_TOKEN_KEY,
     DOCUMENTS_KEY,
     EOD_ID_KEY,
@@ -26,10 +30,7 @@ from lance_hpc.data.text import (
     TOKENIZER_KEY,
     VOCAB_SIZE_KEY,
     TokenInfo,
-    load_tokenizer,
 )
-from lance_hpc.errors import UserError
-from lance_hpc.spec import DataSpec, IngestSpec
 
 EOD = 256
 DOCUMENTS = 12

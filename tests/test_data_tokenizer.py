@@ -4,18 +4,23 @@ hf:<tokenizer.json>, used by text ingest; and a tokenizers file without an end-o
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import lance
 import numpy as np
 import pytest
+import yaml
 
-from lance_hpc.data.ingest import main as ingest_main
-from lance_hpc.data.shards import split_of
-from lance_hpc.data.text import BYTES_PER_TOKEN_KEY, DOCUMENTS_KEY, EOD_ID_KEY, VOCAB_SIZE_KEY, load_tokenizer
-from lance_hpc.data.tokenizer import documents
-from lance_hpc.data.tokenizer import main as tokenizer_main
+from lance_hpc.cli.ingest import main as ingest_main
+from lance_hpc.cli.tokenizer import main as tokenizer_main
 from lance_hpc.errors import UserError
+from lance_hpc.ingest.shards import split_of
+from lance_hpc.ingest.tokenizer import documents, load_tokenizer
+from lance_hpc.tasks.formats import BYTES_PER_TOKEN_KEY, DOCUMENTS_KEY, EOD_ID_KEY, VOCAB_SIZE_KEY
+from tests.support.jobs import REPO_ROOT
 
 SOURCE = "python-stdlib:max_mb=0.5"
 
@@ -82,3 +87,44 @@ def test_training_leaves_out_the_documents_an_ingest_holds_out(tmp_path: Path, c
     assert split_of("json/decoder.py", 0.2) in ("train", "val")
     assert tokenizer_main(["train", "sklearn-digits", str(tmp_path / "x.json")]) == 2
     assert "give text:<glob>" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_job_whose_ingest_names_a_tokenizer_not_there_yet_trains_it_then_ingests_and_trains(tmp_path: Path) -> None:
+    """As the language model demo starts from a fresh checkout: no tokenizer file, no dataset."""
+    tokenizer = tmp_path / "data" / "bpe.json"
+    raw = {
+        "name": "lm",
+        "slurm": {"tasks_per_node": 2, "cpus_per_task": 1, "log_dir": str(tmp_path / "logs")},
+        "data": {
+            "uri": str(tmp_path / "data" / "train.lance"),
+            "val_uri": str(tmp_path / "data" / "val.lance"),
+            "ingest": {
+                "source": "python-stdlib:max_mb=0.2",
+                "val_fraction": 0.1,
+                "sequence_length": 32,
+                "tokenizer": f"hf:{tokenizer}",
+                "vocab_size": 500,
+            },
+            "batch_size": 8,
+            "num_workers": 0,
+        },
+        "task": {"name": "language_model", "options": {"layers": 1, "width": 32, "heads": 2}},
+        "train": {"epochs": 1, "max_steps": 3, "lr": 0.003, "lr_scaling": "none", "precision": "fp32"},
+        "checkpoint": {"dir": str(tmp_path / "checkpoints")},
+        "logging": {"tensorboard_dir": str(tmp_path / "runs"), "progress": False},
+    }
+    spec_file = tmp_path / "lm.yaml"
+    spec_file.write_text(yaml.safe_dump(raw))
+    command = [sys.executable, "-m", "lance_hpc.submit", str(spec_file), "--local"]
+    environ = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    first = subprocess.run(command, capture_output=True, text=True, env=environ, cwd=tmp_path, timeout=600)
+    output = first.stdout + first.stderr
+    assert first.returncode == 0, output
+    said = f"tokenizer hf:{tokenizer} does not exist yet: training a 500-token byte-level BPE on the training documents"
+    assert said in output and f"wrote {tokenizer}" in output, output
+    assert load_tokenizer(f"hf:{tokenizer}").vocab_size == 500
+    assert int(lance.dataset(raw["data"]["uri"]).schema.metadata[VOCAB_SIZE_KEY]) == 500
+    assert "final validation bits per byte" in output, output
+    again = subprocess.run(command, capture_output=True, text=True, env=environ, cwd=tmp_path, timeout=600)
+    assert again.returncode == 0 and "does not exist yet" not in again.stdout + again.stderr

@@ -10,8 +10,8 @@ from multiprocessing.reduction import ForkingPickler
 
 import torch
 
-from lance_hpc.data.reader import ROW_ID_FIELD
-from lance_hpc.data.transport import BufferPool
+from lance_hpc.loading.reader import ROW_ID_FIELD
+from lance_hpc.loading.transport import BufferPool
 from lance_hpc.spec import DataSpec
 from lance_hpc.storage.datasets import ReadStats
 from lance_hpc.tasks.base import ROW_ID

@@ -15,8 +15,8 @@ from pathlib import Path
 import lance
 import pytest
 
-from lance_hpc.data.ingest import main as ingest_main
-from lance_hpc.spec.limits import MAX_SAMPLE_FIELDS
+from lance_hpc.cli.ingest import main as ingest_main
+from lance_hpc.limits import MAX_SAMPLE_FIELDS
 from tests.support.shards import digit_rows
 
 REPO = Path(__file__).resolve().parent.parent
@@ -89,6 +89,26 @@ def test_a_sample_with_more_fields_than_the_limit_is_skipped_not_made_columns(tm
 
     assert ingest(source, tmp_path / "strict.lance", "--on-corrupt", "fail") == 2
     assert f"a.tar: sample 's0001' has more than {MAX_SAMPLE_FIELDS} fields" in capsys.readouterr().err
+
+
+def test_class_names_in_cls_files_are_refused_with_the_fixes_the_ingest_has_and_those_fixes_work(tmp_path: Path, capsys) -> None:
+    samples = digit_samples(4)
+    for index, sample in enumerate(samples):
+        sample["cls"] = [b"cat", b"dog"][index % 2]
+        sample["json"] = json.dumps({"class_id": index % 2}).encode()
+    write_samples(tmp_path / "wds" / "a.tar", samples)
+    source = f"webdataset:{tmp_path}/wds/*.tar"
+    assert ingest(source, tmp_path / "t.lance") == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path}/wds/a.tar: field 'cls' holds 'cat', a class name" in err and "Traceback" not in err, err
+    assert "fix: map the label to a field of class numbers: --column label=FIELD" in err and "--column label=''" in err, err
+
+    assert ingest(source, tmp_path / "by_field.lance", "--column", "label=class_id") == 0, capsys.readouterr().err
+    rows = lance.dataset(str(tmp_path / "by_field.lance")).to_table(columns=["label", "cls"]).to_pylist()
+    assert rows == [{"label": index % 2, "cls": ["cat", "dog"][index % 2]} for index in range(4)]
+    assert ingest(source, tmp_path / "unlabelled.lance", "--column", "label=") == 0, capsys.readouterr().err
+    unlabelled = lance.dataset(str(tmp_path / "unlabelled.lance"))
+    assert "label" not in unlabelled.schema.names and unlabelled.to_table().column("cls").to_pylist() == ["cat", "dog"] * 2
 
 
 def tar_header(name: str, size_field: bytes, checksum_delta: int = 0) -> bytes:
@@ -181,7 +201,7 @@ def write_zeros_sample(path: Path, member_bytes: int) -> None:
 # (the test process's) peak from before the fork.
 PEAK = (
     "import re, sys\n"
-    "from lance_hpc.data.ingest import main\n"
+    "from lance_hpc.cli.ingest import main\n"
     "code = main(sys.argv[1:])\n"
     "status = open('/proc/self/status').read()\n"
     "print('peak-kib', re.search(r'VmHWM:\\s*(\\d+) kB', status).group(1))\n"

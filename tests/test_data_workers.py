@@ -18,10 +18,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from lance_hpc.bench.resources import descendants
-from lance_hpc.data import worker_context
-from lance_hpc.data.ingest import schema_for
-from lance_hpc.data.mapstyle import LanceMapDataset
-from lance_hpc.data.reader import BatchReader
+from lance_hpc.ingest.dataset import schema_for
+from lance_hpc.loading import worker_context
+from lance_hpc.loading.mapstyle import LanceMapDataset
+from lance_hpc.loading.reader import BatchReader
 from lance_hpc.tasks.base import ROW_ID, DatasetInfo
 from lance_hpc.tasks.image import ImageClassification, ImageOptions
 from tests.support.loaders import image_decoder, loader_on, workers_of, write_dataset

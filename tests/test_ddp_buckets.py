@@ -30,7 +30,7 @@ def model() -> nn.Module:
 
 def train(state: dict[str, torch.Tensor] | None, steps: range, rank: int) -> dict[str, torch.Tensor]:
     """``steps`` of SGD on DDP (deterministic), from a fresh model or ``state``; the weights after."""
-    from lance_hpc.runtime.context import wrap_model
+    from lance_hpc.parallel.ddp import wrap_model
 
     module = model()
     if state is not None:

@@ -254,7 +254,7 @@ def test_a_rank_exits_with_its_code_after_the_exit_hooks_and_without_the_teardow
     interpreter's teardown (here a module global's __del__), where gloo's threads can abort it."""
     program = """
 import atexit, sys
-from lance_hpc.runtime.rank import exit_process
+from lance_hpc.kinds.rank import exit_process
 
 class Teardown:
     def __del__(self):

@@ -210,7 +210,7 @@ def test_export_round_trips_into_the_tasks_model_and_evaluation_reads_the_shards
 
 
 def test_export_refuses_an_unknown_format_and_an_empty_directory(tmp_path: Path) -> None:
-    from lance_hpc.checkpoint.export import main
+    from lance_hpc.cli.checkpoint import main
 
     assert main(["export", str(tmp_path), str(tmp_path / "model.bin")]) == ExitCode.USER_ERROR
     assert main(["export", str(tmp_path), str(tmp_path / "model.pt")]) == ExitCode.USER_ERROR

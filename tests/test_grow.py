@@ -15,7 +15,7 @@ import pyarrow as pa
 import pytest
 import yaml
 
-from lance_hpc.data.ingest import main as ingest_main
+from lance_hpc.cli.ingest import main as ingest_main
 from lance_hpc.lineage.provenance import PROVENANCE_KEY
 from tests.support.shards import digit_rows, write_webdataset
 from tests.test_infer import function_spec, run_local

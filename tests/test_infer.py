@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -19,11 +20,12 @@ import pyarrow as pa
 import pytest
 import yaml
 
-from lance_hpc.data import column_swap, ensure_dataset
-from lance_hpc.data.loader import RowsLoader
+from lance_hpc.ingest import ensure_dataset
+from lance_hpc.loading.loader import RowsLoader
 from lance_hpc.runtime.environment import detect, select_device
-from lance_hpc.runtime.infer_job import load_model
 from lance_hpc.spec import DataSpec, IngestSpec, load_spec
+from lance_hpc.writeback import column_swap
+from lance_hpc.writeback.job import load_model
 from tests.support.infer import FAIL_AFTER_BATCHES
 from tests.support.jobs import BASE_SPEC, REPO_ROOT, Digits, train_here, write_spec
 from tests.support.ranks import launch, rank_pid, read_until
@@ -114,7 +116,7 @@ def test_two_ranks_write_typed_columns_in_row_order_once_and_leave_the_images_al
     assert (types["predicted"], types["score"], types["loss"]) == (pa.int64(), pa.float32(), pa.float64())
     # the same model over the rows in order, in this process: the columns are each row's own
     loaded = load_spec(spec).spec
-    from lance_hpc.data import load_task
+    from lance_hpc.loading import load_task
 
     task = load_task(loaded)
     model, _ = load_model(loaded, task, select_device(detect({})))
@@ -326,6 +328,14 @@ def test_a_filter_writes_values_for_its_rows_only_and_evaluates_only_them(traine
     assert done.returncode == 0, done.stdout + done.stderr
     chosen = int((table.column("label").to_numpy() >= 5).sum())
     assert f"for {chosen:,} rows" in done.stdout and f"{chosen:,} of 359 rows (infer.filter)" in done.stdout
+    # each fragment's line counts the rows the filter selected in it (none in the first ones)
+    labels = table.column("label").to_numpy()
+    shown = dict(re.findall(r"rank \d: fragment (\d+): (.+) in [0-9.]+ s", done.stdout))
+    expected = {
+        str(index): f"{int((labels[start : start + 64] >= 5).sum()):,} of {len(labels[start : start + 64]):,} rows (infer.filter)"
+        for index, start in enumerate(range(0, len(labels), 64))
+    }
+    assert shown == expected and shown["0"].startswith("0 of 64"), done.stdout
     written = lance.dataset(uri).to_table(columns=["label", "twice"]).to_pylist()
     assert all(row["twice"] == 2 * row["label"] if row["label"] >= 5 else row["twice"] is None for row in written)
     evaluation = infer_spec(tmp_path / "eval", uri, checkpoint, job="evaluate", metrics_file=str(tmp_path / "m.json"))

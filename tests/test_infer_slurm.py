@@ -16,7 +16,7 @@ import lance
 import pytest
 import yaml
 
-from lance_hpc.data import ensure_dataset
+from lance_hpc.ingest import ensure_dataset
 from lance_hpc.launch.paths import JobPaths
 from lance_hpc.lineage.provenance import provenance_of
 from lance_hpc.slurm.queue import FINAL_STATES

@@ -15,8 +15,8 @@ from typing import Callable
 import lance
 import pytest
 
-from lance_hpc.data.ingest import main as ingest_main
-from lance_hpc.data.shard_ingest import Records, plan_for_data
+from lance_hpc.cli.ingest import main as ingest_main
+from lance_hpc.ingest.plan import plan_for_data
 from lance_hpc.launch.paths import JobPaths
 from lance_hpc.slurm.queue import FINAL_STATES
 from lance_hpc.spec import JobSpec, load_spec
@@ -156,7 +156,7 @@ data:
 """
     )
     spec = load_spec(tmp_path / "job.yaml").spec
-    records = Records.of(plan_for_data(spec.data, check_targets=False))
+    records = plan_for_data(spec.data, check_targets=False).shard_records()
     assert plan_for_data(spec.data, check_targets=False).assignment(2) == [[0], [1]]
     job_id = sbatch(slurm_cluster, spec)
     rank0 = rank_process(str(JobPaths.of(spec).spec_file), 0)

@@ -1,6 +1,7 @@
 """The package's shape: no module imports itself back through others, at the top of a file or
-inside a function (an import moved into a function to dodge a cycle is still a cycle), and the
-top level names the steps of the flow."""
+inside a function (an import moved into a function to dodge a cycle is still a cycle); the
+packages stand in layers, each importing only those below it (type hints included); and the top
+level names the steps of the flow."""
 
 from __future__ import annotations
 
@@ -20,12 +21,45 @@ def module_names() -> dict[str, Path]:
     return names
 
 
-def _runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement, wherever it is, except those under ``if TYPE_CHECKING:``."""
+# The packages (and the modules at the top level) from the lowest to the highest: each imports only
+# those before it. docs/architecture.md draws the same order.
+LAYERS = (
+    "errors",  # UserError and exit codes
+    "imports",  # import paths, child processes
+    "quiet",  # the dependencies' warnings that do not apply
+    "output",  # what a process prints: whole lines, progress for a terminal or a log file
+    "limits",  # the bounds ingest, decode and the spec agree on
+    "lineage",  # provenance of columns, lineage of checkpoints: plain documents, read and written above
+    "storage",
+    "signals",  # the signals a rank's processes take
+    "tasks",
+    "spec",
+    "slurm",
+    "parallel",
+    "checkpoint",
+    "ingest",
+    "loading",
+    "runtime",
+    "backfill",  # the rows derived columns lack as a table grows, the indices on them
+    "writeback",
+    "kinds",
+    "launch",
+    "manage",
+    "lance_hpc",  # the public face, lance_hpc/__init__.py
+    "bench",
+    "cli",  # the command line: a parser per command over the subsystems' functions
+    "run",  # python -m shims over cli/
+    "submit",
+    "__main__",  # every python -m entry (lance_hpc, lance_hpc.ingest, lance_hpc.bench): a shim over cli/
+)
+
+
+def _runtime_imports(tree: ast.AST, type_checking: bool = False) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement, wherever it is; those under ``if TYPE_CHECKING:`` only with ``type_checking``."""
     found: list[ast.Import | ast.ImportFrom] = []
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if not type_checking and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             for child in node.orelse:
                 visit(child)
             return
@@ -38,15 +72,15 @@ def _runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(type_checking: bool = False) -> dict[str, set[str]]:
     """module -> the package's modules it imports (a ``from package import name`` counts as an import
     of ``package.name`` when that is a module, else of ``package``), and the packages whose
-    ``__init__`` that runs, from outside them."""
+    ``__init__`` that runs, from outside them; the imports for type checkers only with ``type_checking``."""
     modules = module_names()
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in _runtime_imports(ast.parse(path.read_text(), str(path))):
+        for node in _runtime_imports(ast.parse(path.read_text(), str(path)), type_checking):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             else:
@@ -67,6 +101,27 @@ def import_graph() -> dict[str, set[str]]:
                 while "." in parent and not name.startswith(f"{parent}."):
                     graph[name].add(parent)
                     parent = parent.rpartition(".")[0]
+    return graph
+
+
+def layer_of(module: str) -> str:
+    """The package a module belongs to (``lance_hpc.loading.mix`` -> ``loading``), or the module
+    itself at the top level (``lance_hpc.errors`` -> ``errors``; the package's own face is ``lance_hpc``);
+    every ``__main__`` is the layer of the ``python -m`` entries."""
+    if module.endswith(".__main__"):  # a package's python -m entry runs its command line, above it
+        return "__main__"
+    return module.split(".")[1] if "." in module else module
+
+
+def package_graph() -> dict[str, dict[str, set[str]]]:
+    """package -> the other packages it imports, each with the imports that tie them
+    ("module -> module"), type hints included: a type names what a module is made of."""
+    graph: dict[str, dict[str, set[str]]] = {}
+    for module, targets in import_graph(type_checking=True).items():
+        ties = graph.setdefault(layer_of(module), {})
+        for target in targets:
+            if layer_of(target) != layer_of(module):
+                ties.setdefault(layer_of(target), set()).add(f"{module} -> {target}")
     return graph
 
 
@@ -113,11 +168,12 @@ def test_the_graph_sees_imports_inside_functions_and_skips_type_checking_blocks(
     imports = _runtime_imports(ast.parse(source))
     assert [node.module for node in imports if isinstance(node, ast.ImportFrom)] == ["typing", "lance_hpc.runtime"]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert shortest_cycle({"a": {"b", "d"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}, "a") == ["a", "d", "a"]
 
 
 def test_no_import_cycles() -> None:
     graph = import_graph()
-    assert len(graph) > 50 and graph["lance_hpc.runtime.rank"]  # the walk found the package
+    assert len(graph) > 50 and graph["lance_hpc.kinds.rank"]  # the walk found the package
     found = cycles(graph)
     described = [
         "; ".join(f"{module} -> {', '.join(sorted(graph[module] & set(component)))}" for module in component)
@@ -126,21 +182,55 @@ def test_no_import_cycles() -> None:
     assert not found, "import cycles:\n" + "\n".join(described)
 
 
+def shortest_cycle(graph: dict[str, set[str]], start: str) -> list[str]:
+    """The shortest path of imports from ``start`` back to it (breadth first), or [] if none."""
+    paths = {start: [start]}
+    queue = [start]
+    for node in queue:
+        for other in sorted(graph[node]):
+            if other == start:
+                return paths[node] + [start]
+            if other not in paths:
+                paths[other] = paths[node] + [other]
+                queue.append(other)
+    return []
+
+
+def test_the_packages_import_each_other_without_a_cycle() -> None:
+    graph = package_graph()
+    found = cycles({package: set(ties) for package, ties in graph.items()})
+    described = []
+    for component in found:
+        loop = shortest_cycle({package: set(graph[package]) & set(component) for package in component}, component[0])
+        steps = [f"  {a} -> {b}: {', '.join(sorted(graph[a][b]))}" for a, b in zip(loop, loop[1:])]
+        described.append(f"{' -> '.join(loop)} (of {', '.join(component)})\n" + "\n".join(steps))
+    assert not found, "packages that import each other, with the imports that close a loop:\n" + "\n".join(described)
+
+
+def test_every_package_imports_only_the_layers_below_it() -> None:
+    graph = package_graph()
+    assert set(graph) == set(LAYERS), (
+        f"packages missing from LAYERS: {sorted(set(graph) - set(LAYERS))}, gone: {sorted(set(LAYERS) - set(graph))}"
+    )
+    upward = [
+        tie
+        for package, ties in graph.items()
+        for other, found in ties.items()
+        if LAYERS.index(other) > LAYERS.index(package)
+        for tie in sorted(found)
+    ]
+    assert not upward, (
+        "imports that run up the layers (tests/test_layout.py LAYERS, lowest first): move the piece both need to the "
+        "lower package, or into a small one of its own below both\n  " + "\n  ".join(upward)
+    )
+
+
 def test_the_top_level_names_the_steps_of_the_flow() -> None:
     packages = {path.name for path in PACKAGE.iterdir() if (path / "__init__.py").exists()}
-    assert {"spec", "launch", "runtime", "data", "storage", "tasks", "manage"} <= packages
+    assert {"cli", "spec", "launch", "runtime", "loading", "ingest", "writeback", "storage", "tasks", "manage"} <= packages
     modules = {path.stem for path in PACKAGE.glob("*.py")}
-    # entry points (cli, the three python -m commands), the public face, and what every step shares
-    # (errors, imports, and quiet: the dependencies' warnings that do not apply)
-    assert modules <= {"__init__", "__main__", "cli", "submit", "run", "ingest", "errors", "imports", "quiet"}
-
-
-def test_the_public_api_resolves_from_the_package_without_importing_torch_up_front() -> None:
-    import subprocess
-    import sys
-
-    for name in lance_hpc.__all__:
-        assert getattr(lance_hpc, name) is not None, name
-    assert lance_hpc.Context.__module__ == "lance_hpc.runtime.context"
-    probe = "import sys, lance_hpc; print('torch' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip() == "False"
+    # the public face, the python -m shims over cli/ (submit, run), and what every step shares
+    # (errors, imports, limits, signals, output: how lines are printed, and quiet: the dependencies'
+    # warnings that do not apply)
+    shared = {"errors", "imports", "limits", "quiet", "signals", "output"}
+    assert modules <= {"__init__", "__main__", "submit", "run", *shared}

@@ -12,8 +12,8 @@ from typing import Iterator
 import pytest
 import yaml
 
-from lance_hpc.manage import cancel, logs, records, status
-from lance_hpc.slurm import queue
+from lance_hpc.cli import cancel, logs, status
+from lance_hpc.slurm import queue, records
 from lance_hpc.spec import SpecError, load_spec
 
 JOB_ID = "77"

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from lance_hpc.launch.ports import PICK_PORT_PROGRAM, PORT_RANGE, master_port_lines
+from lance_hpc.runtime.ports import HANDOFF_VARIABLE, HOLD_PORT_PROGRAM, PORT_RANGE, master_port_lines, take_held_port
 from tests.support.jobs import REPO_ROOT, write_spec
 
 
@@ -35,11 +35,35 @@ def ephemeral_ports() -> range:
     return range(first, last + 1)
 
 
-def picked(job_id: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-I", "-c", PICK_PORT_PROGRAM, job_id], capture_output=True, text=True, check=True, timeout=60
+@contextmanager
+def holding(job_id: str) -> Iterator[tuple[str, str]]:
+    """The batch step's holder for ``job_id``, watching this process: the port it holds ("" when
+    it found none) and the name it hands the port over by; stopped on the way out."""
+    holder = subprocess.Popen(
+        [sys.executable, "-I", "-c", HOLD_PORT_PROGRAM, job_id, str(os.getpid())], stdout=subprocess.PIPE, text=True
     )
-    return done.stdout.strip()
+    try:
+        assert holder.stdout is not None
+        port, _, name = holder.stdout.readline().strip().partition(" ")
+        yield port, name
+    finally:
+        holder.kill()
+        holder.wait(timeout=60)
+
+
+def picked(job_id: str) -> str:
+    """The port the batch step picks for ``job_id`` now, let go again."""
+    with holding(job_id) as (port, _):
+        return port
+
+
+def bind_fails(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("0.0.0.0", port))
+        except OSError:
+            return True
+    return False
 
 
 def test_the_batch_step_skips_a_port_that_another_process_holds() -> None:
@@ -77,6 +101,33 @@ def test_the_batch_script_exports_a_free_port_over_an_inherited_one_and_falls_ba
         done = subprocess.run(["/bin/bash", "-c", script], env=environ, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "port=unset", done.stdout + done.stderr
     assert "no free port found on" in done.stderr and "port derived from the job id" in done.stderr, done.stderr
+
+
+def test_the_batch_step_holds_its_port_until_rank_0_of_the_same_user_takes_it_over() -> None:
+    """Nothing can take the port between the pick and rank 0's start: the holder listens on it,
+    hands the listening socket to one process of its user, and is gone."""
+    with holding("4242") as (port, name):
+        assert bind_fails(int(port)), port
+        reader, writer = os.pipe()
+        child = os.fork()
+        if child == 0:  # another user on the node asks for it: nothing
+            try:
+                os.setuid(65534)
+                taken = take_held_port(int(port), {HANDOFF_VARIABLE: name})
+                os.write(writer, b"taken" if taken is not None else b"refused")
+            finally:
+                os._exit(0)
+        os.waitpid(child, 0)
+        assert os.read(reader, 16) == b"refused"
+        environ = {HANDOFF_VARIABLE: name}
+        assert take_held_port(int(port) + 1, {HANDOFF_VARIABLE: "another-" + name}) is None  # not a name of ours
+        descriptor = take_held_port(int(port), environ)
+        assert descriptor is not None and HANDOFF_VARIABLE not in environ  # taken once: rank 0's children do not ask
+        with socket.socket(fileno=descriptor) as listener:
+            assert listener.getsockname()[1] == int(port)
+            assert listener.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
+            assert take_held_port(int(port), {HANDOFF_VARIABLE: name}) is None  # handed over once, the holder is gone
+        assert not bind_fails(int(port))  # rank 0 let go of it: free again
 
 
 def rank_environ(rank: int, port: int) -> dict[str, str]:
@@ -131,3 +182,23 @@ def test_ranks_meet_once_a_port_held_for_a_moment_is_let_go(tmp_path: Path, digi
     outputs = [rank.communicate(timeout=300)[0] for rank in ranks]
     assert f"rank 0: port {port} is held by another process" in waiting, waiting + outputs[0]
     assert [rank.returncode for rank in ranks] == [0, 0], "\n---\n".join(outputs)
+
+
+def test_ranks_meet_on_the_port_the_batch_step_holds(tmp_path: Path, digits) -> None:
+    """Rank 0 takes over the socket the batch step listens on: it never waits for the port, and the
+    other rank, knocking before the store is there, joins it."""
+    spec_file = write_spec(tmp_path, digits, train={"epochs": 1, "max_steps": 2})
+    with holding("77") as (port, name):
+        ranks = [
+            subprocess.Popen(
+                [sys.executable, "-P", "-m", "lance_hpc.run", str(spec_file)],
+                env={**rank_environ(rank, int(port)), HANDOFF_VARIABLE: name},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for rank in (1, 0)
+        ]
+        outputs = [rank.communicate(timeout=300)[0] for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], "\n---\n".join(outputs)
+    assert "is held by another process" not in outputs[1], outputs[1]

@@ -310,7 +310,9 @@ def test_default_template_ships_in_the_wheel(tmp_path: Path) -> None:
     source = tmp_path / "src"
     anywhere = shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", ".hypothesis")
 
-    def ignored(directory: str, names: list[str]) -> set[str]:  # a run's outputs, at the top only (lance_hpc/data is code)
+    def ignored(
+        directory: str, names: list[str]
+    ) -> set[str]:  # a run's outputs, at the top only (a deeper folder of such a name is code)
         outputs = {"data", "logs", "runs", "checkpoints"} if Path(directory) == ROOT else set()
         return set(anywhere(directory, names)) | (outputs & set(names))
 

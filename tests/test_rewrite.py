@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lance_hpc.bench import main
-from lance_hpc.bench.cli import write_choice
+from lance_hpc.bench.job import write_choice
+from lance_hpc.cli.bench import main
 from lance_hpc.errors import UserError
 from lance_hpc.spec.yaml_text import set_block_keys
 from lance_hpc.storage import files
@@ -78,7 +78,7 @@ def test_a_quota_that_fills_mid_write_leaves_the_spec_byte_for_byte_and_no_tempo
     # below the spec's size; the write past it fails with EFBIG instead of the signal ending the child.
     script = (
         "import resource, signal, sys\n"
-        "from lance_hpc.bench.cli import write_choice\n"
+        "from lance_hpc.bench.job import write_choice\n"
         "from lance_hpc.errors import UserError\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
         f"resource.setrlimit(resource.RLIMIT_FSIZE, ({len(before) // 2}, resource.RLIM_INFINITY))\n"

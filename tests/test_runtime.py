@@ -15,9 +15,9 @@ import torch
 
 from lance_hpc.checkpoint import resuming, saving
 from lance_hpc.checkpoint.resuming import Checkpoint
-from lance_hpc.data import load_task
 from lance_hpc.imports import load_callable
-from lance_hpc.runtime.context import run_entry
+from lance_hpc.loading import load_task
+from lance_hpc.runtime.entry import run_entry
 from lance_hpc.runtime.environment import detect, process_group
 from lance_hpc.runtime.preemption import Preemption
 from lance_hpc.spec import SpecError, load_spec
@@ -189,7 +189,7 @@ def test_channels_last_pixels_straight_from_the_loader_do_not_break_ddp_gradient
     gradients are those of a contiguous input."""
     import torchvision
 
-    from lance_hpc.runtime.context import wrap_model
+    from lance_hpc.parallel.ddp import wrap_model
 
     def model() -> torch.nn.Module:
         torch.manual_seed(0)

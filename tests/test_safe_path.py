@@ -107,7 +107,7 @@ def test_the_worker_server_never_imports_from_the_working_directory(tmp_path: Pa
     script.write_text(
         textwrap.dedent("""\
             from torch.utils.data import DataLoader
-            from lance_hpc.data import worker_context
+            from lance_hpc.loading import worker_context
             if __name__ == "__main__":
                 loader = DataLoader(list(range(4)), batch_size=2, num_workers=1, multiprocessing_context=worker_context())
                 print([batch.tolist() for batch in loader])

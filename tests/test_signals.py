@@ -19,9 +19,10 @@ import torch
 import yaml
 
 from lance_hpc.runtime import preemption
-from lance_hpc.runtime.preemption import PROFILE_SIGNAL, hold, ignore_profile_requests
+from lance_hpc.runtime.preemption import hold, ignore_profile_requests
 from lance_hpc.runtime.profile import StepProfiler
-from lance_hpc.runtime.watchdog import WORKER_DUMP_SIGNAL, Progress, Watchdog, start_time
+from lance_hpc.runtime.watchdog import Progress, Watchdog
+from lance_hpc.signals import PROFILE_SIGNAL, WORKER_DUMP_SIGNAL, start_time
 from lance_hpc.spec import load_spec
 from tests.support.jobs import BASE_SPEC, REPO_ROOT, write_spec
 from tests.support.ranks import launch, rank_pid, read_until
@@ -165,7 +166,7 @@ def test_the_watchdog_signals_a_worker_only_while_its_pid_and_start_time_still_m
 def test_a_worker_records_its_pid_with_its_start_time(tmp_path: Path, monkeypatch) -> None:
     import faulthandler
 
-    from lance_hpc.runtime.watchdog import WATCH_DIR_VARIABLE, init_worker_dumps
+    from lance_hpc.signals import WATCH_DIR_VARIABLE, init_worker_dumps
 
     monkeypatch.setenv(WATCH_DIR_VARIABLE, str(tmp_path))
     monkeypatch.setenv("RANK", "0")
@@ -177,10 +178,11 @@ def test_a_worker_records_its_pid_with_its_start_time(tmp_path: Path, monkeypatc
     assert pid_file.read_text() == f"{os.getpid()} {start_time(os.getpid())}"
 
 
-def test_lance_hpc_ingest_run_by_hand_survives_usr1(tmp_path: Path) -> None:
-    """The command itself (not only its workers and a job's ranks): USR1 sent to it while it writes
-    leaves it running to the end."""
-    command = [sys.executable, "-m", "lance_hpc", "ingest", "sklearn-digits", str(tmp_path / "train.lance")]
+@pytest.mark.parametrize("entry", [["lance_hpc", "ingest"], ["lance_hpc.ingest"]], ids=["lance-hpc", "python-m-shim"])
+def test_lance_hpc_ingest_run_by_hand_survives_usr1(tmp_path: Path, entry: list[str]) -> None:
+    """The command itself (not only its workers and a job's ranks), as lance-hpc or its python -m
+    shim: USR1 sent to it while it writes leaves it running to the end."""
+    command = [sys.executable, "-m", *entry, "sklearn-digits", str(tmp_path / "train.lance")]
     command += ["--val-uri", str(tmp_path / "val.lance")]
     environ = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path, env=environ)

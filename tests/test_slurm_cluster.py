@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -15,18 +16,18 @@ from typing import Any
 import pytest
 import yaml
 
+from lance_hpc.kinds.rank import SubmititJob
 from lance_hpc.launch import render
 from lance_hpc.launch.paths import JobPaths
-from lance_hpc.launch.ports import port_for_job
 from lance_hpc.launch.render import write_job_files
 from lance_hpc.launch.submit import make_executor
-from lance_hpc.runtime.rank import SubmititJob
+from lance_hpc.runtime.ports import port_for_job
 from lance_hpc.spec import load_spec
 from tests.support.jobs import REPO_ROOT, Digits
 from tests.support.jobs import write_spec as write_digits_spec
 from tests.support.ports import free_ports
 from tests.support.slurm import environ as job_environ
-from tests.support.slurm import job_log
+from tests.support.slurm import job_log, signal_steps
 from tests.support.slurm import sbatch as sbatch_spec
 from tests.support.slurm_cluster import SlurmCluster
 
@@ -275,4 +276,63 @@ def test_ranks_meet_on_a_free_port_while_another_process_holds_the_job_id_port(
         for holder in holders:
             holder.close()
         slurm_cluster.run("scancel", scripted, submitted.job_id, check=False)
+    assert submitted.task(0).result()["status"] == "completed"
+
+
+def usr1_ignored(pid: int) -> bool:
+    """Whether process ``pid`` ignores USR1 (its /proc status mask SigIgn)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    ignored = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigIgn:")), 16)
+    return bool(ignored & (1 << (signal.SIGUSR1 - 1)))
+
+
+def waiting_task(folder: Path, timeout_s: float = 120) -> int:
+    """The pid of the submitit task that waits for its job's pickle in ``folder`` (it logs
+    "Loading pickle" first): the test cluster's nodes run on this machine."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any("Loading pickle" in log.read_text(errors="replace") for log in folder.glob("*_0_log.out")):
+            for entry in Path("/proc").iterdir():
+                try:
+                    words = (entry / "cmdline").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                python = Path(words[0].decode(errors="replace")).name.startswith("python")  # not srun's
+                if python and b"submitit.core._submit" in words and str(folder).encode() in words:
+                    return int(entry.name)
+        time.sleep(0.5)
+    logs = "\n".join(f"{log}:\n{log.read_text(errors='replace')}" for log in folder.glob("*_log.*"))
+    raise AssertionError(f"no submitit task waiting for its pickle in {folder} after {timeout_s} s\n{logs}")
+
+
+def test_usr1_while_a_submitit_task_starts_does_not_end_it(
+    slurm_cluster: SlurmCluster, digits: Digits, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`scancel --signal=USR1` reaching a submitit task before lance_hpc runs in it: here while the
+    task waits for its job's pickle (moved away until the signal is sent), the window in which
+    submitit imports and unpickles. The task ignores USR1 there and trains to the end."""
+    slurm = {
+        "partition": slurm_cluster.partition, "nodes": 1, "tasks_per_node": 1, "cpus_per_task": 1,
+        "time": "00:10:00", "log_dir": str(tmp_path / "logs"), "extra_flags": {"hold": True},
+    }  # fmt: skip
+    spec = load_spec(write_digits_spec(tmp_path, digits, name="usr1", slurm=slurm, train={"epochs": 1, "max_steps": 2})).spec
+    for key, value in job_environ(slurm_cluster).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(REPO_ROOT)
+    write_job_files(spec)
+    folder = tmp_path / "submitit"
+    submitted = make_executor(spec, folder).submit(SubmititJob(str(JobPaths.of(spec).spec_file)))
+    pickle = submitted.paths.submitted_pickle
+    away = pickle.with_name(pickle.name + ".away")
+    pickle.rename(away)
+    try:
+        slurm_cluster.run("scontrol", "release", submitted.job_id)
+        pid = waiting_task(folder)
+        assert usr1_ignored(pid), f"the submitit task (pid {pid}) would die of USR1 before lance_hpc runs"
+        signal_steps(job_environ(slurm_cluster), submitted.job_id, "USR1")
+        away.rename(pickle)
+        state, exit_code = wait_for_end(slurm_cluster, submitted.job_id)
+        assert (state, exit_code) == ("COMPLETED", "0:0"), job_log(slurm_cluster, submitted.job_id)
+    finally:
+        slurm_cluster.run("scancel", submitted.job_id, check=False)
     assert submitted.task(0).result()["status"] == "completed"

@@ -22,10 +22,11 @@ import pyarrow as pa
 import pytest
 
 from lance_hpc.checkpoint import resuming
-from lance_hpc.data import ensure_dataset, preflight
-from lance_hpc.data.ingest import schema_for
-from lance_hpc.data.workers import kill_workers
 from lance_hpc.errors import UserError, worker_message
+from lance_hpc.ingest import ensure_dataset
+from lance_hpc.ingest.dataset import schema_for
+from lance_hpc.loading import preflight
+from lance_hpc.loading.workers import kill_workers
 from lance_hpc.spec import DataSpec, IngestSpec, SpecError, validate_spec
 from lance_hpc.storage.datasets import open_dataset
 from lance_hpc.storage.integrity import DamagedDataset

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import yaml
 
-from lance_hpc import submit
-from lance_hpc.data import build_train_loader, load_task
+from lance_hpc.cli import submit
 from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.launch import render
+from lance_hpc.loading import build_train_loader, load_task
 from lance_hpc.runtime.environment import detect
 from lance_hpc.spec import SpecError, expand, load_spec, validate_spec
 from lance_hpc.spec.sweep import combinations, parse_sweep_option
@@ -416,7 +416,7 @@ def test_a_sweep_submitted_through_submitit_trains_each_run_on_its_own(
         assert f"  {job:<12} {run.spec.name}  (train.lr={run.values['train.lr']})" in submitted.stdout
         assert f"job {job} finished: {{'status': 'completed', 'step': 4," in submitted.stdout, submitted.stdout
         assert f"job {job} ({run.spec.name}): COMPLETED, exit 0, restarts 0" in status.stdout, status.stdout + status.stderr
-        assert f"checkpoint  step 4, epoch 0: {run.spec.checkpoint.dir}/step-00000004.pt" in status.stdout
+        assert f"checkpoint  step 4, epoch 1: {run.spec.checkpoint.dir}/step-00000004.pt" in status.stdout
         assert checkpoint_step(Path(run.spec.checkpoint.dir)) == 4
         assert [step for step, _ in scalars(Path(run.spec.logging.tensorboard_dir))["train/loss"]][-1] == 4
         assert hparams_logged(Path(run.spec.logging.tensorboard_dir))["train.lr"] == pytest.approx(run.values["train.lr"])

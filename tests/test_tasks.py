@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from lance_hpc.data import build_train_loader, dataset_info, load_task
 from lance_hpc.errors import UserError
+from lance_hpc.loading import build_train_loader, dataset_info, load_task
 from lance_hpc.spec import DataSpec, SpecError, load_spec, validate_spec
 from lance_hpc.spec.choices import STYLES
 from lance_hpc.tasks import ROW_ID, TaskError, build_task
@@ -48,7 +48,7 @@ def test_every_builtin_task_with_every_strategy_reads_rows_exactly_once(
     world_size = 3
     data = DataSpec(uri=dataset.train, style=style, sampler=sampler, uneven=uneven, batch_size=40, num_workers=0, seed=1)
     loaders = [build_train_loader(data, task.decoder(train=True), rank, world_size) for rank in range(world_size)]
-    rows = loaders[0].plan.rows
+    rows = loaders[0].source.plan.rows
     for epoch in (0, 1):
         seen, steps = [], []
         for loader in loaders:
@@ -86,7 +86,7 @@ def test_a_task_checks_its_columns_and_classes_against_the_data(digits, stdlib_t
     message = str(caught.value)
     assert (
         "task.options.label_column: column 'class' is not in" in message
-        and "its columns: image (binary), label (int64)" in message
+        and "its columns:\n        image (binary), label (int64)\n" in message
     )
     assert "task.options.image_column: column 'label' of" in message and "is int64, expected binary" in message
     with pytest.raises(TaskError, match=r"(?s)num_classes is 5, but .* has 10 classes .*at least 10"):
@@ -97,6 +97,24 @@ def test_a_task_checks_its_columns_and_classes_against_the_data(digits, stdlib_t
         builtin_task("language_model", stdlib_tokens).__class__(
             builtin_task("language_model", stdlib_tokens).Options(width=30, heads=4), dataset_info(data, stdlib_tokens.train)
         )
+
+
+def test_a_long_list_of_columns_is_listed_whole_on_lines_that_fit(tmp_path: Path) -> None:
+    """A terminal wraps a long line wherever it ends, cutting a column's name in two: the error puts
+    the columns on lines of their own, broken only between columns."""
+    import lance
+    import pyarrow as pa
+
+    names = [f"annotation_{index:02d}_bounding_box" for index in range(30)]
+    uri = str(tmp_path / "wide.lance")
+    lance.write_dataset(pa.table({"image": [b""], "label": [0], **{name: [[1.0, 2.0]] for name in names}}), uri)
+    with pytest.raises(TaskError) as caught:
+        build_task("image_classification", {"label_column": "class"}, dataset_info(DataSpec(uri=uri), uri), None)
+    lines = str(caught.value).splitlines()
+    listing = lines[lines.index(next(line for line in lines if line.endswith("its columns:"))) + 1 : -1]
+    assert listing and all(len(line) <= 100 and line.startswith("        ") for line in listing), "\n".join(lines)
+    listed = [part for line in listing for part in line.strip().rstrip(",").split(", ")]
+    assert listed == ["image (binary)", "label (int64)", *(f"{name} (list<item: double>)" for name in names)], lines
 
 
 @pytest.mark.slow

@@ -22,10 +22,11 @@ from typing import Any
 import pytest
 import torch
 
-from lance_hpc.data import build_train_loader, load_task
+from lance_hpc.checkpoint import manifests
+from lance_hpc.kinds.rank import SubmititJob
 from lance_hpc.launch.render import write_job_files
 from lance_hpc.launch.submit import make_executor
-from lance_hpc.runtime.rank import SubmititJob
+from lance_hpc.loading import build_train_loader, load_task
 from lance_hpc.slurm.queue import FINAL_STATES
 from lance_hpc.spec import JobSpec, load_spec
 from tests.support.jobs import (
@@ -144,6 +145,8 @@ def test_four_ranks_on_two_nodes_train_to_the_bar(reference: SlurmRun) -> None:
     assert float(FINAL_ACCURACY.search(reference.output).group(1)) >= 0.90, reference.output
     final = final_state(Path(reference.spec.checkpoint.dir).parent)
     assert len(final["ranks"]) == TASKS and final["step"] == reference.spec.train.epochs * steps_per_epoch(reference.spec)
+    saved = manifests.latest(reference.spec.checkpoint.dir)  # rank 0 says where it went (srun labels its lines)
+    assert saved is not None and f"0: checkpoint step {final['step']}: {saved.location}\n" in reference.output
 
 
 def test_usr2_mid_epoch_requeues_and_resumes_to_the_same_weights(
@@ -363,7 +366,7 @@ def test_a_filtered_mix_requeued_by_usr2_draws_each_source_epoch_once(
     ranks, sent USR2 early in epoch 2: the requeued job resumes with the versions and filter it
     pinned, and over both runs each source's rows come once per source epoch (a row's count is its
     source's whole epochs or one more), the filter holds, every step draws both sources."""
-    from lance_hpc.data.mix import offset_of, source_of
+    from lance_hpc.loading.mix import offset_of, source_of
 
     (tmp_path / "rows").mkdir()
     mix = [
@@ -372,7 +375,8 @@ def test_a_filtered_mix_requeued_by_usr2_draws_each_source_epoch_once(
     ]
     task = {
         "name": f"{REPO_ROOT}/tests/custom_task.py:RowLoggingMLP",
-        "options": {"hidden": 16, "row_log": str(tmp_path / "rows")},
+        # 80 ms per batch: epoch 2 lasts long enough that USR2 lands in it however busy the machine is
+        "options": {"hidden": 16, "row_log": str(tmp_path / "rows"), "decode_delay_s": 0.08},
     }
     spec = job_spec(tmp_path, digits, slurm_cluster, task=task, data={"mix": mix}, train={"epochs": 2, "lr": 0.01})
     _, output, stopped = interrupt_with_usr2(slurm_cluster, spec)
@@ -390,7 +394,7 @@ def test_a_filtered_mix_requeued_by_usr2_draws_each_source_epoch_once(
     ids = torch.tensor(rows).numpy()
     sources, offsets = source_of(ids), offset_of(ids)
     train = build_train_loader(spec.data, load_task(spec).decoder(train=True), 0, TASKS)
-    below_five = set(train.selections[0].offsets.tolist())
+    below_five = set(train.source.selections[0].offsets.tolist())
     assert set(offsets[sources == 0].tolist()) <= below_five
     for source, size in ((0, len(below_five)), (1, 359)):
         counts = collections.Counter(offsets[sources == source].tolist())

@@ -20,15 +20,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from lance_hpc import data
+from lance_hpc import loading
 from lance_hpc.checkpoint import lease
 from lance_hpc.checkpoint.resuming import Checkpoint, find_resume_point, load_latest
 from lance_hpc.checkpoint.saving import checkpoint_path, write_atomically
-from lance_hpc.data import load_task
-from lance_hpc.data.selection import pinned_data
 from lance_hpc.errors import ExitCode, UserError
+from lance_hpc.loading import load_task
+from lance_hpc.loading.selection import pinned_data
 from lance_hpc.runtime import trainer
-from lance_hpc.runtime.context import run_entry
+from lance_hpc.runtime.entry import run_entry
 from lance_hpc.runtime.environment import DistEnv, detect, process_group
 from lance_hpc.runtime.metrics import TAGS
 from lance_hpc.runtime.preemption import Preemption, after_preemption
@@ -89,8 +89,8 @@ def test_one_rank_with_grad_accumulation_and_max_steps(tmp_path: Path, digits) -
         summary = run_entry(trainer.train, spec, detect({}), device, preemption, load_task(spec))
     assert summary.status == "completed" and summary.step == 5 and "val/accuracy" in summary.metrics
     state = final_state(tmp_path)
-    loader = data.build_train_loader(spec.data, load_task(spec).decoder(train=True), 0, 1)
-    assert state["step"] == 5 and state["progress"] == pytest.approx(5 * 3 * 16 / loader.plan.rows_per_rank)
+    loader = loading.build_train_loader(spec.data, load_task(spec).decoder(train=True), 0, 1)
+    assert state["step"] == 5 and state["progress"] == pytest.approx(5 * 3 * 16 / loader.source.plan.rows_per_rank)
     logged = scalars(tmp_path / "runs")
     assert [step for step, _ in logged["train/loss"]] == [5]
     assert math.ceil(loader.steps_per_epoch / 3) > 5  # so max_steps, not the epoch, ended the run
@@ -184,7 +184,7 @@ def test_two_ranks_train_to_the_bar_and_log_tensorboard(reference_run: FinishedR
     assert accuracy >= 0.90, reference_run.output
 
     spec = load_spec(reference_run.spec_file).spec
-    steps_per_epoch = data.build_train_loader(spec.data, load_task(spec).decoder(train=True), 0, 2).steps_per_epoch
+    steps_per_epoch = loading.build_train_loader(spec.data, load_task(spec).decoder(train=True), 0, 2).steps_per_epoch
     total_steps = spec.train.epochs * steps_per_epoch
     logged = scalars(reference_run.directory / "runs")
     per_rank = {f"perf/rank/{rank}/{name}" for rank in (0, 1) for name in ("own_work_s", "data_wait_s")}  # the watchdog's
@@ -215,7 +215,7 @@ def test_interrupted_run_resumes_to_the_same_weights(reference_run: FinishedRun,
     interrupted epoch exactly as the uninterrupted run did (no batch twice, none skipped)."""
     spec_file = write_spec(tmp_path, digits)
     spec = load_spec(spec_file).spec
-    steps_per_epoch = data.build_train_loader(spec.data, load_task(spec).decoder(train=True), 0, 2).steps_per_epoch
+    steps_per_epoch = loading.build_train_loader(spec.data, load_task(spec).decoder(train=True), 0, 2).steps_per_epoch
     interrupted = launch(spec_file)
     read_until(interrupted, f"step {steps_per_epoch + 5}/")  # early in epoch 2 of 4
     interrupted.send_signal(signal.SIGUSR2)

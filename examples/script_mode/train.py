@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lance_hpc.runtime.context import Context
+from lance_hpc import Context
 
 
 def build_model(num_classes: int) -> nn.Module:

@@ -1,4 +1,5 @@
-"""Columns computed for a dataset's rows, as the table grows: the rows a job's columns lack and the
-commit that fills them in (``infer.refresh: missing``, :mod:`lance_hpc.backfill.missing`), the
-indices on the columns it replaces or extends (:mod:`lance_hpc.backfill.indices`), and the run that
-``job: infer`` and ``job: map`` share: pin, compute fragments on many ranks, commit once."""
+"""A dataset's derived columns as the table grows: the rows they lack (fragments appended since,
+or all null), which a job with ``infer.refresh: missing`` computes, and whether its values may join
+the column (:mod:`lance_hpc.backfill.missing`); the indices on the columns a write-back replaces or
+extends, rebuilt or brought up to date after its commit (:mod:`lance_hpc.backfill.indices`). The
+write-back itself, and the commit that fills the rows in, are :mod:`lance_hpc.writeback`'s."""

@@ -1,4 +1,4 @@
-"""The rows a column lacks, and the commit that fills them in.
+"""The rows a column lacks: which fragments a refresh computes, and whether it may add to the column.
 
 A Lance fragment stores its columns in data files, each naming the field ids it holds. Rows
 appended after a column was written (``lance-hpc ingest --append``, LanceDB's ``add``, Lance's own
@@ -14,7 +14,7 @@ column's own field ids (an all-null file it had is left out, or, holding other c
 them with the column's field marked dropped), every other fragment is passed on exactly as it was,
 and the schema is the dataset's own with the columns' provenance extended. No existing data file is
 rewritten, no field id changes (indices on the column stay valid for the fragments they cover), and
-readers see the new values all at once or not at all.
+readers see the new values all at once or not at all (:mod:`lance_hpc.writeback.fill`).
 """
 
 from __future__ import annotations
@@ -24,18 +24,19 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 import pyarrow as pa
 
-from lance_hpc.data import column_swap
 from lance_hpc.errors import UserError
 from lance_hpc.lineage.provenance import Producer, differs, provenance_of
 
-# A field id that a data file keeps for a column it no longer provides (Lance's tombstone).
-DROPPED_FIELD = -2
+
+def field_ids(schema: Any) -> dict[str, int]:
+    """Each top-level column's Lance field id, by name (of a ``lance_schema``)."""
+    return {field.name(): field.id() for field in schema.fields()}
 
 
 def gaps(dataset: Any, outputs: Iterable[str], *, all_null: bool = True) -> list[int]:
     """The positions (in ``dataset.get_fragments()``) of the fragments without values of
     ``outputs``: no data file for them, or, with ``all_null``, only nulls in every one of them."""
-    ids = column_swap.field_ids(dataset.lance_schema)
+    ids = field_ids(dataset.lance_schema)
     wanted = {ids[name] for name in outputs}
     found = []
     for position, fragment in enumerate(dataset.get_fragments()):
@@ -58,7 +59,7 @@ def fills(dataset: Any, uri: str, outputs: Mapping[str, str], made_by: Producer,
     """Whether a refresh adds to the columns ``dataset`` has (True) or writes them whole (False: none
     of them is there yet, or ``overwrite`` replaces columns another model or function made). A
     UserError, with the reason, for columns it may not add to."""
-    there = column_swap.existing_columns(dataset.schema, outputs)
+    there = [name for name in outputs if name in dataset.schema.names]
     if not there:
         return False
     absent = [name for name in outputs if name not in there]
@@ -94,75 +95,6 @@ def check_type(existing: pa.DataType, kind: str, name: str, uri: str) -> None:
         )
 
 
-def filled_fragments(pinned: Any, written: Mapping[int, tuple[str, list[str]]], stored: Mapping[str, str]) -> list[Any]:
-    """Every fragment of the ``pinned`` version for the commit: those in ``written`` (position ->
-    the record's fragment JSON and encoded schema) with their new file's fields renumbered to the
-    columns' ids and the all-null files they replace left out or marked; the others as they were."""
-    import lance
-
-    ids = column_swap.field_ids(pinned.lance_schema)
-    targets = {ids[output] for output in stored}
-    fragments = []
-    for position, fragment in enumerate(pinned.get_fragments()):
-        if position not in written:
-            fragments.append(fragment.metadata)
-            continue
-        text, schema = written[position]
-        computed = column_swap.committed_schema(schema, {})  # the pinned fields and the new ones, as written
-        check_new_types(pinned, computed, stored)
-        new_ids = column_swap.field_ids(computed)
-        renumbered = {new_ids[temporary]: ids[output] for output, temporary in stored.items()}
-        metadata = lance.FragmentMetadata.from_json(text)
-        files = []
-        for data_file in metadata.files:
-            if any(field in renumbered for field in data_file.fields):
-                data_file.fields = [renumbered.get(field, field) for field in data_file.fields]
-            elif any(field in targets for field in data_file.fields):
-                data_file.fields = [DROPPED_FIELD if field in targets else field for field in data_file.fields]
-                if all(field == DROPPED_FIELD for field in data_file.fields):
-                    continue  # it held nothing but the nulls it is replaced by
-            files.append(data_file)
-        metadata.files = files
-        fragments.append(metadata)
-    return fragments
-
-
-def check_new_types(pinned: Any, written: Any, stored: Mapping[str, str]) -> None:
-    """The values computed have the column's exact type (a vector, its length), before they join it."""
-    existing = {field.name(): field.to_arrow().type for field in pinned.lance_schema.fields()}
-    new = {field.name(): field.to_arrow().type for field in written.fields()}
-    for output, temporary in stored.items():
-        if new[temporary] != existing[output]:
-            raise UserError(
-                f"infer.outputs.{output}: the job computed {new[temporary]}, but the column holds {existing[output]}; "
-                "nothing was committed\n  fix: give the model or function the output shape the column has"
-            )
-
-
-def commit_fill(
-    uri: str,
-    options: Mapping[str, str],
-    version: int,
-    written: Mapping[int, tuple[str, list[str]]],
-    stored: Mapping[str, str],
-    metadata: Mapping[str, Mapping[str, str]],
-) -> int:
-    """One Merge on ``version``: the gaps' new files joined to the columns, their provenance
-    extended (``metadata``); its new version."""
-    import lance
-
-    from lance_hpc.storage.datasets import open_dataset
-
-    pinned: Any = open_dataset(uri, version, dict(options))
-    fragments = filled_fragments(pinned, written, stored)
-    schema = column_swap.with_field_metadata(pinned.lance_schema, metadata)
-    operation = lance.LanceOperation.Merge(fragments, schema)
-    dataset = lance.LanceDataset.commit(
-        uri, operation, read_version=version, storage_options=dict(options) or None, max_retries=0
-    )
-    return int(dataset.version)
-
-
 def describe(dataset: Any, positions: list[int], outputs: Iterable[str]) -> str:
     """``N rows in K of F fragments lack a, b``."""
     fragments = dataset.get_fragments()
@@ -187,4 +119,4 @@ def lacking_note(dataset: Any, outputs: Iterable[str]) -> str | None:
     )
 
 
-__all__ = ["check_type", "commit_fill", "describe", "filled_fragments", "fills", "gaps", "lacking_note"]
+__all__ = ["check_type", "describe", "field_ids", "fills", "gaps", "lacking_note"]

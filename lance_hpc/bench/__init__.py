@@ -1,19 +1,7 @@
-"""Loader benchmark: lance_hpc's strategies against the peers, or one job spec's data pipeline.
+"""Loader benchmark: one job spec's data pipeline measured and tuned (:mod:`lance_hpc.bench.job`),
+and the measurement machinery the comparison with the peers (``benchmarks/``) shares.
 
-``python -m lance_hpc.bench [job.yaml]``; ``main(argv)`` is what ``lance-hpc bench`` calls.
+``lance-hpc bench`` (and ``python -m lance_hpc.bench``) is :mod:`lance_hpc.cli.bench`. The
+measurement and server processes (``python -m lance_hpc.bench._worker``) import this package
+first, so it imports nothing itself.
 """
-
-from __future__ import annotations
-
-from typing import Sequence
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    # Imported on call: the measurement and server processes (``python -m lance_hpc.bench._worker``,
-    # ``.s3_server``) import this package first and need none of the command line's modules.
-    from lance_hpc.bench.cli import main as run
-
-    return run(argv)
-
-
-__all__ = ["main"]

@@ -61,7 +61,7 @@ def import_lance_hpc(config: Measurement) -> None:
     import torch  # noqa: F401
     import torchvision  # noqa: F401
 
-    import lance_hpc.data  # noqa: F401
+    import lance_hpc.loading  # noqa: F401
 
 
 def _no_training(config: Measurement) -> None:
@@ -116,9 +116,9 @@ def decode_limit(config: Measurement) -> Result:
     import numpy as np
     import torch
 
-    from lance_hpc.data.decode import Transform, decode_pixels
     from lance_hpc.storage.datasets import open_dataset
     from lance_hpc.storage.options import storage_options
+    from lance_hpc.tasks.image_decode import Transform, decode_pixels
 
     torch.set_num_threads(1)
     options = storage_options(config.lance_uri, config.data.get("storage_options"))  # credentials from the environment

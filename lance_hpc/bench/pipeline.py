@@ -13,10 +13,10 @@ from lance_hpc.bench.configs import Measurement
 def lance_hpc_loader(config: Measurement) -> Iterable[Any]:
     """lance_hpc's build_train_loader for the strategy in ``config.data``, with the image task's
     decoder at the configuration's size and augmentation (resize only unless a job asks for more)."""
-    from lance_hpc.data import build_train_loader
-    from lance_hpc.data.decode import Transform
+    from lance_hpc.loading import build_train_loader
     from lance_hpc.spec import DataSpec
     from lance_hpc.tasks.image import ImageDecoder
+    from lance_hpc.tasks.image_decode import Transform
 
     world_size = config.data_world_size or config.world_size
     decoder = ImageDecoder(

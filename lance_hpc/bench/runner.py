@@ -22,7 +22,7 @@ from typing import Callable
 import lance_hpc
 from lance_hpc.bench.configs import Measurement, Result
 from lance_hpc.imports import SAFE_PATH_VARIABLE, python_command
-from lance_hpc.launch.ports import free_port
+from lance_hpc.runtime.ports import free_port
 
 # A measurement that takes longer than this is stopped and reported as failed.
 MEASUREMENT_TIMEOUT_S = 300

@@ -7,15 +7,11 @@ are read whole, in one process, and nothing else (the optimizer state stays wher
 
 from __future__ import annotations
 
-import argparse
-import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from lance_hpc.errors import UserError
 
-PROG = "lance-hpc checkpoint"
 FORMATS = (".pt", ".safetensors")
 
 
@@ -69,38 +65,3 @@ def export(directory: str, out: Path, step: int | None) -> str:
     temporary.replace(out)
     count = sum(value.numel() for value in state.values())
     return f"{out}: the model of {saved.path} (step {saved.step}), {len(state)} tensors, {count:,} values"
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from lance_hpc.manage import run_reporting_errors
-
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description="Work with a job's checkpoints.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=(
-            "examples:\n"
-            "  lance-hpc checkpoint export checkpoints/lm model.safetensors   # the newest checkpoint's model\n"
-            "  lance-hpc checkpoint export s3://bucket/runs/lm model.pt --step 2000\n\n"
-            "Load the result with torch.load(path) or safetensors.torch.load_file(path), then\n"
-            "model.load_state_dict(state): the keys are the task model's own."
-        ),
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
-    exporting = commands.add_parser(
-        "export", help="write a checkpoint's model as one state dict (.pt or .safetensors), sharded or not"
-    )
-    exporting.add_argument("directory", help="checkpoint.dir: a directory or s3://bucket/prefix")
-    exporting.add_argument("out", type=Path, help="the file to write: *.pt (torch.save) or *.safetensors")
-    exporting.add_argument("--step", type=int, default=None, help="that step's checkpoint instead of the newest")
-    args = parser.parse_args(argv)
-
-    def command() -> int:
-        print(export(args.directory, args.out, args.step), flush=True)
-        return 0
-
-    return run_reporting_errors(command, PROG)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

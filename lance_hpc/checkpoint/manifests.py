@@ -70,7 +70,9 @@ def leftovers(names: list[str]) -> list[str]:
 @dataclass(frozen=True)
 class Saved:
     """The newest checkpoint of a directory as its name and manifest describe it; ``epoch`` and
-    ``saved_at`` are None without a manifest (one written before manifests, or a save cut short)."""
+    ``saved_at`` are None without a manifest (one written before manifests, or a save cut short).
+    ``epoch`` is the epoch its step read, counted from 1 as the progress bar counts them (the
+    manifest's ``epoch`` is the epoch being read, from 0: the count of epochs finished)."""
 
     step: int
     location: str
@@ -93,7 +95,7 @@ def latest(directory: str | Path) -> Saved | None:
     return Saved(
         step,
         str(store.location(name)),
-        int(epoch) if isinstance(epoch, int) else None,
+        epoch + 1 if isinstance(epoch, int) and fields.get("mid_epoch") is True else epoch if isinstance(epoch, int) else None,
         int(world_size) if isinstance(world_size, int) else None,
         fields.get("saved_at"),
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ValidationError
@@ -14,15 +14,12 @@ from torch import nn
 
 from lance_hpc.checkpoint.manifests import checkpoint_names, checkpoint_steps
 from lance_hpc.checkpoint.rng_states import reseed, restore_rng
-from lance_hpc.checkpoint.saving import list_checkpoints
+from lance_hpc.checkpoint.saving import RankPlace, list_checkpoints
 from lance_hpc.checkpoint.stores import Location, open_store
 from lance_hpc.errors import UserError
 from lance_hpc.lineage.checkpoints import source_text
 from lance_hpc.spec import JobSpec
 from lance_hpc.spec.flat import flatten
-
-if TYPE_CHECKING:
-    from lance_hpc.runtime.environment import DistEnv
 
 # What the built-in trainer kept at the top of a checkpoint before lance_hpc.checkpoint.saving.FORMAT 2.
 EARLIER_TRAINER_OBJECTS = ("model", "optimizer")
@@ -74,7 +71,7 @@ class Checkpoint:
             return self.state["objects"]
         return {name: self.state[name] for name in EARLIER_TRAINER_OBJECTS if name in self.state}
 
-    def loader_position(self, name: str, env: DistEnv) -> dict[str, Any] | None:
+    def loader_position(self, name: str, env: RankPlace) -> dict[str, Any] | None:
         """Where the loader registered as ``name`` stopped, for this rank (None at an epoch boundary)."""
         saved = saved_position(self, env)
         loaders = saved.get("loaders")
@@ -224,7 +221,7 @@ def pinned_text(pinned: dict[str, Any]) -> str:
     return "; ".join(source_text(source) for source in sources)
 
 
-def restore_rank(resumed: Checkpoint, env: DistEnv, seed: int) -> None:
+def restore_rank(resumed: Checkpoint, env: RankPlace, seed: int) -> None:
     """This rank's RNG states.
 
     At the world size that wrote the checkpoint, each rank gets back its own. At another, the
@@ -238,7 +235,7 @@ def restore_rank(resumed: Checkpoint, env: DistEnv, seed: int) -> None:
         reseed(seed, resumed.step, env.rank)
 
 
-def saved_position(resumed: Checkpoint, env: DistEnv) -> dict[str, Any]:
+def saved_position(resumed: Checkpoint, env: RankPlace) -> dict[str, Any]:
     """The per-rank state this rank continues from: its own at the same world size, else rank 0's
     (every rank saved the same data position; only RNG states differ, and those are not reused)."""
     return resumed.rank_state(env.rank if resumed.world_size == env.world_size else 0)

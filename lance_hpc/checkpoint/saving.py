@@ -16,7 +16,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
@@ -27,9 +27,6 @@ from lance_hpc.checkpoint.shard_files import delete_shards, shard_directories
 from lance_hpc.checkpoint.sharded import SHARDS_SUFFIX, ShardedSaver, shards_name
 from lance_hpc.checkpoint.stores import Location, NoSpace, locate, open_store
 from lance_hpc.errors import UserError
-
-if TYPE_CHECKING:
-    from lance_hpc.runtime.environment import DistEnv
 
 # The checkpoint layout Context.save writes: named objects, named loaders per rank.
 FORMAT = 2
@@ -89,7 +86,8 @@ def save(
 
     ``sharded`` (saver, tensor state, in the background): the modules and optimizers are written
     by every rank into the shards ``step-N.dcp`` first (see :mod:`lance_hpc.checkpoint.sharded`),
-    and ``step-N.pt`` names them; in the background, rank 0 writes it when the shards are complete.
+    and ``step-N.pt`` names them; rank 0 writes it when the shards are complete, in the background
+    unless they went to object storage without ``checkpoint.async_save``.
     """
     ranks: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, {**rank_state, "rng": capture_rng()})
@@ -107,9 +105,8 @@ def save(
 
     if sharded is not None:
         saver, tensors, background = sharded
-        saver.save(tensors, directory, shards_name(step), publish, background)
-        if background:
-            return path
+        if saver.save(tensors, directory, shards_name(step), publish, background):
+            return path  # rank 0 publishes it in the background
     outcome: list[Any] = [None]  # (message, whether it is a UserError) when rank 0 failed
     if dist.get_rank() == 0:
         try:
@@ -158,8 +155,24 @@ def _size(count: float) -> str:
     return f"{count:.1f} GiB"
 
 
+class RankPlace(Protocol):
+    """What a checkpoint needs of a rank's place in the job (the runtime's DistEnv is one)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def restart_count(self) -> int: ...
+
+    @property
+    def job_ref(self) -> str | None: ...
+
+
 @contextmanager
-def writer_lease(directory: str | Path, env: DistEnv) -> Iterator[lease.Lease | None]:
+def writer_lease(directory: str | Path, env: RankPlace) -> Iterator[lease.Lease | None]:
     """Collective: rank 0 takes the lease of checkpoint.dir before any rank writes there, and
     yields it (other ranks get None); when another run holds it, every rank raises the same
     UserError, so none waits for the others. On leaving, the lease is released, unless it was

@@ -22,6 +22,7 @@ from pyarrow import fs
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
 from lance_hpc.checkpoint.stores import LocalDirectory, ObjectStore, Store, open_store
+from lance_hpc.storage.files import sync_to_disk
 
 
 class ObjectFiles(FileSystemBase):
@@ -64,10 +65,27 @@ class ObjectFiles(FileSystemBase):
         self.filesystem.delete_file(str(path))
 
 
-def writer(directory: str | Path, name: str, reuse: dcp.FileSystemWriter | None = None) -> dcp.FileSystemWriter:
+def is_local(directory: str | Path) -> bool:
+    """Whether checkpoint.dir ``directory`` is a file system (whose writes reach the disk at fsync),
+    not object storage (where a stream's data is there once it is closed)."""
+    return not isinstance(open_store(directory), ObjectStore)
+
+
+def flush(path: Path) -> None:
+    """Every file of the shard directory ``path`` and the directory itself on disk (fsync)."""
+    for entry in sorted(path.iterdir()):
+        if entry.is_file() and not entry.is_symlink():
+            sync_to_disk(entry)
+    sync_to_disk(path)
+
+
+def writer(
+    directory: str | Path, name: str, reuse: dcp.FileSystemWriter | None = None, synced: bool = True
+) -> dcp.FileSystemWriter:
     """A DCP writer of the shards ``name`` in checkpoint.dir ``directory``; ``reuse`` (a writer of an
     earlier background save to the same directory) keeps its staging buffers in pinned host memory
-    on a GPU machine, so a save copies the state into memory it already has instead of allocating it."""
+    on a GPU machine, so a save copies the state into memory it already has instead of allocating it.
+    ``synced=False``: the files are left to the caller to :func:`flush`."""
     store = open_store(directory)
     remote = isinstance(store, ObjectStore)
     path = f"{store.prefix}/{name}" if isinstance(store, ObjectStore) else str(Path(directory) / name)
@@ -76,7 +94,7 @@ def writer(directory: str | Path, name: str, reuse: dcp.FileSystemWriter | None 
         return reuse
     # Object storage has no fsync: a stream's data is there once the stream is closed. Staging
     # buffers are kept (in pinned memory, which needs CUDA) only on a machine with a GPU.
-    writing = dcp.FileSystemWriter(path, sync_files=not remote, cache_staged_state_dict=torch.cuda.is_available())
+    writing = dcp.FileSystemWriter(path, sync_files=synced and not remote, cache_staged_state_dict=torch.cuda.is_available())
     if isinstance(store, ObjectStore):
         writing.fs = ObjectFiles(store.filesystem)  # type: ignore[assignment]
         writing.path = path

@@ -10,8 +10,10 @@ whatever the world size that wrote them, and a whole (DDP) model loads a sharded
 a sharded model a whole one.
 
 With ``checkpoint.async_save`` the step loop waits only while the state is copied to host memory;
-a background thread writes the shards and rank 0 then writes ``step-N.pt``. The next save, a
-preemption and the end of the job wait for that write.
+a background thread writes the shards and rank 0 then writes ``step-N.pt``. Without it, the loop
+waits while every rank writes its shards; on a file system their fsync (the disk's write-back,
+the slowest part) and ``step-N.pt`` follow in the background. Either way, the next save, a
+preemption and the end of the job wait for the background part.
 """
 
 from __future__ import annotations
@@ -111,6 +113,23 @@ def load_shards(objects: dict[str, Any], directory: str | Path, name: str) -> No
     restore_tensor_state(objects, state)
 
 
+def _flushed(shards: Path, group: Any, publish: Callable[[], None] | None) -> float:
+    """In the background: this rank's shard files on disk; once every rank's are, (rank 0) the
+    step file that makes them a checkpoint. Returns when that was done (time.monotonic)."""
+    failed = torch.tensor([0], dtype=torch.int64)
+    try:
+        shard_files.flush(shards)
+    except OSError as error:
+        failed[0] = 1
+        print(f"lance_hpc: cannot flush the shards {shards} to disk: {error}", file=sys.stderr, flush=True)
+    dist.all_reduce(failed, group=group)  # sums: no rank publishes while another's files may be lost
+    if int(failed.item()):
+        raise RuntimeError(f"the shards {shards} could not be written to disk on every rank")
+    if publish is not None:
+        publish()
+    return time.monotonic()
+
+
 def _published(written: Future, publish: Callable[[], None] | None) -> float:
     """In the background: the shards complete, then (rank 0) the step file that makes them a
     checkpoint; returns when that was done (time.monotonic)."""
@@ -139,28 +158,40 @@ class ShardedSaver:
 
     def save(
         self, tensors: dict[str, Any], directory: str | Path, name: str, finish: Callable[[], None], background: bool
-    ) -> None:
-        """Collective: write ``tensors`` into the shards ``name`` of ``directory``. In the background,
-        rank 0 calls ``finish`` once every shard is complete; otherwise the caller publishes."""
+    ) -> bool:
+        """Collective: write ``tensors`` into the shards ``name`` of ``directory``. Returns whether
+        rank 0 calls ``finish`` in the background, once every shard is complete and on disk;
+        otherwise (object storage, without ``background``) the caller publishes.
+
+        ``background`` (checkpoint.async_save): the loop waits only while the state is copied to
+        host memory. Without it, on a file system, the loop waits until every rank has written its
+        shards, and the fsync of their files runs in the background: the disk's write-back is the
+        slowest part of a save, and a crash before it ends leaves the checkpoint unlisted."""
         self.wait()
         started = time.monotonic()
         if dist.get_rank() == 0:  # what a save of this step cut short left behind
             shard_files.delete_shards(open_store(directory), name)
         dist.barrier()
-        if not background:
-            dcp.save(tensors, storage_writer=shard_files.writer(directory, name))
-            self.blocked_s = self.write_s = time.monotonic() - started
-            self._warn_if_slow()
-            return
         if self._group is None:  # the background thread's collectives must not mix with the loop's
             self._group = dist.new_group(backend="gloo")
+        publish = finish if dist.get_rank() == 0 else None
+        if not background:
+            local = shard_files.is_local(directory)
+            dcp.save(tensors, storage_writer=shard_files.writer(directory, name, synced=False))
+            self.blocked_s = self.write_s = time.monotonic() - started
+            if not local:
+                self._warn_if_slow()
+                return False
+            flushed = self._publisher.submit(_flushed, Path(directory) / name, self._group, publish)
+            self._pending = (flushed, started)
+            return True
         self._writer = shard_files.writer(directory, name, reuse=self._writer if self._directory == str(directory) else None)
         self._directory = str(directory)
         future = dcp.async_save(tensors, storage_writer=self._writer, process_group=self._group)
         assert isinstance(future, Future)
         self.blocked_s = time.monotonic() - started
-        publish = finish if dist.get_rank() == 0 else None
         self._pending = (self._publisher.submit(_published, future, publish), started)
+        return True
 
     def wait(self) -> None:
         """Collective: the background write in flight, if any, complete and published on every rank;

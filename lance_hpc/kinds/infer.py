@@ -1,5 +1,5 @@
 """``job: infer`` and ``job: evaluate``: a model over data.uri, fragment by fragment; new columns
-committed once, or the metrics reported (:mod:`lance_hpc.runtime.infer_job`)."""
+committed once, or the metrics reported (:mod:`lance_hpc.writeback.job`)."""
 
 from __future__ import annotations
 
@@ -21,27 +21,27 @@ class Infer(JobKind):
 
     def check(self, spec: JobSpec, nproc: int | None) -> list[str]:
         """The dataset, the columns and the checkpoint checked; the work for the ranks that will run it (no model loaded)."""
-        from lance_hpc.runtime.infer_job import check_infer
+        from lance_hpc.writeback.job import check_infer
 
         return [check_infer(spec, nproc)]
 
     def plan(self, spec: JobSpec, source: str) -> str:
         """The same lines as the check, for the spec's world size."""
-        from lance_hpc.runtime.infer_job import check_infer
+        from lance_hpc.writeback.job import check_infer
 
         return check_infer(spec)
 
     def run(self, spec: JobSpec, env: DistEnv, requeue: Requeue, signals: tuple[int, ...]) -> Summary:
         """This rank's fragments through the model, and on rank 0 the commit or the report."""
-        from lance_hpc.runtime.infer_job import run_infer
         from lance_hpc.runtime.preemption import Preemption
+        from lance_hpc.writeback.job import run_infer
 
         with Preemption(signals) as preemption:
             return run_infer(spec, env, preemption, requeue)
 
     def progress(self, spec: JobSpec) -> list[str] | None:
         """The fragments done (of how many) and the commit, from the job's records."""
-        from lance_hpc.data import new_columns
+        from lance_hpc.writeback import new_columns
 
         return new_columns.progress_lines(spec)
 

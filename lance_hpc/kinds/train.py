@@ -23,23 +23,25 @@ class Train(JobKind):
 
     name = "train"
     profiled = True
+    trains = True
 
     def check(self, spec: JobSpec, nproc: int | None) -> list[str]:
         """Here: the dataset prepared and the task checked once; under SLURM: the data reachable from the login node."""
-        from lance_hpc import data
+        from lance_hpc import loading
+        from lance_hpc.ingest import ensure_dataset
 
         if nproc is not None:  # this machine runs the ranks: prepare the dataset once for all of them
-            data.ensure_dataset(spec.data)
-            lines = [f"data selected: {line}" for line in data.check_selection(spec.data)]
-            data.load_task(spec)  # a column the task needs but the data lacks: one error here, not one per rank
+            ensure_dataset(spec.data)
+            lines = [f"data selected: {line}" for line in loading.check_selection(spec.data)]
+            loading.load_task(spec)  # a column the task needs but the data lacks: one error here, not one per rank
             return lines
-        data.preflight(spec.data)
+        loading.preflight(spec.data)
         lines = [f"data preflight ok: {spec.data.uri}" + (f" and {spec.data.val_uri}" if spec.data.val_uri else "")]
         return lines + task_check(spec)
 
     def plan(self, spec: JobSpec, source: str) -> str:
         """One epoch split between the ranks, from metadata; skipped for object storage, which lance-hpc plan shows."""
-        from lance_hpc.data import plan_data
+        from lance_hpc.loading import plan_data
 
         if "://" in spec.data.uri:
             return f"skipped for object storage in a dry run; see it with: lance-hpc plan {source}"
@@ -52,7 +54,7 @@ class Train(JobKind):
 
 def task_check(spec: JobSpec) -> list[str]:
     """The task's columns and types against the datasets, unless ingest has yet to create them."""
-    from lance_hpc.data import load_task
+    from lance_hpc.loading import load_task
     from lance_hpc.storage.datasets import dataset_exists
     from lance_hpc.storage.options import storage_options
 
@@ -67,19 +69,22 @@ def train(spec: JobSpec, env: DistEnv, requeue: Requeue, signals: tuple[int, ...
     """This rank's part of the training: the process group, the checkpoint lease, the loop, the requeue."""
     import torch.distributed as dist
 
-    from lance_hpc import data
+    from lance_hpc import loading
     from lance_hpc.checkpoint import saving
-    from lance_hpc.runtime import context, trainer
+    from lance_hpc.ingest import ensure_dataset
+    from lance_hpc.runtime import trainer
+    from lance_hpc.runtime.entry import run_entry
     from lance_hpc.runtime.environment import TrainingFailed, explain_failure, lost_peer, on_main_rank, process_group
-    from lance_hpc.runtime.preemption import INTERRUPT_SIGNAL, Preemption, after_preemption
-    from lance_hpc.runtime.watchdog import WATCH_DIR_VARIABLE, watch_dir
+    from lance_hpc.runtime.preemption import Preemption, after_preemption
+    from lance_hpc.runtime.watchdog import watch_dir
+    from lance_hpc.signals import INTERRUPT_SIGNAL, WATCH_DIR_VARIABLE
     from lance_hpc.storage.retry import StoreUnavailable
 
     entry = load_callable(spec.entry, "entry") if spec.entry else trainer.train
     if spec.train.watchdog is not None:  # before the worker server starts: its workers inherit it
         os.environ[WATCH_DIR_VARIABLE] = str(watch_dir(spec.slurm.log_dir, spec.name, env.job_ref))
     if spec.data.num_workers > 0:
-        data.worker_context()  # the DataLoader worker server imports torch while the process group forms
+        loading.worker_context()  # the DataLoader worker server imports torch while the process group forms
     try:
         timeout_s = spec.train.collective_timeout_s
         with (
@@ -87,9 +92,9 @@ def train(spec: JobSpec, env: DistEnv, requeue: Requeue, signals: tuple[int, ...
             process_group(env, timeout_s) as device,
             saving.writer_lease(spec.checkpoint.dir, env) as lease,
         ):
-            on_main_rank(lambda: data.ensure_dataset(spec.data), "prepare the dataset")
-            task = data.load_task(spec)
-            summary = context.run_entry(entry, spec, env, device, preemption, task)
+            on_main_rank(lambda: ensure_dataset(spec.data), "prepare the dataset")
+            task = loading.load_task(spec)
+            summary = run_entry(entry, spec, env, device, preemption, task)
             if summary.status == "preempted":
                 outcome: list[Any] = [None]
                 if env.is_main:

@@ -28,15 +28,17 @@ from pathlib import Path
 from types import FrameType
 
 from lance_hpc.checkpoint import lease
-from lance_hpc.errors import FAILURE_DIR_VARIABLE, ExitCode, UserError, first_error
+from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.imports import child_environment, python_command
 from lance_hpc.kinds import job_kind
 from lance_hpc.launch.paths import JobPaths
-from lance_hpc.launch.ports import free_port
 from lance_hpc.launch.render import write_job_files
+from lance_hpc.output import whole_lines
 from lance_hpc.quiet import exec_children
 from lance_hpc.runtime.environment import SLURM_VARS
-from lance_hpc.runtime.preemption import INTERRUPT_SIGNAL, PREEMPTION_SIGNALS, PROFILE_SIGNAL
+from lance_hpc.runtime.failures import FAILURE_DIR_VARIABLE, first_error
+from lance_hpc.runtime.ports import free_port
+from lance_hpc.signals import INTERRUPT_SIGNAL, PREEMPTION_SIGNALS, PROFILE_SIGNAL
 from lance_hpc.spec import JobSpec, SweepRun, expand, load_spec
 
 # After one rank fails, the others get this long to notice (a broken connection) and exit.
@@ -46,6 +48,7 @@ PR_SET_PDEATHSIG = 1
 
 def run_local(spec_file: str | Path, nproc: int) -> int:
     """Train with ``nproc`` local ranks; returns 0, or the exit code of the first rank that failed."""
+    whole_lines()  # the ranks write to the same terminal or file as this process
     spec_file = Path(spec_file).resolve()
     spec = load_spec(spec_file).spec
     if spec.sweep:

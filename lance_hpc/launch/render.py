@@ -39,7 +39,7 @@ from lance_hpc.launch.paths import (
     make_private_dirs,
     write_private,
 )
-from lance_hpc.launch.ports import master_port_lines
+from lance_hpc.runtime.ports import master_port_lines
 from lance_hpc.runtime.preemption import REQUEUE_FUNCTION, requeue_handler
 from lance_hpc.spec import JobSpec, Problem, SpecError, expand, run_count
 from lance_hpc.spec.secrets import redact_text
@@ -147,7 +147,7 @@ def environment(spec: JobSpec) -> dict[str, str]:
 
 def export_lines(spec: JobSpec) -> list[str]:
     """The exports of :func:`environment`, and for ranks that meet, a MASTER_PORT picked free on
-    this node (the batch step runs on rank 0's), see :mod:`lance_hpc.launch.ports`."""
+    this node (the batch step runs on rank 0's), see :mod:`lance_hpc.runtime.ports`."""
     exports = [f"export {key}={shlex.quote(value)}" for key, value in environment(spec).items()]
     return [*exports, *(master_port_lines() if spec.slurm.world_size > 1 else [])]
 

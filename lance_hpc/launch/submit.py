@@ -19,18 +19,34 @@ from submitit.core import utils as submitit_utils
 
 from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.kinds import job_kind
+from lance_hpc.kinds.rank import SubmititJob
 from lance_hpc.launch import render
+from lance_hpc.launch.container import container_launch
 from lance_hpc.launch.paths import JobPaths
 from lance_hpc.launch.render import write_job_files
-from lance_hpc.manage.records import record_submission
-from lance_hpc.runtime.rank import SubmititJob
 from lance_hpc.slurm.queue import FINAL_STATES, show_job
+from lance_hpc.slurm.records import record_submission
 from lance_hpc.spec import JobSpec, expand
+
+# A submitit task imports numpy and unpickles the job (lance_hpc, submitit) before lance_hpc can
+# take USR1 over, and USR1's default action ends a process: `scancel --signal=USR1` (a profiler
+# trace) reaching the task then would kill it. The shell ignores USR1 and execs Python, which keeps
+# it ignored until lance_hpc.kinds.rank installs its own handler (the sbatch path's
+# lance_hpc.run holds it from its first line).
+IGNORE_USR1 = 'trap "" USR1; exec "$0" "$@"'
+
+
+def submitit_python(spec: JobSpec) -> str:
+    """The command submitit's tasks start Python with (it appends ``-u -m submitit.core._submit
+    FOLDER``): ``python3 -P`` started by a shell that ignores USR1, in the container if the spec has one."""
+    prefix = container_launch(spec.slurm).command_prefix
+    python = render.python_command(spec)[len(prefix) :]
+    return shlex.join([*prefix, "sh", "-c", IGNORE_USR1, *python])
 
 
 def make_executor(spec: JobSpec, folder: Path) -> submitit.SlurmExecutor:
     """A submitit SlurmExecutor asking for the same resources, setup and srun options as the script."""
-    python = shlex.join(render.python_command(spec))  # in the container, if the spec has one
+    python = submitit_python(spec)
     executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=spec.slurm.max_requeues, python=python)
     named: dict[str, Any] = {"array_parallelism": spec.slurm.array_parallelism}
     additional: dict[str, Any] = {}

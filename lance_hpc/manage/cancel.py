@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Sequence
 
 from lance_hpc.checkpoint import manifests
 from lance_hpc.errors import ExitCode, UserError
-from lance_hpc.manage import logs, progress, records, run_reporting_errors, target_parser
-from lance_hpc.manage.records import JobRef
-from lance_hpc.slurm import queue
+from lance_hpc.manage import logs, progress
+from lance_hpc.slurm import queue, records
+from lance_hpc.slurm.records import JobRef
 
 PROG = "lance-hpc cancel"
 POLL_S, PROGRESS_EVERY_S = 1.0, 10.0
@@ -111,31 +110,9 @@ def report_stopped(ref: JobRef, job: queue.SlurmJob | None) -> None:
         print(f"  no checkpoint in {ref.spec.checkpoint.dir}: a new submission starts from step 0")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = target_parser(
-        PROG,
-        "Stop a job after it saves a checkpoint; --now stops it at once.",
-        (
-            "Without --now the job's ranks get SIGTERM (submitit jobs: USR2), agree at the next step, save a\n"
-            "checkpoint and exit; this command waits for that, printing progress, up to --timeout seconds.\n"
-            "Submitting the same spec again continues from that checkpoint.\n\n"
-            "examples:\n"
-            "  lance-hpc cancel jobs/map_gpu.yaml          # the latest job of this spec\n"
-            "  lance-hpc cancel 1234 --timeout 900\n"
-            "  lance-hpc cancel 1234 --now                 # at once: no checkpoint"
-        ),
-    )
-    parser.add_argument("--now", action="store_true", help="cancel at once, the tasks killed before they can save")
-    parser.add_argument(
-        "--timeout", type=float, default=300.0, metavar="SECONDS", help="how long to wait for the checkpoint and the stop [300]"
-    )
-    args = parser.parse_args(argv)
-    if args.timeout <= 0:
-        parser.error("--timeout must be positive")
-
-    def command() -> int:
-        queue.require("scancel")
-        refs = records.resolve(args.target, args.set, args.job)  # a sweep: each run of its latest array
-        return max(cancel(ref, args.now, args.timeout) for ref in refs)
-
-    return run_reporting_errors(command, PROG)
+def cancel_jobs(target: str, overrides: list[str], job_id: str | None, now: bool, timeout_s: float) -> int:
+    """Cancel the job ``target`` (a spec or a job id) names, each run of it for a sweep; without
+    ``now``, wait up to ``timeout_s`` for each to save and stop. The worst exit code of them."""
+    queue.require("scancel")
+    refs = records.resolve(target, overrides, job_id)  # a sweep: each run of its latest array
+    return max(cancel(ref, now, timeout_s) for ref in refs)

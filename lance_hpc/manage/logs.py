@@ -14,15 +14,14 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence, TextIO
+from typing import Callable, Literal, Sequence, TextIO
 
 from submitit.core.utils import JobPaths as SubmititPaths
 
 from lance_hpc.errors import UserError
 from lance_hpc.launch.paths import JobPaths
-from lance_hpc.manage import records, run_reporting_errors, target_parser
-from lance_hpc.manage.records import JobRef
-from lance_hpc.slurm import queue
+from lance_hpc.slurm import queue, records
+from lance_hpc.slurm.records import JobRef
 
 PROG = "lance-hpc logs"
 RANK_LABEL = re.compile(rb"^\s*(\d+): ?")
@@ -180,63 +179,49 @@ def check_labels(logs: JobLogs, rank: int | None) -> None:
         )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = target_parser(
-        PROG,
-        "Print a job's output: every run of the same job id, in one file pair.",
-        (
-            "examples:\n"
-            "  lance-hpc logs jobs/map_gpu.yaml            # the latest job of this spec\n"
-            "  lance-hpc logs jobs/map_gpu.yaml -f         # and follow it until it ends\n"
-            "  lance-hpc logs 1234 --rank 3                # one rank's lines of job 1234\n"
-            "  lance-hpc logs jobs/map_gpu.yaml --stderr   # only stderr (tracebacks, srun's messages)"
-        ),
-    )
-    parser.add_argument("-f", "--follow", action="store_true", help="keep printing new output until the job ends")
-    parser.add_argument("--rank", type=int, metavar="N", help="only rank N's lines (its task's files for submitit)")
-    streams = parser.add_mutually_exclusive_group()
-    streams.add_argument("--stdout", action="store_true", help="only the job's stdout")
-    streams.add_argument("--stderr", action="store_true", help="only the job's stderr")
-    args = parser.parse_args(argv)
-    if args.rank is not None and args.rank < 0:
-        parser.error("--rank must be 0 or more")
-
-    def command() -> int:
-        refs = records.resolve(args.target, args.set, args.job)
-        ref = refs[0]
-        if len(refs) > 1:
+def print_logs(
+    target: str,
+    overrides: list[str],
+    job_id: str | None,
+    rank: int | None,
+    stream: Literal["stdout", "stderr"] | None,
+    follow: bool,
+) -> int:
+    """Print the output of the job ``target`` (a spec or a job id) names: only rank ``rank``'s lines,
+    only one ``stream`` ("stdout" or "stderr") when given; with ``follow``, until the job ends."""
+    refs = records.resolve(target, overrides, job_id)
+    ref = refs[0]
+    if len(refs) > 1:
+        print(
+            f"{PROG}: showing {ref.job_id}, the first of {len(refs)} runs; pick another with --job "
+            f"({', '.join(other.job_id for other in refs[1:])})",
+            file=sys.stderr,
+        )
+    job = queue.show_job(ref.job_id) if queue.have_slurm() else None
+    if ref.spec is not None and rank is not None and rank >= ref.spec.slurm.world_size:
+        raise UserError(f"--rank {rank}: job {ref.job_id} has ranks 0 to {ref.spec.slurm.world_size - 1}")
+    logs = job_logs(ref, job, rank)
+    if stream is not None:
+        logs = JobLogs([path for path in logs.files if path.suffix == (".out" if stream == "stdout" else ".err")], logs.labelled)
+    if not any(path.exists() for path in logs.files):
+        if job is not None and not job.started:
             print(
-                f"{PROG}: showing {ref.job_id}, the first of {len(refs)} runs; pick another with --job "
-                f"({', '.join(other.job_id for other in refs[1:])})",
+                f"job {ref.job_id} has not started ({job.state}{', ' + job.reason if job.reason else ''}); "
+                f"its output will go to {logs.files[0]}",
                 file=sys.stderr,
             )
-        job = queue.show_job(ref.job_id) if queue.have_slurm() else None
-        if ref.spec is not None and args.rank is not None and args.rank >= ref.spec.slurm.world_size:
-            raise UserError(f"--rank {args.rank}: job {ref.job_id} has ranks 0 to {ref.spec.slurm.world_size - 1}")
-        logs = job_logs(ref, job, args.rank)
-        if args.stdout or args.stderr:
-            logs = JobLogs([path for path in logs.files if path.suffix == (".out" if args.stdout else ".err")], logs.labelled)
-        if not any(path.exists() for path in logs.files):
-            if job is not None and not job.started:
-                print(
-                    f"job {ref.job_id} has not started ({job.state}{', ' + job.reason if job.reason else ''}); "
-                    f"its output will go to {logs.files[0]}",
-                    file=sys.stderr,
-                )
-                if not args.follow:
-                    return 0
-            elif job is None or job.ended:
-                raise UserError(
-                    f"job {ref.job_id} left no log: {', '.join(map(str, logs.files))} do not exist\n"
-                    "  fix: check slurm.log_dir, or pass the --set overrides the job was submitted with"
-                )
-        check_labels(logs, args.rank)
-        if args.follow and queue.have_slurm():
-            show(logs, args.rank, follow_job=ref.job_id)
-        else:
-            if args.follow:
-                print(f"{PROG}: scontrol not found, so the log cannot be followed; printing it once", file=sys.stderr)
-            show(logs, args.rank, follow_job=None)
-        return 0
-
-    return run_reporting_errors(command, PROG)
+            if not follow:
+                return 0
+        elif job is None or job.ended:
+            raise UserError(
+                f"job {ref.job_id} left no log: {', '.join(map(str, logs.files))} do not exist\n"
+                "  fix: check slurm.log_dir, or pass the --set overrides the job was submitted with"
+            )
+    check_labels(logs, rank)
+    if follow and queue.have_slurm():
+        show(logs, rank, follow_job=ref.job_id)
+    else:
+        if follow:
+            print(f"{PROG}: scontrol not found, so the log cannot be followed; printing it once", file=sys.stderr)
+        show(logs, rank, follow_job=None)
+    return 0

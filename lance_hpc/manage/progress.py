@@ -78,7 +78,7 @@ def total_steps(spec: JobSpec) -> int:
     """Optimizer steps of the whole run, as the trainer counts them: epochs of the data plan for
     the spec's world size, in steps of grad_accum batches, capped by train.max_steps."""
     # imported here: the data layer imports torch and Lance, needed only for a running job
-    from lance_hpc.data import plan_data
+    from lance_hpc.loading import plan_data
 
     batches = plan_data(spec.data, spec.slurm.world_size).steps_per_rank
     per_epoch = math.ceil(batches / spec.train.grad_accum)

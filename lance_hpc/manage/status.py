@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Sequence
 
 from lance_hpc.checkpoint import manifests
 from lance_hpc.kinds import registered_kind
-from lance_hpc.manage import logs, progress, records, run_reporting_errors, target_parser
-from lance_hpc.manage.records import JobRef
+from lance_hpc.manage import logs, progress
 from lance_hpc.runtime.watchdog import activity_line, watch_dir
-from lance_hpc.slurm import queue
+from lance_hpc.slurm import queue, records
+from lance_hpc.slurm.records import JobRef
 from lance_hpc.spec import JobSpec
 
 PROG = "lance-hpc status"
@@ -68,21 +67,8 @@ def report(ref: JobRef, job: queue.SlurmJob | None) -> list[str]:
         lines += [f"  {label:<11} {found[0]}", *(f"              {line}" for line in found[1:])]
         lines.append(f"  log         {job_logs.files[0]}")
         return lines
-    saved = manifests.latest(spec.checkpoint.dir)  # names and manifests only: nothing is loaded
-    if saved:
-        epoch = f", epoch {saved.epoch}" if saved.epoch is not None else ""
-        lines.append(f"  checkpoint  step {saved.step}{epoch}: {saved.location}")
-    else:
-        lines.append(f"  checkpoint  none yet in {spec.checkpoint.dir}")
-    logged = progress.last_logged(spec.logging.tensorboard_dir)
-    if logged.loss is not None or logged.samples_per_s is not None:
-        values = [
-            f"loss {logged.loss:.4g}" if logged.loss is not None else "",
-            f"{logged.samples_per_s:,.1f} samples/s" if logged.samples_per_s is not None else "",
-        ]
-        lines.append(f"  last log    step {logged.step}: {', '.join(value for value in values if value)}")
-    else:
-        lines.append(f"  last log    nothing logged yet in {spec.logging.tensorboard_dir}")
+    saved, logged = manifests.latest(spec.checkpoint.dir), progress.last_logged(spec.logging.tensorboard_dir)
+    lines += training_lines(spec, saved, logged)
     if not ended:
         step = max(logged.step or 0, saved.step if saved else 0)
         lines.append(f"  time left   {time_left_text(spec, step, logged.seconds_per_step)}")
@@ -92,6 +78,50 @@ def report(ref: JobRef, job: queue.SlurmJob | None) -> list[str]:
     lines.append(f"  log         {job_logs.files[0]}")
     if ended and saved:
         lines.append(f"  resume      lance-hpc submit {ref.spec_source}  (continues from step {saved.step})")
+    return lines
+
+
+def training_lines(spec: JobSpec, saved: manifests.Saved | None, logged: progress.Logged) -> list[str]:
+    """The checkpoint and last-log lines of a training job (names, manifests and events only:
+    nothing is loaded)."""
+    if saved:
+        epoch = f", epoch {saved.epoch}" if saved.epoch is not None else ""
+        lines = [f"  checkpoint  step {saved.step}{epoch}: {saved.location}"]
+    else:
+        lines = [f"  checkpoint  none yet in {spec.checkpoint.dir}"]
+    if logged.loss is not None or logged.samples_per_s is not None:
+        values = [
+            f"loss {logged.loss:.4g}" if logged.loss is not None else "",
+            f"{logged.samples_per_s:,.1f} samples/s" if logged.samples_per_s is not None else "",
+        ]
+        lines.append(f"  last log    step {logged.step}: {', '.join(value for value in values if value)}")
+    else:
+        lines.append(f"  last log    nothing logged yet in {spec.logging.tensorboard_dir}")
+    return lines
+
+
+def local_report(never: records.NeverSubmitted) -> list[str]:
+    """For a training spec without a SLURM job: what its local runs left (a checkpoint, TensorBoard
+    events) and where their output went. Raises ``never`` when they left nothing either."""
+    spec = never.spec
+    if spec.job != "train":
+        raise never
+    saved, logged = manifests.latest(spec.checkpoint.dir), progress.last_logged(spec.logging.tensorboard_dir)
+    if saved is None and logged.step is None:
+        raise never
+    lines = [f"{never.target} ({spec.name}): no SLURM job; what its --local runs left", *training_lines(spec, saved, logged)]
+    if saved:
+        try:
+            total: int | None = progress.total_steps(spec)
+        except Exception:  # a dataset that cannot be opened here: the line without the total
+            total = None
+        if total is not None and saved.step >= total:
+            lines.append(f"  finished    step {saved.step} of {total}")
+        else:
+            lines.append(
+                f"  continue    lance-hpc submit {never.target} --local  (from step {saved.step}; without --local on SLURM)"
+            )
+    lines.append("  output      a --local run prints to the terminal (or the file) it ran in; lance-hpc logs follows SLURM jobs")
     return lines
 
 
@@ -127,32 +157,21 @@ def _read(path: Path) -> str:
         return ""
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = target_parser(
-        PROG,
-        "Show a job's SLURM state, restarts, checkpoint, last loss and throughput, and the time it has left.",
-        (
-            "The state comes from scontrol/squeue (and sacct where SLURM keeps accounting); once SLURM has\n"
-            "forgotten a job, from what lance_hpc recorded in <slurm.log_dir>/jobs.jsonl and the job's log.\n\n"
-            "examples:\n"
-            "  lance-hpc status jobs/map_gpu.yaml          # the latest job of this spec\n"
-            "  lance-hpc status jobs/map_gpu.yaml --all    # every job of this spec\n"
-            "  lance-hpc status 1234"
-        ),
-    )
-    parser.add_argument("--all", action="store_true", help="with a spec: every job it has had, oldest first")
-    args = parser.parse_args(argv)
-
-    def command() -> int:
-        refs = records.resolve(args.target, args.set, args.job, every=args.all)
-        if not queue.have_slurm():
-            print(
-                f"{PROG}: scontrol not found on PATH, so SLURM's view is missing below; run this on the login node for it",
-                file=sys.stderr,
-            )
-        for index, ref in enumerate(refs):
-            job = queue.show_job(ref.job_id) if queue.have_slurm() else None
-            print(("\n" if index else "") + "\n".join(report(ref, job)), flush=True)
+def show_status(target: str, overrides: list[str], job_id: str | None, every: bool) -> int:
+    """Print the report of each job ``target`` (a spec or a job id) names: its latest job, the one
+    ``job_id`` picks, or with ``every`` all of them, oldest first; for a spec never submitted, what
+    its runs on this machine left."""
+    try:
+        refs = records.resolve(target, overrides, job_id, every=every)
+    except records.NeverSubmitted as never:
+        print("\n".join(local_report(never)), flush=True)
         return 0
-
-    return run_reporting_errors(command, PROG)
+    if not queue.have_slurm():
+        print(
+            f"{PROG}: scontrol not found on PATH, so SLURM's view is missing below; run this on the login node for it",
+            file=sys.stderr,
+        )
+    for index, ref in enumerate(refs):
+        job = queue.show_job(ref.job_id) if queue.have_slurm() else None
+        print(("\n" if index else "") + "\n".join(report(ref, job)), flush=True)
+    return 0

@@ -33,45 +33,33 @@ unpickle what they need, never re-running a script's top level.
 from __future__ import annotations
 
 import math
-import signal
-import sys
-import warnings
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-from torch.nn.parallel import DistributedDataParallel
-from tqdm import tqdm
 
-from lance_hpc import data
-from lance_hpc.checkpoint import resuming, saving
 from lance_hpc.checkpoint.resuming import Checkpoint
-from lance_hpc.checkpoint.sharded import ShardedSaver, bare, is_tensor_state, load_shards, restore_tensor_state, tensor_state
-from lance_hpc.data import EvalLoader, MixLoader, TrainLoader, selection
-from lance_hpc.errors import UserError
-from lance_hpc.parallel import fsdp
-from lance_hpc.parallel.fsdp import default_blocks, note_default_blocks
-from lance_hpc.parallel.materialise import MetaModel, build_on_meta, materialise, seeded, to_empty
-from lance_hpc.parallel.memory import out_of_memory_message
-from lance_hpc.runtime.environment import DistEnv, configure_process
-from lance_hpc.runtime.metrics import (
-    MetricLogger,
-    Stopwatch,
-    TrainWindow,
-    build_logger,
-)
+from lance_hpc.checkpoint.sharded import bare
+from lance_hpc.loading import TrainLoader
+from lance_hpc.runtime import loaders, model_setup
+from lance_hpc.runtime.checkpoints import CheckpointManager, Stateful
+from lance_hpc.runtime.clock import StepClock
+from lance_hpc.runtime.environment import DistEnv
+from lance_hpc.runtime.log_points import LogPoints
+from lance_hpc.runtime.metrics import MetricLogger
+from lance_hpc.runtime.model_setup import ModelSetup
 from lance_hpc.runtime.preemption import Preemption
 from lance_hpc.runtime.profile import StepProfiler
-from lance_hpc.runtime.watchdog import Progress, Stragglers, Watchdog, host_name, watch_dir
+from lance_hpc.runtime.progress_bar import ProgressBar
+from lance_hpc.runtime.rank_watch import RankWatch
+from lance_hpc.runtime.step_loop import Preempted as Preempted  # raised out of steps(): part of this module's API
+from lance_hpc.runtime.step_loop import StepLoop
 from lance_hpc.spec import JobSpec, TrainSpec
-from lance_hpc.spec.flat import flatten
-from lance_hpc.spec.rules import entry_options
-from lance_hpc.tasks import ROW_ID, Batch, Decoder, Task
+from lance_hpc.tasks import Batch, Decoder, Task
 
 
 @dataclass(frozen=True)
@@ -87,130 +75,23 @@ class Summary:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def wrap_model(model: nn.Module, device: torch.device, deterministic: bool) -> DistributedDataParallel:
-    """DDP over ``model`` (already on ``device``): one device per rank on GPU, gloo on CPU.
-
-    DDP regroups its gradient buckets after the first iteration, in the order the gradients came,
-    which changes the order in which all-reduce sums each gradient: a resumed job would sum its
-    first step differently from the uninterrupted one. Deterministic runs group the buckets once,
-    at the start, in parameter order (:func:`_group_buckets_now`), so every run of the job sums
-    gradients alike from its first step and resumes bit for bit.
-
-    Image inputs take the memory format of the model's convolution weights: pixels straight from
-    the loader are channels-last, and a convolution over them gives channels-last weight gradients
-    that no longer match DDP's gradient buckets (PyTorch warns "Grad strides do not match bucket
-    view strides" and copies every step). Inputs the task already prepared pass unchanged."""
-    memory_format = _conv_memory_format(model)
-    if memory_format is not None:
-        model.register_forward_pre_hook(_InputLayout(memory_format))
-    device_ids = [device.index] if device.type == "cuda" else None
-    wrapped = DistributedDataParallel(model, device_ids=device_ids)
-    if deterministic:
-        _group_buckets_now(wrapped)
-    return wrapped
-
-
-def _group_buckets_now(wrapped: DistributedDataParallel) -> None:
-    """Make DDP's one regrouping of its gradient buckets now, before the first step, in parameter
-    order: DDP then never regroups (it does so only once), and no step depends on the order in
-    which the first backward pass of this particular run produced gradients.
-
-    This is the regrouping DDP's own Join makes for a rank that has run out of inputs; every rank
-    calls it here at the same point (it agrees the grouping with one broadcast). Buckets in
-    parameter order start their all-reduce only at the end of the backward pass, which costs the
-    overlap of communication with backward that ``deterministic: false`` keeps."""
-    reducer = wrapped.reducer
-    reducer._push_all_rebuilt_params()
-    if not reducer._rebuild_buckets():
-        raise RuntimeError("DDP did not regroup its gradient buckets before the first step")
-    wrapped._has_rebuilt_buckets = True
-
-
-def _conv_memory_format(model: nn.Module) -> torch.memory_format | None:
-    """channels_last or contiguous_format, as the model's first 4-d weight is laid out; None without one."""
-    for parameter in model.parameters():
-        if parameter.dim() == 4:
-            if parameter.is_contiguous():
-                return torch.contiguous_format
-            if parameter.is_contiguous(memory_format=torch.channels_last):
-                return torch.channels_last
-            return None
-    return None
-
-
-class _InputLayout:
-    """Forward pre-hook: 4-d floating-point tensor arguments in ``memory_format`` (a no-op for
-    those already in it)."""
-
-    def __init__(self, memory_format: torch.memory_format) -> None:
-        self.memory_format = memory_format
-
-    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        return tuple(
-            arg.contiguous(memory_format=self.memory_format)
-            if isinstance(arg, torch.Tensor) and arg.dim() == 4 and arg.is_floating_point()
-            else arg
-            for arg in args
-        )
-
-
 def precision_context(train_spec: TrainSpec, device: torch.device) -> torch.autocast:
     """bf16 autocast on GPU when train.precision is bf16; fp32 otherwise (and always on CPU)."""
     enabled = device.type == "cuda" and train_spec.precision == "bf16"
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
 
 
-class EqualBatches:
-    """An evaluation loader followed by batches of no rows, ``count`` batches in all: every rank of a
-    sharded model runs as many forward passes."""
-
-    def __init__(self, loader: EvalLoader, count: int, decoder: Decoder) -> None:
-        self.loader, self.count, self.decoder = loader, count, decoder
-
-    def __len__(self) -> int:
-        return self.count
-
-    def __iter__(self) -> Iterator[Batch]:
-        yield from self.loader
-        for _ in range(self.count - len(self.loader)):
-            yield {name: field.empty(0) for name, field in self.decoder.fields().items()} | {
-                ROW_ID: torch.empty(0, dtype=torch.int64)
-            }
-
-
-class Stateful(Protocol):
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> Any: ...
-
-
-class Preempted(Exception):
-    """Raised out of :meth:`Context.steps` once every rank agreed to stop and the state is saved."""
-
-    def __init__(self, step: int, saved: str) -> None:
-        super().__init__(f"preempted at step {step}; checkpoint {saved}")
-        self.step, self.saved = step, saved
-
-
-class StopNotHonoured(Exception):
-    """A stop signal came while the loop read its loader without :meth:`Context.steps`, the only
-    place where the ranks agree to stop and save: the job ends without a checkpoint, and says so."""
-
-    def __init__(self, signum: int, step: int) -> None:
-        name = signal.Signals(signum).name
-        super().__init__(
-            f"stopped by {name}, and nothing was saved: the loop reads its loader directly, not through "
-            f"ctx.steps(loader), which is where lance_hpc stops the ranks together and saves a checkpoint "
-            f"(no checkpoint since step {step})\n  fix: iterate with `for step, batch in ctx.steps(loader):`"
-        )
-        self.signum = signum
-
-
 class Context:
     """What a job's entry function gets in every rank; see the module doc for a loop.
 
     ``spec``, ``task`` and ``device`` are plain attributes; everything else is read through
-    properties and methods, and the context's own bookkeeping stays private."""
+    properties and methods. The context is a face over its collaborators: the step clock
+    (:mod:`~lance_hpc.runtime.clock`) and the loop that drives it (:mod:`~lance_hpc.runtime.step_loop`),
+    the checkpoints (:mod:`~lance_hpc.runtime.checkpoints`), the metric window
+    (:mod:`~lance_hpc.runtime.log_points`), the watchdog hookup (:mod:`~lance_hpc.runtime.rank_watch`),
+    the profiler (:mod:`~lance_hpc.runtime.profile`), the progress bar
+    (:mod:`~lance_hpc.runtime.progress_bar`), the model's setup (:mod:`~lance_hpc.runtime.model_setup`)
+    and the loaders (:mod:`~lance_hpc.runtime.loaders`)."""
 
     def __init__(
         self,
@@ -225,33 +106,30 @@ class Context:
     ) -> None:
         self.spec, self.task, self.device = spec, task, device
         self._options = dict(spec.entry_options) if options is None else options
-        self._env, self._logger, self._preemption, self._resumed = env, logger, preemption, resumed
-        self._step = resumed.step if resumed else 0  # optimizer steps taken, counting those before a resume
-        self._epoch = resumed.epoch if resumed else 0  # the epoch being read
-        self._epochs, self._max_steps = spec.train.epochs, spec.train.max_steps  # of the running steps()
-        self._stepping: TrainLoader | None = None  # the loader steps() iterates
-        self._in_steps = False
-        self._registered: dict[str, Stateful] = {}
-        self._meta: dict[int, MetaModel] = {}  # models of build_model() that wrap() initialises on their shards
-        self._saver = ShardedSaver(spec.slurm.signal_delay_s if env.launcher == "slurm" else None)
-        self._rng_restored = False
-        self._step_hooks: list[Callable[[], None]] = []
-        self._epoch_hooks: list[Callable[[], None]] = []
-        self._saved: str | None = None
-        self._accumulating = False
-        self._micro_batches = 1
-        self._log_due = False
-        self._step_time_s = 0.0
-        self._warned_direct = False
-        self._window = TrainWindow(device, task.metrics)  # reduced once per log point: perf/* and train/*
-        self._activity = Progress()  # what this rank is doing, for the watchdog (lance_hpc.runtime.watchdog)
-        watchdog = spec.train.watchdog
-        self._stragglers = Stragglers(watchdog.straggler_factor) if watchdog is not None else None
-        self._hosts: list[str] | None = None
-        self._own_s, self._wait_s, self._timed_steps = 0.0, 0.0, 0  # this rank's work and data wait since the last log point
+        self._env, self._preemption = env, preemption
+        self._clock = StepClock(
+            resumed.step if resumed else 0, resumed.epoch if resumed else 0, spec.train.epochs, spec.train.max_steps
+        )
+        self._checkpoints = CheckpointManager(spec, env, resumed)
+        self._models = ModelSetup(spec, task, device, env.world_size, env.is_main, resumed)
+        self._log_points = LogPoints(logger, task, device, env.is_main)
+        self._watch = RankWatch(spec, env, device)
         self._profiler = StepProfiler(spec, env.rank, device)
-        self._shown: dict[str, float] = {}  # scalars logged at the current log point: the bar and the log line
-        self._bar: tqdm | None = None
+        self._bar = ProgressBar(env.is_main, spec.logging.progress)
+        self._stepping: TrainLoader | None = None  # the loader steps() iterates
+        self._loop = StepLoop(
+            spec,
+            device,
+            self._clock,
+            watch=self._watch,
+            profiler=self._profiler,
+            bar=self._bar,
+            log_points=self._log_points,
+            preemption=preemption,
+            save=self.save,
+            wait=self.wait_for_checkpoint,
+            total_steps=lambda: self.total_steps,
+        )
 
     # ---- where this rank runs ------------------------------------------------------------------
 
@@ -282,22 +160,23 @@ class Context:
     @property
     def step(self) -> int:
         """Optimizer steps taken, counting those before a resume (at whatever world sizes)."""
-        return self._step
+        return self._clock.step
 
     @property
     def epoch(self) -> int:
         """The epoch being read (the next one, once an epoch's last step is taken)."""
-        return self._epoch
+        return self._clock.epoch
 
     @property
     def resumed_from(self) -> str | None:
         """The checkpoint this run resumed from; None for a fresh start."""
-        return str(self._resumed.path) if self._resumed is not None else None
+        resumed = self._checkpoints.resumed
+        return str(resumed.path) if resumed is not None else None
 
     @property
     def last_checkpoint(self) -> str | None:
         """The checkpoint this run saved last."""
-        return self._saved
+        return self._checkpoints.last
 
     @property
     def steps_per_epoch(self) -> int:
@@ -313,57 +192,50 @@ class Context:
         """Epochs read so far, counted in samples (the same at any world size): drive a learning-rate
         schedule with it, rather than with steps, and a resumed job on another world size keeps its curve."""
         loader = self._position_loader()
-        if loader is None or loader.epoch != self._epoch:
-            return float(self._epoch)
-        return self._epoch + loader.epoch_fraction()
+        if loader is None or loader.epoch != self._clock.epoch:
+            return float(self._clock.epoch)
+        return self._clock.epoch + loader.epoch_fraction()
 
     @property
     def total_steps(self) -> int:
         """The step the running steps() ends at, if this world size reads the rest (exact unless resized again)."""
-        left = (self._epochs - self.progress) * self.steps_per_epoch
-        estimate = self._step + math.ceil(round(max(left, 0.0), 6))
-        return min(estimate, self._max_steps) if self._max_steps is not None else estimate
+        return self._clock.total_steps(self.progress, self.steps_per_epoch)
 
     @property
     def finished(self) -> bool:
         """The running steps() (or train.epochs and train.max_steps, before it) is done."""
-        return self._epoch >= self._epochs or (self._max_steps is not None and self._step >= self._max_steps)
+        return self._clock.finished
 
     @property
     def accumulating(self) -> bool:
         """Inside steps(): more batches of this step follow (train.grad_accum > 1); take the optimizer
         step after the batch for which this is False."""
-        return self._accumulating
+        return self._clock.accumulating
 
     @property
     def micro_batches(self) -> int:
         """Inside steps(): the batches of the current step (train.grad_accum, or fewer at an epoch's
         end); divide the loss by it for the mean over the step."""
-        return self._micro_batches
+        return self._clock.micro_batches
 
     @property
     def step_time_s(self) -> float:
         """In a step-end hook: the wall time of the step just taken, from the request for its first
         batch to the end of the loop's work on its last (data wait included)."""
-        return self._step_time_s
+        return self._clock.step_time_s
 
     @property
     def log_due(self) -> bool:
         """In a step-end hook: this step is a log point (every logging.log_every_steps, each epoch's
         last step and the last step of all)."""
-        return self._log_due
+        return self._clock.log_due
 
     # ---- building blocks -------------------------------------------------------------------------
 
     def train_loader(self, decoder: Decoder | None = None) -> TrainLoader:
         """This rank's training batches with the spec's strategy; ``decoder`` defaults to the task's."""
-        loader = data.build_train_loader(
-            selection.pinned_data(self.spec.data, self._resumed),
-            decoder or self.task.decoder(train=True),
-            self.rank,
-            self.world_size,
-            pin_memory=self.device.type == "cuda",
-        )
+        decoder = decoder or self.task.decoder(train=True)
+        loader = loaders.train_loader(self.spec, self._checkpoints.resumed, decoder, self._env, self.device)
         loader.watch = self._direct_batch
         return loader
 
@@ -372,19 +244,7 @@ class Context:
         Under ddp ranks may get one batch more or less than each other; under fsdp, where a forward
         pass gathers the model's shards from every rank, each rank gets as many batches as the rank
         with the most (the extra ones hold no rows)."""
-        decoder = decoder or self.task.decoder(train=False)
-        loader = data.build_eval_loader(
-            self.spec.data if uri is None else self.spec.data.model_copy(update={"val_uri": uri}),
-            decoder,
-            self.rank,
-            self.world_size,
-            pin_memory=self.device.type == "cuda",
-        )
-        if self.spec.train.parallelism != "fsdp":
-            return loader
-        most = torch.tensor([len(loader)], dtype=torch.int64, device=self.device)
-        dist.all_reduce(most, op=dist.ReduceOp.MAX)
-        return EqualBatches(loader, int(most.item()), decoder)
+        return loaders.eval_loader(self.spec, decoder or self.task.decoder(train=False), uri, self._env, self.device)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The model to call outside the training step (an evaluation): DDP's own module, whose
@@ -398,67 +258,14 @@ class Context:
         on this rank's device under ddp; under fsdp it stays on the meta device until :meth:`wrap`
         gives each rank its shards. A resumed job checks instead that its checkpoint was written for
         the same task and model (register the model to restore it)."""
-        if self._resumed is not None:
-            resuming.check_same_model(self._resumed, self.spec, self.task.options)
-        weights = self._resumed is None and getattr(self.task.options, "weights", None) is not None
-        meta = build_on_meta(self.task.build_model)
-        problem = meta.problem()
-        if problem is None and self.spec.train.parallelism == "fsdp" and not weights:
-            self._meta[id(meta.model)] = meta  # wrap() shards it, then initialises each rank's rows
-            return meta.model
-        if problem is None:
-            model = to_empty(meta.model, self.device)
-            materialise(meta, self.device, self.spec.train.seed)
-        else:
-            if self.is_main:
-                print(f"lance_hpc: the model is built whole on the CPU: {problem}", file=sys.stderr, flush=True)
-            with seeded(self.spec.train.seed):
-                model = self.task.build_model()
-        if self._resumed is None:
-            self.task.load_weights(model)
-        if self.spec.train.parallelism == "fsdp":
-            return model  # fully_shard moves each shard to the device
-        return self.task.prepare_model(model, self.device)
+        return self._models.build()
 
     def wrap(self, model: nn.Module, blocks: list[nn.Module] | None = None) -> nn.Module:
         """``model`` on this rank's device, wrapped for train.parallelism (call it before building the
         optimizer): DDP, or FSDP2 shards of each of ``blocks`` (default: the task's
         :meth:`~lance_hpc.tasks.Task.blocks`) and of the root. A model of :meth:`build_model` under
         fsdp is initialised here, each rank computing only its own shards."""
-        if self.spec.train.parallelism == "fsdp":
-            return self._shard(model, blocks)
-        wrapped = wrap_model(model.to(self.device), self.device, self.spec.train.deterministic)
-        activity = self._activity
-
-        def all_reduce_noting_the_first_bucket(state: Any, bucket: dist.GradBucket) -> torch.futures.Future:
-            activity.first_bucket()  # the watchdog tells a rank waiting for others from a stuck one
-            return allreduce_hook(state, bucket)
-
-        # DDP checks the hook's annotations as objects (this module's are strings)
-        all_reduce_noting_the_first_bucket.__annotations__.update(
-            {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
-        )
-        wrapped.register_comm_hook(None, all_reduce_noting_the_first_bucket)
-        return wrapped
-
-    def _shard(self, model: nn.Module, blocks: list[nn.Module] | None) -> nn.Module:
-        chosen = blocks if blocks is not None else self.task.blocks(model)
-        if chosen is None:
-            chosen, where = default_blocks(model)
-            if self.is_main:
-                note_default_blocks(self.spec.task.name, where, len(chosen))
-        meta = self._meta.pop(id(model), None)
-        sharded = fsdp.shard(model, chosen, self.device, self.spec.train, self.world_size)
-        if meta is not None:
-            offload = self.spec.train.cpu_offload
-            sharded.to_empty(device=torch.device("cpu") if offload else self.device)
-            if offload:  # parameters live in host memory between uses; buffers stay where the compute is
-                for module in sharded.modules():
-                    for key, buffer in module._buffers.items():
-                        if buffer is not None:
-                            module._buffers[key] = buffer.to(self.device)
-            materialise(meta, self.device, self.spec.train.seed)
-        return sharded
+        return self._models.wrap(model, blocks, self._watch)
 
     def to_device(self, batch: Batch) -> Batch:
         """A batch on this rank's device, as the task prepares it (normalised images, ...)."""
@@ -471,12 +278,7 @@ class Context:
     def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
         """DDP's no_sync while :attr:`accumulating` (under fsdp: no gradient reduce-scatter until the
         step's last batch): gradients are reduced once per step."""
-        if fsdp.is_sharded(model):
-            model.set_requires_gradient_sync(not self._accumulating)  # type: ignore[operator]
-            return nullcontext()
-        if self._accumulating and isinstance(model, DistributedDataParallel):
-            return model.no_sync()
-        return nullcontext()
+        return model_setup.no_sync(model, self._clock.accumulating)
 
     # ---- checkpoints -----------------------------------------------------------------------------
 
@@ -485,104 +287,41 @@ class Context:
         ``state_dict``/``load_state_dict``); when the job resumes, each is restored here, in place.
         Register a model together with its optimizer: a sharded checkpoint keys the optimizer's
         state by the model's parameter names."""
-        whole: dict[str, Any] = {}  # from a checkpoint of whole tensors into a sharded model
-        from_shards: dict[str, Any] = {}  # from a sharded checkpoint
-        for name, item in objects.items():
-            if not (hasattr(item, "state_dict") and hasattr(item, "load_state_dict")):
-                raise UserError(
-                    f"ctx.register({name}=...): a {type(item).__name__} has no state_dict/load_state_dict to checkpoint it with"
-                )
-            self._registered[name] = item
-            if isinstance(item, TrainLoader):
-                item.watch = self._direct_batch
-            if self._resumed is None:
-                continue
-            if isinstance(item, TrainLoader):
-                saved = self._resumed.loader_position(name, self._env)
-                if saved is not None:
-                    item.load_state_dict(saved)
-            elif self._resumed.shards is not None and is_tensor_state(item):
-                from_shards[name] = item
-            elif name in self._resumed.objects and is_tensor_state(item) and self._sharded():
-                whole[name] = item
-            elif name in self._resumed.objects:
-                resuming.restore_object(bare(item), self._resumed.objects[name], self._resumed, self.spec, name)
-            else:
-                raise UserError(
-                    f"ctx.register: the checkpoint {self._resumed.path} holds no {name!r} "
-                    f"(it has {', '.join(self._resumed.objects) or 'nothing'})"
-                )
-        if from_shards:
-            assert self._resumed is not None and self._resumed.shards is not None
-            load_shards(from_shards, self._resumed.directory, self._resumed.shards)
-        if whole:
-            assert self._resumed is not None
-            restore_tensor_state(whole, {name: self._resumed.objects[name] for name in whole}, whole=True)
+        train_loaders = {name: item for name, item in objects.items() if isinstance(item, TrainLoader)}
+        for loader in train_loaders.values():
+            loader.watch = self._direct_batch
+        self._checkpoints.register(objects, train_loaders)
 
     def save(self) -> str:
         """Collective: checkpoint every registered object now (steps() calls it for you). Under fsdp
         each rank writes its own shards of the model and optimizer (in the background with
         checkpoint.async_save)."""
-        self._activity.enter("checkpoint")
-        loaders = {name: item for name, item in self._registered.items() if isinstance(item, TrainLoader)}
-        mid_epoch = any(item.epoch == self._epoch and item.consumed > 0 for item in loaders.values())
-        sharded = self._sharded()
-        tensors = {name: item for name, item in self._registered.items() if sharded and is_tensor_state(item)}
-        for item in tensors.values():  # fsdp keeps buffers (BatchNorm statistics) per rank: save rank 0's, as DDP does
-            if isinstance(item, nn.Module):
-                for buffer in item.buffers():
-                    dist.broadcast(buffer, src=0)
-        state = {
-            "format": saving.FORMAT,
-            "step": self._step,
-            "epoch": self._epoch,
-            "progress": self.progress,
-            "mid_epoch": mid_epoch,
-            "world_size": self.world_size,
-            "objects": {
-                name: bare(item).state_dict()
-                for name, item in self._registered.items()
-                if name not in loaders and name not in tensors
-            },
-            "dataset_version": next(iter(loaders.values())).dataset_version if loaders else None,
-            "data_pinned": next(iter(loaders.values())).pinned if loaders else None,
-            "spec": self.spec.redacted_dict(),
-        }
-        rank_state = {"loaders": {name: item.state_dict() for name, item in loaders.items()} if mid_epoch else {}}
-        shards = (self._saver, tensor_state(tensors), self.spec.checkpoint.async_save) if sharded else None
-        self._saved = str(saving.save(self.spec.checkpoint.dir, self._step, state, rank_state, self.spec.checkpoint.keep, shards))
-        if sharded:
-            self._logger.log({"checkpoint/blocked_s": self._saver.blocked_s}, self._step)
-        return self._saved
+        self._watch.progress.enter("checkpoint")
+        saved = self._checkpoints.save(self._clock.step, self._clock.epoch, self.progress)
+        if self._checkpoints.sharded:
+            self._log_points.log({"checkpoint/blocked_s": self._checkpoints.saver.blocked_s}, self._clock.step)
+        return saved
 
     def wait_for_checkpoint(self) -> None:
         """Collective: the checkpoint still being written in the background (checkpoint.async_save)
         complete; steps() calls it before a preemption ends the job, lance_hpc at the end."""
-        self._saver.wait()
+        self._checkpoints.wait()
 
     def out_of_memory(self, error: BaseException) -> str:
         """What the model's state needs per rank and what to change, for a device out of memory."""
-        models = [bare(item) for item in self._registered.values() if isinstance(bare(item), nn.Module)]
-        if not models:  # it ran out while the model was built or wrapped: count it on the meta device
-            models = [build_on_meta(self.task.build_model).model]
-        parameters = sum(parameter.numel() for model in models for parameter in model.parameters())
-        total = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
-        return out_of_memory_message(error, self.spec, parameters, self.world_size, str(self.device), total)
-
-    def _sharded(self) -> bool:
-        return any(fsdp.is_sharded(bare(item)) for item in self._registered.values() if isinstance(item, nn.Module))
+        return self._models.out_of_memory(error, self._checkpoints.models())
 
     # ---- the loop --------------------------------------------------------------------------------
 
     def on_step_end(self, hook: Callable[[], None]) -> None:
         """Call ``hook()`` on every rank after each step, before steps() saves or stops (:attr:`step`
         already counts it; :attr:`log_due` says whether it is a log point)."""
-        self._step_hooks.append(hook)
+        self._loop.step_hooks.append(hook)
 
     def on_epoch_end(self, hook: Callable[[], None]) -> None:
         """Call ``hook()`` on every rank after each epoch's last step, and after the last step of all,
         before the checkpoint saved there (an evaluation, say; it may be a collective)."""
-        self._epoch_hooks.append(hook)
+        self._loop.epoch_hooks.append(hook)
 
     def steps(self, loader: TrainLoader, epochs: int | None = None, max_steps: int | None = None) -> Iterator[tuple[int, Batch]]:
         """(step, batch) until ``epochs`` (default train.epochs) or ``max_steps`` (default
@@ -593,82 +332,14 @@ class Context:
         and stops all ranks together on preemption (saves, raises :class:`Preempted`)."""
         self._stepping = loader
         loader.watch = self._direct_batch
-        if self._resumed is not None and not self._rng_restored:  # now: building the model drew from the generators
-            resuming.restore_rank(self._resumed, self._env, self.spec.train.seed)
-            self._rng_restored = True
-        self._epochs = epochs or self.spec.train.epochs
-        self._max_steps = max_steps or self.spec.train.max_steps
-        if self.finished:
+        self._checkpoints.restore_rng()  # now: building the model drew from the generators
+        clock = self._clock
+        clock.run_to(epochs or self.spec.train.epochs, max_steps or self.spec.train.max_steps)
+        if clock.finished:
             if self.is_main:
-                print(self._already_finished(), flush=True)
+                print(clock.already_finished(self.last_checkpoint or self.resumed_from), flush=True)
             return
-        accumulate = self.spec.train.grad_accum
-        while not self.finished:
-            loader.set_epoch(self._epoch)
-            remaining = loader.steps_remaining  # batches; a step takes up to grad_accum of them
-            if remaining == 0:  # nothing left of a resumed epoch
-                self._epoch += 1
-                continue
-            total = math.ceil(loader.epoch_steps / accumulate)
-            done = math.ceil((loader.epoch_steps - remaining) / accumulate)
-            epoch_watch = Stopwatch()
-            with self._progress_bar(total, done) as self._bar:
-                batches = iter(loader)
-                self._activity.new_pass()
-                while remaining > 0:
-                    self._micro_batches = min(accumulate, remaining)
-                    step_watch, data_wait = Stopwatch(), 0.0
-                    self._profiler.before_step(self._step)
-                    self._in_steps = True
-                    try:
-                        for index in range(self._micro_batches):
-                            wait = Stopwatch()
-                            self._activity.wait_for_batch(first_of_step=index == 0)
-                            batch = next(batches)
-                            data_wait += wait.lap()
-                            self._activity.got_batch()
-                            self._window.add_samples(len(batch[ROW_ID]))
-                            self._accumulating = index < self._micro_batches - 1
-                            yield self._step, batch
-                    finally:
-                        self._in_steps, self._accumulating = False, False
-                    remaining -= self._micro_batches
-                    self._step += 1
-                    self._step_time_s = step_watch.lap()
-                    self._window.add_step(self._step_time_s, data_wait)
-                    own = self._activity.own_s
-                    self._own_s += own if own is not None else self._step_time_s - data_wait
-                    self._wait_s += data_wait
-                    self._timed_steps += 1
-                    self._activity.step_done(self._step, self._step_time_s)
-                    self._profiler.after_step(self._step)
-                    self._bar.update()
-                    epoch_end = remaining == 0
-                    if epoch_end:
-                        self._epoch += 1
-                    done_all = self.finished
-                    self._log_due = self._step % self.spec.logging.log_every_steps == 0 or epoch_end or done_all
-                    for hook in self._step_hooks:
-                        hook()
-                    if self._log_due:
-                        self._log_window(epoch_watch.lap() if epoch_end else None)
-                    if epoch_end or done_all:
-                        self._activity.enter("evaluate")
-                        for hook in self._epoch_hooks:
-                            hook()
-                        self._shown.clear()  # an evaluation prints its own line
-                    saved = None
-                    if epoch_end or done_all or self._step % self.spec.checkpoint.every_steps == 0:
-                        saved = self.save()
-                    if done_all:
-                        return
-                    if self._preemption.agreed(self.device):
-                        saved = saved or self.save()
-                        self.wait_for_checkpoint()  # the requeued job must find it complete
-                        raise Preempted(self._step, saved)
-                    if epoch_end:
-                        break
-            self._bar = None
+        yield from self._loop.run(loader)
 
     # ---- metrics ---------------------------------------------------------------------------------
 
@@ -677,8 +348,8 @@ class Context:
         this rank's: reduce them with :meth:`all_reduce` first for all-rank figures. Inside steps(),
         the ``train/*`` values also show on the progress bar (or, without one, in the log line
         rank 0 prints at each log point)."""
-        self._logger.log(scalars, self._step if step is None else step)
-        self._shown.update(scalars)
+        self._log_points.log(scalars, self._clock.step if step is None else step)
+        self._bar.note(scalars)
 
     def add_metric_sums(self, sums: torch.Tensor) -> None:
         """Count a batch's metric sums towards the task's ``train/*`` values: ``sums`` is what
@@ -687,7 +358,7 @@ class Context:
         point steps() reduces them together with its ``perf/*`` figures, in the same all-reduce, and
         logs ``task.report(sums, "train", seconds)`` (``train/loss``, ...) beside the ``perf/*`` tags;
         a loop that never calls it logs ``perf/*`` only."""
-        self._window.add_sums(sums)
+        self._log_points.window.add_sums(sums)
 
     def all_reduce(self, values: dict[str, float], op: str = "mean") -> dict[str, float]:
         """Collective: ``values`` summed (``op="sum"``) or averaged over all ranks."""
@@ -701,176 +372,26 @@ class Context:
 
     # ---- private ---------------------------------------------------------------------------------
 
-    def _log_window(self, epoch_time_s: float | None) -> None:
-        """Collective at a log point, one all-reduce: the task's train/* values (if the loop added
-        metric sums) and the perf/* tags, the progress bar or log line, a store-retry note."""
-        self._activity.enter("log")
-        if self._stepping is not None:
-            self._window.count_store_retries(self._stepping.stats.retries)
-        has_sums = self._window.has_sums
-        sums, seconds, perf = self._window.reduce()
-        perf.update(self._rank_figures())
-        if epoch_time_s is not None:
-            perf["perf/epoch_time_s"] = epoch_time_s
-        if isinstance(self._stepping, MixLoader):  # the plan knows every rank's draws: no collective
-            perf.update(self._stepping.source_figures())
-        reported = self.task.report(sums, "train", seconds) if has_sums else {}
-        self._logger.log({**reported, **perf}, self._step)
-        shown, self._shown = {**reported, **self._shown, **perf}, {}  # the task's values lead the line
-        train = {tag: value for tag, value in shown.items() if tag.startswith("train/") and tag != "train/lr"}
-        if self._bar is not None:
-            self._bar.set_postfix({tag.split("/", 1)[1]: f"{value:.3f}" for tag, value in list(train.items())[:3]})
-        if self.is_main and not self.spec.logging.progress:
-            values = ", ".join(f"{tag} {value:.4g}" for tag, value in shown.items())
-            print(f"step {self._step}/{self.total_steps}: {values}", flush=True)
-        if self.is_main and perf["data/store_retries"] > 0:  # one line per log window, however many
-            print(
-                f"step {self._step}: the store failed {perf['data/store_retries']:.0f} batch read(s) since the previous "
-                "log point, all read again (retried up to data.io_timeout_s)",
-                file=sys.stderr,
-                flush=True,
-            )
-
-    def _rank_figures(self) -> dict[str, float]:
-        """Collective: each rank's own work and data wait per step since the last log point, as
-        TensorBoard tags; a straggler is named in the log (see :class:`Stragglers`)."""
-        steps = max(self._timed_steps, 1)
-        mine = torch.tensor([self._own_s / steps, self._wait_s / steps], dtype=torch.float64, device=self.device)
-        self._own_s, self._wait_s, self._timed_steps = 0.0, 0.0, 0
-        gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(gathered, mine)
-        own = [float(value[0]) for value in gathered]
-        wait = [float(value[1]) for value in gathered]
-        if self._stragglers is not None and self._hosts is None:  # once: every rank's node, to name a straggler's
-            hosts: list[Any] = [None] * self.world_size
-            dist.all_gather_object(hosts, host_name())
-            self._hosts = [str(host) for host in hosts]
-        if self.is_main and self._stragglers is not None:
-            named = self._stragglers.check(own, wait, self._hosts)
-            if named:
-                print(named, file=sys.stderr, flush=True)
-        if self.world_size == 1:
-            return {}
-        figures = {f"perf/rank/{rank}/own_work_s": value for rank, value in enumerate(own)}
-        figures.update({f"perf/rank/{rank}/data_wait_s": value for rank, value in enumerate(wait)})
-        return figures
-
-    def _progress_bar(self, total: int, done: int) -> tqdm:
-        # In a SLURM log (no terminal) a bar redrawn ten times a second buries everything else.
-        redraw_s = 0.1 if sys.stdout.isatty() else 30.0
-        return tqdm(
-            total=total,
-            initial=done,
-            desc=f"epoch {self._epoch + 1}",
-            leave=False,
-            mininterval=redraw_s,
-            disable=not (self.is_main and self.spec.logging.progress),
-            file=sys.stdout,
-        )
-
-    def _already_finished(self) -> str:
-        limit = (
-            f"train.max_steps ({self._max_steps})"
-            if self._max_steps is not None and self._step >= self._max_steps
-            else f"train.epochs ({self._epochs})"
-        )
-        where = f" ({self.last_checkpoint or self.resumed_from})" if (self.last_checkpoint or self.resumed_from) else ""
-        return (
-            f"already finished: step {self._step}, epoch {self._epoch}, reached {limit}; nothing to train"
-            f"{where}\n  fix: raise {limit.split(' ')[0]} to train on from here, or give the job a new "
-            "checkpoint.dir to start over"
-        )
-
     def _position_loader(self) -> TrainLoader | None:
         """The loader whose position measures progress: the one steps() iterates, else the first registered."""
         if self._stepping is not None:
             return self._stepping
-        return next((item for item in self._registered.values() if isinstance(item, TrainLoader)), None)
+        return next((item for item in self._checkpoints.objects.values() if isinstance(item, TrainLoader)), None)
 
     def _direct_batch(self) -> None:
-        """Called by a loader of this context for every batch it hands out: outside steps(), a loop
-        that holds state is told once that nothing is saved, and a stop signal ends it."""
-        if self._in_steps:
-            return
-        if not self._warned_direct and self._registered and self.is_main:
-            warnings.warn(
-                "this loop iterates its loader directly, not through ctx.steps(loader): what it registered "
-                "is never checkpointed, and a preemption cannot stop it at a step boundary; iterate with "
-                "`for step, batch in ctx.steps(loader):`",
-                stacklevel=3,
-            )
-        self._warned_direct = True
-        if self._preemption.received is not None:
-            raise StopNotHonoured(self._preemption.received, self._step)
+        """Called by a loader of this context for every batch it hands out (see :meth:`StepLoop.direct_batch`)."""
+        self._loop.direct_batch(bool(self._checkpoints.objects), self.is_main)
 
+    def _begin_run(self) -> None:
+        """Before the entry runs: the watchdog thread started, the profiler listening for USR1."""
+        self._watch.start()
+        self._profiler.listen()
 
-def run_entry(
-    entry: Callable[[Context], Any], spec: JobSpec, env: DistEnv, device: torch.device, preemption: Preemption, task: Task
-) -> Summary:
-    """Run a job's entry function in this rank; a preemption inside :meth:`Context.steps` ends it."""
-    configure_process(spec.train.seed, spec.train.deterministic, env, device)
-    resumed = resuming.find_resume_point(spec)
-    if resumed and env.is_main and not _ended(resumed, spec):
-        print(
-            resuming.resume_message(
-                resumed,
-                float(resumed.state.get("progress", resumed.epoch)),
-                env.world_size,
-                spec.data.batch_size,
-                spec.train.grad_accum,
-            ),
-            flush=True,
-        )
-    logger = build_logger(spec, env.is_main, purge_step=resumed.step if resumed else None)
-    logger.log_hparams(
-        {**flatten(spec.redacted_dict()), "world_size": env.world_size}, (f"val/{task.headline_metric}", "val/loss")
-    )
-    context = Context(spec, env, device, task, logger, preemption, resumed, entry_options(entry, spec.entry_options))
-    watchdog = start_watchdog(spec, env, context._activity)
-    context._profiler.listen()
-    try:
-        result = entry(context)
-        context.wait_for_checkpoint()
-    except torch.OutOfMemoryError as error:
-        raise UserError(context.out_of_memory(error)) from None
-    except Preempted as stop:
-        return Summary("preempted", stop.step, context.epoch, stop.saved)
-    except StopNotHonoured as stop:
-        if env.is_main:
-            print(f"lance_hpc.run: {stop}", file=sys.stderr, flush=True)
-        return Summary("unsaved", context.step, context.epoch, None)
-    finally:
-        context._saver.wait_quietly(timeout_s=spec.train.collective_timeout_s)  # after a failure: the shards it was writing
-        context._profiler.stop(context.step)
-        logger.close()
-        if watchdog is not None:
-            watchdog.close()
-    metrics = {key: float(value) for key, value in result.items()} if isinstance(result, dict) else {}
-    if env.is_main:
-        print(final_line(task, metrics, context.step), flush=True)
-    return Summary("completed", context.step, context.epoch, context.last_checkpoint, metrics)
-
-
-def start_watchdog(spec: JobSpec, env: DistEnv, progress: Progress) -> Watchdog | None:
-    """This rank's watchdog thread (train.watchdog), started; None when the spec turns it off."""
-    settings = spec.train.watchdog
-    if settings is None:
-        return None
-    directory = watch_dir(spec.slurm.log_dir, spec.name, env.job_ref)
-    # fire well before the collective timeout ends the job with nothing said
-    ceiling = max(spec.train.collective_timeout_s * 0.5, 1.0)
-    watchdog = Watchdog(progress, directory, env.rank, env.world_size, settings.factor, settings.floor_s, ceiling)
-    watchdog.start()
-    return watchdog
-
-
-def final_line(task: Task, metrics: dict[str, float], step: int) -> str:
-    """``final validation accuracy: 0.9944 (loss 0.0243) after 270 steps``, or what the entry returned."""
-    if f"val/{task.headline_metric}" in metrics or "val/loss" in metrics:
-        return f"final validation {task.headline(metrics)} after {step} steps"
-    values = ", ".join(f"{tag} {value:.4g}" for tag, value in metrics.items())
-    return f"training finished after {step} steps" + (f": {values}" if values else "")
-
-
-def _ended(resumed: Checkpoint, spec: JobSpec) -> bool:
-    return resumed.epoch >= spec.train.epochs or (spec.train.max_steps is not None and resumed.step >= spec.train.max_steps)
+    def _end_run(self) -> None:
+        """After the entry, however it ended: the shards a failed run was writing given their time (no
+        collective: another rank may be gone), the profiler's trace written, the logger closed, the
+        watchdog stopped."""
+        self._checkpoints.wait_quietly(timeout_s=self.spec.train.collective_timeout_s)
+        self._profiler.stop(self._clock.step)
+        self._log_points.logger.close()
+        self._watch.close()

@@ -7,7 +7,7 @@
   sets the same variables); they win even inside a SLURM allocation.
 - ``slurm``: a task started by ``srun`` (``SLURM_STEP_ID`` is set). The master is the first host
   of the node list; the port is the MASTER_PORT the batch step picked free on that node
-  (:mod:`lance_hpc.launch.ports`), or, in a script that skips that step, one derived from the job
+  (:mod:`lance_hpc.runtime.ports`), or, in a script that skips that step, one derived from the job
   id, so every rank computes the same address without talking to the others.
 - ``local``: a plain single process.
 
@@ -34,7 +34,7 @@ import torch.distributed as dist
 from submitit.slurm.slurm import SlurmParseException, _parse_node_list
 
 from lance_hpc.errors import UserError
-from lance_hpc.launch.ports import port_for_job
+from lance_hpc.runtime.ports import port_for_job, take_held_port
 
 # Every SLURM variable this module reads, in one place (submitit's JobEnvironment._env does the same).
 SLURM_VARS = {
@@ -278,17 +278,35 @@ def process_group(env: DistEnv, timeout_s: float) -> Iterator[torch.device]:
 
 def _meet(env: DistEnv, backend: str, timeout: datetime.timedelta, device: torch.device) -> None:
     """The ranks' rendezvous on MASTER_PORT: rank 0 hosts the store there, the others connect.
-    When another process holds the port (a connection of the node's may take any port for a
-    moment, between the batch step's check and rank 0's start), rank 0 tries again for up to
-    :data:`PORT_WAIT_S` seconds while the other ranks keep knocking, and only then stops with a
-    message that names the port and the node. The store is made here, not by
-    ``init_process_group``, so that a failed try leaves no half-made group behind."""
+    Rank 0 hosts it on the socket the batch step has held the port with since it picked it
+    (:func:`lance_hpc.runtime.ports.take_held_port`) when there is one. Else it listens itself;
+    when another process holds the port (a connection of the node's may take any port for a
+    moment), it tries again for up to :data:`PORT_WAIT_S` seconds while the other ranks keep
+    knocking, and only then stops with a message that names the port and the node. The store is
+    made here, not by ``init_process_group``, so that a failed try leaves no half-made group behind."""
+    held = take_held_port(env.master_port) if env.is_main else None
+    if held is not None:  # the batch step's socket, listening on the port since it was picked
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, True, timeout=timeout, master_listen_fd=held)
+    else:
+        store = _listen_or_connect(env, timeout)
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+    )
+
+
+def _listen_or_connect(env: DistEnv, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The store on MASTER_PORT without a socket handed over: rank 0 listens, trying again while
+    another process holds the port; the others connect."""
     deadline = time.monotonic() + PORT_WAIT_S
     pause = 0.25
     while True:
         try:
-            store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=env.is_main, timeout=timeout)
-            break
+            return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=env.is_main, timeout=timeout)
         except dist.DistNetworkError as error:
             if not (env.is_main and port_in_use(error)):
                 raise
@@ -302,14 +320,6 @@ def _meet(env: DistEnv, backend: str, timeout: datetime.timedelta, device: torch
                 )
             time.sleep(pause)
             pause = min(2 * pause, 4.0)
-    dist.init_process_group(
-        backend,
-        store=store,
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=timeout,
-        device_id=device if device.type == "cuda" else None,
-    )
 
 
 def port_in_use(error: BaseException) -> bool:

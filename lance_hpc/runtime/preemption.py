@@ -25,21 +25,13 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from lance_hpc.signals import INTERRUPT_SIGNAL, PREEMPTION_SIGNALS, PROFILE_SIGNAL, REQUEUE_SIGNAL
+
 if TYPE_CHECKING:
     import torch
 
     from lance_hpc.runtime.environment import DistEnv
     from lance_hpc.spec import JobSpec
-
-# USR2: SLURM's --signal before the time limit, or submitit's preemption signal: save and requeue.
-REQUEUE_SIGNAL = signal.SIGUSR2
-# SIGTERM: scancel, or a preemption that SLURM requeues by itself: save and stop.
-STOP_SIGNAL = signal.SIGTERM
-# SIGINT: Ctrl-C on a local run: save and stop, like SIGTERM.
-INTERRUPT_SIGNAL = signal.SIGINT
-PREEMPTION_SIGNALS = (INTERRUPT_SIGNAL, STOP_SIGNAL, REQUEUE_SIGNAL)  # in rising precedence
-# Not a stop: record a profiler trace of the next train.profile.steps steps (lance_hpc.runtime.profile).
-PROFILE_SIGNAL = signal.SIGUSR1
 
 # Set by the script for a job in a container: the file whose existence asks the script to requeue.
 REQUEUE_REQUEST_VARIABLE = "LANCE_HPC_REQUEUE_REQUEST"

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from lance_hpc.runtime.preemption import PROFILE_SIGNAL, take_over
+from lance_hpc.runtime.preemption import take_over
+from lance_hpc.signals import PROFILE_SIGNAL
 from lance_hpc.spec import JobSpec
 
 DEFAULT_STEPS = 5

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lance_hpc.data.mix import source_name
+from lance_hpc.loading.mix import source_name
 from lance_hpc.runtime.context import Context
 from lance_hpc.spec import JobSpec, TrainSpec
 from lance_hpc.tasks import ROW_ID
@@ -171,5 +171,14 @@ def evaluate_set(ctx: Context, model: nn.Module, prefix: str, uri: str | None) -
     if ctx.is_main:
         named = {key.replace(prefix, "val", 1): value for key, value in metrics.items()}
         where = "validation" if prefix == "val" else f"validation of {prefix.split('/', 1)[1]}"
-        print(f"epoch {ctx.epoch} step {ctx.step}: {where} {task.headline(named)} ({int(totals[-1].item())} samples)", flush=True)
+        print(
+            f"epoch {epoch_number(ctx)} step {ctx.step}: {where} {task.headline(named)} ({int(totals[-1].item())} samples)",
+            flush=True,
+        )
     return metrics
+
+
+def epoch_number(ctx: Context) -> int:
+    """The epoch the last step read, counted from 1 as the progress bar counts them: at an epoch's
+    end the one just finished, after train.max_steps stopped mid-epoch the one it stopped in."""
+    return max(math.ceil(round(ctx.progress, 9)), 1)

@@ -20,10 +20,8 @@ at two log points in a row is named in the log.
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import json
 import os
-import signal
 import socket
 import statistics
 import sys
@@ -35,12 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from lance_hpc.storage.files import write_file
+from lance_hpc.signals import WORKER_DUMP_SIGNAL, start_time
 
-# The directory every process of a rank (its DataLoader workers too) writes its stacks under.
-WATCH_DIR_VARIABLE = "LANCE_HPC_WATCH_DIR"
-# What a rank sends its DataLoader workers to make them write their stacks (faulthandler).
-WORKER_DUMP_SIGNAL = signal.SIGRTMIN + 3
 PUBLISH_S = 2.0  # how often a rank's progress file is rewritten
 STALE_S = 15.0  # a progress file this old belongs to a rank that stopped answering
 PHASES = {
@@ -146,15 +140,6 @@ def is_descendant(pid: int, ancestor: int, generations: int = 3) -> bool:
     return False
 
 
-def start_time(pid: int) -> int | None:
-    """When process ``pid`` started, in clock ticks since boot (/proc/<pid>/stat field 22; the
-    fields after the command name, which may hold spaces, start at 3), or None if it is not there."""
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[22 - 3])
-    except OSError:
-        return None
-
-
 def recorded_worker(pid_file: Path) -> int | None:
     """The pid a worker's ``.pid`` file names when that very process still runs (its start time is
     the one recorded with it), else None: the worker ended, and its pid may be another process's."""
@@ -177,24 +162,6 @@ def forget_ended_workers(stacks: Path, rank: int) -> None:
 def watch_dir(log_dir: str, name: str, job_id: str | None) -> Path:
     """Where a job's ranks publish their progress and write their stacks."""
     return Path(log_dir) / f"{name}.watch" / (job_id or "local")
-
-
-def init_worker_dumps(worker_id: int) -> None:
-    """In a DataLoader worker: write this process's stacks to the watch dir on WORKER_DUMP_SIGNAL."""
-    directory = os.environ.get(WATCH_DIR_VARIABLE)
-    if not directory:
-        return
-    rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0"
-    stacks = Path(directory) / "stacks"
-    try:
-        stacks.mkdir(parents=True, exist_ok=True)
-        # Named by pid too: a rank's training and evaluation loaders each have a worker 0.
-        name = f"rank-{rank}-worker-{worker_id}-{os.getpid()}"
-        target = open(stacks / f"{name}.txt", "w")  # noqa: SIM115 (held for faulthandler)
-        faulthandler.register(WORKER_DUMP_SIGNAL, file=target, all_threads=True, chain=False)
-        write_file(stacks / f"{name}.pid", f"{os.getpid()} {start_time(os.getpid())}")  # the pair names this process
-    except OSError:
-        pass  # a worker without stack dumps still works
 
 
 class Watchdog(threading.Thread):

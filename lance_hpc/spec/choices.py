@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-# data.sampler: how the rows of an epoch are split between ranks (lance_hpc.data.sampling.STRATEGIES)
+# data.sampler: how the rows of an epoch are split between ranks (lance_hpc.loading.sampling.STRATEGIES)
 SAMPLERS = ("distributed", "block", "sharded_batch", "sharded_fragment", "full_scan")
 # data.style, and the samplers each style runs; full_scan gives every rank every row (evaluation only)
 STYLES: dict[str, tuple[str, ...]] = {
@@ -21,19 +21,19 @@ STYLES: dict[str, tuple[str, ...]] = {
 UNEVEN_MODES = ("drop", "pad")
 # data.val_sampler
 EVAL_MODES = ("sharded", "full_scan")
-# data.on_corrupt: a row that cannot be decoded (lance_hpc.data.reader)
+# data.on_corrupt: a row that cannot be decoded (lance_hpc.loading.reader)
 ON_CORRUPT = ("skip", "fail")
-# job: what each rank runs (lance_hpc.kinds.KINDS; the spec also takes an import path to a JobKind)
+# job: what each rank runs (lance_hpc.spec.kinds.KINDS; the spec also takes an import path to a JobKind)
 JOB_KINDS = ("train", "ingest", "infer", "evaluate", "map")
 # infer.outputs: the Arrow value type of a new column (a vector output becomes a fixed-size list of it)
 OUTPUT_TYPES = ("float16", "float32", "float64", "int32", "int64")
 # infer.refresh: which rows a write-back job computes (lance_hpc.backfill)
 REFRESH_MODES = ("missing",)
-# data.ingest.source formats a job: ingest splits into shards (lance_hpc.data.shards.FORMATS), each
+# data.ingest.source formats a job: ingest splits into shards (lance_hpc.ingest.shards.FORMATS), each
 # written <format>:<path or glob>; python-stdlib[:max_mb=N] is a text: corpus of this interpreter's library
 SHARD_FORMATS = ("parquet", "jsonl", "webdataset", "hf", "imagefolder", "text")
 STDLIB_SOURCE = "python-stdlib"
-# data.ingest.columns: the columns a source's fields map to (lance_hpc.data.shards.COLUMN_TYPES)
+# data.ingest.columns: the columns a source's fields map to (lance_hpc.ingest.shard_batches.COLUMN_TYPES)
 INGEST_COLUMNS = ("image", "label", "text", "key")
 # slurm.container.runtime (lance_hpc.launch.container.RUNTIMES)
 CONTAINER_RUNTIMES = ("apptainer", "pyxis")

@@ -23,14 +23,9 @@ from pydantic import ValidationError
 
 from lance_hpc.errors import UserError
 from lance_hpc.spec.choices import SHARD_FORMATS
+from lance_hpc.spec.named_code import entry_problems, job_problems, task_problems
 from lance_hpc.spec.problems import Problem, SpecError, from_pydantic, unique
-from lance_hpc.spec.rules import (
-    cross_field_problems,
-    entry_problems,
-    job_problems,
-    moved_key_problems,
-    task_problems,
-)
+from lance_hpc.spec.rules import cross_field_problems, moved_key_problems
 from lance_hpc.spec.schema import CheckpointSpec, InferSpec, JobSpec, LoggingSpec, SlurmSpec
 from lance_hpc.spec.secrets import secret_problems
 from lance_hpc.spec.sweep import (

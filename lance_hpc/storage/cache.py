@@ -1,7 +1,8 @@
 """The node-local cache (``data.cache``): Lance data files fetched once, read from local disk after.
 
 A process opens the cache's dataset root (:mod:`lance_hpc.storage.cache_files`: where the files
-live, how they are fetched, locked and evicted) at its pinned version; rows of fragments whose
+live, how they are fetched and locked; :mod:`lance_hpc.storage.cache_dirs`: the directories, and
+:mod:`lance_hpc.storage.cache_eviction`: how they are evicted) at its pinned version; rows of fragments whose
 files are all there are read from it, the other rows from the store, while a background thread
 fetches the missing fragments. Every rank and DataLoader worker of the user on the node shares the
 cache. The dataset key is the dataset's URI and endpoint, and the manifest decides which files a
@@ -24,21 +25,20 @@ import numpy as np
 import pyarrow as pa
 
 from lance_hpc.errors import UserError
+from lance_hpc.storage.cache_dirs import cache_root, user_directory
+from lance_hpc.storage.cache_eviction import evict
 from lance_hpc.storage.cache_files import (
     GIB,
     CachedFile,
     FileLock,
     Source,
-    cache_root,
     dataset_key,
-    evict,
     fetch,
     fragment_files,
     is_whole,
     manifest_names,
     own_files,
     touch,
-    user_directory,
     warn_once,
 )
 from lance_hpc.storage.cache_names import MANIFEST_DIR, Uncacheable, is_cached_name, lock_path

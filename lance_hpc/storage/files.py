@@ -52,11 +52,16 @@ def replaced_atomically(
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
-    directory = os.open(final.parent, os.O_RDONLY)
+    sync_to_disk(final.parent)
+
+
+def sync_to_disk(path: Path) -> None:
+    """``path`` (a file, or a directory: its entries) on disk: fsync through a read-only descriptor."""
+    descriptor = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(directory)
+        os.fsync(descriptor)
     finally:
-        os.close(directory)
+        os.close(descriptor)
 
 
 def write_file(path: Path, content: str | bytes, *, mode: int | None = None) -> None:

@@ -1,6 +1,6 @@
 """Reads that survive a misbehaving store: the transient errors of a batch read are retried with
 exponential backoff and jitter for up to ``data.io_timeout_s``, counted in the batch's
-:class:`~lance_hpc.data.reader.ReadStats`; past that, :class:`StoreUnavailable` says which store,
+:class:`~lance_hpc.loading.reader.ReadStats`; past that, :class:`StoreUnavailable` says which store,
 which read and for how long it was tried.
 
 Two layers retry. Inside Lance, object_store retries each failed request a few times within

@@ -2,70 +2,23 @@
 
 ``task.name`` in a spec is a registered name (:data:`TASKS`) or an import path to a
 :class:`~lance_hpc.tasks.base.Task` subclass (``my_pkg.tasks:MyTask``, ``path/to/file.py:MyTask``).
-Registered tasks are imported only when used, so naming one costs nothing.
+Each name here is loaded from its module when first used: naming the package costs nothing, and
+ingest reads the datasets' formats (:mod:`lance_hpc.tasks.formats`) without importing torch.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING
 
-from pydantic import ValidationError
+from lance_hpc.imports import lazy_exports
 
-from lance_hpc.errors import UserError
-from lance_hpc.imports import is_import_path, load_callable
-from lance_hpc.tasks.base import (
-    ROW_ID,
-    Batch,
-    DatasetInfo,
-    Decoder,
-    FieldSpec,
-    Task,
-    TaskError,
-    TaskOptions,
-    column_problems,
-)
-
-TASKS: dict[str, str] = {
-    "image_classification": "lance_hpc.tasks.image:ImageClassification",
-    "language_model": "lance_hpc.tasks.language:LanguageModel",
+_MODULE_OF = {
+    **dict.fromkeys(
+        ("ROW_ID", "Batch", "DatasetInfo", "Decoder", "FieldSpec", "Task", "TaskError", "TaskOptions", "column_problems"),
+        "lance_hpc.tasks.base",
+    ),
+    **dict.fromkeys(("TASKS", "build_task", "task_class", "validate_options"), "lance_hpc.tasks.registry"),
 }
-
-
-def task_class(name: str) -> type[Task]:
-    """The Task class a spec's ``task.name`` names; a UserError that lists the choices otherwise."""
-    if name in TASKS:
-        found = load_callable(TASKS[name], "task.name")
-    elif is_import_path(name):
-        found = load_callable(name, "task.name")
-    else:
-        raise UserError(
-            f"task.name: unknown task {name!r}\n  fix: use one of: {', '.join(TASKS)}, "
-            "or an import path to your Task class (my_pkg.tasks:MyTask or path/to/file.py:MyTask)"
-        )
-    if not (isinstance(found, type) and issubclass(found, Task)):
-        raise UserError(
-            f"task.name: {name!r} is not a subclass of lance_hpc.tasks.Task\n"
-            "  fix: subclass lance_hpc.tasks.Task (see docs/tasks.md)"
-        )
-    return found
-
-
-def validate_options(cls: type[Task], options: Mapping[str, Any]) -> tuple[TaskOptions | None, list[ValidationError]]:
-    """The task's options, or the pydantic error to report under ``task.options``."""
-    try:
-        return cls.Options.model_validate(dict(options)), []
-    except ValidationError as error:
-        return None, [error]
-
-
-def build_task(name: str, options: Mapping[str, Any], train: DatasetInfo, val: DatasetInfo | None) -> Task:
-    """The rank half of a task, checked against its datasets (raises TaskError listing problems)."""
-    cls = task_class(name)
-    validated, errors = validate_options(cls, options)
-    if errors:
-        raise UserError(f"task.options: {errors[0]}")
-    return cls(validated, train, val)
-
 
 __all__ = [
     "ROW_ID",
@@ -82,3 +35,19 @@ __all__ = [
     "task_class",
     "validate_options",
 ]
+
+__getattr__ = lazy_exports(__name__, _MODULE_OF)
+
+if TYPE_CHECKING:
+    from lance_hpc.tasks.base import (
+        ROW_ID,
+        Batch,
+        DatasetInfo,
+        Decoder,
+        FieldSpec,
+        Task,
+        TaskError,
+        TaskOptions,
+        column_problems,
+    )
+    from lance_hpc.tasks.registry import TASKS, build_task, task_class, validate_options

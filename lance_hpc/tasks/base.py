@@ -22,7 +22,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
-from lance_hpc.errors import UserError
+from lance_hpc.errors import UserError, listing
 from lance_hpc.storage.datasets import Dataset
 
 Batch = dict[str, torch.Tensor]
@@ -91,8 +91,9 @@ class DatasetInfo:
     def metadata(self) -> dict[str, str]:
         return {key.decode(): value.decode(errors="replace") for key, value in (self.schema.metadata or {}).items()}
 
-    def describe_columns(self) -> str:
-        return ", ".join(f"{item.name} ({item.type})" for item in self.schema) or "none"
+    def describe_columns(self, indent: str = "        ") -> str:
+        """Every column with its type, on lines of their own (:func:`~lance_hpc.errors.listing`)."""
+        return listing([f"{item.name} ({item.type})" for item in self.schema], indent)
 
 
 class TaskOptions(BaseModel):
@@ -190,7 +191,7 @@ def column_problems(info: DatasetInfo, option: str, column: str, kind: str, acce
     type ``accepts`` refuses; ``kind`` says what was expected, e.g. "binary (encoded images)"."""
     if column not in info.schema.names:
         return [
-            f"task.options.{option}: column {column!r} is not in {info.uri}; its columns: {info.describe_columns()}\n"
+            f"task.options.{option}: column {column!r} is not in {info.uri}; its columns:{info.describe_columns()}\n"
             f"      fix: set task.options.{option} to the column that holds {kind}"
         ]
     found = info.schema.field(column).type

@@ -18,17 +18,6 @@ import torch
 from pydantic import Field, field_validator, model_validator
 from torch import nn
 
-from lance_hpc.data.decode import (
-    AUGMENTS,
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    Transform,
-    binary_values,
-    decode_pixels,
-    normalize,
-    to_grey,
-)
-from lance_hpc.data.target import CLASS_NAMES_KEY
 from lance_hpc.tasks.base import (
     Batch,
     DatasetInfo,
@@ -38,6 +27,17 @@ from lance_hpc.tasks.base import (
     TaskError,
     TaskOptions,
     column_problems,
+)
+from lance_hpc.tasks.formats import CLASS_NAMES_KEY
+from lance_hpc.tasks.image_decode import (
+    AUGMENTS,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    Transform,
+    binary_values,
+    decode_pixels,
+    normalize,
+    to_grey,
 )
 from lance_hpc.tasks.models import build_model, channels_problem, load_weights_file, model_problem
 

@@ -16,7 +16,6 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from lance_hpc.data.text import KIND_KEY, TOKEN_SEQUENCES_KIND, TOKENS_COLUMN, TokenInfo
 from lance_hpc.errors import UserError
 from lance_hpc.imports import is_import_path, load_callable
 from lance_hpc.tasks.base import (
@@ -29,6 +28,7 @@ from lance_hpc.tasks.base import (
     TaskOptions,
     column_problems,
 )
+from lance_hpc.tasks.formats import KIND_KEY, TOKEN_SEQUENCES_KIND, TOKENS_COLUMN, TokenInfo
 from lance_hpc.tasks.gpt import GPT
 
 # Upper bounds of the gpt options: past them a spec would pass validation and then fail on every

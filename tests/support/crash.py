@@ -20,7 +20,7 @@ CRASHED = 97
 def crash_at(point: str) -> None:
     import lance
 
-    from lance_hpc.data.units import UnitRecords
+    from lance_hpc.ingest.units import UnitRecords
 
     where, _, nth = point.partition(":")
     made = [0]
@@ -47,6 +47,6 @@ def crash_at(point: str) -> None:
 
 if __name__ == "__main__":
     crash_at(sys.argv[1])
-    from lance_hpc.data.ingest import main
+    from lance_hpc.cli.ingest import main
 
     sys.exit(main(sys.argv[sys.argv.index("--") + 1 :]))

@@ -17,11 +17,13 @@ import torch
 import yaml
 
 from lance_hpc.checkpoint import resuming
-from lance_hpc.data import build_train_loader, ensure_dataset, load_task
-from lance_hpc.data.reader import fragment_table
-from lance_hpc.data.sampling import epoch_batches
+from lance_hpc.ingest import ensure_dataset
+from lance_hpc.loading import build_train_loader, load_task
+from lance_hpc.loading.reader import fragment_table
+from lance_hpc.loading.sampling import epoch_batches
 from lance_hpc.runtime import trainer
-from lance_hpc.runtime.context import Summary, run_entry
+from lance_hpc.runtime.context import Summary
+from lance_hpc.runtime.entry import run_entry
 from lance_hpc.runtime.environment import detect, process_group
 from lance_hpc.runtime.preemption import Preemption
 from lance_hpc.spec import DataSpec, IngestSpec, JobSpec, load_spec

@@ -9,12 +9,12 @@ import numpy as np
 import pyarrow as pa
 
 from lance_hpc.bench.resources import descendants
-from lance_hpc.data import build_eval_loader, build_train_loader
-from lance_hpc.data.decode import Transform
-from lance_hpc.data.ingest import schema_for
-from lance_hpc.data.sources import skimage_photo_crops
+from lance_hpc.ingest.dataset import schema_for
+from lance_hpc.ingest.sources import skimage_photo_crops
+from lance_hpc.loading import build_eval_loader, build_train_loader
 from lance_hpc.spec import DataSpec
 from lance_hpc.tasks.image import ImageDecoder
+from lance_hpc.tasks.image_decode import Transform
 
 IMAGES = [data for data, _ in skimage_photo_crops(13, size=20)]
 

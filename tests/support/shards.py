@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from lance_hpc.data.sources import sklearn_digits
+from lance_hpc.ingest.sources import sklearn_digits
 
 DIGITS = 60
 

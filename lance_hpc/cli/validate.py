@@ -1,0 +1,53 @@
+"""``lance-hpc validate job.yaml [--set KEY=VALUE ...]``: check a job spec, list every problem."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING, Sequence
+
+from lance_hpc.cli.arguments import add_overrides, add_spec
+from lance_hpc.cli.reporting import run_reporting_errors
+
+if TYPE_CHECKING:
+    from lance_hpc.spec import JobSpec
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lance-hpc validate",
+        description="Check a job spec; list every problem, each with its YAML path and how to fix it. A valid spec "
+        "is summed up in one line, with how its placeholders resolved.",
+    )
+    add_spec(parser)
+    add_overrides(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_reporting_errors(lambda: validate(args.spec, args.set))
+
+
+def validate(spec_file: str, overrides: list[str]) -> int:
+    from lance_hpc.spec import load_spec
+    from lance_hpc.spec.schema import entry_note
+
+    loaded = load_spec(spec_file, overrides)
+    slurm = loaded.spec.slurm
+    print(
+        f"{spec_file}: valid ({loaded.spec.name}: {slurm.nodes} node(s) x {slurm.ntasks_per_node} task(s), "
+        f"{loaded.spec.data.style}/{loaded.spec.data.sampler}, {describe_task(loaded.spec)})"
+    )
+    for item in loaded.resolutions:
+        print(f"  {item.path}: {item.before} -> {item.after}")
+    note = entry_note(loaded.spec)
+    if note:
+        print(f"  {note}")
+    return 0
+
+
+def describe_task(spec: JobSpec) -> str:
+    """``image_classification (resnet50)``, ``my_pkg.tasks:MyTask``, or ``entry my_pkg.train:main``."""
+    model = spec.task.options.get("model")
+    text = spec.task.name + (f" ({model})" if isinstance(model, str) else "")
+    return f"{text}, entry {spec.entry}" if spec.entry else text
