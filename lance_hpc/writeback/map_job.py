@@ -52,7 +52,7 @@ def check_map(spec: JobSpec, world_size: int | None = None) -> str:
             )
         load_callable(function, "infer.function")  # an import error here, not on every rank
 
-    return steps.check(spec, world_size, inputs)
+    return steps.check(spec, world_size, inputs, runs_a_model=False)
 
 
 def read_columns(spec: JobSpec, names: list[str]) -> list[str]:

@@ -61,7 +61,7 @@ def begin(spec: JobSpec, env: DistEnv) -> Run | None:
         return Run(name, producer(spec), folder, records, options)
     if env.is_main:
         print(f"already committed: {spec.data.uri} version {committed} ({name}); nothing to do", flush=True)
-        if spec.job != "evaluate" and not refresh:
+        if spec.infer.outputs and not refresh:  # a job that writes columns (not an evaluation)
             note = missing.lacking_note(open_dataset(spec.data.uri, None, options), spec.infer.outputs)
             if note:
                 print(note, flush=True)
@@ -91,7 +91,7 @@ def pin(spec: JobSpec, env: DistEnv, run: Run) -> ColumnPlan:
 
 def announce(spec: JobSpec, plan: ColumnPlan, run: Run, world_size: int) -> None:
     assert spec.infer is not None
-    what = "evaluate" if spec.job == "evaluate" else f"{spec.job} {', '.join(spec.infer.outputs)}"
+    what = f"{spec.job} {', '.join(spec.infer.outputs)}" if spec.infer.outputs else spec.job
     print(
         f"{what}: {run.name} over {spec.data.uri} version {plan.version}, {len(plan.fragments)} fragments "
         f"over {world_size} rank(s)",
@@ -177,10 +177,11 @@ def commit(spec: JobSpec, plan: ColumnPlan, finished: dict[int, FragmentRecord],
     return rows
 
 
-def check(spec: JobSpec, world_size: int | None, inputs: Callable[[], None]) -> str:
+def check(spec: JobSpec, world_size: int | None, inputs: Callable[[], None], *, runs_a_model: bool = True) -> str:
     """Before any rank starts: the dataset and the columns checked, ``inputs()`` (the job's own check
     of what it reads); the work in a few lines for ``world_size`` ranks (default: the spec's), and
-    for a refresh the rows and fragments it will compute. Nothing is loaded or written."""
+    for a refresh the rows and fragments it will compute; ``runs_a_model``: the lines name what
+    computes the columns a model (``job: map`` runs a function only). Nothing is loaded or written."""
     assert spec.infer is not None
     options = storage_options(spec.data.uri, spec.data.storage_options)
     dataset = open_dataset(spec.data.uri, None, options)
@@ -194,7 +195,7 @@ def check(spec: JobSpec, world_size: int | None, inputs: Callable[[], None]) -> 
     ):
         return f"already committed by an earlier run of this job: {spec.data.uri} version {committed} ({name})"
     inputs()
-    if spec.job != "evaluate" and (records.pinned() is None or committed is not None):
+    if outputs and (records.pinned() is None or committed is not None):
         filling = refresh is not None and missing.fills(dataset, spec.data.uri, outputs, refresh, spec.infer.overwrite)
         column_swap.check_columns(dataset, spec.data.uri, outputs, spec.infer.overwrite or filling)
     plan = new_columns.plan_at(
@@ -212,9 +213,9 @@ def check(spec: JobSpec, world_size: int | None, inputs: Callable[[], None]) -> 
     if spec.infer.filter:
         chosen = sum(plan.rows_selected(index) for index in plan.compute)
         rows_text = f"{chosen:,} of {rows:,} rows (infer.filter)"
-    what = "evaluate" if spec.job == "evaluate" else f"new columns {', '.join(f'{n} ({t})' for n, t in outputs.items())}"
+    what = f"new columns {', '.join(f'{n} ({t})' for n, t in outputs.items())}" if outputs else spec.job
     lines = [
-        f"{what}: {name}" if spec.job == "map" else f"{what}: model {name}",
+        f"{what}: model {name}" if runs_a_model else f"{what}: {name}",
         f"{rows_text} in {len(plan.fragments)} fragments of {spec.data.uri} version {dataset.version}, "
         f"over {world_size or spec.slurm.world_size} rank(s)",
     ]
