@@ -122,7 +122,9 @@ def _run_job(config: Measurement, out: Path) -> int:
         "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")])),
     }
     done = subprocess.run(
-        [sys.executable, "-m", "lance_hpc.launch.local", str(spec), "--nproc", "1"], env=environ, cwd=Path(__file__).parents[1]
+        [sys.executable, "-m", "lance_hpc", "submit", str(spec), "--local", "--nproc", "1"],
+        env=environ,
+        cwd=Path(__file__).parents[1],
     )
     if done.returncode != 0:
         raise RuntimeError("the inference job failed (its output is above)")

@@ -79,7 +79,7 @@ def test_usr2_stops_an_inference_job_at_fragment_boundaries_and_its_requeue_comm
         return path
 
     here = subprocess.run(
-        [sys.executable, "-m", "lance_hpc.launch.local", str(spec_for(local, "local", 1)), "--nproc", "1"],
+        [sys.executable, "-m", "lance_hpc", "submit", str(spec_for(local, "local", 1)), "--local", "--nproc", "1"],
         capture_output=True,
         text=True,
         cwd=REPO_ROOT,

@@ -339,7 +339,7 @@ def long_job(directory: Path, dataset, **sections) -> Path:
 # Starts the ranks of a local run without the launcher's look at the lease, as srun starts them.
 RANKS_ONLY = (
     "import sys; from lance_hpc.launch import local; local.lease.refuse_if_held = lambda *args: None; "
-    "sys.exit(local.main(sys.argv[1:]))"
+    "sys.exit(local.run_local(sys.argv[1], int(sys.argv[2])))"
 )
 
 
@@ -364,7 +364,7 @@ def test_a_second_run_on_the_same_checkpoint_dir_refuses_naming_the_first(tmp_pa
 
         environ = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
         third = subprocess.run(
-            [sys.executable, "-m", "lance_hpc.launch.local", str(spec_file), "--nproc", "2"],
+            [sys.executable, "-m", "lance_hpc", "submit", str(spec_file), "--local", "--nproc", "2"],
             capture_output=True,
             text=True,
             cwd=REPO_ROOT,
@@ -372,11 +372,11 @@ def test_a_second_run_on_the_same_checkpoint_dir_refuses_naming_the_first(tmp_pa
             env=environ,
         )
         assert third.returncode == ExitCode.USER_ERROR and third.stdout == "", third.stdout + third.stderr
-        assert third.stderr.startswith("lance_hpc.launch.local: checkpoint.dir") and third.stderr.count(holder) == 1
+        assert third.stderr.startswith("error: checkpoint.dir") and third.stderr.count(holder) == 1
         assert "rank 0" not in third.stderr  # no rank started
 
         ranks = subprocess.run(
-            [sys.executable, "-c", RANKS_ONLY, str(spec_file), "--nproc", "2"],
+            [sys.executable, "-c", RANKS_ONLY, str(spec_file), "2"],
             capture_output=True,
             text=True,
             cwd=REPO_ROOT,

@@ -1,6 +1,6 @@
 """The entry point of every rank: ``python -m lance_hpc.run SPEC_FILE``.
 
-srun starts one per GPU (or :mod:`lance_hpc.launch.local` one per local process); each reads the
+srun starts one per GPU (or `lance-hpc submit --local` one per local process); each reads the
 resolved spec, joins the process group, takes checkpoint.dir for this run (rank 0 holds its lease;
 a second run on the same directory stops here), checks the task against the data, trains (the
 built-in loop, or the spec's ``entry`` in script mode), and on preemption saves and requeues the job.

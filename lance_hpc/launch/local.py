@@ -14,7 +14,6 @@ they are killed when it dies.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import os
 import shutil
@@ -227,19 +226,3 @@ def describe_exit(code: int) -> str:
     if code < 0:
         return f"was killed by {signal.Signals(-code).name}"
     return f"exited with code {code}"
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lance_hpc.launch.local", description=__doc__.splitlines()[0])
-    parser.add_argument("spec_file", help="job spec (YAML)")
-    parser.add_argument("--nproc", type=int, default=2, help="number of local ranks (default 2)")
-    args = parser.parse_args(argv)
-    try:
-        return run_local(args.spec_file, args.nproc)
-    except UserError as error:
-        print(f"lance_hpc.launch.local: {error}", file=sys.stderr)
-        return ExitCode.USER_ERROR
-
-
-if __name__ == "__main__":
-    sys.exit(main())

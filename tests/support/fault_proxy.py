@@ -41,7 +41,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Sequence
 from urllib.parse import urlparse
@@ -58,7 +58,9 @@ HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection
 @dataclass(eq=False)  # rules are compared by identity: two alike rules are still two
 class FaultRule:
     """One kind of fault for the requests it matches: a ``fraction`` of them, or the ``count``
-    next ones (``count`` wins when both are set); until ``seconds`` have passed, if set."""
+    next ones (``count`` wins when both are set); until ``seconds`` have passed since the first
+    request it matched, if set (counted from that request, not from the rule's start, so that an
+    outage meant for a client's reads meets them however long the client takes to start)."""
 
     kind: str
     fraction: float = 1.0
@@ -66,7 +68,7 @@ class FaultRule:
     seconds: float | None = None
     stall_s: float = 5.0
     path: str = ""
-    started: float = field(default_factory=time.monotonic)
+    started: float | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -76,11 +78,15 @@ class FaultRule:
 
     @property
     def expired(self) -> bool:
-        out_of_time = self.seconds is not None and time.monotonic() - self.started >= self.seconds
-        return out_of_time or self.count == 0
+        remaining = self.remaining_s()
+        return remaining == 0.0 or self.count == 0
 
     def remaining_s(self) -> float | None:
-        return None if self.seconds is None else max(0.0, self.seconds - (time.monotonic() - self.started))
+        if self.seconds is None:
+            return None
+        if self.started is None:
+            return self.seconds
+        return max(0.0, self.seconds - (time.monotonic() - self.started))
 
 
 class FaultState:
@@ -114,6 +120,8 @@ class FaultState:
             for rule in self.rules:
                 if (rule.kind == "refuse") != on_connect or rule.path not in path:
                     continue
+                if rule.started is None:
+                    rule.started = time.monotonic()
                 if rule.count is None and self.random.random() >= rule.fraction:
                     continue
                 if rule.count is not None:

@@ -1,5 +1,5 @@
 """Ranks for the tests: a process group of one in this process (the ``single_rank`` fixture), and
-local ranks started as a user starts them (``python -m lance_hpc.launch.local SPEC --nproc 2``),
+local ranks started as a user starts them (``lance-hpc submit SPEC --local --nproc 2``),
 and what the tests read from them: their output up to a marker, a rank's pid."""
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from tests.support.jobs import REPO_ROOT
 
 
 def launch(spec_file: Path, nproc: int = 2) -> subprocess.Popen:
-    """``python -m lance_hpc.launch.local SPEC --nproc N`` in the background, its stdout piped."""
+    """``python -m lance_hpc submit SPEC --local --nproc N`` in the background, its stdout piped."""
     environ = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     return subprocess.Popen(
-        [sys.executable, "-m", "lance_hpc.launch.local", str(spec_file), "--nproc", str(nproc)],
+        [sys.executable, "-m", "lance_hpc", "submit", str(spec_file), "--local", "--nproc", str(nproc)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
