@@ -50,7 +50,9 @@ def _run(spec: Path) -> float:
     root = Path(__file__).parents[1]
     environ = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "lance_hpc.launch.local", str(spec), "--nproc", "1"], env=environ, cwd=root)
+    done = subprocess.run(
+        [sys.executable, "-m", "lance_hpc", "submit", str(spec), "--local", "--nproc", "1"], env=environ, cwd=root
+    )
     elapsed = time.perf_counter() - started
     if done.returncode != 0:
         raise RuntimeError(f"the job {spec} failed (its output is above)")
