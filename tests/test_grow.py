@@ -163,6 +163,27 @@ def test_rows_appended_with_explicit_nulls_are_filled_and_their_null_file_left_o
     assert [item.path for item in last][0] == nulls and -2 in last[0].fields, last  # the rows' file kept, its nulls dropped
 
 
+def test_finding_the_rows_a_column_lacks_reads_no_value_of_the_rows_it_was_written_for(tmp_path: Path) -> None:
+    """A write-back keeps a column in a data file of its own: which fragments lack it is read from the
+    manifest, and only the rows appended with the column in their own file are read. The column's
+    own files are deleted here, so reading any of them fails the test."""
+    from lance_hpc.backfill.missing import field_ids, gaps
+
+    uri = str(tmp_path / "d.lance")
+    lance.write_dataset(pa.table({"x": pa.array(range(30), pa.int64())}), uri, max_rows_per_file=10)
+    lance.dataset(uri).add_columns({"twice": "x * 2"})  # a file of the column alone in each fragment
+    twice = field_ids(lance.dataset(uri).lance_schema)["twice"]
+    written = [
+        item.path for fragment in lance.dataset(uri).get_fragments() for item in fragment.metadata.files if item.fields == [twice]
+    ]
+    assert len(written) == 3, written
+    for rows in ({"x": [30, 31], "twice": [None, None]}, {"x": [32], "twice": [64]}):  # appended with the column
+        lance.write_dataset(pa.table(rows, pa.schema([("x", pa.int64()), ("twice", pa.int64())])), uri, mode="append")
+    for name in written:
+        (Path(uri) / "data" / name).unlink()
+    assert gaps(lance.dataset(uri), ["twice"]) == [3]  # the nulls; the other appended fragment has a value
+
+
 def test_a_refresh_by_another_function_is_refused_with_the_reason_and_overwrite_recomputes_every_row(
     with_column: tuple[str, Path], tmp_path: Path
 ) -> None:

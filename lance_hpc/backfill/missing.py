@@ -3,9 +3,15 @@
 A Lance fragment stores its columns in data files, each naming the field ids it holds. Rows
 appended after a column was written (``lance-hpc ingest --append``, LanceDB's ``add``, Lance's own
 append) come in fragments with no data file for that field: they read as null. Appended with
-explicit nulls instead, the fragment has a file for the field whose every value is null. Either
-fragment is a *gap*; a fragment with some values and some nulls (rows the model could not read,
-rows outside the job's filter) is not: its values stay as they are.
+explicit nulls instead, the fragment has a file of the rows, that field among its others, whose
+every value is null. Either fragment is a *gap*; a fragment with some values and some nulls (rows
+the model could not read, rows outside the job's filter) is not: its values stay as they are.
+
+Which fragments are gaps is read from the manifest, not from the values, wherever it can be: a
+fragment whose columns a write-back wrote holds them in a data file of those columns alone
+(``merge_columns``), and holds what that job computed, nulls included, so it is never read. Only
+a fragment that holds the columns in a file of its rows is read, to see whether they are all null:
+the rows appended since, not the table the columns were written for.
 
 The ranks compute a gap's values as a new data file (``LanceFragment.merge_columns``, under a
 temporary name, as for a column an overwrite replaces). The commit is one ``Merge`` of every
@@ -27,6 +33,9 @@ import pyarrow as pa
 from lance_hpc.errors import UserError
 from lance_hpc.lineage.provenance import Producer, differs, provenance_of
 
+# A field id that a data file keeps for a column it no longer provides (Lance's tombstone).
+DROPPED_FIELD = -2
+
 
 def field_ids(schema: Any) -> dict[str, int]:
     """Each top-level column's Lance field id, by name (of a ``lance_schema``)."""
@@ -35,15 +44,16 @@ def field_ids(schema: Any) -> dict[str, int]:
 
 def gaps(dataset: Any, outputs: Iterable[str], *, all_null: bool = True) -> list[int]:
     """The positions (in ``dataset.get_fragments()``) of the fragments without values of
-    ``outputs``: no data file for them, or, with ``all_null``, only nulls in every one of them."""
+    ``outputs``: no data file for them, or, with ``all_null``, only nulls in every one of them where
+    a file of the fragment's rows holds them (a file of the columns alone is a write-back's: not read)."""
     ids = field_ids(dataset.lance_schema)
     wanted = {ids[name] for name in outputs}
     found = []
     for position, fragment in enumerate(dataset.get_fragments()):
-        held = {field for data_file in fragment.metadata.files for field in data_file.fields} & wanted
-        if not held:
+        holding = [set(data_file.fields) for data_file in fragment.metadata.files if wanted & set(data_file.fields)]
+        if not holding:
             found.append(position)
-        elif all_null and _all_null(fragment, list(outputs)):
+        elif all_null and any(fields - wanted - {DROPPED_FIELD} for fields in holding) and _all_null(fragment, list(outputs)):
             found.append(position)
     return found
 
@@ -119,4 +129,4 @@ def lacking_note(dataset: Any, outputs: Iterable[str]) -> str | None:
     )
 
 
-__all__ = ["check_type", "describe", "field_ids", "fills", "gaps", "lacking_note"]
+__all__ = ["DROPPED_FIELD", "check_type", "describe", "field_ids", "fills", "gaps", "lacking_note"]

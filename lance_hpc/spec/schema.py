@@ -115,8 +115,8 @@ class InferSpec(Section):
     )
     refresh: str | None = Field(
         None,
-        description="missing: compute the columns only for the rows that lack them (fragments appended since, or whose "
-        "values are all null), keeping every value and file there, in one commit; refused for columns another "
+        description="missing: compute the columns only for the rows that lack them (fragments appended since, or "
+        "appended with nulls there), keeping every value and file there, in one commit; refused for columns another "
         "checkpoint or function wrote, unless overwrite.",
     )
 

@@ -13,13 +13,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from lance_hpc.backfill.missing import field_ids
+from lance_hpc.backfill.missing import DROPPED_FIELD, field_ids
 from lance_hpc.errors import UserError
 from lance_hpc.storage.datasets import open_dataset
 from lance_hpc.writeback import column_swap
-
-# A field id that a data file keeps for a column it no longer provides (Lance's tombstone).
-DROPPED_FIELD = -2
 
 
 def filled_fragments(pinned: Any, written: Mapping[int, tuple[str, list[str]]], stored: Mapping[str, str]) -> list[Any]:
