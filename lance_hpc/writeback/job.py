@@ -81,6 +81,8 @@ def run_infer(spec: JobSpec, env: DistEnv, preemption: Preemption, requeue: Requ
     run = steps.begin(spec, env)
     if run is None:
         return Summary("completed", 0, 0, None)
+    if spec.data.num_workers > 0:  # there is work: the workers' server imports torch while the model and plan load
+        loading.worker_context()
     task = loading.load_task(spec)
     check_task_inputs(spec, task)
     model, weights = load_model(spec, task, device, digest=env.is_main)
