@@ -27,6 +27,7 @@ from benchmarks import (
     local,
     object_storage,
     peer_loaders,
+    refresh,
     report,
     restarts,
     sharded,
@@ -91,6 +92,14 @@ SECTIONS: dict[str, Section] = {
         infer.configs,
         infer.section_report,
         runs=2,
+    ),
+    "refresh": Section(
+        "rows appended to the photos (a tenth more) after job: infer wrote embedding and predicted: infer.refresh: "
+        "missing, which computes the new rows only, against a full overwrite of the same columns: time and bytes "
+        "written, and the old data files checked byte for byte",
+        refresh.configs,
+        refresh.section_report,
+        runs=1,
     ),
     "choose": Section(
         "what choosing the training rows costs, each against its peer in the same run: sampler: block over the S3 "

@@ -62,6 +62,34 @@ class Target:
         return f"{'met   ' if self.met else 'MISSED'}  {self.name}: {self.detail}"
 
 
+def section_lines(
+    heading: str, title: str, header: list[str], cells: list[list[str]], notes: list[str], verdicts: list[Target]
+) -> tuple[list[str], list[str]]:
+    """A section's terminal lines and markdown: its title, table, notes and targets."""
+    text = [
+        "",
+        title,
+        format_text(header, cells),
+        *notes,
+        "",
+        f"Targets ({heading.lower()}):",
+        *("  " + v.line() for v in verdicts),
+    ]
+    markdown = [
+        "",
+        f"## {heading}",
+        "",
+        title,
+        "",
+        format_markdown(header, cells),
+        "",
+        *notes,
+        "",
+        *(f"- {v.line()}" for v in verdicts),
+    ]
+    return text, markdown
+
+
 def targets(
     summaries: Sequence[Summary], default: str, ddp: Summary | None, check: ExactlyOnce | None, lance_labels: Sequence[str]
 ) -> list[Target]:

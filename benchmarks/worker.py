@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
-from benchmarks import infer, ingest, restarts, sharded, shuffle_quality, text_ingest
+from benchmarks import infer, ingest, refresh, restarts, sharded, shuffle_quality, text_ingest
 from benchmarks.gpu import TrainStep, synthetic_batches
 from benchmarks.pipelines import build_pipeline, import_modules
 from benchmarks.s3_server import EpochCounterWindow
@@ -45,6 +45,7 @@ PIPELINES = _worker.Pipelines(
         **dict.fromkeys(ingest.RUNNERS, ingest.measure),
         **dict.fromkeys(text_ingest.RUNNERS, text_ingest.measure),
         **dict.fromkeys(infer.RUNNERS, infer.measure),
+        **dict.fromkeys(refresh.RUNNERS, refresh.measure),
         shuffle_quality.TRAIN_KIND: shuffle_quality.measure,
         sharded.KIND: sharded.measure,
         restarts.KIND: restarts.measure,

@@ -422,3 +422,22 @@ def test_sharded_section_measures_every_configuration_against_ddp_in_the_same_ru
             assert sharded["tokens_per_s"] > 0 and 0 < sharded["blocked_s"] <= sharded["complete_s"]
     markdown = (tmp_path / "out" / "results.md").read_text()
     assert "## Sharded training" in markdown and "| fsdp async, 4 ranks, gpt-tiny |" in markdown
+
+
+@pytest.mark.slow
+def test_refresh_section_puts_a_refresh_against_a_full_overwrite_in_the_same_run(tmp_path, capfd):
+    """--tiny: the small set with its model columns, a tenth more rows appended; the refresh
+    computes only those rows and writes a fraction of the overwrite's bytes, old files unchanged
+    (the measurement fails otherwise), and the report prints both ratios."""
+    code = main(["--tiny", "--sections", "refresh", "--out", str(tmp_path / "out")])
+    printed = capfd.readouterr().out
+    assert code == 0, printed
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    figures = {summary["label"]: summary["runs"][0][0] for summary in results["summaries"]}
+    assert not any(result["error"] for result in figures.values()), figures
+    refresh = figures["lance_hpc job: infer, refresh: missing (the appended rows)"]
+    overwrite = figures["lance_hpc job: infer, overwrite: true (every row again)"]
+    assert (refresh["images"], overwrite["images"]) == (38, 422), (refresh, overwrite)
+    assert 0 < refresh["bytes_written"] < overwrite["bytes_written"] / 4, (refresh, overwrite)
+    assert "refresh vs a full overwrite: work time:" in printed and "refresh vs a full overwrite: bytes written:" in printed
+    assert "## Refresh" in (tmp_path / "out" / "results.md").read_text()

@@ -126,7 +126,7 @@ def test_two_ranks_write_typed_columns_in_row_order_once_and_leave_the_images_al
     from lance_hpc.loading import load_task
 
     task = load_task(loaded)
-    model = load_model(loaded, task, select_device(detect({})))
+    model, _ = load_model(loaded, task, select_device(detect({})))
     rows = np.arange(table.count_rows())
     loader = RowsLoader(loaded.data, task.decoder(train=False), 0, uri, 1, [rows[i : i + 50] for i in range(0, len(rows), 50)])
     import torch
@@ -395,3 +395,44 @@ def test_the_commit_schema_removes_a_replaced_column_with_its_children_and_keeps
     assert [field.id() for field in done.lance_schema.fields()] == [1, 5, 6]  # "keep" as it was; the new ones after every old id
     done.add_columns({"later": "keep + 1"})  # a column added afterwards gets an id of its own
     assert lance.dataset(uri).to_table(columns=["score", "later"]).column("later").to_pylist() == list(range(1, 7))
+
+
+def lineage(target: str | Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "lance_hpc", "lineage", str(target)], capture_output=True, text=True, cwd=REPO_ROOT
+    )
+
+
+def test_a_column_records_its_checkpoint_and_lineage_warns_when_it_scored_the_checkpoints_own_training_rows(
+    trained, tmp_path: Path
+) -> None:
+    from lance_hpc.checkpoint.manifests import latest
+    from lance_hpc.lineage.provenance import PROVENANCE_KEY
+
+    dataset, checkpoint = trained
+    spec = infer_spec(tmp_path, dataset.train, checkpoint, outputs={"predicted": "int64"})
+    try:
+        done = run_local(spec)
+        assert done.returncode == 0, done.stdout + done.stderr
+        table = lance.dataset(dataset.train)
+        document = json.loads(table.schema.field("predicted").metadata[PROVENANCE_KEY.encode()])
+        step = latest(checkpoint).step
+        assert document["checkpoint"]["dir"] == str(checkpoint) and document["checkpoint"]["step"] == step, document
+        assert document["checkpoint"]["weights"].startswith("blake2b:") and document["function"] is None, document
+        assert document["dataset"] == {"uri": dataset.train, "version": table.version - 1} and document["rows"] == 1438
+        trained_on = document["checkpoint"]["lineage"]["trained_on"]
+        assert [(source["uri"], source["version"]) for source in trained_on] == [(dataset.train, 1)], document
+        shown = lineage(dataset.train)
+        assert shown.returncode == 0, shown.stdout + shown.stderr
+        chain = f"{dataset.train} version 1 -> checkpoint {checkpoint} step {step}, weights {document['checkpoint']['weights']}"
+        assert chain in shown.stdout and "-> predicted: read version 1" in shown.stdout, shown.stdout
+        assert "warning: predicted was computed by a checkpoint trained on" in shown.stdout, shown.stdout
+        assert "validation leakage" in shown.stdout and "other columns (no provenance): image, label" in shown.stdout
+    finally:
+        if "predicted" in lance.dataset(dataset.train).schema.names:  # the module's training set as it was
+            lance.dataset(dataset.train).drop_columns(["predicted"])
+    shown = lineage(checkpoint)
+    assert shown.returncode == 0 and f"step {step}, saved at" in shown.stdout, shown.stdout + shown.stderr
+    assert f"trained on {dataset.train} version 1" in shown.stdout and f"validated on {dataset.val}" in shown.stdout
+    refused = lineage(tmp_path / "nothing.lance")
+    assert refused.returncode == 2 and "is neither a checkpoint directory nor a Lance dataset" in refused.stderr

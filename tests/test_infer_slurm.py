@@ -1,6 +1,7 @@
 """An inference job on the real two-node SLURM test cluster: USR2 in the middle stops each rank at
 a fragment boundary and rank 0 requeues the job; the requeued run writes only the fragments still
-missing and commits once; the column equals, row for row, a single-process run's; lance-hpc
+missing and commits once; the column equals, row for row, a single-process run's, and its
+provenance (checkpoint, weights, version read) and lineage read back after the requeue; lance-hpc
 status and logs show the job's fragments and its commit; lance-hpc cancel stops a second one at a
 fragment boundary with nothing committed."""
 
@@ -17,6 +18,7 @@ import yaml
 
 from lance_hpc.ingest import ensure_dataset
 from lance_hpc.launch.paths import JobPaths
+from lance_hpc.lineage.provenance import provenance_of
 from lance_hpc.slurm.queue import FINAL_STATES
 from lance_hpc.spec import DataSpec, IngestSpec, load_spec
 from tests.support.jobs import BASE_SPEC, REPO_ROOT, Digits, train_here, write_spec
@@ -113,6 +115,23 @@ def test_usr2_stops_an_inference_job_at_fragment_boundaries_and_its_requeue_comm
         env=environ(slurm_cluster),
     )
     assert "committed:" in shown.stdout, shown.stdout + shown.stderr
+    # the provenance the requeued run committed, and the chain read back from it and the checkpoint
+    document = provenance_of(table.schema, "predicted")
+    assert document is not None, table.schema
+    checkpoints = str(tmp_path / "train" / "checkpoints")
+    assert (document["checkpoint"]["dir"], document["dataset"], document["rows"], document["fragments"]) == (
+        checkpoints,
+        {"uri": dataset.val, "version": 1},
+        359,
+        12,
+    ), document
+    assert document["checkpoint"]["weights"].startswith("blake2b:") and document["function"].endswith("infer.py:slow_predict")
+    chain = subprocess.run(
+        [sys.executable, "-m", "lance_hpc", "lineage", dataset.val], capture_output=True, text=True, cwd=REPO_ROOT
+    )
+    step = document["checkpoint"]["step"]
+    assert f"{dataset.train} version 1 -> checkpoint {checkpoints} step {step}" in chain.stdout, chain.stdout + chain.stderr
+    assert "-> predicted: read version 1, 359 rows in 12 fragment(s)" in chain.stdout and "warning" not in chain.stdout
 
     raw = yaml.safe_load(spec_for(dataset.val, "infer3", 2).read_text())  # the same model, a new column
     raw["infer"]["outputs"] = {"predicted_again": "int64"}

@@ -29,6 +29,7 @@ LAYERS = (
     "quiet",  # the dependencies' warnings that do not apply
     "output",  # what a process prints: whole lines, progress for a terminal or a log file
     "limits",  # the bounds ingest, decode and the spec agree on
+    "lineage",  # provenance of columns, lineage of checkpoints: plain documents, read and written above
     "storage",
     "signals",  # the signals a rank's processes take
     "tasks",
@@ -39,6 +40,7 @@ LAYERS = (
     "ingest",
     "loading",
     "runtime",
+    "backfill",  # the rows derived columns lack as a table grows, the indices on them
     "writeback",
     "kinds",
     "launch",

@@ -1,10 +1,11 @@
 """What a checkpoint directory holds, known without loading a checkpoint.
 
 A checkpoint ``step-XXXXXXXX.pt`` carries its step in its name, and a small JSON manifest beside it,
-``step-XXXXXXXX.json``, says the rest: epoch, progress, world size, dataset version and when it was
-written. The manifest is written (atomically) once its checkpoint is complete and pruned with it, so
-``lance-hpc status`` and ``cancel`` list a directory and read a few hundred bytes on a login node,
-where loading the newest checkpoint would read, or download, all of it.
+``step-XXXXXXXX.json``, says the rest: epoch, progress, world size, dataset version, when it was
+written and its lineage (the data it was trained on, the spec: :mod:`lance_hpc.lineage.checkpoints`).
+The manifest is written (atomically) once its checkpoint is complete and pruned with it, so
+``lance-hpc status``, ``cancel`` and ``lineage`` list a directory and read a few hundred bytes on a
+login node, where loading the newest checkpoint would read, or download, all of it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from lance_hpc.checkpoint.stores import TEMP_SUFFIX, Store, open_store
+from lance_hpc.lineage.checkpoints import checkpoint_lineage
 
 CHECKPOINT_PATTERN = re.compile(r"^step-(\d+)\.pt$")
 MANIFEST_PATTERN = re.compile(r"^step-(\d+)\.json$")
@@ -47,6 +49,8 @@ def checkpoint_names(names: list[str]) -> list[str]:
 def manifest(state: Mapping[str, Any], world_size: int) -> bytes:
     """The manifest of a checkpoint of ``state``, written by ``world_size`` ranks."""
     fields = {key: state[key] for key in MANIFEST_FIELDS if key in state}
+    if isinstance(state.get("spec"), Mapping):  # what it was trained on, read without loading it
+        fields["lineage"] = checkpoint_lineage(state["spec"], state.get("data_pinned"))
     fields.update(
         world_size=world_size,
         saved_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -17,6 +17,7 @@ from lance_hpc.checkpoint.rng_states import reseed, restore_rng
 from lance_hpc.checkpoint.saving import RankPlace, list_checkpoints
 from lance_hpc.checkpoint.stores import Location, open_store
 from lance_hpc.errors import UserError
+from lance_hpc.lineage.checkpoints import source_text
 from lance_hpc.spec import JobSpec
 from lance_hpc.spec.flat import flatten
 
@@ -216,19 +217,8 @@ def resume_message(resumed: Checkpoint, progress: float, world_size: int, batch_
 
 def pinned_text(pinned: dict[str, Any]) -> str:
     """The data a checkpoint pinned, in a few words: each source's version, tag and filter."""
-
-    def one(source: dict[str, Any]) -> str:
-        text = f"{source.get('uri')} version {source.get('version')}"
-        if source.get("tag"):
-            text += f" (tag {source['tag']!r})"
-        if source.get("filter"):
-            text += f", rows where {source['filter']}"
-        if source.get("weight") is not None:
-            text += f", weight {source['weight']:g}"
-        return text
-
     sources = pinned.get("sources") or ([pinned] if pinned.get("uri") else [])
-    return "; ".join(one(source) for source in sources)
+    return "; ".join(source_text(source) for source in sources)
 
 
 def restore_rank(resumed: Checkpoint, env: RankPlace, seed: int) -> None:

@@ -34,6 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tokenizer": ("lance_hpc.cli.tokenizer", "train a BPE tokenizer offline for text ingest (tokenizer train)"),
     "checkpoint": ("lance_hpc.cli.checkpoint", "export a checkpoint's model (sharded or not) as one .pt or .safetensors"),
     "bench": ("lance_hpc.cli.bench", "benchmark a job's data pipeline (and, in a checkout, the peers)"),
+    "lineage": ("lance_hpc.cli.lineage", "where a dataset's columns and a checkpoint came from; warns of leakage"),
 }
 
 # Commands with no training steps to profile: USR1 (a profiler trace, which scancel --signal=USR1

@@ -28,6 +28,17 @@ def add_overrides(
     )
 
 
+def add_storage_options(parser: argparse.ArgumentParser) -> None:
+    """``--storage-option KEY=VALUE`` (repeatable): an object store's endpoint, region, allow_http."""
+    parser.add_argument(
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="object-store option (endpoint, region, allow_http); credentials come from AWS_* variables",
+    )
+
+
 def target_parser(prog: str, description: str, epilog: str) -> argparse.ArgumentParser:
     """The parser of a command about a submitted job (status, logs, cancel): the spec or job id,
     --set, --job."""

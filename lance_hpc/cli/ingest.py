@@ -12,6 +12,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Sequence
 
+from lance_hpc.cli.arguments import add_storage_options
 from lance_hpc.cli.reporting import run_reporting_errors
 from lance_hpc.errors import UserError
 from lance_hpc.limits import DEFAULT_RECORD_MB, MAX_PIXELS, MAX_SAMPLE_FIELDS
@@ -51,13 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--seed", type=int, default=0, help="sklearn-digits, skimage-photos, torchvision: seed of the split and row order"
     )
-    parser.add_argument(
-        "--storage-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="object-store option (endpoint, region, allow_http); credentials come from AWS_* variables",
-    )
+    add_storage_options(parser)
     add_shard_options(parser)
     return parser
 

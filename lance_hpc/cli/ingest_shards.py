@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 from lance_hpc.errors import UserError
 from lance_hpc.imports import child_environment, python_command
-from lance_hpc.ingest.commit import commit, committed_line
+from lance_hpc.ingest.commit import commit, committed_line, unfilled_lines
 from lance_hpc.ingest.plan import Plan, make_plan, resume_lines, source_options, tokens_of
 from lance_hpc.ingest.records import Records, ShardRecord
 from lance_hpc.ingest.shard_batches import ColumnMap
@@ -78,7 +78,7 @@ def ingest_shards(args: argparse.Namespace, arguments: list[str]) -> int:
     if args.dry_run:
         print("\n".join(shard_summary(plan, args.nproc)))
         print(f"schema: {', '.join(f'{item.name} ({item.type})' for item in plan.schema)}")
-        print(estimate_line(plan))
+        print("\n".join([estimate_line(plan), *unfilled_lines(plan)]))
         return 0
     for line in resume_lines(plan):
         print(line, flush=True)

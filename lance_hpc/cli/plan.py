@@ -14,7 +14,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lance-hpc plan",
         description="Show the data plan of a job spec: how its training rows split over the ranks, the steps of an "
-        "epoch and the validation batches, from the dataset's metadata only (no data file is read).",
+        "epoch and the validation batches, from the dataset's metadata only (no data file is read); for an ingest, "
+        "inference, evaluation or map job, what its ranks would read or write, as a dry run shows it.",
     )
     add_spec(parser)
     parser.add_argument(
@@ -33,6 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def show_plan(spec_file: str, overrides: list[str], world_size: int | None, check: bool) -> int:
+    from lance_hpc.kinds import registered_kind
     from lance_hpc.loading.plan import describe_eval, plan_data, preflight
     from lance_hpc.spec import load_spec
 
@@ -42,6 +44,10 @@ def show_plan(spec_file: str, overrides: list[str], world_size: int | None, chec
         raise UserError("--world-size must be >= 1")
     if check:
         preflight(spec.data)
+    kind = registered_kind(spec.job)
+    if kind is not None and not kind.trains:  # ingest, infer, evaluate, map: the kind's own plan, as the dry run shows it
+        print(f"{kind.name} plan of {spec.name}:\n{kind.plan(spec, spec_file)}")
+        return 0
     plan = plan_data(spec.data, ranks)
     print(f"data plan of {spec.name}:")
     print(plan)

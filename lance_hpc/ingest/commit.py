@@ -136,11 +136,21 @@ def _appended_figures(dataset: Any, added: pa.Schema, read_version: int | None) 
 
 
 def committed_line(plan: Plan, done: Committed) -> str:
-    """``committed: URI version N, ...; rows train N, val N; skipped ...`` (or ``already committed``)."""
+    """``committed: URI version N, ...; rows train N, val N; skipped ...`` (or ``already committed``),
+    and what an append left null."""
     where = ", ".join(f"{plan.targets()[split].uri} version {version}" for split, version in done.versions.items())
     rows = ", ".join(f"{split} {count:,}" for split, count in done.rows.items())
     state = "already committed" if done.already else "committed"
-    return f"{state}: {where}; rows {rows}; skipped {describe_skips(done.skipped)}"
+    return "\n".join([f"{state}: {where}; rows {rows}; skipped {describe_skips(done.skipped)}", *unfilled_lines(plan)])
+
+
+def unfilled_lines(plan: Plan) -> list[str]:
+    """What an append leaves null: the columns lance_hpc derived that the new rows lack, per dataset."""
+    return [
+        f"{plan.targets()[split].uri}: the new rows have no values in {', '.join(names)} (columns an inference job "
+        "wrote) until a job with infer.refresh: missing computes them for those rows only"
+        for split, names in plan.unfilled.items()
+    ]
 
 
 def describe_skips(skipped: dict[str, int]) -> str:

@@ -41,6 +41,7 @@ from lance_hpc.ingest.target import SPEC_NAMES, Target, existing_dataset, target
 from lance_hpc.ingest.tokenizer import Tokenizer, load_tokenizer
 from lance_hpc.ingest.units import balanced
 from lance_hpc.limits import DEFAULT_RECORD_MB
+from lance_hpc.lineage.provenance import derived_columns
 from lance_hpc.storage.datasets import dataset_exists, open_dataset
 from lance_hpc.storage.options import storage_options
 from lance_hpc.tasks.formats import CLASS_NAMES_KEY, KIND_KEY
@@ -70,6 +71,8 @@ class Plan:
     _tokenizer: Tokenizer | None = field(default=None, repr=False, compare=False)
     # splits whose commit by this run (an earlier process of it) the datasets hold: split -> version
     landed: dict[str, int] = field(default_factory=dict)
+    # append: per split, the columns lance_hpc derived (inference write-back) the new rows lack: null
+    unfilled: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -156,6 +159,7 @@ def make_plan(
     else:
         schema = _schema(source, shards[0], columns)
     read_versions: dict[str, int | None] = {}
+    unfilled: dict[str, list[str]] = {}
     for split, target in splits.items():
         # A UserError for anything but a Lance dataset; a worker trusts the check of the command
         # that started it (other workers' fragments may be landing in the folder meanwhile).
@@ -175,7 +179,7 @@ def make_plan(
             )
         read_versions[split] = int(found.version) if found is not None else None
         if found is not None and mode == "append":
-            _check_append_schema(found, schema, target)
+            unfilled[split] = _check_append_schema(found, schema, target)
     return Plan(
         source_text,
         source,
@@ -194,6 +198,7 @@ def make_plan(
         tokens,
         tokenizer,
         ours,
+        {split: names for split, names in unfilled.items() if names},
     )
 
 
@@ -252,10 +257,13 @@ def _absolute(target: Target) -> Target:
     return Target(os.path.abspath(target.uri), target.options, target.name)
 
 
-def _check_append_schema(found: Any, ours: pa.Schema, target: Target) -> None:
+def _check_append_schema(found: Any, ours: pa.Schema, target: Target) -> list[str]:
     """Rows appended must have the dataset's columns and types (and token sequences, its tokenizer):
-    one clear error before any shard."""
-    theirs = {item.name: item.type for item in found.schema}
+    one clear error before any shard. The columns lance_hpc derived from the rows (an inference's
+    write-back) are not the source's: rows without them are appended with nulls there, which a job
+    with ``infer.refresh: missing`` fills. Returns those columns."""
+    derived = [name for name in derived_columns(found.schema) if name not in ours.names]
+    theirs = {item.name: item.type for item in found.schema if item.name not in derived}
     mine = {item.name: item.type for item in ours}
     if KIND_KEY in (ours.metadata or {}):
         shared = [key for key in (ours.metadata or {}) if key != b"source"]
@@ -269,9 +277,10 @@ def _check_append_schema(found: Any, ours: pa.Schema, target: Target) -> None:
         differ = sorted(name for name in set(mine) | set(theirs) if mine.get(name) != theirs.get(name))
         raise UserError(
             f"{target.name} {target.uri}: these rows do not have the dataset's columns ({', '.join(differ)} differ), "
-            "so they cannot be appended\n  fix: map the columns to match (--column / data.ingest.columns), or "
-            "--overwrite to make these rows the new version"
+            "so they cannot be appended\n  fix: map the source's fields to the dataset's columns (--column / "
+            "data.ingest.columns)"
         )
+    return derived
 
 
 def _dataset_or_none(target: Target) -> Any | None:

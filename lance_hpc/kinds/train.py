@@ -23,6 +23,7 @@ class Train(JobKind):
 
     name = "train"
     profiled = True
+    trains = True
 
     def check(self, spec: JobSpec, nproc: int | None) -> list[str]:
         """Here: the dataset prepared and the task checked once; under SLURM: the data reachable from the login node."""

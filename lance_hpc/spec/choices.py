@@ -24,9 +24,11 @@ EVAL_MODES = ("sharded", "full_scan")
 # data.on_corrupt: a row that cannot be decoded (lance_hpc.loading.reader)
 ON_CORRUPT = ("skip", "fail")
 # job: what each rank runs (lance_hpc.spec.kinds.KINDS; the spec also takes an import path to a JobKind)
-JOB_KINDS = ("train", "ingest", "infer", "evaluate")
+JOB_KINDS = ("train", "ingest", "infer", "evaluate", "map")
 # infer.outputs: the Arrow value type of a new column (a vector output becomes a fixed-size list of it)
 OUTPUT_TYPES = ("float16", "float32", "float64", "int32", "int64")
+# infer.refresh: which rows a write-back job computes (lance_hpc.backfill)
+REFRESH_MODES = ("missing",)
 # data.ingest.source formats a job: ingest splits into shards (lance_hpc.ingest.shards.FORMATS), each
 # written <format>:<path or glob>; python-stdlib[:max_mb=N] is a text: corpus of this interpreter's library
 SHARD_FORMATS = ("parquet", "jsonl", "webdataset", "hf", "imagefolder", "text")

@@ -29,6 +29,9 @@ class JobKindBase:
     #: whether USR1 records a profiler trace of its steps; the other kinds ignore USR1, which
     #: ``scancel --signal=USR1`` sends to every process of the job and would otherwise end it
     profiled: bool = False
+    #: whether its ranks train on data.uri: ``lance-hpc plan`` then shows how an epoch's rows split
+    #: over them; for the other kinds it shows :meth:`plan`, what their ranks would read or write
+    trains: bool = False
 
     def check(self, spec: JobSpec, nproc: int | None) -> list[str]:
         """Before any rank starts, on the launching machine: fail early, return the lines to print (nproc: local ranks, or None under SLURM)."""
@@ -49,6 +52,7 @@ KINDS: dict[str, str] = {
     "ingest": "lance_hpc.kinds.ingest:Ingest",
     "infer": "lance_hpc.kinds.infer:Infer",
     "evaluate": "lance_hpc.kinds.infer:Evaluate",
+    "map": "lance_hpc.kinds.map:Map",
 }
 
 KIND_ADVICE = (

@@ -169,14 +169,22 @@ def infer_problems(raw: Mapping[str, Any]) -> list[Problem]:
     """job: infer and job: evaluate need an infer section naming a model (and, to infer, columns);
     other jobs do not read one."""
     job, infer = raw.get("job", "train"), raw.get("infer")
-    if job not in ("infer", "evaluate"):
+    if job not in ("infer", "evaluate", "map"):
         if infer is not None:
-            return [Problem("infer", f"job: {job} does not read it", "set job: infer or job: evaluate, or remove the section")]
+            return [Problem("infer", f"job: {job} does not read it", "set job: infer, evaluate or map, or remove the section")]
         return []
     if not isinstance(infer, Mapping):
         example = "{checkpoint: checkpoints/<training job>, outputs: {embedding: float16, predicted: int64}}"
+        if job == "map":
+            example = "{function: my_pkg.features:sizes, columns: [image], outputs: {width: int32}}"
         return [Problem("infer", f"job: {job} needs an infer section", f"add infer: {example}")]
+    if job == "map":
+        return map_problems(infer)
     problems = []
+    if infer.get("columns"):
+        problems.append(
+            Problem("infer.columns", f"job: {job} reads the columns its task names", "remove the key (job: map reads it)")
+        )
     if not infer.get("checkpoint") and not infer.get("function"):
         problems.append(
             Problem(
@@ -196,11 +204,44 @@ def infer_problems(raw: Mapping[str, Any]) -> list[Problem]:
         )
     if job == "evaluate" and infer.get("outputs"):
         problems.append(Problem("infer.outputs", "job: evaluate writes no column", "use job: infer to write them"))
+    if job == "evaluate" and infer.get("refresh"):
+        problems.append(
+            Problem("infer.refresh", "job: evaluate writes no column to refresh", "use job: infer, or remove the key")
+        )
     if job == "evaluate" and not infer.get("checkpoint"):
         problems.append(Problem("infer.checkpoint", "job: evaluate needs a checkpoint", "name a training job's checkpoint.dir"))
     outputs = infer.get("outputs")
     if job == "infer" and isinstance(outputs, Mapping):
         problems += output_name_problems([str(name) for name in outputs], infer.get("filter"))
+    return problems
+
+
+def map_problems(infer: Mapping[str, Any]) -> list[Problem]:
+    """job: map runs a function and no model: it needs the function and the columns it writes."""
+    problems = []
+    if not infer.get("function"):
+        problems.append(Problem("infer.function", "job: map has no function to run", "name it, e.g. my_pkg.features:sizes"))
+    if infer.get("checkpoint"):
+        problems.append(
+            Problem("infer.checkpoint", "job: map runs no model", "use job: infer to run a checkpoint, or remove the key")
+        )
+    outputs = infer.get("outputs")
+    if not outputs:
+        problems.append(
+            Problem("infer.outputs", "job: map writes no column", "name the new columns and their types, e.g. {width: int32}")
+        )
+    elif isinstance(outputs, Mapping):
+        problems += output_name_problems([str(name) for name in outputs], infer.get("filter"))
+        columns = infer.get("columns") or []
+        clash = [name for name in outputs if name in columns]
+        if clash:
+            problems.append(
+                Problem(
+                    "infer.outputs",
+                    f"{', '.join(clash)} is a column the function reads (infer.columns): the job would replace its own input",
+                    f"write the output under another name, e.g. {clash[0]}_mapped",
+                )
+            )
     return problems
 
 

@@ -17,11 +17,11 @@ from typing import Any
 import yaml
 from pydantic import Field, field_validator, model_validator
 
-from lance_hpc.spec.choices import OUTPUT_TYPES
+from lance_hpc.spec.choices import OUTPUT_TYPES, REFRESH_MODES
 from lance_hpc.spec.data_section import CacheSpec, DataSpec, IngestSpec, MixSource
 from lance_hpc.spec.predicates import check_predicate
 from lance_hpc.spec.secrets import redacted
-from lance_hpc.spec.section import Section
+from lance_hpc.spec.section import Section, choice
 from lance_hpc.spec.slurm_section import ContainerSpec, SlurmSpec, parse_time_limit
 from lance_hpc.spec.train_section import CheckpointSpec, LoggingSpec, TrainSpec
 
@@ -90,7 +90,12 @@ class InferSpec(Section):
     function: str | None = Field(
         None,
         description="Instead of the task's outputs: your function (my_pkg.infer:predict) taking (model, batch) on the "
-        "device and returning {column: tensor}; model is None without infer.checkpoint.",
+        "device and returning {column: tensor}; model is None without infer.checkpoint. job: map: your function "
+        "(my_pkg.features:sizes) taking a pyarrow RecordBatch of infer.columns and returning {column: array}.",
+    )
+    columns: list[str] = Field(
+        default_factory=list,
+        description="job: map: the columns your function reads, in batches of data.batch_size rows; empty: every column.",
     )
     outputs: dict[str, str] = Field(
         default_factory=dict,
@@ -108,6 +113,12 @@ class InferSpec(Section):
     metrics_file: str = Field(
         "runs/{name}/metrics.json", description="job: evaluate: where the metrics are written as JSON (rank 0)."
     )
+    refresh: str | None = Field(
+        None,
+        description="missing: compute the columns only for the rows that lack them (fragments appended since, or "
+        "appended with nulls there), keeping every value and file there, in one commit; refused for columns another "
+        "checkpoint or function wrote, unless overwrite.",
+    )
 
     @field_validator("outputs")
     @classmethod
@@ -122,6 +133,11 @@ class InferSpec(Section):
 
     check_filter = field_validator("filter")(check_predicate)
 
+    @field_validator("refresh")
+    @classmethod
+    def check_refresh(cls, refresh: str | None) -> str | None:
+        return None if refresh is None else choice(lambda: REFRESH_MODES)(refresh)
+
 
 class JobSpec(Section):
     """A validated job spec (frozen): what the ranks run (``job``, ``task``, ``entry``), on which data,
@@ -132,7 +148,8 @@ class JobSpec(Section):
         "train",
         description="What the ranks run: train (the built-in loop, or entry); ingest (data.ingest's source into data.uri, "
         "its shards split between the ranks, one commit at the end); infer (a model over data.uri, new columns "
-        "per fragment, one commit); evaluate (a checkpoint's metrics on data.uri); or an import path to your own "
+        "per fragment, one commit); evaluate (a checkpoint's metrics on data.uri); map (your function over batches "
+        "of data.uri's columns, no model, new columns the same way); or an import path to your own "
         "JobKind subclass (my_pkg.kinds:MyKind or path/to/file.py:MyKind).",
     )
     slurm: SlurmSpec = Field(default_factory=SlurmSpec, description="Resources and submission.")
@@ -146,7 +163,7 @@ class JobSpec(Section):
         description="Script mode: your entry's own settings (ctx.options), checked against its Options model when it has one.",
     )
     train: TrainSpec = Field(default_factory=TrainSpec, description="Optimisation.")
-    infer: InferSpec | None = Field(None, description="job: infer and job: evaluate: the model and the new columns.")
+    infer: InferSpec | None = Field(None, description="job: infer, evaluate and map: the model or function, and the new columns.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoints.")
     logging: LoggingSpec = Field(default_factory=LoggingSpec, description="TensorBoard and progress.")
     sweep: dict[str, list[Any]] = Field(

@@ -11,8 +11,11 @@ or the new one, never neither.
 A Lance schema cannot be renamed through Arrow without losing its field ids (they are dense from
 an Arrow schema, while a dataset that ever dropped a column has gaps), so the schema is edited in
 the form Lance serialises it in: one protobuf ``Field`` message per field, whose name is field 2,
-its id field 3 and its parent's id field 4. A dropped field's files stay in the fragments, as
-``drop_columns`` leaves them: Lance reads only the fields its schema names.
+its id field 3, its parent's id field 4 and its metadata field 10 (a map: one entry message per
+key, whose key is field 1 and value field 2). A dropped field's files stay in the fragments, as
+``drop_columns`` leaves them: Lance reads only the fields its schema names. The commit also sets
+the field metadata of the columns it writes (their provenance), so that the values and the record
+of where they came from appear in one version.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ TEMPORARY_PREFIX = "lance_hpc_new_"
 
 # Protobuf wire format: (field number << 3) | wire type; type 0 a varint, 1 8 bytes, 2 a length
 # and that many bytes, 5 4 bytes.
-_NAME, _ID, _PARENT = 2, 3, 4
+_NAME, _ID, _PARENT, _METADATA = 2, 3, 4, 10
+_KEY, _VALUE = 1, 2
 _LENGTH_DELIMITED = 2
 
 
@@ -88,13 +92,16 @@ def encode(schema: Any) -> list[str]:
     return [metadata, *(base64.b64encode(field).decode() for field in fields)]
 
 
-def committed_schema(encoded: list[str], stored: Mapping[str, str]) -> Any:
+def committed_schema(
+    encoded: list[str], stored: Mapping[str, str], metadata: Mapping[str, Mapping[str, str]] | None = None
+) -> Any:
     """The schema of the commit: the schema ``merge_columns`` made (the dataset's fields, then the
     new ones under their stored names, Lance's own field ids), with each column an output replaces
-    removed (and its children) and each output under its own name."""
+    removed (and its children), each output under its own name, and ``metadata`` (column -> key ->
+    value) set on the top-level columns it names."""
     from lance.schema import LanceSchema
 
-    metadata, *fields = encoded
+    schema_metadata, *fields = encoded
     messages = [base64.b64decode(field) for field in fields]
     renamed = {temporary: output for output, temporary in stored.items() if temporary != output}
     parsed = [_decode(message) for message in messages]
@@ -106,8 +113,19 @@ def committed_schema(encoded: list[str], stored: Mapping[str, str]) -> Any:
             removed.add(values[_ID])  # a child of a removed field (fields come parents first)
             continue
         top_level = values[_PARENT] == -1
-        kept.append(_with_name(message, renamed[values[_NAME]]) if top_level and values[_NAME] in renamed else message)
-    return LanceSchema._from_protos(metadata, *kept)
+        name = renamed.get(values[_NAME], values[_NAME]) if top_level else values[_NAME]
+        if name != values[_NAME]:
+            message = _with_name(message, name)
+        if top_level and metadata and name in metadata:
+            message = _with_metadata(message, metadata[name])
+        kept.append(message)
+    return LanceSchema._from_protos(schema_metadata, *kept)
+
+
+def with_field_metadata(schema: Any, metadata: Mapping[str, Mapping[str, str]]) -> Any:
+    """A Lance schema (a dataset's ``lance_schema``) with ``metadata`` set on the top-level columns
+    it names, field ids and everything else as they were."""
+    return committed_schema(encode(schema), {}, metadata)
 
 
 def _decode(message: bytes) -> dict[int, Any]:
@@ -123,9 +141,26 @@ def _decode(message: bytes) -> dict[int, Any]:
 
 def _with_name(message: bytes, name: str) -> bytes:
     """The message with its name field replaced (every other field as it was)."""
-    encoded = name.encode()
-    name_entry = _varint((_NAME << 3) | _LENGTH_DELIMITED) + _varint(len(encoded)) + encoded
+    name_entry = _length_delimited(_NAME, name.encode())
     return b"".join(name_entry if number == _NAME else raw for number, _, raw in _entries(message))
+
+
+def _with_metadata(message: bytes, entries: Mapping[str, str]) -> bytes:
+    """The message with ``entries`` in its field metadata (an entry of the same key replaced)."""
+
+    def key_of(entry: bytes) -> str:
+        return next((bytes(value).decode() for number, value, _ in _entries(entry) if number == _KEY), "")
+
+    kept = [raw for number, value, raw in _entries(message) if number != _METADATA or key_of(bytes(value)) not in entries]
+    added = []
+    for key, value in entries.items():
+        entry = _length_delimited(_KEY, key.encode()) + _length_delimited(_VALUE, value.encode())
+        added.append(_length_delimited(_METADATA, entry))
+    return b"".join(kept + added)
+
+
+def _length_delimited(number: int, payload: bytes) -> bytes:
+    return _varint((number << 3) | _LENGTH_DELIMITED) + _varint(len(payload)) + payload
 
 
 def _entries(message: bytes) -> list[tuple[int, Any, bytes]]:

@@ -7,9 +7,9 @@ for validation; or ``infer.function`` (given the model, or None). Each rank take
 pinned version's fragments (:mod:`lance_hpc.writeback.new_columns`), reads each fragment's rows in
 order through the data layer's workers, runs the model under ``torch.inference_mode`` (bf16
 autocast on GPU when train.precision says so; pinned memory, non-blocking copies, channels-last as
-the task prepares it) and writes the fragment's new column file. Like the ingest job, the ranks share
-no collective: fragments differ in size, so ranks finish at different times; rank 0 waits for every
-fragment's record, then commits. A stop signal is honoured at a fragment boundary (USR2 requeues).
+the task prepares it) and writes the fragment's new column file. Around that loop the run is the
+one ``job: map`` shares (:mod:`lance_hpc.writeback.steps`): the pin, rank 0's wait for every fragment's
+record, one commit. A stop signal is honoured at a fragment boundary (USR2 requeues).
 """
 
 from __future__ import annotations
@@ -28,32 +28,28 @@ from lance_hpc.checkpoint import resuming
 from lance_hpc.checkpoint.export import model_state
 from lance_hpc.errors import UserError
 from lance_hpc.imports import load_callable
-from lance_hpc.ingest.units import wait_for_all
+from lance_hpc.lineage.provenance import weights_digest
 from lance_hpc.loading.loader import RowsLoader
 from lance_hpc.runtime.context import Summary, precision_context
 from lance_hpc.runtime.environment import DistEnv, configure_process, select_device
 from lance_hpc.runtime.metrics import build_logger
-from lance_hpc.runtime.preemption import Preemption, Requeue, after_preemption
+from lance_hpc.runtime.preemption import Preemption, Requeue
 from lance_hpc.spec import JobSpec
-from lance_hpc.storage.datasets import open_dataset
 from lance_hpc.storage.files import write_file
-from lance_hpc.storage.options import storage_options
 from lance_hpc.tasks import ROW_ID, Task
 from lance_hpc.tasks.base import Batch
-from lance_hpc.writeback import column_swap, new_columns
+from lance_hpc.writeback import column_swap, new_columns, steps
 from lance_hpc.writeback.new_columns import ColumnPlan, FragmentRecord, Records
-
-# How often rank 0 looks for the other ranks' fragment records while it waits to commit.
-POLL_S = 2.0
 
 Infer = Callable[[nn.Module | None, Batch], dict[str, torch.Tensor]]
 
 
-def load_model(spec: JobSpec, task: Task, device: torch.device) -> nn.Module | None:
-    """The latest checkpoint's model in evaluation mode on ``device`` (or None without infer.checkpoint)."""
+def load_model(spec: JobSpec, task: Task, device: torch.device, *, digest: bool = False) -> tuple[nn.Module | None, str | None]:
+    """The latest checkpoint's model in evaluation mode on ``device`` (or None without infer.checkpoint),
+    and with ``digest`` a digest of its weights as saved (the provenance of the columns it writes)."""
     assert spec.infer is not None
     if spec.infer.checkpoint is None:
-        return None
+        return None, None
     saved = resuming.load_latest(spec.infer.checkpoint)
     if saved is None or ("model" not in saved.objects and saved.shards is None):
         raise UserError(
@@ -62,8 +58,10 @@ def load_model(spec: JobSpec, task: Task, device: torch.device) -> nn.Module | N
         )
     resuming.check_same_model(saved, spec, task.options)
     model = task.build_model()
-    resuming.restore_object(model, model_state(saved), saved, spec, "model")  # whole, from shards too
-    return task.prepare_model(model, device).eval()
+    state = model_state(saved)  # whole, from shards too
+    weights = weights_digest(state) if digest else None
+    resuming.restore_object(model, state, saved, spec, "model")
+    return task.prepare_model(model, device).eval(), weights
 
 
 def infer_function(spec: JobSpec, task: Task) -> Infer:
@@ -75,72 +73,27 @@ def infer_function(spec: JobSpec, task: Task) -> Infer:
 
 
 def run_infer(spec: JobSpec, env: DistEnv, preemption: Preemption, requeue: Requeue) -> Summary:
-    """This rank's fragments; on rank 0 also the wait for the others, the commit or the report."""
+    """This rank's fragments; on rank 0 also the wait for the others, the commit or the report
+    (:mod:`lance_hpc.writeback.steps`)."""
     assert spec.infer is not None
-    evaluating = spec.job == "evaluate"
     device = select_device(env)
     configure_process(spec.train.seed, False, env, device)
-    name = new_columns.model_name(spec)
-    run, records = new_columns.run_records(spec, name)
-    options = storage_options(spec.data.uri, spec.data.storage_options)
-    committed = new_columns.earlier_commit(records, spec.data.uri, options, spec.infer.outputs, main=env.is_main)
-    if committed is not None:
-        if env.is_main:
-            print(f"already committed: {spec.data.uri} version {committed} ({name}); nothing to do", flush=True)
+    run = steps.begin(spec, env)
+    if run is None:
         return Summary("completed", 0, 0, None)
+    if spec.data.num_workers > 0:  # there is work: the workers' server imports torch while the model and plan load
+        loading.worker_context()
     task = loading.load_task(spec)
     check_task_inputs(spec, task)
-    model = load_model(spec, task, device)
-    plan = new_columns.start(
-        spec.data.uri,
-        options,
-        spec.infer.outputs,
-        run,
-        main=env.is_main,
-        overwrite=spec.infer.overwrite,
-        filter=spec.infer.filter,
-    )
+    model, weights = load_model(spec, task, device, digest=env.is_main)
+    run = run.with_weights(weights)
+    plan = steps.pin(spec, env, run)
+    if not plan.compute:
+        return Summary("completed", 0, 0, None)
     mine = plan.assignment(env.world_size)[env.rank]
-    if env.is_main:
-        what = "evaluate" if evaluating else f"infer {', '.join(spec.infer.outputs)}"
-        print(
-            f"{what}: {name} over {spec.data.uri} version {plan.version}, {len(plan.fragments)} fragments "
-            f"over {env.world_size} rank(s)",
-            flush=True,
-        )
-        newest = plan.dataset().latest_version
-        if newest != plan.version:
-            print(f"  note: the dataset is at version {newest} now; this run goes on reading version {plan.version}", flush=True)
-    done, already = _work(spec, env, plan, records, mine, task, model, infer_function(spec, task), preemption, device)
-    print(
-        f"rank {env.rank}: {len(done)} fragment(s) written, {len(already)} written before, {len(mine) - len(done) - len(already)} left",
-        flush=True,
-    )
-    if not env.is_main:
-        return Summary("completed", len(done), 0, None)
-    received = lambda: preemption.received is not None  # noqa: E731
-    stopped = received() or not wait_for_all(records, len(plan.fragments), received, "fragment", POLL_S)
-    if stopped:
-        preemption.agreed_signal = preemption.received  # no collective: each rank honours its own signal
-        requeued, message = after_preemption(env, spec, preemption, requeue)
-        if not requeued:
-            message = "run or submit the same job again: it writes only the fragments still missing, then commits"
-        print(f"stopped with {len(records.finished())}/{len(plan.fragments)} fragments written; {message}", flush=True)
-        return Summary("requeued" if requeued else "stopped", len(done), 0, None)
-    finished = records.finished()
-    if evaluating:
-        metrics = _report(spec, task, plan, finished)
-        return Summary("completed", len(plan.fragments), 0, None, metrics)
-    version = new_columns.commit(plan, finished)
-    records.mark_committed(version)
-    rows = sum(record.rows for record in finished.values())
-    unreadable = sum(record.unreadable for record in finished.values())
-    print(
-        f"committed: {spec.data.uri} version {version} with {', '.join(spec.infer.outputs)} for {rows:,} rows"
-        + (f" ({unreadable} unreadable: null)" if unreadable else ""),
-        flush=True,
-    )
-    return Summary("completed", len(plan.fragments), 0, None, {"rows": float(rows)})
+    done, already = _work(spec, env, plan, run.records, mine, task, model, infer_function(spec, task), preemption, device)
+    report = (lambda finished: _report(spec, task, plan, finished)) if spec.job == "evaluate" else None
+    return steps.finish(spec, env, plan, run, mine, done, already, preemption, requeue, report)
 
 
 def _work(
@@ -293,34 +246,11 @@ def check_task_inputs(spec: JobSpec, task: Task) -> None:
 
 
 def check_infer(spec: JobSpec, world_size: int | None = None) -> str:
-    """Before any rank starts: the dataset, the columns and the checkpoint checked; the work in a
-    few lines (no model is loaded) for ``world_size`` ranks (default: the spec's)."""
-    assert spec.infer is not None
-    options = storage_options(spec.data.uri, spec.data.storage_options)
-    dataset = open_dataset(spec.data.uri, None, options)
-    model = new_columns.model_name(spec)
-    run, records = new_columns.run_records(spec, model)
-    committed = records.committed()
-    if committed is not None and new_columns.stale_commit(dataset, spec.infer.outputs, committed) is None:
-        return f"already committed by an earlier run of this job: {spec.data.uri} version {committed} ({model})"
-    if spec.job == "infer":
-        check_task_inputs(spec, loading.load_task(spec))  # before any rank starts: one error, not one per rank
-    if spec.job == "infer" and (records.pinned() is None or committed is not None):
-        column_swap.check_columns(dataset, spec.data.uri, spec.infer.outputs, spec.infer.overwrite)
-    plan = new_columns.plan_at(spec.data.uri, options, int(dataset.version), spec.infer.outputs, run, spec.infer.filter)
-    fragments = plan.fragments
-    rows = sum(fragment.rows for fragment in fragments)
-    rows_text = f"{rows:,} rows"
-    if spec.infer.filter:
-        chosen = sum(plan.rows_selected(index) for index in range(len(fragments)))
-        rows_text = f"{chosen:,} of {rows:,} rows (infer.filter)"
-    what = (
-        "evaluate" if spec.job == "evaluate" else f"new columns {', '.join(f'{n} ({t})' for n, t in spec.infer.outputs.items())}"
-    )
-    return "\n".join(
-        [
-            f"{what}: model {model}",
-            f"{rows_text} in {len(fragments)} fragments of {spec.data.uri} version {dataset.version}, "
-            f"over {world_size or spec.slurm.world_size} rank(s)",
-        ]
-    )
+    """Before any rank starts: the dataset, the columns and the checkpoint checked (and the task's
+    inputs against the outputs); the work in a few lines, no model loaded (:func:`lance_hpc.writeback.steps.check`)."""
+
+    def inputs() -> None:
+        if spec.job == "infer":  # before any rank starts: one error, not one per rank
+            check_task_inputs(spec, loading.load_task(spec))
+
+    return steps.check(spec, world_size, inputs)

@@ -14,7 +14,8 @@ written under a temporary name, and the commit both removes the old column and n
 (:mod:`lance_hpc.writeback.column_swap`), so a failed job leaves the latest version as it was. If the
 dataset moves on before the commit, the commit is refused with what changed: the new columns were
 computed for the pinned version's rows, and are never mixed into another's. A record of a commit
-counts only while the dataset still has what it names; otherwise the run starts over.
+counts only while the dataset still has what it names; otherwise the run starts over
+(:mod:`lance_hpc.writeback.rerun`).
 """
 
 from __future__ import annotations
@@ -29,13 +30,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from lance_hpc.backfill import missing
 from lance_hpc.checkpoint.manifests import latest
 from lance_hpc.errors import UserError
 from lance_hpc.ingest.units import UnitRecords, balanced
+from lance_hpc.lineage.provenance import Producer
 from lance_hpc.spec import JobSpec
 from lance_hpc.storage.datasets import open_dataset
 from lance_hpc.storage.options import storage_options
-from lance_hpc.writeback import column_swap
+from lance_hpc.writeback import column_swap, fill
 
 # How often a rank waits for rank 0's pinned version, and for how long at most.
 WAIT_S, WAIT_LIMIT_S = 0.5, 600.0
@@ -78,10 +81,15 @@ class ColumnPlan:
     # none reads its first row as a probe (its outputs' shapes), all of whose outputs are null
     selected: dict[int, np.ndarray] | None = None
     probes: frozenset[int] = frozenset()
+    # the fragments (indices) the job computes: every one, or for a refresh those the columns lack
+    compute: list[int] = field(default_factory=list)
+    # a refresh that adds the new values to the columns the dataset has (lance_hpc.writeback.fill)
+    fill: bool = False
 
     def assignment(self, world_size: int) -> list[list[int]]:
-        """Fragment indices per rank, balanced by rows (:func:`~lance_hpc.ingest.units.balanced`)."""
-        return balanced([fragment.rows for fragment in self.fragments], world_size)
+        """Indices of the fragments to compute per rank, balanced by rows (:func:`~lance_hpc.ingest.units.balanced`)."""
+        shares = balanced([self.fragments[index].rows for index in self.compute], world_size)
+        return [[self.compute[position] for position in share] for share in shares]
 
     def batches(self, indices: Iterable[int], batch_size: int) -> list[np.ndarray]:
         """The row offsets of these fragments in batches that never cross a fragment's end."""
@@ -116,6 +124,11 @@ def run_key(uri: str, outputs: Mapping[str, str], model: str, job: str) -> str:
     return hashlib.blake2b(identity.encode(), digest_size=8).hexdigest()
 
 
+def run_name(run: str) -> str:
+    """The run's key, the last part of its folder."""
+    return run.rstrip("/").rpartition("/")[2]
+
+
 class Records(UnitRecords[FragmentRecord]):
     """The finished fragments of one run, a small JSON file each, and its pin and commit."""
 
@@ -147,38 +160,6 @@ class Records(UnitRecords[FragmentRecord]):
             self.store.delete_file(name)
 
 
-def stale_commit(dataset: Any, outputs: Mapping[str, str], version: int) -> str | None:
-    """Why a record that this run committed ``version`` no longer holds (None when it does): the
-    dataset, at its latest version, must be at least that version and have every output column."""
-    if int(dataset.version) < version:
-        return f"the dataset is at version {dataset.version} now (recreated?)"
-    missing = [name for name in outputs if name not in dataset.schema.names]
-    if missing:
-        return f"its latest version (version {dataset.version}) has no column {', '.join(missing)}"
-    return None
-
-
-def earlier_commit(records: Records, uri: str, options: dict[str, str], outputs: Mapping[str, str], *, main: bool) -> int | None:
-    """The version an earlier run of this job committed, while the dataset still has it; else None,
-    after rank 0 has cleared that run's records (saying so in one line): the job starts over."""
-    version = records.committed()
-    if version is None:
-        return None
-    reason = stale_commit(open_dataset(uri, None, options), outputs, version)
-    if reason is None:
-        return version
-    if main:
-        print(f"starting over: an earlier run of this job committed version {version} of {uri}, but {reason}", flush=True)
-        records.clear()
-        return None
-    deadline = time.monotonic() + WAIT_LIMIT_S
-    while records.committed() is not None:
-        if time.monotonic() > deadline:
-            raise UserError(f"rank 0 did not clear the stale records of {uri} within {WAIT_LIMIT_S:.0f} s: see its log")
-        time.sleep(WAIT_S)
-    return None
-
-
 def start(
     uri: str,
     options: dict[str, str],
@@ -188,14 +169,17 @@ def start(
     main: bool,
     overwrite: bool,
     filter: str | None = None,
+    refresh: Producer | None = None,
 ) -> ColumnPlan:
     """The run's plan. Rank 0 pins the latest version at the first start (the columns an overwrite
-    replaces still in it); the other ranks wait for the pin."""
+    replaces still in it); the other ranks wait for the pin. ``refresh``: what computes the columns
+    of a refresh, which fills the rows that lack columns the dataset has (their maker's)."""
     records = Records(run, options)
     version = records.pinned()
     if version is None and main:
         dataset = open_dataset(uri, None, options)
-        column_swap.check_columns(dataset, uri, outputs, overwrite)
+        filling = refresh is not None and missing.fills(dataset, uri, outputs, refresh, overwrite)
+        column_swap.check_columns(dataset, uri, outputs, overwrite or filling)
         version = int(dataset.version)
         records.pin(version)
     deadline = time.monotonic() + WAIT_LIMIT_S
@@ -204,13 +188,23 @@ def start(
             raise UserError(f"rank 0 did not pin the dataset version of {uri} within {WAIT_LIMIT_S:.0f} s: see its log")
         time.sleep(WAIT_S)
         version = records.pinned()
-    return plan_at(uri, options, version, outputs, run, filter)
+    return plan_at(uri, options, version, outputs, run, filter, refresh=refresh, overwrite=overwrite)
 
 
 def plan_at(
-    uri: str, options: dict[str, str], version: int, outputs: dict[str, str], run: str, filter: str | None = None
+    uri: str,
+    options: dict[str, str],
+    version: int,
+    outputs: dict[str, str],
+    run: str,
+    filter: str | None = None,
+    *,
+    refresh: Producer | None = None,
+    overwrite: bool = False,
 ) -> ColumnPlan:
-    """The plan over ``version``'s fragments (and the rows ``filter`` selects in each)."""
+    """The plan over ``version``'s fragments (and the rows ``filter`` selects in each); a refresh
+    that fills the columns computes only the fragments they lack (a fragment whose values are all
+    null counts as lacking them, unless a filter, which leaves rows null, is set)."""
     dataset = open_dataset(uri, version, options)
     fragments, start_row = [], 0
     for fragment in dataset.get_fragments():
@@ -218,6 +212,8 @@ def plan_at(
         fragments.append(Fragment(fragment.fragment_id, start_row, rows))
         start_row += rows
     plan = ColumnPlan(uri, options, version, fragments, outputs, run, column_swap.stored_names(dataset.schema.names, outputs))
+    plan.fill = refresh is not None and missing.fills(dataset, uri, outputs, refresh, overwrite)
+    plan.compute = missing.gaps(dataset, outputs, all_null=not filter) if plan.fill else list(range(len(fragments)))
     if filter:
         plan.selected, plan.probes = select(dataset, fragments, filter, uri)
     return plan
@@ -289,8 +285,12 @@ def run_records(spec: JobSpec, model: str) -> tuple[str, Records]:
     """The run's folder beside the dataset, named by the dataset, the columns, the model and the job."""
     assert spec.infer is not None
     options = storage_options(spec.data.uri, spec.data.storage_options)
+    refresh = f" refresh={spec.infer.refresh}" if spec.infer.refresh else ""
     key = run_key(
-        spec.data.uri, spec.infer.outputs, f"{model} overwrite={spec.infer.overwrite} filter={spec.infer.filter}", spec.job
+        spec.data.uri,
+        spec.infer.outputs,
+        f"{model} overwrite={spec.infer.overwrite} filter={spec.infer.filter}{refresh}",
+        spec.job,
     )
     run = f"{records_root(spec.data.uri)}/{key}"
     return run, Records(run, options)
@@ -364,9 +364,10 @@ def write_fragment(plan: ColumnPlan, index: int, batches: Iterator[pa.RecordBatc
     )
 
 
-def commit(plan: ColumnPlan, records: dict[int, FragmentRecord]) -> int:
+def commit(plan: ColumnPlan, records: dict[int, FragmentRecord], metadata: Mapping[str, Mapping[str, str]]) -> int:
     """One Merge of every fragment's new columns on the pinned version, which also removes the
-    columns they replace and gives the new ones their names; its new version."""
+    columns they replace, gives the new ones their names and sets their field ``metadata`` (their
+    provenance); its new version."""
     import lance
 
     latest = open_dataset(plan.uri, None, plan.options)
@@ -376,8 +377,11 @@ def commit(plan: ColumnPlan, records: dict[int, FragmentRecord]) -> int:
             f"{latest.version} now, so the new columns (computed for version {plan.version}'s rows) were not committed\n"
             "  fix: run the job again on a fresh run (a new checkpoint, other columns) or restore the version it read"
         )
+    if plan.fill:
+        written = {index: (record.metadata, record.schema) for index, record in records.items()}
+        return fill.commit_fill(plan.uri, plan.options, plan.version, written, plan.stored, metadata)
     fragments = [lance.FragmentMetadata.from_json(records[index].metadata) for index in range(len(plan.fragments))]
-    operation = lance.LanceOperation.Merge(fragments, column_swap.committed_schema(records[0].schema, plan.stored))
+    operation = lance.LanceOperation.Merge(fragments, column_swap.committed_schema(records[0].schema, plan.stored, metadata))
     dataset = lance.LanceDataset.commit(
         plan.uri, operation, read_version=plan.version, storage_options=plan.options or None, max_retries=0
     )

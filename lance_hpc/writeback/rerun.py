@@ -1,0 +1,83 @@
+"""What a rerun of a write-back job recognises: its earlier commit, while the dataset still holds it.
+
+A run's record of its commit (``committed.json``) counts only while the dataset, at its latest
+version, is at least that version and holds the columns that commit wrote, which their provenance
+names (:mod:`lance_hpc.lineage.provenance`); for a refresh, while no row lacks them. Otherwise rank
+0 clears the run's records and the job starts over, and the other ranks wait for that.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping
+
+from lance_hpc.backfill import missing
+from lance_hpc.errors import UserError
+from lance_hpc.lineage.provenance import provenance_of, runs_of
+from lance_hpc.storage.datasets import open_dataset
+from lance_hpc.writeback.new_columns import WAIT_LIMIT_S, WAIT_S, Records, run_name
+
+
+def stale_commit(
+    dataset: Any, outputs: Mapping[str, str], version: int, run: str, *, refresh: bool = False, filtered: bool = False
+) -> str | None:
+    """Why a record that this run committed ``version`` no longer holds (None when it does): the
+    dataset, at its latest version, must be at least that version and hold the columns that commit
+    wrote, which their provenance says (a column dropped and added again, by hand or by another job,
+    names another run or none; Lance may give it the same field id). A column committed before
+    lance_hpc recorded provenance is taken on its name. For a refresh, which runs whenever rows lack
+    the columns, no row may lack them (``filtered``: a fragment of nulls only is the filter's doing)."""
+    if int(dataset.version) < version:
+        return f"the dataset is at version {dataset.version} now (recreated?)"
+    absent = [name for name in outputs if name not in dataset.schema.names]
+    if absent:
+        return f"its latest version (version {dataset.version}) has no column {', '.join(absent)}"
+    if refresh:
+        gaps = missing.gaps(dataset, outputs, all_null=not filtered)
+        return f"rows were added since: {missing.describe(dataset, gaps, outputs)}" if gaps else None
+    try:
+        then = dataset.checkout_version(version).schema
+    except (ValueError, OSError):  # cleaned up since: the columns must have provenance to be told apart
+        then = None
+    others = []
+    for name in outputs:
+        document = provenance_of(dataset.schema, name)
+        if document is None and then is not None and provenance_of(then, name) is None:
+            continue  # committed before provenance was recorded
+        if document is None or run not in runs_of(document):
+            others.append(name)
+    if others:
+        return f"{', '.join(others)} in its latest version (version {dataset.version}) are not the columns it committed"
+    return None
+
+
+def earlier_commit(
+    records: Records,
+    uri: str,
+    options: dict[str, str],
+    outputs: Mapping[str, str],
+    *,
+    main: bool,
+    refresh: bool = False,
+    filtered: bool = False,
+) -> int | None:
+    """The version an earlier run of this job committed, while the dataset still has it; else None,
+    after rank 0 has cleared that run's records (saying so in one line): the job starts over."""
+    version = records.committed()
+    if version is None:
+        return None
+    reason = stale_commit(
+        open_dataset(uri, None, options), outputs, version, run_name(records.path), refresh=refresh, filtered=filtered
+    )
+    if reason is None:
+        return version
+    if main:
+        print(f"starting over: an earlier run of this job committed version {version} of {uri}, but {reason}", flush=True)
+        records.clear()
+        return None
+    deadline = time.monotonic() + WAIT_LIMIT_S
+    while records.committed() is not None:
+        if time.monotonic() > deadline:
+            raise UserError(f"rank 0 did not clear the stale records of {uri} within {WAIT_LIMIT_S:.0f} s: see its log")
+        time.sleep(WAIT_S)
+    return None
