@@ -25,6 +25,7 @@ from benchmarks import (
     infer,
     ingest,
     local,
+    map_job,
     object_storage,
     peer_loaders,
     refresh,
@@ -100,6 +101,13 @@ SECTIONS: dict[str, Section] = {
         refresh.configs,
         refresh.section_report,
         runs=1,
+    ),
+    "map": Section(
+        "job: map of a cheap function (each image's encoded size) over the photos on one local rank, against reading "
+        "the same column in the same batches alone: rows/s of each loop over the fragments, and the job's whole command",
+        map_job.configs,
+        map_job.section_report,
+        runs=2,
     ),
     "choose": Section(
         "what choosing the training rows costs, each against its peer in the same run: sampler: block over the S3 "

@@ -424,20 +424,38 @@ def test_sharded_section_measures_every_configuration_against_ddp_in_the_same_ru
     assert "## Sharded training" in markdown and "| fsdp async, 4 ranks, gpt-tiny |" in markdown
 
 
-@pytest.mark.slow
-def test_refresh_section_puts_a_refresh_against_a_full_overwrite_in_the_same_run(tmp_path, capfd):
-    """--tiny: the small set with its model columns, a tenth more rows appended; the refresh
-    computes only those rows and writes a fraction of the overwrite's bytes, old files unchanged
-    (the measurement fails otherwise), and the report prints both ratios."""
-    code = main(["--tiny", "--sections", "refresh", "--out", str(tmp_path / "out")])
+def _tiny_section(tmp_path, capfd, section: str) -> tuple[str, dict[str, dict]]:
+    """One --tiny run of ``section``: what it printed, and each configuration's first run by label (none failed)."""
+    code = main(["--tiny", "--sections", section, "--out", str(tmp_path / "out")])
     printed = capfd.readouterr().out
     assert code == 0, printed
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     figures = {summary["label"]: summary["runs"][0][0] for summary in results["summaries"]}
     assert not any(result["error"] for result in figures.values()), figures
+    return printed, figures
+
+
+@pytest.mark.slow
+def test_refresh_section_puts_a_refresh_against_a_full_overwrite_in_the_same_run(tmp_path, capfd):
+    """--tiny: the small set with its model columns, a tenth more rows appended; the refresh
+    computes only those rows and writes a fraction of the overwrite's bytes, old files unchanged
+    (the measurement fails otherwise), and the report prints both ratios."""
+    printed, figures = _tiny_section(tmp_path, capfd, "refresh")
     refresh = figures["lance_hpc job: infer, refresh: missing (the appended rows)"]
     overwrite = figures["lance_hpc job: infer, overwrite: true (every row again)"]
     assert (refresh["images"], overwrite["images"]) == (38, 422), (refresh, overwrite)
     assert 0 < refresh["bytes_written"] < overwrite["bytes_written"] / 4, (refresh, overwrite)
     assert "refresh vs a full overwrite: work time:" in printed and "refresh vs a full overwrite: bytes written:" in printed
     assert "## Refresh" in (tmp_path / "out" / "results.md").read_text()
+
+
+@pytest.mark.slow
+def test_map_section_puts_a_map_job_against_its_data_pipeline_alone_in_the_same_run(tmp_path, capfd):
+    """--tiny: job: map of a cheap function over the small set against reading the same column in the
+    same batches; both read every row, and the report prints the ratio against its target."""
+    printed, figures = _tiny_section(tmp_path, capfd, "map")
+    job = figures["lance_hpc job: map, image_bytes (1 rank)"]
+    pipeline = figures["the data pipeline alone: image column of each fragment in batches (1 process)"]
+    assert job["images"] == pipeline["images"] == 384 and job["images_per_s"] > 0 and pipeline["images_per_s"] > 0, figures
+    assert "job: map vs the data pipeline alone:" in printed, printed
+    assert "## Map" in (tmp_path / "out" / "results.md").read_text()
