@@ -24,11 +24,11 @@ from tests.test_infer import kill_rank_1_after_its_first_fragment, run_local
 pytestmark = pytest.mark.slow
 
 
-def map_spec(directory: Path, uri: str, function: str, **infer: object) -> Path:
+def map_spec(directory: Path, uri: str, function: str, max_restarts: int = 2, **infer: object) -> Path:
     raw = {
         "name": "digits_map",
         "job": "map",
-        "slurm": {"tasks_per_node": 2, "log_dir": str(directory / "logs")},
+        "slurm": {"tasks_per_node": 2, "log_dir": str(directory / "logs"), "max_restarts": max_restarts},
         "data": {"uri": uri, "batch_size": 4},
         "infer": {
             "function": function,
@@ -80,8 +80,11 @@ def test_a_function_over_batches_writes_typed_columns_once_without_a_model_or_gp
 
 
 def test_a_map_killed_mid_run_and_rerun_writes_each_fragment_once(digits: str, tmp_path: Path) -> None:
-    spec = map_spec(tmp_path / "job", digits, "tests.support.mapping:slow_image_bytes")
-    kill_rank_1_after_its_first_fragment(spec)
+    # no restart inside the run: the killed run fails, and the user runs the same command again
+    spec = map_spec(tmp_path / "job", digits, "tests.support.mapping:slow_image_bytes", max_restarts=0)
+    killed = kill_rank_1_after_its_first_fragment(spec)
+    output = killed.communicate(timeout=300)[0]
+    assert killed.returncode not in (0, None) and "killed by SIGKILL" in output, output
     assert "image_bytes" not in lance.dataset(digits).schema.names  # nothing committed
     written = {path: path.stat().st_mtime_ns for path in (tmp_path / ".digits.lance.infer").glob("*/fragment-*.json")}
     assert written, "the killed run recorded no fragment"

@@ -73,8 +73,12 @@ def run_local(spec_file: str | Path, nproc: int) -> int:
     while True:
         attempt = Attempt(len(history), time.time(), ["localhost"], nproc)
         history.append(attempt)
-        attempt.exit_code, attempt.cause = run_ranks(spec_file, nproc, attempt_environment(history, spec.slurm.max_restarts))
+        attempt.exit_code, attempt.cause, asked_to_stop = run_ranks(
+            spec_file, nproc, attempt_environment(history, spec.slurm.max_restarts)
+        )
         attempt.ended = time.time()
+        if asked_to_stop and attempt.exit_code != 0:
+            return attempt.exit_code  # Ctrl-C or a stop signal: a rank that failed on its way out is not restarted
         decision = decide(history, spec.slurm.max_restarts)
         if not decision.restart:
             if decision.exit_code != 0 and attempt.exit_code not in NOT_RESTARTED and len(history) > 1:
@@ -103,15 +107,19 @@ def attempt_environment(history: list[Attempt], max_restarts: int) -> dict[str, 
     return environ
 
 
-def run_ranks(spec_file: Path, nproc: int, attempt_env: dict[str, str]) -> tuple[int, Cause | None]:
+def run_ranks(spec_file: Path, nproc: int, attempt_env: dict[str, str]) -> tuple[int, Cause | None, bool]:
     """One attempt: ``nproc`` ranks started, their signals forwarded, waited for; returns the exit
-    code (0, or the first failed rank's) and, after a failure, its cause."""
+    code (0, or the first failed rank's), after a failure its cause, and whether the launcher was
+    asked to stop (Ctrl-C or a stop signal) meanwhile."""
     port = free_port()
     ranks: list[subprocess.Popen] = []
-    interrupts = []
+    interrupts: list[int] = []
+    stops: list[int] = []
     failures = tempfile.mkdtemp(prefix="lance_hpc-failures-")  # each rank notes how it failed
 
     def forward(signum: int, frame: FrameType | None) -> None:
+        if signum in PREEMPTION_SIGNALS:
+            stops.append(signum)
         if signum == INTERRUPT_SIGNAL:
             interrupts.append(signum)
             if len(interrupts) > 1:
@@ -159,8 +167,8 @@ def run_ranks(spec_file: Path, nproc: int, attempt_env: dict[str, str]) -> tuple
                 )
         code, failed = wait_for_ranks(ranks, stopped_at_once=lambda: len(interrupts) > 1, failures=failures)
         if len(interrupts) > 1:
-            return ExitCode.INTERRUPTED, None
-        return code, None if code in NOT_RESTARTED else local_cause(failed, failures)
+            return ExitCode.INTERRUPTED, None, True
+        return code, None if code in NOT_RESTARTED else local_cause(failed, failures), bool(stops)
     finally:
         shutil.rmtree(failures, ignore_errors=True)
         for signum, handler in previous.items():
