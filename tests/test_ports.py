@@ -12,7 +12,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from lance_hpc.runtime.ports import HANDOFF_VARIABLE, HOLD_PORT_PROGRAM, PORT_RANGE, master_port_lines, take_held_port
+from lance_hpc.launch.restarts.port_holder import PortHolder
+from lance_hpc.runtime.ports import HANDOFF_VARIABLE, PORT_RANGE, master_port_lines, take_held_port
 from tests.support.jobs import REPO_ROOT, write_spec
 
 
@@ -39,16 +40,11 @@ def ephemeral_ports() -> range:
 def holding(job_id: str) -> Iterator[tuple[str, str]]:
     """The batch step's holder for ``job_id``, watching this process: the port it holds ("" when
     it found none) and the name it hands the port over by; stopped on the way out."""
-    holder = subprocess.Popen(
-        [sys.executable, "-I", "-c", HOLD_PORT_PROGRAM, job_id, str(os.getpid())], stdout=subprocess.PIPE, text=True
-    )
+    holder = PortHolder(job_id)
     try:
-        assert holder.stdout is not None
-        port, _, name = holder.stdout.readline().strip().partition(" ")
-        yield port, name
+        yield holder.port, holder.name
     finally:
-        holder.kill()
-        holder.wait(timeout=60)
+        holder.stop()
 
 
 def picked(job_id: str) -> str:
@@ -90,8 +86,8 @@ def test_the_batch_step_never_picks_a_port_the_kernel_may_hand_to_a_connection()
 
 def test_the_batch_script_exports_a_free_port_over_an_inherited_one_and_falls_back_without_python(tmp_path: Path) -> None:
     script = "\n".join(["set -eo pipefail", *master_port_lines(), 'echo "port=${MASTER_PORT-unset}"'])
-    with held_port(int(picked("4242"))) as port:
-        environ = {**os.environ, "SLURM_JOB_ID": "4242", "MASTER_PORT": str(port)}  # as if the submitting shell had it
+    with held_port(int(picked("4141"))) as port:  # a job id of its own: tests run beside each other
+        environ = {**os.environ, "SLURM_JOB_ID": "4141", "MASTER_PORT": str(port)}  # as if the submitting shell had it
         done = subprocess.run(["bash", "-c", script], env=environ, capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
         chosen = int(done.stdout.strip().removeprefix("port="))
@@ -106,7 +102,7 @@ def test_the_batch_script_exports_a_free_port_over_an_inherited_one_and_falls_ba
 def test_the_batch_step_holds_its_port_until_rank_0_of_the_same_user_takes_it_over() -> None:
     """Nothing can take the port between the pick and rank 0's start: the holder listens on it,
     hands the listening socket to one process of its user, and is gone."""
-    with holding("4242") as (port, name):
+    with holding("4343") as (port, name):  # a job id of its own: tests run beside each other
         assert bind_fails(int(port)), port
         reader, writer = os.pipe()
         child = os.fork()

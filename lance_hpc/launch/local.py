@@ -113,16 +113,14 @@ def run_ranks(spec_file: Path, nproc: int, attempt_env: dict[str, str]) -> tuple
     asked to stop (Ctrl-C or a stop signal) meanwhile."""
     port = free_port()
     ranks: list[subprocess.Popen] = []
-    interrupts: list[int] = []
-    stops: list[int] = []
+    stops: list[int] = []  # the stop signals received, Ctrl-C's among them
     failures = tempfile.mkdtemp(prefix="lance_hpc-failures-")  # each rank notes how it failed
 
     def forward(signum: int, frame: FrameType | None) -> None:
         if signum in PREEMPTION_SIGNALS:
             stops.append(signum)
         if signum == INTERRUPT_SIGNAL:
-            interrupts.append(signum)
-            if len(interrupts) > 1:
+            if stops.count(INTERRUPT_SIGNAL) > 1:
                 print(
                     "\nlance_hpc: stopping at once; what was trained since the last checkpoint is lost",
                     file=sys.stderr,
@@ -165,8 +163,8 @@ def run_ranks(spec_file: Path, nproc: int, attempt_env: dict[str, str]) -> tuple
                         preexec_fn=die_with_parent,
                     )
                 )
-        code, failed = wait_for_ranks(ranks, stopped_at_once=lambda: len(interrupts) > 1, failures=failures)
-        if len(interrupts) > 1:
+        code, failed = wait_for_ranks(ranks, stopped_at_once=lambda: stops.count(INTERRUPT_SIGNAL) > 1, failures=failures)
+        if stops.count(INTERRUPT_SIGNAL) > 1:
             return ExitCode.INTERRUPTED, None, True
         return code, None if code in NOT_RESTARTED else local_cause(failed, failures), bool(stops)
     finally:
