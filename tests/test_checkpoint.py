@@ -259,6 +259,39 @@ def test_no_requeue_beyond_max_requeues() -> None:
     assert not requeued and "requeued 3 times already (slurm.max_requeues: 3)" in message
 
 
+def fake_scontrol(folder: Path, requeue: str, restarts: int) -> None:
+    """An scontrol whose ``requeue`` runs the shell lines ``requeue`` and whose ``show job`` says
+    the job was requeued ``restarts`` times."""
+    script = folder / "scontrol"
+    script.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1" = requeue ]; then echo "$2" >> "{folder}/requeued"; {requeue}; fi\n'
+        f'echo "JobId=13 ArrayJobId=12 ArrayTaskId=0 JobName=j JobState=PENDING Restarts={restarts}"\n'
+    )
+    script.chmod(0o755)
+
+
+@pytest.mark.parametrize(
+    ("requeue", "restarts", "expected"),
+    [
+        # the step's SIGTERM reaches scontrol while it reports the requeue: it ignores it
+        ("kill -TERM $$; exit 0", 0, (True, "requeued job 12_0 (requeue 1 of at most 3)")),
+        # scontrol died without a word, yet SLURM counts the requeue
+        ("kill -KILL $$", 1, (True, "requeued job 12_0 (requeue 1 of at most 3)")),
+        ("exit 1", 0, (False, "scontrol requeue 12_0 failed: exit code 1, nothing printed")),
+        ("echo 'Job is not running' >&2; exit 1", 0, (False, "scontrol requeue 12_0 failed: Job is not running")),
+    ],
+)
+def test_a_requeue_counts_when_slurm_did_it_whatever_scontrol_said(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, requeue: str, restarts: int, expected: tuple[bool, str]
+) -> None:
+    fake_scontrol(tmp_path, requeue, restarts)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    env = DistEnv("slurm", 0, 0, 1, 1, 0, 1, "node1", 20001, job_id="13", array_job_id="12", array_task_id="0")
+    assert preemption.requeue_sbatch(env, max_requeues=3) == expected
+    assert (tmp_path / "requeued").read_text() == "12_0\n"
+
+
 def digits_spec(model: str) -> JobSpec:
     return load_spec_text(f"name: job\ndata: {{uri: /data/train.lance}}\ntask: {{options: {{model: {model}}}}}\n").spec
 

@@ -369,7 +369,7 @@ def test_four_run_sweep_on_the_cluster_each_run_on_its_own(slurm_cluster: SlurmC
     # Only the preempted run was requeued, and once: the signal reached its first run alone
     assert restarts == {jobs[0]: 1, **{job: 0 for job in jobs[1:]}}, ends
     assert len(re.findall(r"stopped at step \d+ by SIGUSR2", outputs[jobs[0]])) == 1, ends
-    assert f"requeued job {jobs[0]} (requeue 1 of at most 2)" in outputs[jobs[0]]
+    assert f"requeued job {jobs[0]} (requeue 1 of at most 2)" in outputs[jobs[0]], ends
     assert re.search(r"stopped at step \d+ by SIGUSR2", outputs[jobs[0]]) and "resuming from" in outputs[jobs[0]]
 
     for run in runs:

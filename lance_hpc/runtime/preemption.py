@@ -25,6 +25,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from lance_hpc.errors import UserError
 from lance_hpc.signals import INTERRUPT_SIGNAL, PREEMPTION_SIGNALS, PROFILE_SIGNAL, REQUEUE_SIGNAL
 
 if TYPE_CHECKING:
@@ -145,10 +146,36 @@ def requeue_sbatch(env: DistEnv, max_requeues: int, request_file: str | None = N
                 "mount slurm.log_dir in the container at the same path"
             )
         return True, f"asked the batch script to requeue job {job} ({which})"
-    result = subprocess.run(["scontrol", "requeue", str(job)], capture_output=True, text=True, timeout=60)
-    if result.returncode != 0:
-        return False, f"scontrol requeue {job} failed: {result.stderr.strip() or result.stdout.strip()}"
+    result = subprocess.run([*SCONTROL_REQUEUE, str(job)], capture_output=True, text=True, timeout=60)
+    if result.returncode != 0 and not _requeued_since(str(job), env.restart_count):
+        said = result.stderr.strip() or result.stdout.strip() or _ended_by(result.returncode)
+        return False, f"scontrol requeue {job} failed: {said}"
     return True, f"requeued job {job} ({which})"
+
+
+# A requeue that takes ends the job's step at once: slurmstepd's SIGTERM reaches every process in
+# it, scontrol too, which could die before it reports its success. It ignores SIGTERM here.
+SCONTROL_REQUEUE = ["sh", "-c", 'trap "" TERM; exec scontrol requeue "$1"', "scontrol"]
+
+
+def _requeued_since(job: str, restart_count: int) -> bool:
+    """Whether SLURM counts a requeue of ``job`` beyond ``restart_count``: scontrol may fail to say
+    so (killed, or timed out on a busy controller) though the requeue took."""
+    from lance_hpc.slurm import queue  # here: a rank imports the SLURM client only to requeue
+
+    try:
+        shown = queue.show_job(job)
+    except UserError:
+        return False
+    return shown is not None and shown.restarts is not None and shown.restarts > restart_count
+
+
+def _ended_by(returncode: int) -> str:
+    if returncode < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-returncode).name}"
+        return "killed"
+    return f"exit code {returncode}, nothing printed"
 
 
 # How a preempted job gets back into the queue: (env, spec, preemption) -> (requeued, message).
@@ -214,7 +241,8 @@ def requeue_handler(spec: JobSpec) -> list[str]:
         "    local job=${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}",
         "    job=${job:-$SLURM_JOB_ID}",
         f'    echo "requeueing job $job (requeue $((${{SLURM_RESTART_COUNT:-0}} + 1)) of at most {spec.slurm.max_requeues})"',
-        '    if scontrol requeue "$job"; then',
+        # SLURM's SIGTERM to this script as the requeue takes must not cut scontrol short
+        "    if (trap '' TERM; exec scontrol requeue \"$job\"); then",
         "        sleep 300  # SLURM ends this script as it requeues the job; exiting first would race the requeue",
         "    else",
         '        echo "scontrol requeue $job failed; submit the job again to resume from its checkpoint" >&2',
