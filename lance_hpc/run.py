@@ -10,6 +10,8 @@ if __name__ == "__main__":
     preemption.hold()
 
     from lance_hpc.cli.run import rank_main
+
+    code = rank_main()  # imports torch only once the DataLoader workers' server is starting
     from lance_hpc.kinds.rank import exit_process
 
-    exit_process(rank_main())
+    exit_process(code)

@@ -44,9 +44,8 @@ def start_time(pid: int) -> int | None:
         return None
 
 
-def init_worker_dumps(worker_id: int) -> None:
-    """In a DataLoader worker: write this process's stacks to the watch dir on WORKER_DUMP_SIGNAL."""
-    directory = os.environ.get(WATCH_DIR_VARIABLE)
+def init_worker_dumps(worker_id: int, directory: str | None) -> None:
+    """In a DataLoader worker: write this process's stacks to ``directory`` (the rank's watch dir) on WORKER_DUMP_SIGNAL."""
     if not directory:
         return
     rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0"

@@ -155,3 +155,49 @@ def test_a_program_that_ends_with_its_loader_mid_epoch_exits_and_takes_the_worke
         assert ended.returncode == (0 if how == "end" else 1), ended.stderr
         workers = [int(pid) for pid in ended.stdout.split()]
         assert workers and not [pid for pid in workers if alive(pid)]
+
+
+HEAD_START = textwrap.dedent(
+    """
+    import json, sys
+    from multiprocessing import forkserver
+    from lance_hpc.cli.run import start_worker_server
+    start_worker_server(sys.argv[1])
+    started = forkserver._forkserver._forkserver_pid is not None
+    before_torch = "torch" not in sys.modules
+    if started:
+        import os
+        from torch.utils.data import DataLoader
+        from lance_hpc.signals import WATCH_DIR_VARIABLE
+        from lance_hpc.spec import DataSpec
+        from lance_hpc.loading.workers import data_loader
+        os.environ[WATCH_DIR_VARIABLE] = sys.argv[2]  # set after the server started, as a rank does
+        loader = data_loader(list(range(4)), DataSpec(uri="/d", num_workers=1), False, False, batch_size=None)
+        assert list(loader) == [0, 1, 2, 3]
+    print(json.dumps([started, before_torch]))
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "spec,starts",
+    [
+        ("job: infer\ndata: {uri: /d, num_workers: 2}\n", True),
+        ("data: {uri: /d}\n", True),  # train, with the default workers
+        ("job: infer\ndata: {uri: /d, num_workers: 0}\n", False),
+        ("job: ingest\ndata: {uri: /d}\n", False),
+        ("job: [unreadable\n", False),
+    ],
+)
+def test_a_rank_starts_its_workers_server_before_it_imports_torch_and_workers_find_the_rank_s_watch_dir(tmp_path, spec, starts):
+    """``python -m lance_hpc.run`` starts the DataLoader workers' server from the spec alone, before
+    its own imports; a worker of a loader made later still gets the rank's watch dir (the server's
+    environment is the one it started with), and writes its stacks' pid file there."""
+    (tmp_path / "spec.yaml").write_text(spec)
+    watch = tmp_path / "watch"
+    code = [sys.executable, "-c", HEAD_START, str(tmp_path / "spec.yaml"), str(watch)]
+    done = subprocess.run(code, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[-2] == f"[{str(starts).lower()}, true]", done.stdout + done.stderr
+    assert bool(list(watch.glob("stacks/rank-*-worker-0-*.pid"))) == starts
+    assert "fork-safe" not in done.stderr  # the server imported Lance; its forks say nothing of it

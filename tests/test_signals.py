@@ -166,12 +166,11 @@ def test_the_watchdog_signals_a_worker_only_while_its_pid_and_start_time_still_m
 def test_a_worker_records_its_pid_with_its_start_time(tmp_path: Path, monkeypatch) -> None:
     import faulthandler
 
-    from lance_hpc.signals import WATCH_DIR_VARIABLE, init_worker_dumps
+    from lance_hpc.signals import init_worker_dumps
 
-    monkeypatch.setenv(WATCH_DIR_VARIABLE, str(tmp_path))
     monkeypatch.setenv("RANK", "0")
     try:
-        init_worker_dumps(3)
+        init_worker_dumps(3, str(tmp_path))
     finally:
         faulthandler.unregister(WORKER_DUMP_SIGNAL)
     (pid_file,) = (tmp_path / "stacks").glob("rank-0-worker-3-*.pid")

@@ -81,10 +81,10 @@ def train(spec: JobSpec, env: DistEnv, requeue: Requeue, signals: tuple[int, ...
     from lance_hpc.storage.retry import StoreUnavailable
 
     entry = load_callable(spec.entry, "entry") if spec.entry else trainer.train
-    if spec.train.watchdog is not None:  # before the worker server starts: its workers inherit it
+    if spec.train.watchdog is not None:  # where the rank and its loaders' workers write their stacks
         os.environ[WATCH_DIR_VARIABLE] = str(watch_dir(spec.slurm.log_dir, spec.name, env.job_ref))
     if spec.data.num_workers > 0:
-        loading.worker_context()  # the DataLoader worker server imports torch while the process group forms
+        loading.worker_context()  # if python -m lance_hpc.run has not: the server imports while the process group forms
     try:
         timeout_s = spec.train.collective_timeout_s
         with (

@@ -1,4 +1,4 @@
-"""The DataLoader workers' processes: a forkserver that imported torch once (:func:`worker_context`),
+"""The DataLoader workers' processes: forked from a server that imported torch once (:func:`worker_context`),
 workers that ignore the rank's signals and run one intra-op thread each (:func:`init_worker`), and
 their end, at exit or after a read failed for good (:func:`stop_workers_after_failure`)."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import functools
 import multiprocessing
 import os
 import signal
-import threading
 from multiprocessing import forkserver
 from multiprocessing.context import BaseContext, ForkServerProcess
 from typing import Any, Iterator
@@ -18,69 +18,30 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import DataLoader
 
-from lance_hpc.imports import SAFE_PATH_VARIABLE
+from lance_hpc.loading import worker_server
 from lance_hpc.loading.reader import keep_batch
-from lance_hpc.signals import PREEMPTION_SIGNALS, PROFILE_SIGNAL, init_worker_dumps
+from lance_hpc.loading.worker_server import RANK_SIGNALS
+from lance_hpc.signals import WATCH_DIR_VARIABLE, init_worker_dumps
 from lance_hpc.spec import DataSpec
 
-# What the worker server imports before any worker forks from it. Not Lance: a process that has
-# used Lance must not fork, so each worker imports it after the fork.
 PR_SET_PDEATHSIG = 1  # prctl(2)
-WORKER_PRELOAD = ("torch", "numpy", "simplejpeg", "PIL.Image", "pydantic")
-
-
-# SLURM sends its preemption warning (USR2) and SIGTERM (scancel, time limit) to every process of a
-# job step. The rank process turns them into a checkpoint at the next step boundary; the worker
-# server and the workers must not die of them first, which would fail the epoch instead (and lose
-# the batches they already prepared). SIGKILL, which follows SIGTERM, still ends them. The same
-# holds for SIGINT (Ctrl-C), which a terminal sends to every process of its foreground group, and for
-# USR1, which asks the rank for a profiler trace.
-RANK_SIGNALS = (*PREEMPTION_SIGNALS, PROFILE_SIGNAL)
 
 
 def worker_context() -> BaseContext:
     """Where DataLoader workers come from: forked from a server process ("forkserver") that has
-    already imported torch, so a worker is ready in a fraction of a second rather than the seconds
-    a fresh interpreter takes to import torch (which "spawn" pays in every worker, every job).
+    already imported torch, Lance and the readers, so a worker is ready in a fraction of a second
+    rather than the seconds a fresh interpreter takes to import torch (which "spawn" pays in every
+    worker, every job). See :mod:`lance_hpc.loading.worker_server`.
 
-    The server starts on the first call and imports in the background, so calling this early
-    (before building the model) overlaps that import with other setup. It serves every loader of
-    the process; workers get the environment of the moment it started, and ignore USR2 and
-    SIGTERM (:data:`RANK_SIGNALS`), which are the rank process's to handle.
+    The server starts on the first call (if ``python -m lance_hpc.run`` has not started it yet)
+    and imports in the background. It serves every loader of the process; workers get the
+    environment of the moment it started, and ignore USR2 and SIGTERM (:data:`RANK_SIGNALS`),
+    which are the rank process's to handle.
     """
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(WORKER_PRELOAD))
+    context = worker_server.start()
     atexit.unregister(kill_workers)  # registered once, and after multiprocessing's own exit hook,
     atexit.register(kill_workers)  # so that it runs first
-    if threading.current_thread() is not threading.main_thread():
-        with safe_path_for_children():
-            forkserver.ensure_running()  # signal dispositions can only be set from the main thread
-        return context
-    previous = {number: signal.signal(number, signal.SIG_IGN) for number in RANK_SIGNALS}
-    try:
-        with safe_path_for_children():
-            forkserver.ensure_running()  # an ignored signal stays ignored in the server and its forks
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
     return context
-
-
-@contextlib.contextmanager
-def safe_path_for_children() -> Iterator[None]:
-    """The worker server starts as ``python -c ...``, which puts the working directory first on
-    its sys.path (unless this process runs with -P) before it imports torch and numpy; with
-    PYTHONSAFEPATH=1 set while it starts, it never searches there. Its workers then get this
-    process's sys.path, which holds the spec's own import paths (see :mod:`lance_hpc.imports`)."""
-    before = os.environ.get(SAFE_PATH_VARIABLE)
-    os.environ[SAFE_PATH_VARIABLE] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(SAFE_PATH_VARIABLE, None)
-        else:
-            os.environ[SAFE_PATH_VARIABLE] = before
 
 
 def kill_workers() -> None:
@@ -112,10 +73,11 @@ def stop_workers_after_failure(loader: DataLoader, batches: Iterator[Any]) -> No
         loader._iterator = None
 
 
-def init_worker(_worker_id: int) -> None:
+def init_worker(_worker_id: int, watch_dir: str | None = None) -> None:
     """DataLoader worker setup: one intra-op thread per worker, so workers do not oversubscribe;
     :data:`RANK_SIGNALS` ignored (torch's worker setup makes SIGTERM fatal); no hold on the
-    worker server's life (see :func:`release_forkserver`); stacks written on the watchdog's signal."""
+    worker server's life (see :func:`release_forkserver`); stacks written to ``watch_dir`` on the
+    watchdog's signal."""
     torch.set_num_threads(1)
     for number in RANK_SIGNALS:
         signal.signal(number, signal.SIG_IGN)
@@ -124,7 +86,7 @@ def init_worker(_worker_id: int) -> None:
     # returns, which never gets to torch's check that its parent lives, would otherwise outlive the job
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    init_worker_dumps(_worker_id)  # the rank's watchdog can ask for this worker's stacks
+    init_worker_dumps(_worker_id, watch_dir)  # the rank's watchdog can ask for this worker's stacks
 
 
 def release_forkserver() -> None:
@@ -149,6 +111,7 @@ def data_loader(dataset: Any, data: DataSpec, pin_memory: bool, persistent: bool
             multiprocessing_context=worker_context(),
             persistent_workers=persistent,
             prefetch_factor=data.prefetch_factor,
-            worker_init_fn=init_worker,
+            # the rank's watch dir, set after the worker server may have started
+            worker_init_fn=functools.partial(init_worker, watch_dir=os.environ.get(WATCH_DIR_VARIABLE)),
         )
     return DataLoader(dataset, num_workers=workers, pin_memory=pin_memory, collate_fn=keep_batch, **extra, **kwargs)

@@ -55,6 +55,11 @@ KINDS: dict[str, str] = {
     "map": "lance_hpc.kinds.map:Map",
 }
 
+# The built-in kinds whose ranks read through DataLoader workers: ``python -m lance_hpc.run`` starts
+# their workers' server before anything else (lance_hpc.loading.worker_server); another kind's rank
+# starts it when it first builds a loader, if it ever does.
+READS_WITH_WORKERS = frozenset({"train", "infer", "evaluate"})
+
 KIND_ADVICE = (
     f"use one of: {', '.join(KINDS)}, or an import path to your JobKind subclass (my_pkg.kinds:MyKind or path/to/file.py:MyKind)"
 )

@@ -1,0 +1,90 @@
+"""The DataLoader workers' server: a process that imports, once, what every worker needs (torch,
+the decoders, Lance, lance_hpc's readers) and then forks a worker for each request, which is
+ready at once (see :mod:`lance_hpc.loading.workers` for the workers themselves).
+
+A rank starts it as early as it can (:func:`start`): ``python -m lance_hpc.run`` does so from its
+spec before it imports torch itself (:func:`start_for_spec`), so that the server's imports run on
+another core while the rank's run, and the workers of the first loader are not waited for.
+This module imports nothing heavy for that reason.
+
+Workers get this process's ``sys.path`` when they fork, but the environment of the moment the
+server started; what a worker needs to know of the rank comes with its init function instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from multiprocessing import forkserver
+from multiprocessing.context import BaseContext
+from typing import Any
+
+from lance_hpc.imports import SAFE_PATH_VARIABLE
+from lance_hpc.signals import PREEMPTION_SIGNALS, PROFILE_SIGNAL
+
+# Imported by the server before any worker forks from it. Lance is imported, never used, there: no
+# Lance runtime or thread exists in the server, so its forks are safe (a process that has read
+# through Lance must not fork; the rank never does).
+PRELOAD = ("lance_hpc.loading.worker_preload",)
+
+# SLURM sends its preemption warning (USR2) and SIGTERM (scancel, time limit) to every process of a
+# job step. The rank process turns them into a checkpoint at the next step boundary; the worker
+# server and the workers must not die of them first, which would fail the epoch instead (and lose
+# the batches they already prepared). SIGKILL, which follows SIGTERM, still ends them. The same
+# holds for SIGINT (Ctrl-C), which a terminal sends to every process of its foreground group, and for
+# USR1, which asks the rank for a profiler trace.
+RANK_SIGNALS = (*PREEMPTION_SIGNALS, PROFILE_SIGNAL)
+
+
+def start() -> BaseContext:
+    """The multiprocessing context whose processes fork from the server, which starts on the first
+    call and imports in the background. Its workers ignore :data:`RANK_SIGNALS` (the rank's to handle)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(PRELOAD))
+    if threading.current_thread() is not threading.main_thread():
+        with safe_path_for_children():
+            forkserver.ensure_running()  # signal dispositions can only be set from the main thread
+        return context
+    previous = {number: signal.signal(number, signal.SIG_IGN) for number in RANK_SIGNALS}
+    try:
+        with safe_path_for_children():
+            forkserver.ensure_running()  # an ignored signal stays ignored in the server and its forks
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+    return context
+
+
+def start_for_spec(raw: Any, reads_with_workers: frozenset[str], default_workers: int) -> bool:
+    """Start the server if the spec ``raw`` (its YAML, parsed) names a kind in ``reads_with_workers``
+    with DataLoader workers; True if it did. Only a head start: a spec it cannot read starts
+    nothing, and the rank reports what is wrong with it later."""
+    if not isinstance(raw, dict):
+        return False
+    data = raw.get("data")
+    workers = data.get("num_workers", default_workers) if isinstance(data, dict) else default_workers
+    if raw.get("job", "train") not in reads_with_workers or not isinstance(workers, int) or workers <= 0:
+        return False
+    start()
+    return True
+
+
+@contextlib.contextmanager
+def safe_path_for_children() -> Iterator[None]:
+    """The worker server starts as ``python -c ...``, which puts the working directory first on
+    its sys.path (unless this process runs with -P) before it imports torch and numpy; with
+    PYTHONSAFEPATH=1 set while it starts, it never searches there. Its workers then get this
+    process's sys.path, which holds the spec's own import paths (see :mod:`lance_hpc.imports`)."""
+    before = os.environ.get(SAFE_PATH_VARIABLE)
+    os.environ[SAFE_PATH_VARIABLE] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(SAFE_PATH_VARIABLE, None)
+        else:
+            os.environ[SAFE_PATH_VARIABLE] = before
