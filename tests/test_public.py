@@ -102,3 +102,11 @@ def test_importing_the_package_loads_neither_torch_nor_lance() -> None:
     probe = "import sys, lance_hpc; print('torch' in sys.modules, 'lance' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT)
     assert result.stdout.split() == ["False", "False"], result.stdout + result.stderr
+
+
+def test_a_rank_that_does_not_shard_never_imports_torch_distributed_checkpoint() -> None:
+    """It takes about 0.6 s (DTensor, sympy): only a sharded save or resume imports it."""
+    modules = "lance_hpc.kinds.rank, lance_hpc.kinds.train, lance_hpc.kinds.infer, lance_hpc.runtime.checkpoints"
+    probe = f"import sys, {modules}; print([name for name in ('torch.distributed.checkpoint', 'sympy') if name in sys.modules])"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert result.stdout.strip() == "[]", result.stdout + result.stderr

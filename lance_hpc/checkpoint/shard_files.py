@@ -9,60 +9,21 @@ files in one stream each; rank 0 writes ``.metadata`` once all are complete.
 
 from __future__ import annotations
 
-import io
-import os
 import shutil
-from collections.abc import Generator
-from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed.checkpoint as dcp
 from pyarrow import fs
-from torch.distributed.checkpoint.filesystem import FileSystemBase
 
 from lance_hpc.checkpoint.stores import LocalDirectory, ObjectStore, Store, open_store
 from lance_hpc.storage.files import sync_to_disk
 
+if TYPE_CHECKING:
+    import torch.distributed.checkpoint as dcp
 
-class ObjectFiles(FileSystemBase):
-    """DCP's file-system interface over a pyarrow S3 file system (paths are ``bucket/key``)."""
-
-    def __init__(self, filesystem: fs.S3FileSystem) -> None:
-        self.filesystem = filesystem
-
-    @contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
-        if mode == "wb":
-            with self.filesystem.open_output_stream(str(path)) as stream:
-                yield stream
-        elif mode == "rb":
-            with self.filesystem.open_input_file(str(path)) as stream:
-                yield stream
-        else:
-            raise ValueError(f"object storage opens shards for wb or rb, not {mode}")
-
-    def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
-        return f"{str(path).rstrip('/')}/{suffix}"
-
-    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
-        self.filesystem.move(str(path), str(new_path))
-
-    def init_path(self, path: str | os.PathLike) -> str:
-        return str(path)
-
-    def mkdir(self, path: str | os.PathLike) -> None:
-        """Object storage has no directories: a key's prefix needs no creating."""
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return True
-
-    def exists(self, path: str | os.PathLike) -> bool:
-        return self.filesystem.get_file_info(str(path)).type != fs.FileType.NotFound
-
-    def rm_file(self, path: str | os.PathLike) -> None:
-        self.filesystem.delete_file(str(path))
+# torch.distributed.checkpoint is imported where shards are written or read: importing it takes
+# about 0.6 s (DTensor, sympy), which a rank that never shards would pay at every start.
 
 
 def is_local(directory: str | Path) -> bool:
@@ -86,6 +47,10 @@ def writer(
     earlier background save to the same directory) keeps its staging buffers in pinned host memory
     on a GPU machine, so a save copies the state into memory it already has instead of allocating it.
     ``synced=False``: the files are left to the caller to :func:`flush`."""
+    import torch.distributed.checkpoint as dcp
+
+    from lance_hpc.checkpoint.shard_objects import ObjectFiles
+
     store = open_store(directory)
     remote = isinstance(store, ObjectStore)
     path = f"{store.prefix}/{name}" if isinstance(store, ObjectStore) else str(Path(directory) / name)
@@ -103,6 +68,10 @@ def writer(
 
 def reader(directory: str | Path, name: str) -> dcp.FileSystemReader:
     """A DCP reader of the shards ``name`` in checkpoint.dir ``directory``."""
+    import torch.distributed.checkpoint as dcp
+
+    from lance_hpc.checkpoint.shard_objects import ObjectFiles
+
     store = open_store(directory)
     if isinstance(store, ObjectStore):
         reading = dcp.FileSystemReader(f"{store.prefix}/{name}")

@@ -23,22 +23,20 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from lance_hpc.checkpoint import shard_files
 from lance_hpc.checkpoint.stores import open_store
+
+if TYPE_CHECKING:
+    import torch.distributed.checkpoint as dcp
+
+# torch.distributed.checkpoint is imported by the functions that use it, as in shard_files: a rank
+# that never shards does not pay for its import.
 
 SHARDS_SUFFIX = ".dcp"
 
@@ -69,6 +67,8 @@ def _owner(optimizer: torch.optim.Optimizer, modules: dict[str, nn.Module]) -> n
 def tensor_state(objects: dict[str, Any]) -> dict[str, Any]:
     """The DCP state dicts of the modules and optimizers among ``objects``, by name: DTensor shards
     for a sharded model, whole tensors for another; optimizer state keyed by parameter name."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
     modules = {name: bare(item) for name, item in objects.items() if isinstance(bare(item), nn.Module)}
     state: dict[str, Any] = {name: get_model_state_dict(module) for name, module in modules.items()}
     for name, item in objects.items():
@@ -80,6 +80,8 @@ def tensor_state(objects: dict[str, Any]) -> dict[str, Any]:
 def restore_tensor_state(objects: dict[str, Any], state: dict[str, Any], whole: bool = False) -> None:
     """Put ``state`` (from :func:`tensor_state`'s layout; ``whole``: full tensors on every rank, as a
     DDP checkpoint holds them) into ``objects``, each rank keeping its own rows."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
     options = StateDictOptions(full_state_dict=whole)
     modules = {name: bare(item) for name, item in objects.items() if isinstance(bare(item), nn.Module)}
     for name, module in modules.items():
@@ -108,6 +110,8 @@ def by_parameter_name(saved: dict[str, Any], model: nn.Module, optimizer: torch.
 
 def load_shards(objects: dict[str, Any], directory: str | Path, name: str) -> None:
     """Collective: every rank reads its own rows of the shards ``name`` in ``directory`` into ``objects``."""
+    import torch.distributed.checkpoint as dcp
+
     state = tensor_state(objects)
     dcp.load(state, storage_reader=shard_files.reader(directory, name))
     restore_tensor_state(objects, state)
@@ -167,6 +171,8 @@ class ShardedSaver:
         host memory. Without it, on a file system, the loop waits until every rank has written its
         shards, and the fsync of their files runs in the background: the disk's write-back is the
         slowest part of a save, and a crash before it ends leaves the checkpoint unlisted."""
+        import torch.distributed.checkpoint as dcp
+
         self.wait()
         started = time.monotonic()
         if dist.get_rank() == 0:  # what a save of this step cut short left behind
