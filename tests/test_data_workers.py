@@ -161,8 +161,8 @@ HEAD_START = textwrap.dedent(
     """
     import json, sys
     from multiprocessing import forkserver
-    from lance_hpc.cli.run import start_worker_server
-    start_worker_server(sys.argv[1])
+    from lance_hpc.loading.worker_server import start_for_spec_file
+    start_for_spec_file(sys.argv[1])
     started = forkserver._forkserver._forkserver_pid is not None
     before_torch = "torch" not in sys.modules
     if started:

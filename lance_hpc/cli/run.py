@@ -71,27 +71,9 @@ def rank_main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_one_rank(spec_file: str) -> int:
-    start_worker_server(spec_file)  # first: its imports then run beside this rank's own
+    from lance_hpc.loading import worker_server
+
+    worker_server.start_for_spec_file(spec_file)  # first: its imports then run beside this rank's own
     from lance_hpc.kinds.rank import run_rank
 
     return run_rank(spec_file)
-
-
-def start_worker_server(spec_file: str) -> None:
-    """Start the DataLoader workers' server now if the spec's kind reads with workers: it imports
-    torch, Lance and the readers on another core while this rank imports torch and builds its model,
-    and the first loader's workers fork from it ready. A spec it cannot read starts nothing here;
-    the rank says what is wrong with it."""
-    from lance_hpc.errors import UserError
-    from lance_hpc.loading import worker_server
-    from lance_hpc.spec.data_section import DataSpec
-    from lance_hpc.spec.kinds import READS_WITH_WORKERS
-    from lance_hpc.spec.load import read_own_text
-    from lance_hpc.spec.yaml_text import parse_yaml
-
-    try:
-        raw, problems = parse_yaml(read_own_text(spec_file))
-    except (OSError, UserError):
-        return
-    if not problems:
-        worker_server.start_for_spec(raw, READS_WITH_WORKERS, DataSpec.model_fields["num_workers"].default)

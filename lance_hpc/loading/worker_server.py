@@ -2,8 +2,8 @@
 the decoders, Lance, lance_hpc's readers) and then forks a worker for each request, which is
 ready at once (see :mod:`lance_hpc.loading.workers` for the workers themselves).
 
-A rank starts it as early as it can (:func:`start`): ``python -m lance_hpc.run`` does so from its
-spec before it imports torch itself (:func:`start_for_spec`), so that the server's imports run on
+A rank starts it as early as it can: ``python -m lance_hpc.run`` does so from its spec before it
+imports torch itself (:func:`start_for_spec_file`), so that the server's imports run on
 another core while the rank's run, and the workers of the first loader are not waited for.
 This module imports nothing heavy for that reason.
 
@@ -21,7 +21,6 @@ import threading
 from collections.abc import Iterator
 from multiprocessing import forkserver
 from multiprocessing.context import BaseContext
-from typing import Any
 
 from lance_hpc.imports import SAFE_PATH_VARIABLE
 from lance_hpc.signals import PREEMPTION_SIGNALS, PROFILE_SIGNAL
@@ -59,15 +58,28 @@ def start() -> BaseContext:
     return context
 
 
-def start_for_spec(raw: Any, reads_with_workers: frozenset[str], default_workers: int) -> bool:
-    """Start the server if the spec ``raw`` (its YAML, parsed) names a kind in ``reads_with_workers``
-    with DataLoader workers; True if it did. Only a head start: a spec it cannot read starts
-    nothing, and the rank reports what is wrong with it later."""
-    if not isinstance(raw, dict):
+def start_for_spec_file(spec_file: str) -> bool:
+    """Start the server now if the spec in ``spec_file`` names a kind that reads with DataLoader
+    workers (:data:`lance_hpc.spec.kinds.READS_WITH_WORKERS`) and has workers; True if it did. Its
+    imports then run on another core while the rank imports torch and builds its model, and the
+    first loader's workers fork from it ready. Only a head start: a spec it cannot read starts
+    nothing here, and the rank says what is wrong with it once it loads it."""
+    from lance_hpc.errors import UserError
+    from lance_hpc.spec.data_section import DataSpec
+    from lance_hpc.spec.kinds import READS_WITH_WORKERS
+    from lance_hpc.spec.load import read_own_text
+    from lance_hpc.spec.yaml_text import parse_yaml
+
+    try:
+        raw, problems = parse_yaml(read_own_text(spec_file))
+    except (OSError, UserError):
+        return False
+    if problems or not isinstance(raw, dict):
         return False
     data = raw.get("data")
-    workers = data.get("num_workers", default_workers) if isinstance(data, dict) else default_workers
-    if raw.get("job", "train") not in reads_with_workers or not isinstance(workers, int) or workers <= 0:
+    default = DataSpec.model_fields["num_workers"].default
+    workers = data.get("num_workers", default) if isinstance(data, dict) else default
+    if raw.get("job", "train") not in READS_WITH_WORKERS or not isinstance(workers, int) or workers <= 0:
         return False
     start()
     return True
