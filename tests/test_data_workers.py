@@ -175,6 +175,7 @@ HEAD_START = textwrap.dedent(
         loader = data_loader(list(range(4)), DataSpec(uri="/d", num_workers=1), False, False, batch_size=None)
         assert list(loader) == [0, 1, 2, 3]
     print(json.dumps([started, before_torch]))
+    print(forkserver._forkserver._forkserver_pid)
     """
 )
 
@@ -192,12 +193,15 @@ HEAD_START = textwrap.dedent(
 def test_a_rank_starts_its_workers_server_before_it_imports_torch_and_workers_find_the_rank_s_watch_dir(tmp_path, spec, starts):
     """``python -m lance_hpc.run`` starts the DataLoader workers' server from the spec alone, before
     its own imports; a worker of a loader made later still gets the rank's watch dir (the server's
-    environment is the one it started with), and writes its stacks' pid file there."""
+    environment is the one it started with), and writes its stacks' pid file there. The server
+    ends with the rank."""
     (tmp_path / "spec.yaml").write_text(spec)
     watch = tmp_path / "watch"
     code = [sys.executable, "-c", HEAD_START, str(tmp_path / "spec.yaml"), str(watch)]
     done = subprocess.run(code, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split("\n")[-2] == f"[{str(starts).lower()}, true]", done.stdout + done.stderr
+    assert done.stdout.split("\n")[-3] == f"[{str(starts).lower()}, true]", done.stdout + done.stderr
+    server = done.stdout.split("\n")[-2]
+    assert not (server.isdigit() and alive(int(server)))  # the rank's exit took its server with it
     assert bool(list(watch.glob("stacks/rank-*-worker-0-*.pid"))) == starts
     assert "fork-safe" not in done.stderr  # the server imported Lance; its forks say nothing of it

@@ -13,6 +13,7 @@ server started; what a worker needs to know of the rank comes with its init func
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import multiprocessing
 import os
@@ -44,6 +45,8 @@ def start() -> BaseContext:
     call and imports in the background. Its workers ignore :data:`RANK_SIGNALS` (the rank's to handle)."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(PRELOAD))
+    atexit.unregister(stop)  # once, and after the workers' own exit hook (which runs first)
+    atexit.register(stop)
     if threading.current_thread() is not threading.main_thread():
         with safe_path_for_children():
             forkserver.ensure_running()  # signal dispositions can only be set from the main thread
@@ -83,6 +86,20 @@ def start_for_spec_file(spec_file: str) -> bool:
         return False
     start()
     return True
+
+
+def stop() -> None:
+    """At exit: SIGKILL the server this process started, if it runs. It holds nothing to save, and a
+    rank that ends before its server has imported everything (a rerun that finds its work done, a
+    spec it refuses) would otherwise leave it importing on a core until it notices."""
+    server = getattr(forkserver, "_forkserver", None)
+    pid = getattr(server, "_forkserver_pid", None)
+    if server is None or pid is None:
+        return
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    server._forkserver_pid = None
 
 
 @contextlib.contextmanager
