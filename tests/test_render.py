@@ -113,7 +113,7 @@ def test_script_requests_what_the_spec_says() -> None:
     assert launch[:3] == ["python3", "-I", "/project/logs/full-options/full-options.restarts.pyz"]
     assert "--max-restarts=2" in launch and "--nodes=4" in launch and "--min-nodes=4" in launch
     assert launch[launch.index("--") + 1 :] == [
-        "srun", "--unbuffered", "--label", "--kill-on-bad-exit=1", "--cpus-per-task=12",
+        "srun", "--label", "--kill-on-bad-exit=1", "--cpus-per-task=12",
         "python3", "-P", "-m", "lance_hpc.run", "/project/x.spec.yaml",
     ]  # fmt: skip
     body = script[script.index("set -eo pipefail") :]

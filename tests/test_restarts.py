@@ -221,7 +221,7 @@ def test_the_script_asks_for_spares_keeps_the_allocation_and_runs_srun_through_t
         "python3 -I /logs/big.restarts.pyz --max-restarts=2 --nodes=4 --min-nodes=3 --tasks-per-node=1 "
         '--record=/logs/big.attempts/"$SLURM_JOB_ID" --progress=/logs/big.watch/"$SLURM_JOB_ID" --'
     )
-    assert f"{supervisor} \\\n    srun --unbuffered" in script
+    assert f"{supervisor} \\\n    srun --label" in script
     assert restart_script.srun_through_restarts(spec)[-1] == f'srun() {{ {supervisor} srun "$@"; }}'  # submitit's script
     off = validate_spec({**raw, "slurm": {"nodes": 4, "max_restarts": 0, "log_dir": "/logs"}}).spec
     assert "no-kill" not in dict(render.sbatch_directives(render.render_sbatch(off, "/x.yaml")))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -36,9 +37,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "jobs" / "quickstart.yaml"
-# The built-in template's header, setup and exports, with the trainer swapped for a probe that
-# prints what each task sees (in one write: srun --unbuffered interleaves the tasks' output), run
-# through the restart supervisor as the built-in template runs the trainer.
+# The built-in template's header, setup and exports, with the trainer swapped for a probe command,
+# run through the restart supervisor as the built-in template runs the trainer.
 PROBE_TEMPLATE = textwrap.dedent("""\
     #!/bin/bash
     {% for line in sbatch_lines %}
@@ -48,8 +48,13 @@ PROBE_TEMPLATE = textwrap.dedent("""\
     {% for line in setup + exports %}
     {{ line }}
     {% endfor %}
-    {{ restarts }} {{ srun }} python3 -c 'import os; os.write(1, ("PROBE " + " ".join(f"{k}={os.environ.get(k)}" for k in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_JOB_NODELIST", "SLURMD_NODENAME", "OMP_NUM_THREADS", "SETUP_RAN")) + "\\n").encode())'
+    {{ restarts }} {{ srun }} python3 -c PROBE
     """)
+# Prints what each task sees, in one line.
+ENVIRONMENT_PROBE = (
+    'import os; os.write(1, ("PROBE " + " ".join(f"{k}={os.environ.get(k)}" for k in ("SLURM_PROCID", "SLURM_LOCALID", '
+    '"SLURM_NTASKS", "SLURM_JOB_NODELIST", "SLURMD_NODENAME", "OMP_NUM_THREADS", "SETUP_RAN")) + "\\n").encode())'
+)
 
 
 def environ(cluster: SlurmCluster) -> dict[str, str]:
@@ -97,13 +102,15 @@ def wait_for_state(cluster: SlurmCluster, job_id: str, states: set[str], timeout
     raise AssertionError(f"job {job_id} still {state} after {timeout_s}s")
 
 
-def test_rendered_script_runs_two_nodes_by_two_tasks(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+def run_probe(cluster: SlurmCluster, tmp_path: Path, command: str) -> str:
+    """Runs ``python3 -c command`` as a 2-node x 2-task job of the built-in template's making (its
+    srun options, setup and exports); the job's output once it has completed."""
     template = tmp_path / "probe.sbatch.j2"
-    template.write_text(PROBE_TEMPLATE)
+    template.write_text(PROBE_TEMPLATE.replace("PROBE", shlex.quote(command)))
     raw = {
         "name": "probe",
         "slurm": {
-            "partition": slurm_cluster.partition, "nodes": 2, "tasks_per_node": 2, "cpus_per_task": 1,
+            "partition": cluster.partition, "nodes": 2, "tasks_per_node": 2, "cpus_per_task": 1,
             "time": "00:05:00", "setup": ["export SETUP_RAN=yes"], "log_dir": str(tmp_path / "logs"),
         },
         "data": {"uri": "/unused"},
@@ -117,11 +124,15 @@ def test_rendered_script_runs_two_nodes_by_two_tasks(slurm_cluster: SlurmCluster
     (tmp_path / "probe.sbatch").write_text(probe)
     write_restarts_program(spec)
 
-    result = sbatch(slurm_cluster, "--parsable", str(tmp_path / "probe.sbatch"))
+    result = sbatch(cluster, "--parsable", str(tmp_path / "probe.sbatch"))
     assert result.returncode == 0, result.stderr
     job_id = result.stdout.strip().split(";")[0]
-    assert wait_for_end(slurm_cluster, job_id) == ("COMPLETED", "0:0"), job_log(slurm_cluster, job_id)
-    output = (tmp_path / "logs" / f"probe-{job_id}.out").read_text()
+    assert wait_for_end(cluster, job_id) == ("COMPLETED", "0:0"), job_log(cluster, job_id)
+    return (tmp_path / "logs" / f"probe-{job_id}.out").read_text()
+
+
+def test_rendered_script_runs_two_nodes_by_two_tasks(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    output = run_probe(slurm_cluster, tmp_path, ENVIRONMENT_PROBE)
     # srun --label starts every line with its task's rank: "3: PROBE ..."
     seen = sorted(line.split(": ", 1)[1].split()[1:] for line in output.splitlines() if ": PROBE " in line)
     assert seen == [
@@ -129,6 +140,25 @@ def test_rendered_script_runs_two_nodes_by_two_tasks(slurm_cluster: SlurmCluster
          f"SLURMD_NODENAME=node{rank // 2 + 1}", "OMP_NUM_THREADS=1", "SETUP_RAN=yes"]
         for rank in range(4)
     ]  # fmt: skip
+
+
+def test_every_line_a_rank_writes_reaches_the_log_whole_with_its_label(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """Each task writes long lines as fast as it can, each in one write (as a rank's line-buffered
+    output does): SLURM must pass them on line by line, or --label cuts one in two and labels both
+    halves (`lance-hpc logs --rank` then shows half a line, and drops the other half)."""
+    lines, width = 3000, 700
+    flood = (
+        "import os; rank = os.environ['SLURM_PROCID']\n"
+        f"for i in range({lines}): os.write(1, f'LINE {{rank}} {{i}} '.encode() + b'x' * {width} + b' END\\n')"
+    )
+    output = run_probe(slurm_cluster, tmp_path, flood)
+    whole = re.compile(rf"(\d): LINE (\d) (\d+) x{{{width}}} END")
+    broken = [line for line in output.splitlines() if not whole.fullmatch(line)]
+    assert not broken, f"{len(broken)} of {len(output.splitlines())} lines cut or mislabelled, such as:\n" + "\n".join(
+        line[:120] for line in broken[:6]
+    )
+    seen = sorted((int(m.group(2)), int(m.group(3))) for m in map(whole.fullmatch, output.splitlines()) if m and m[1] == m[2])
+    assert seen == [(rank, i) for rank in range(4) for i in range(lines)]
 
 
 def test_submit_through_submitit_collects_the_result(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:

@@ -191,6 +191,8 @@ def test_two_ranks_train_to_the_bar_and_log_tensorboard(reference_run: FinishedR
     logged = scalars(reference_run.directory / "runs")
     per_rank = {f"perf/rank/{rank}/{name}" for rank in (0, 1) for name in ("own_work_s", "data_wait_s")}  # the watchdog's
     assert set(logged) == set(TAGS) | set(ImageClassification.tags) | per_rank
+    step_lines = [line for line in reference_run.output.splitlines() if "train/loss" in line]
+    assert step_lines and not [line for line in step_lines if "perf/rank/" in line], step_lines[-3:]  # TensorBoard's only
     assert [step for step, _ in logged["val/accuracy"]] == [steps_per_epoch * (epoch + 1) for epoch in range(4)]
     assert logged["val/accuracy"][-1][1] == pytest.approx(accuracy, abs=1e-4)
     assert logged["train/loss"][-1][0] == total_steps and logged["train/loss"][-1][1] < logged["train/loss"][0][1]

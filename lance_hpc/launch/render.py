@@ -172,7 +172,10 @@ def srun_args(spec: JobSpec) -> list[str]:
     """srun options: one task per GPU, and a crashed rank stops the job instead of hanging the rest."""
     # SLURM 22.05 stopped passing the batch job's --cpus-per-task on to srun; say it again.
     # --label prefixes each line with its rank ("3: ..."), which `lance-hpc logs --rank` filters on.
-    own = ["--unbuffered", "--label", "--kill-on-bad-exit=1", f"--cpus-per-task={spec.slurm.cpus_per_task}"]
+    # No --unbuffered: with it slurmstepd passes on whatever it has read, cut anywhere, and --label
+    # ends each piece as a line of its own; without it, whole lines (a rank writes each line as it
+    # ends, see lance_hpc.output, so nothing waits).
+    own = ["--label", "--kill-on-bad-exit=1", f"--cpus-per-task={spec.slurm.cpus_per_task}"]
     return [*own, *container_launch(spec.slurm).srun_args]
 
 

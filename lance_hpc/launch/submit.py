@@ -62,7 +62,9 @@ def make_executor(spec: JobSpec, folder: Path) -> submitit.SlurmExecutor:
         signal_delay_s=spec.slurm.signal_delay_s,
         # a failing setup line stops the job; submitit's srun line then runs through the restart supervisor
         setup=[render.STRICT_MODE, *render.setup_lines(spec), *srun_through_restarts(spec)],
-        srun_args=[arg for arg in render.srun_args(spec) if arg != "--unbuffered"],  # submitit adds it
+        # each task writes a file of its own, so no --label: submitit's srun runs --unbuffered, with
+        # which --label would cut lines where slurmstepd's reads end (see render.srun_args)
+        srun_args=[arg for arg in render.srun_args(spec) if arg != "--label"],
         additional_parameters=additional,
         wckey=None,
     )

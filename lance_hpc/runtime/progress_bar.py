@@ -8,6 +8,9 @@ from contextlib import contextmanager
 
 from lance_hpc.output import ProgressDisplay, progress_bar
 
+# The tags of each rank's own figures (lance_hpc.runtime.rank_watch): TensorBoard's, not the line's.
+PER_RANK = "perf/rank/"
+
 
 class ProgressBar:
     """The bar of the epoch being read (drawn on rank 0 with logging.progress) and the scalars
@@ -48,6 +51,7 @@ class ProgressBar:
         train = {tag: value for tag, value in shown.items() if tag.startswith("train/") and tag != "train/lr"}
         if self._bar is not None:
             self._bar.set_postfix({tag.split("/", 1)[1]: f"{value:.3f}" for tag, value in list(train.items())[:3]})
-        if self.is_main and not self.progress:
-            values = ", ".join(f"{tag} {value:.4g}" for tag, value in shown.items())
+        if self.is_main and not self.progress:  # each rank's figures go to TensorBoard only: a line
+            # as long as the world is wide would be unreadable, and SLURM cuts lines over 1 KiB in two
+            values = ", ".join(f"{tag} {value:.4g}" for tag, value in shown.items() if not tag.startswith(PER_RANK))
             print(f"step {step}/{total_steps}: {values}", flush=True)
