@@ -364,7 +364,7 @@ def _shuffle_part(context: Context, summaries: Summaries) -> tuple[list[str], li
     main set in class order (the benchmark's settings), and the trainings' validation accuracy."""
     import lance
 
-    from lance_hpc.loading.reader import fragment_table
+    from lance_hpc.loading.sampling import fragment_table
     from lance_hpc.loading.selection import select
 
     data = context.sets[0]

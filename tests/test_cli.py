@@ -200,3 +200,48 @@ def test_the_submit_shim_reports_errors_as_the_command_does(tmp_path: Path) -> N
     result = run_module("lance_hpc.submit", str(tmp_path / "missing.yaml"), "--dry-run")
     assert result.returncode == ExitCode.USER_ERROR and result.stdout == ""
     assert result.stderr.startswith("error: ") and "does not exist" in result.stderr and "Traceback" not in result.stderr
+
+
+# A spec's commands in one process, each followed by whether torch has been imported so far.
+TORCH_PROBE = """
+import sys
+from lance_hpc.cli import main
+for args in ARGS:
+    sys.argv = ["lance-hpc", *args]
+    try:
+        code = main()
+    except SystemExit as exit:
+        code = exit.code
+    print("PROBE", " ".join(args), "->", code, "torch" in sys.modules, flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    ("spec", "commands"),
+    [
+        ("quickstart", ("validate", "render", "submit --dry-run", "plan", "status", "logs")),  # small_cnn
+        ("lm_quickstart", ("validate", "render", "submit --dry-run", "status", "logs")),
+        # an inference job's dry run checks the task's inputs against its outputs, which builds the task
+        ("quickstart_infer", ("validate", "render", "status", "logs")),
+    ],
+)
+def test_reading_a_spec_of_a_built_in_task_never_imports_torch(spec: str, commands: tuple[str, ...], tmp_path: Path) -> None:
+    """Validation checks a built-in task's options without importing the task: on a login node,
+    where importing torch can take many seconds, status, logs and a render take well under one."""
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "jobs" / f"{spec}.yaml").write_text((ROOT / "jobs" / f"{spec}.yaml").read_text())
+    calls = [[*command.split()[:1], f"jobs/{spec}.yaml", *command.split()[1:]] for command in commands]
+    probe = TORCH_PROBE.replace("ARGS", repr(calls))
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    lines = [line.removeprefix("PROBE ") for line in result.stdout.splitlines() if line.startswith("PROBE ")]
+    assert len(lines) == len(calls), result.stdout + result.stderr
+    assert all(line.endswith("False") for line in lines), "\n".join(lines) + "\n" + result.stderr[-2000:]
+    stopped = [line for line in lines if " -> 0 " not in line and not line.startswith(("status", "logs"))]
+    assert not stopped, stopped  # each ran to its end (status and logs find no job here)
+
+
+def test_each_registered_task_checks_its_options_with_the_model_it_runs_with() -> None:
+    from lance_hpc.tasks.registry import OPTIONS, TASKS, options_class, task_class
+
+    assert set(OPTIONS) == set(TASKS)
+    assert all(options_class(name) is task_class(name).Options for name in TASKS)

@@ -21,8 +21,7 @@ from pathlib import Path
 import pytest
 
 from lance_hpc.errors import ExitCode
-from lance_hpc.loading.reader import fragment_table
-from lance_hpc.loading.sampling import epoch_batches
+from lance_hpc.loading.sampling import epoch_batches, fragment_table
 from lance_hpc.runtime.trainer import lr_factor
 from lance_hpc.spec import load_spec
 from lance_hpc.storage.datasets import open_dataset

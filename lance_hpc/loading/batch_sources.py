@@ -19,8 +19,8 @@ import numpy as np
 
 from lance_hpc.errors import UserError
 from lance_hpc.loading.epoch_plan import DataPlan, spec_plan
-from lance_hpc.loading.mix import MixPart, MixPlanner, MixReader, MixSchedule, epoch_rows, mix_steps, source_name
-from lance_hpc.loading.reader import BatchReader
+from lance_hpc.loading.mix import MixPart, MixPlanner, MixSchedule, epoch_rows, mix_steps, source_name
+from lance_hpc.loading.reader import BatchReader, MixReader
 from lance_hpc.loading.resume import EpochOrigin, ResumedEpoch, Segment, remainder_share_rows, rows_read
 from lance_hpc.loading.sampling import epoch_planner
 from lance_hpc.loading.selection import select_training_rows

@@ -30,13 +30,10 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
-import pyarrow as pa
 
 from lance_hpc.errors import UserError
-from lance_hpc.loading.reader import BatchReader
 from lance_hpc.loading.sampling import FragmentTable, block_order
 from lance_hpc.spec import DataSpec, MixSource
-from lance_hpc.storage.datasets import ReadStats
 
 SOURCE_BITS = 40  # 2**40 rows per source
 ROW_MASK = (1 << SOURCE_BITS) - 1
@@ -230,25 +227,6 @@ def epoch_rows(data: DataSpec, parts: Sequence[MixPart]) -> int:
 def mix_steps(rows: int, world_size: int, batch_size: int) -> int:
     """Whole steps of ``rows`` rows (at least one)."""
     return max(1, rows // (world_size * batch_size))
-
-
-@dataclass
-class MixReader(BatchReader):
-    """Reads a batch of a mix: each source's rows with that source's reader, one table, one decode."""
-
-    parts: tuple[BatchReader, ...] = ()
-
-    def _fetch(self, unique: np.ndarray, ahead: Sequence[np.ndarray]) -> tuple[Any, ReadStats]:
-        sources = source_of(unique)
-        tables, stats = [], ReadStats()
-        for source in np.unique(sources):
-            later = [offset_of(rows[source_of(rows) == source]) for rows in ahead]
-            table, part_stats = self.parts[int(source)]._fetch(offset_of(unique[sources == source]), [r for r in later if len(r)])
-            tables.append(table)
-            stats.add(part_stats)
-        if len(tables) == 1:
-            return tables[0], stats
-        return pa.concat_tables(tables, promote_options="permissive"), stats
 
 
 def source_name(source: MixSource, index: int) -> str:

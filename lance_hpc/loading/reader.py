@@ -23,10 +23,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 from lance_hpc.errors import UserError
-from lance_hpc.loading.sampling import FragmentTable
+from lance_hpc.loading.mix import offset_of, source_of
 from lance_hpc.loading.transport import SharedBatch, worker_pool
 from lance_hpc.storage.cache import open_cache
 from lance_hpc.storage.datasets import Dataset, ReadStats, open_dataset
@@ -228,16 +229,25 @@ def apply_corrupt_policy(batch: Batch, bad: dict[int, str], on_corrupt: str, dat
     return len(bad)
 
 
-def fragment_table(dataset: Dataset) -> FragmentTable:
-    """Fragment ids and live row counts from the manifest (no data files read)."""
-    fragments = dataset.get_fragments()
-    rows = []
-    for fragment in fragments:
-        count = fragment.metadata.num_rows
-        rows.append(int(count) if count is not None else fragment.count_rows())
-    return FragmentTable.from_rows(rows, [fragment.fragment_id for fragment in fragments])
-
-
 def keep_batch(batch: Any) -> Any:
     """collate_fn for batches that the dataset already returns as tensors."""
     return batch
+
+
+@dataclass
+class MixReader(BatchReader):
+    """Reads a batch of a mix: each source's rows with that source's reader, one table, one decode."""
+
+    parts: tuple[BatchReader, ...] = ()
+
+    def _fetch(self, unique: np.ndarray, ahead: Sequence[np.ndarray]) -> tuple[Any, ReadStats]:
+        sources = source_of(unique)
+        tables, stats = [], ReadStats()
+        for source in np.unique(sources):
+            later = [offset_of(rows[source_of(rows) == source]) for rows in ahead]
+            table, part_stats = self.parts[int(source)]._fetch(offset_of(unique[sources == source]), [r for r in later if len(r)])
+            tables.append(table)
+            stats.add(part_stats)
+        if len(tables) == 1:
+            return tables[0], stats
+        return pa.concat_tables(tables, promote_options="permissive"), stats

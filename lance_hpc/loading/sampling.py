@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -32,6 +32,9 @@ from lance_hpc.spec.choices import (
     UNEVEN_MODES,
     check_registry,
 )
+
+if TYPE_CHECKING:
+    from lance_hpc.storage.datasets import Dataset
 
 
 @dataclass(frozen=True)
@@ -373,3 +376,13 @@ def eval_batches(rows: int, rank: int, world_size: int, batch_size: int, mode: s
     else:
         raise ValueError(f"unknown evaluation mode {mode!r}: use one of {', '.join(EVAL_MODES)}")
     return _chunks(np.arange(start, stop, dtype=np.int64), batch_size)
+
+
+def fragment_table(dataset: Dataset) -> FragmentTable:
+    """Fragment ids and live row counts from the manifest (no data files read)."""
+    fragments = dataset.get_fragments()
+    rows = []
+    for fragment in fragments:
+        count = fragment.metadata.num_rows
+        rows.append(int(count) if count is not None else fragment.count_rows())
+    return FragmentTable.from_rows(rows, [fragment.fragment_id for fragment in fragments])

@@ -22,8 +22,7 @@ import numpy as np
 
 from lance_hpc.errors import UserError, listing
 from lance_hpc.loading.mix import pinned_mix
-from lance_hpc.loading.reader import fragment_table
-from lance_hpc.loading.sampling import FragmentTable
+from lance_hpc.loading.sampling import FragmentTable, fragment_table
 from lance_hpc.spec import DataSpec
 from lance_hpc.storage.datasets import Dataset, open_dataset
 from lance_hpc.storage.retry import retrying

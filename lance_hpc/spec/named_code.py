@@ -42,8 +42,7 @@ def task_problems(raw: dict[str, Any], imports: bool = True) -> list[Problem]:
     the options in ``raw`` are replaced by the validated ones, defaults filled in. Without
     ``imports``, only that task.name is a registered name or has the form of an import path:
     importing it would run its code."""
-    # imported here: the tasks import torch, which status and cancel never need
-    from lance_hpc.tasks import TASKS, task_class, validate_options
+    from lance_hpc.tasks.registry import TASKS, options_class, validate_options
 
     task = raw.get("task")
     if task is None:
@@ -63,15 +62,15 @@ def task_problems(raw: dict[str, Any], imports: bool = True) -> list[Problem]:
             )
         ]
     try:
-        cls = task_class(task.get("name", "image_classification"))
+        model = options_class(task.get("name", "image_classification"))
     except UserError as error:
         return [_problem_from_user_error("task.name", error)]
     options = task.get("options") or {}
     if not isinstance(options, dict):
         return []
-    validated, errors = validate_options(cls, options)
+    validated, errors = validate_options(model, options)
     if validated is None:
-        return [from_pydantic(item, cls.Options, ("task", "options")) for error in errors for item in error.errors()]
+        return [from_pydantic(item, model, ("task", "options")) for error in errors for item in error.errors()]
     task["options"] = validated.model_dump(mode="json")
     return []
 

@@ -14,10 +14,11 @@ from lance_hpc.imports import lazy_exports
 
 _MODULE_OF = {
     **dict.fromkeys(
-        ("ROW_ID", "Batch", "DatasetInfo", "Decoder", "FieldSpec", "Task", "TaskError", "TaskOptions", "column_problems"),
+        ("ROW_ID", "Batch", "DatasetInfo", "Decoder", "FieldSpec", "Task", "TaskError", "column_problems"),
         "lance_hpc.tasks.base",
     ),
-    **dict.fromkeys(("TASKS", "build_task", "task_class", "validate_options"), "lance_hpc.tasks.registry"),
+    "TaskOptions": "lance_hpc.tasks.options",
+    **dict.fromkeys(("TASKS", "build_task", "options_class", "task_class", "validate_options"), "lance_hpc.tasks.registry"),
 }
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "TaskOptions",
     "build_task",
     "column_problems",
+    "options_class",
     "task_class",
     "validate_options",
 ]
@@ -47,7 +49,7 @@ if TYPE_CHECKING:
         FieldSpec,
         Task,
         TaskError,
-        TaskOptions,
         column_problems,
     )
-    from lance_hpc.tasks.registry import TASKS, build_task, task_class, validate_options
+    from lance_hpc.tasks.options import TaskOptions
+    from lance_hpc.tasks.registry import TASKS, build_task, options_class, task_class, validate_options

@@ -19,11 +19,11 @@ from typing import Any, ClassVar, Generic, TypeVar
 import numpy as np
 import pyarrow as pa
 import torch
-from pydantic import BaseModel, ConfigDict
 from torch import nn
 
 from lance_hpc.errors import UserError, listing
 from lance_hpc.storage.datasets import Dataset
+from lance_hpc.tasks.options import TaskOptions
 
 Batch = dict[str, torch.Tensor]
 ROW_ID = "row_id"  # the field the reader adds to every batch: the dataset row each sample came from
@@ -94,13 +94,6 @@ class DatasetInfo:
     def describe_columns(self, indent: str = "        ") -> str:
         """Every column with its type, on lines of their own (:func:`~lance_hpc.errors.listing`)."""
         return listing([f"{item.name} ({item.type})" for item in self.schema], indent)
-
-
-class TaskOptions(BaseModel):
-    """Base of every task's options: frozen, unknown keys refused (reported as task.options.KEY),
-    floats finite: a .nan or .inf option would pass here and then fail on every rank."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, protected_namespaces=(), allow_inf_nan=False)
 
 
 OptionsT = TypeVar("OptionsT", bound=TaskOptions)

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Literal
 
 import numpy as np
 import pyarrow as pa
 import torch
-from pydantic import Field, field_validator, model_validator
 from torch import nn
 
 from lance_hpc.tasks.base import (
@@ -25,82 +23,18 @@ from lance_hpc.tasks.base import (
     FieldSpec,
     Task,
     TaskError,
-    TaskOptions,
     column_problems,
 )
 from lance_hpc.tasks.formats import CLASS_NAMES_KEY
 from lance_hpc.tasks.image_decode import (
-    AUGMENTS,
-    IMAGENET_MEAN,
-    IMAGENET_STD,
     Transform,
     binary_values,
     decode_pixels,
     normalize,
     to_grey,
 )
-from lance_hpc.tasks.models import build_model, channels_problem, load_weights_file, model_problem
-
-# Upper bounds of the options: past them a spec would pass validation and then fail on every rank
-# allocating its batches or its model. 4096 px a side is 48 MiB per uint8 image, well past any
-# classifier's input; 2**24 classes is far past the largest label sets in use.
-MAX_IMAGE_SIZE = 4096
-MAX_CLASSES = 2**24
-
-
-class ImageOptions(TaskOptions):
-    image_column: str = Field("image", description="Column of encoded image bytes (JPEG, PNG, ...).")
-    label_column: str = Field("label", description="Column of integer class labels.")
-    image_size: int = Field(224, ge=8, le=MAX_IMAGE_SIZE, description="Side of the square images the model sees.")
-    augment: str = Field("crop_flip", description=f"Training augmentation: {', '.join(AUGMENTS)}.")
-    model: str = Field("resnet18", description="small_cnn, a torchvision classification model, or my_pkg.models:build.")
-    num_classes: int | None = Field(None, ge=2, le=MAX_CLASSES, description="Classes; null reads them from the dataset.")
-    channels_last: bool = Field(True, description="Channels-last memory format on GPU (faster convolutions).")
-    channels: Literal[1, 3] = Field(3, description="3 (RGB) or 1 (grey levels, BT.601 luma): the channels the model sees.")
-    mean: list[float] | None = Field(
-        None, description="Per-channel mean of pixels in [0, 1] subtracted on the device; null: ImageNet's (3 channels) or 0.5."
-    )
-    std: list[float] | None = Field(
-        None, description="Per-channel standard deviation the pixels are divided by; null: ImageNet's (3 channels) or 0.5."
-    )
-    weights: str | None = Field(
-        None,
-        description="Initial weights from a local file (a state_dict saved with torch.save, or a lance_hpc checkpoint); "
-        "never downloaded; a resumed job takes its checkpoint's instead.",
-    )
-
-    @model_validator(mode="after")
-    def _fits_the_channels(self) -> ImageOptions:
-        for name in ("mean", "std"):
-            values = getattr(self, name)
-            if values is not None and len(values) != self.channels:
-                raise ValueError(f"{name} has {len(values)} value(s) for {self.channels} channel(s): give one per channel")
-        if self.std is not None and any(value <= 0 for value in self.std):
-            raise ValueError("std values must be greater than 0")
-        problem = channels_problem(self.model, self.channels)
-        if problem:
-            raise ValueError(problem)
-        return self
-
-    def normalization(self) -> tuple[list[float], list[float]]:
-        """(mean, std) per channel, defaults filled in."""
-        default_mean, default_std = (list(IMAGENET_MEAN), list(IMAGENET_STD)) if self.channels == 3 else ([0.5], [0.5])
-        return self.mean or default_mean, self.std or default_std
-
-    @field_validator("augment")
-    @classmethod
-    def _known_augment(cls, value: str) -> str:
-        if value not in AUGMENTS:
-            raise ValueError(f"unknown augment {value!r}: use one of {', '.join(AUGMENTS)}")
-        return value
-
-    @field_validator("model")
-    @classmethod
-    def _known_model(cls, value: str) -> str:
-        problem = model_problem(value)
-        if problem:
-            raise ValueError(problem)
-        return value
+from lance_hpc.tasks.models import build_model, load_weights_file
+from lance_hpc.tasks.options import ImageOptions
 
 
 class ImageDecoder(Decoder):

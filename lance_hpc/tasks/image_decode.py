@@ -24,17 +24,14 @@ import torch
 import torch.nn.functional as nnf
 
 from lance_hpc.limits import MAX_PIXELS
+from lance_hpc.tasks.options import AUGMENTS, IMAGENET_MEAN, IMAGENET_STD
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 JPEG_MAGIC = b"\xff\xd8\xff"
 # torchvision's RandomResizedCrop defaults.
 CROP_SCALE = (0.08, 1.0)
 CROP_LOG_RATIO = (math.log(3 / 4), math.log(4 / 3))
 # Evaluation resizes the short side to image_size / EVAL_CROP_FRACTION, then crops the centre.
 EVAL_CROP_FRACTION = 0.875
-# Training augmentations by name; evaluation always resizes (and, unless "none", centre-crops).
-AUGMENTS = ("crop_flip", "crop", "none")
 
 
 def normalize(images: torch.Tensor, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD) -> torch.Tensor:

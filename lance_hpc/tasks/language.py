@@ -13,7 +13,6 @@ import math
 import numpy as np
 import pyarrow as pa
 import torch
-from pydantic import Field
 from torch import nn
 
 from lance_hpc.errors import UserError
@@ -25,31 +24,11 @@ from lance_hpc.tasks.base import (
     FieldSpec,
     Task,
     TaskError,
-    TaskOptions,
     column_problems,
 )
-from lance_hpc.tasks.formats import KIND_KEY, TOKEN_SEQUENCES_KIND, TOKENS_COLUMN, TokenInfo
+from lance_hpc.tasks.formats import KIND_KEY, TOKEN_SEQUENCES_KIND, TokenInfo
 from lance_hpc.tasks.gpt import GPT
-
-# Upper bounds of the gpt options: past them a spec would pass validation and then fail on every
-# rank allocating the model. Each is far past the largest transformers trained; a vocabulary of
-# 2**24 ids still fits the int32 token column with room to spare.
-MAX_LAYERS = 1024
-MAX_WIDTH = 65536
-MAX_HEADS = 1024
-MAX_VOCAB_SIZE = 2**24
-
-
-class LanguageModelOptions(TaskOptions):
-    tokens_column: str = Field(TOKENS_COLUMN, description="Column of fixed-length token sequences (sequence_length + 1 each).")
-    model: str = Field("gpt", description="gpt (built in), or a factory by import path: build(vocab_size, sequence_length).")
-    layers: int = Field(4, ge=1, le=MAX_LAYERS, description="gpt: transformer blocks.")
-    width: int = Field(256, ge=8, le=MAX_WIDTH, description="gpt: embedding width (a multiple of heads).")
-    heads: int = Field(4, ge=1, le=MAX_HEADS, description="gpt: attention heads.")
-    dropout: float = Field(0.0, ge=0, lt=1, description="gpt: dropout in attention and MLP.")
-    vocab_size: int | None = Field(
-        None, ge=2, le=MAX_VOCAB_SIZE, description="Vocabulary size; null reads it from the dataset's metadata."
-    )
+from lance_hpc.tasks.options import LanguageModelOptions
 
 
 class TokenDecoder(Decoder):

@@ -10,6 +10,7 @@ from torch import nn
 
 from lance_hpc.errors import UserError
 from lance_hpc.imports import is_import_path, load_callable
+from lance_hpc.tasks.options import BUILT_IN_MODELS, model_problem
 
 
 def small_cnn(num_classes: int, channels: int = 3) -> nn.Module:
@@ -31,37 +32,7 @@ def small_cnn(num_classes: int, channels: int = 3) -> nn.Module:
 
 
 BUILT_IN: dict[str, Callable[..., nn.Module]] = {"small_cnn": small_cnn}
-
-
-def torchvision_models() -> list[str]:
-    """Names of torchvision's classification models (imported here, not at the top: DataLoader
-    workers import the rank's main module, and they never need torchvision)."""
-    import torchvision
-
-    return torchvision.models.list_models(module=torchvision.models)
-
-
-def model_problem(name: str) -> str | None:
-    """Why ``name`` names no image classifier, or None when it does (import paths load later)."""
-    if name in BUILT_IN or is_import_path(name):
-        return None
-    known = torchvision_models()
-    if name in known:
-        return None
-    return (
-        f"unknown model {name!r}; use small_cnn, a torchvision classification model "
-        f"({', '.join(known[:6])}, ... {len(known)} in all), or a factory by import path (my_pkg.models:build)"
-    )
-
-
-def channels_problem(name: str, channels: int) -> str | None:
-    """Why model ``name`` cannot take ``channels`` input channels, or None."""
-    if channels == 3 or name in BUILT_IN or is_import_path(name):
-        return None
-    return (
-        f"model {name} (torchvision) takes 3 channels, not {channels}; use small_cnn or your own factory "
-        f"(my_pkg.models:build, called with channels={channels}), or set channels: 3"
-    )
+assert tuple(BUILT_IN) == BUILT_IN_MODELS  # the names the options accept
 
 
 def build_model(name: str, num_classes: int, channels: int = 3) -> nn.Module:

@@ -1,26 +1,38 @@
 """Tasks by name: ``task.name`` in a spec is a registered name (:data:`TASKS`) or an import path to
 a :class:`~lance_hpc.tasks.base.Task` subclass (``my_pkg.tasks:MyTask``, ``path/to/file.py:MyTask``).
-Registered tasks are imported only when used, so naming one costs nothing.
+Registered tasks are imported only when used, so naming one costs nothing, and a registered task's
+options are checked against their model in :mod:`lance_hpc.tasks.options` without importing the task
+(nor torch).
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from pydantic import ValidationError
 
 from lance_hpc.errors import UserError
 from lance_hpc.imports import is_import_path, load_callable
-from lance_hpc.tasks.base import DatasetInfo, Task, TaskOptions
+from lance_hpc.tasks.options import TaskOptions
+
+if TYPE_CHECKING:
+    from lance_hpc.tasks.base import DatasetInfo, Task
 
 TASKS: dict[str, str] = {
     "image_classification": "lance_hpc.tasks.image:ImageClassification",
     "language_model": "lance_hpc.tasks.language:LanguageModel",
 }
+# Each registered task's Options (the same class as its ``Options``, which a test checks).
+OPTIONS: dict[str, str] = {
+    "image_classification": "lance_hpc.tasks.options:ImageOptions",
+    "language_model": "lance_hpc.tasks.options:LanguageModelOptions",
+}
 
 
 def task_class(name: str) -> type[Task]:
     """The Task class a spec's ``task.name`` names; a UserError that lists the choices otherwise."""
+    from lance_hpc.tasks.base import Task  # torch: only where a task is built, or a user's checked
+
     if name in TASKS:
         found = load_callable(TASKS[name], "task.name")
     elif is_import_path(name):
@@ -38,10 +50,22 @@ def task_class(name: str) -> type[Task]:
     return found
 
 
-def validate_options(cls: type[Task], options: Mapping[str, Any]) -> tuple[TaskOptions | None, list[ValidationError]]:
+def options_class(name: str) -> type[TaskOptions]:
+    """The options model of the task ``task.name`` names: a registered task's without importing it,
+    a user's task from its class (importing its module, which runs its code)."""
+    if name in OPTIONS:
+        found = load_callable(OPTIONS[name], "task.name")
+        assert isinstance(found, type) and issubclass(found, TaskOptions)
+        return found
+    return task_class(name).Options
+
+
+def validate_options(
+    options_model: type[TaskOptions], options: Mapping[str, Any]
+) -> tuple[TaskOptions | None, list[ValidationError]]:
     """The task's options, or the pydantic error to report under ``task.options``."""
     try:
-        return cls.Options.model_validate(dict(options)), []
+        return options_model.model_validate(dict(options)), []
     except ValidationError as error:
         return None, [error]
 
@@ -49,7 +73,7 @@ def validate_options(cls: type[Task], options: Mapping[str, Any]) -> tuple[TaskO
 def build_task(name: str, options: Mapping[str, Any], train: DatasetInfo, val: DatasetInfo | None) -> Task:
     """The rank half of a task, checked against its datasets (raises TaskError listing problems)."""
     cls = task_class(name)
-    validated, errors = validate_options(cls, options)
+    validated, errors = validate_options(cls.Options, options)
     if errors:
         raise UserError(f"task.options: {errors[0]}")
     return cls(validated, train, val)

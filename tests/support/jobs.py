@@ -19,8 +19,7 @@ import yaml
 from lance_hpc.checkpoint import resuming
 from lance_hpc.ingest import ensure_dataset
 from lance_hpc.loading import build_train_loader, load_task
-from lance_hpc.loading.reader import fragment_table
-from lance_hpc.loading.sampling import epoch_batches
+from lance_hpc.loading.sampling import epoch_batches, fragment_table
 from lance_hpc.runtime import trainer
 from lance_hpc.runtime.context import Summary
 from lance_hpc.runtime.entry import run_entry
