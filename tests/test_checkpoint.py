@@ -276,6 +276,8 @@ def fake_scontrol(folder: Path, requeue: str, restarts: int) -> None:
     [
         # the step's SIGTERM reaches scontrol while it reports the requeue: it ignores it
         ("kill -TERM $$; exit 0", 0, (True, "requeued job 12_0 (requeue 1 of at most 3)")),
+        # the warning signal sent to the step again (scancel retries one a node missed) before it asks
+        ("kill -USR2 $$; kill -USR1 $$; exit 0", 0, (True, "requeued job 12_0 (requeue 1 of at most 3)")),
         # scontrol died without a word, yet SLURM counts the requeue
         ("kill -KILL $$", 1, (True, "requeued job 12_0 (requeue 1 of at most 3)")),
         ("exit 1", 0, (False, "scontrol requeue 12_0 failed: exit code 1, nothing printed")),

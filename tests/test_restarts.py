@@ -66,6 +66,10 @@ def failed(number: int, cause: Cause | None, code: int = 1) -> Attempt:
         # exit 2 whose note says no user must fix it: another process took the rendezvous port
         ([failed(0, Cause("error", "rank 0 cannot listen on port 20009", 0, "node1"), 2)], True, 2, "restart 1 of at most 2"),
         ([failed(0, None, 3)], False, 3, "stopped by a signal"),
+        # rank 0 stopped on a signal (its checkpoint saved); srun's --kill-on-bad-exit then ended the
+        # slower rank, so srun's own code is 143: the rank's own exit decides
+        ([failed(0, Cause("exit", "exited with exit code 3 (srun)", 0, "node1", exit_code=3), 143)], False, 3, "stopped"),
+        ([failed(0, Cause("exit", "exited with exit code 1 (srun)", 0, "node1", exit_code=1), 143)], True, 143, "restart 1"),
         ([failed(0, None, 255)], False, 255, "requeued"),
     ],
 )
@@ -100,7 +104,7 @@ def test_srun_and_the_ranks_notes_say_which_rank_or_node_failed_first(tmp_path: 
     late = StepReport()
     for line in ("srun: error: node1: task 0: Exited with exit code 1", "srun: error: node1: task 1: Killed"):
         late.read(line)
-    assert late.first_task() == Cause("exit", "exited with exit code 1 (srun)", 0, "node1")
+    assert late.first_task() == Cause("exit", "exited with exit code 1 (srun)", 0, "node1", exit_code=1)
     (tmp_path / "late").mkdir()
     failures.note_failure(0, "lost contact", lost_contact=True, directory=str(tmp_path / "late"), host="node1")
     assert attempt_cause(tmp_path / "late", late, 137) == Cause("killed", "was killed (srun: Killed)", 1, "node1")

@@ -397,7 +397,9 @@ def test_four_ranks_preempted_mid_epoch_continue_on_two_with_every_row_once(
     epoch the first job trained on are not read again, the rest exactly once, with equal steps."""
     task = {
         "name": f"{REPO_ROOT}/tests/custom_task.py:RowLoggingMLP",
-        "options": {"hidden": 16, "row_log": str(tmp_path / "rows4")},
+        # 150 ms per batch: the 20 steps of epoch 2 left after the third take 3 s, time for USR2 to land
+        # in them however busy the machine is (at full speed they took 0.6 s, and a busy run missed them)
+        "options": {"hidden": 16, "row_log": str(tmp_path / "rows4"), "decode_delay_s": 0.15},
     }
     (tmp_path / "rows4").mkdir()
     spec = job_spec(tmp_path, digits, slurm_cluster, task=task, train={"epochs": 2, "lr": 0.01}, slurm={"max_requeues": 0})

@@ -154,8 +154,10 @@ def requeue_sbatch(env: DistEnv, max_requeues: int, request_file: str | None = N
 
 
 # A requeue that takes ends the job's step at once: slurmstepd's SIGTERM reaches every process in
-# it, scontrol too, which could die before it reports its success. It ignores SIGTERM here.
-SCONTROL_REQUEUE = ["sh", "-c", 'trap "" TERM; exec scontrol requeue "$1"', "scontrol"]
+# it, scontrol too, which could die before it reports its success; and a warning signal sent to the
+# step again (scancel retries one it could not deliver to every node) would kill scontrol before it
+# asks. It ignores both here.
+SCONTROL_REQUEUE = ["sh", "-c", 'trap "" TERM USR1 USR2; exec scontrol requeue "$1"', "scontrol"]
 
 
 def _requeued_since(job: str, restart_count: int) -> bool:
@@ -241,8 +243,8 @@ def requeue_handler(spec: JobSpec) -> list[str]:
         "    local job=${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}",
         "    job=${job:-$SLURM_JOB_ID}",
         f'    echo "requeueing job $job (requeue $((${{SLURM_RESTART_COUNT:-0}} + 1)) of at most {spec.slurm.max_requeues})"',
-        # SLURM's SIGTERM to this script as the requeue takes must not cut scontrol short
-        "    if (trap '' TERM; exec scontrol requeue \"$job\"); then",
+        # SLURM's SIGTERM to this script as the requeue takes (or a warning signal again) must not cut scontrol short
+        "    if (trap '' TERM USR1 USR2; exec scontrol requeue \"$job\"); then",
         "        sleep 300  # SLURM ends this script as it requeues the job; exiting first would race the requeue",
         "    else",
         '        echo "scontrol requeue $job failed; submit the job again to resume from its checkpoint" >&2',

@@ -16,6 +16,7 @@ from lance_hpc.launch.restarts.policy import Cause
 # What srun prints of a step's failures (SLURM 22.05 and later).
 SRUN_TASKS = re.compile(r"^srun: error: (?P<host>\S+): tasks? (?P<ranks>[\d,-]+): (?P<what>.+)$")
 SRUN_NODE_FAILURE = re.compile(r"^srun: error: Node failure on (?P<host>\S+)")
+EXIT_CODE = re.compile(r"Exited with exit code (\d+)$", re.IGNORECASE)
 
 
 def notes(directory: str | Path) -> list[dict[str, Any]]:
@@ -67,8 +68,17 @@ class StepReport:
             # Killed, Segmentation fault, Aborted...: a signal ended it; "Exited with exit code N" did not
             signalled = not what.lower().startswith("exited")
             message = f"was killed (srun: {what})" if what.lower().startswith("killed") else f"{what[0].lower()}{what[1:]} (srun)"
+            code = EXIT_CODE.match(what)
             for rank in _ranks(task.group("ranks")):
-                self.tasks.append(Cause("killed" if signalled else "exit", message, rank, task.group("host")))
+                self.tasks.append(
+                    Cause(
+                        "killed" if signalled else "exit",
+                        message,
+                        rank,
+                        task.group("host"),
+                        exit_code=int(code[1]) if code else None,
+                    )
+                )
         else:
             return
         if self.first_seen is None:

@@ -33,6 +33,7 @@ class Cause:
     host: str | None = None
     step: int | None = None
     user_error: bool = False
+    exit_code: int | None = None  # the rank's own, as srun reported it ("Exited with exit code 3")
 
     def describe(self) -> str:
         """``rank 1 on node2 at step 5: ValueError: ...``, ``rank 1 on node2 was killed (...)``."""
@@ -93,6 +94,10 @@ def decide(history: Sequence[Attempt], max_restarts: int) -> Decision:
     last = history[-1]
     code = last.exit_code if last.exit_code is not None else 1
     cause = last.cause
+    if cause is not None and cause.exit_code in NOT_RESTARTED and cause.exit_code != 0:
+        # srun's own code is its tasks' highest, or 143 for those --kill-on-bad-exit ended: the rank
+        # that ended first says why (3: it stopped on a signal, its checkpoint saved, the others cut short)
+        code = cause.exit_code
     # exit 2 is the user's to fix, unless the rank's note says it is a fault (another process took the port)
     fault = code == 2 and cause is not None and cause.what == "error" and not cause.user_error
     if code in NOT_RESTARTED and not fault:
