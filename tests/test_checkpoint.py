@@ -294,6 +294,36 @@ def test_a_requeue_counts_when_slurm_did_it_whatever_scontrol_said(
     assert (tmp_path / "requeued").read_text() == "12_0\n"
 
 
+@pytest.mark.parametrize(
+    ("requeue", "restarts", "expected"),
+    [
+        # submitit's own scontrol gets the step's SIGTERM (and a warning signal again) as the requeue takes
+        ("kill -TERM $$; kill -USR2 $$; exit 0", 0, (True, "requeued by submitit")),
+        # it died anyway, yet SLURM counts the requeue: no traceback, the job goes on
+        ("kill -KILL $$", 1, (True, "requeued by submitit")),
+        ("exit 1", 0, (False, "submitit's scontrol requeue failed: exit code 1, nothing printed")),
+    ],
+)
+def test_a_requeue_through_submitits_handler_survives_the_signals_of_its_own_success(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, requeue: str, restarts: int, expected: tuple[bool, str]
+) -> None:
+    """submitit's USR2 handler runs ``scontrol requeue`` itself (check_call) and exits the task."""
+    fake_scontrol(tmp_path, requeue, restarts)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+
+    def submitits_handler(signum: int, frame: object) -> None:  # as submitit's checkpoint_and_try_requeue
+        subprocess.check_call(["scontrol", "requeue", "12_0"], timeout=60)
+        sys.exit(-1)
+
+    stopped = preemption.Preemption()
+    stopped.previous[signal.SIGUSR2] = submitits_handler
+    env = DistEnv("slurm", 0, 0, 1, 1, 0, 1, "node1", 20001, job_id="13", array_job_id="12", array_task_id="0")
+    before = {signum: signal.getsignal(signum) for signum in preemption.SPARED_SIGNALS}
+    assert preemption.requeue_with_submitit(env, digits_spec("small_cnn"), stopped) == expected
+    assert {signum: signal.getsignal(signum) for signum in preemption.SPARED_SIGNALS} == before
+    assert (tmp_path / "requeued").read_text() == "12_0\n"
+
+
 def digits_spec(model: str) -> JobSpec:
     return load_spec_text(f"name: job\ndata: {{uri: /data/train.lance}}\ntask: {{options: {{model: {model}}}}}\n").spec
 

@@ -158,6 +158,7 @@ def requeue_sbatch(env: DistEnv, max_requeues: int, request_file: str | None = N
 # step again (scancel retries one it could not deliver to every node) would kill scontrol before it
 # asks. It ignores both here.
 SCONTROL_REQUEUE = ["sh", "-c", 'trap "" TERM USR1 USR2; exec scontrol requeue "$1"', "scontrol"]
+SPARED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def _requeued_since(job: str, restart_count: int) -> bool:
@@ -216,12 +217,21 @@ def requeue_with_submitit(env: DistEnv, spec: JobSpec, preemption: Preemption) -
     handler = preemption.previous.get(signal.SIGUSR2)
     if not callable(handler) or spec.slurm.container:
         return requeue_with_scontrol(env, spec, preemption)
+    # submitit runs scontrol itself: ignored here, these signals stay ignored in it (see SCONTROL_REQUEUE)
+    kept = {signum: signal.signal(signum, signal.SIG_IGN) for signum in SPARED_SIGNALS}
     try:
         handler(signal.SIGUSR2, None)
     except SystemExit:  # submitit requeued the job and ends this task; the other ranks hear it first
         return True, "requeued by submitit"
     except submitit.core.utils.UncompletedJobError as error:
         return False, str(error)
+    except subprocess.CalledProcessError as error:
+        if _requeued_since(str(env.job_ref), env.restart_count):
+            return True, "requeued by submitit"
+        return False, f"submitit's scontrol requeue failed: {_ended_by(error.returncode)}"
+    finally:
+        for signum, previous in kept.items():
+            signal.signal(signum, previous)
     return False, "submitit did not requeue the job"
 
 
