@@ -157,8 +157,9 @@ def requeue_sbatch(env: DistEnv, max_requeues: int, request_file: str | None = N
 # it, scontrol too, which could die before it reports its success; and a warning signal sent to the
 # step again (scancel retries one it could not deliver to every node) would kill scontrol before it
 # asks. It ignores both here.
-SCONTROL_REQUEUE = ["sh", "-c", 'trap "" TERM USR1 USR2; exec scontrol requeue "$1"', "scontrol"]
 SPARED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+SPARED_TRAP = "trap '' " + " ".join(signum.name.removeprefix("SIG") for signum in SPARED_SIGNALS)
+SCONTROL_REQUEUE = ["sh", "-c", f'{SPARED_TRAP}; exec scontrol requeue "$1"', "scontrol"]
 
 
 def _requeued_since(job: str, restart_count: int) -> bool:
@@ -254,7 +255,7 @@ def requeue_handler(spec: JobSpec) -> list[str]:
         "    job=${job:-$SLURM_JOB_ID}",
         f'    echo "requeueing job $job (requeue $((${{SLURM_RESTART_COUNT:-0}} + 1)) of at most {spec.slurm.max_requeues})"',
         # SLURM's SIGTERM to this script as the requeue takes (or a warning signal again) must not cut scontrol short
-        "    if (trap '' TERM USR1 USR2; exec scontrol requeue \"$job\"); then",
+        f'    if ({SPARED_TRAP}; exec scontrol requeue "$job"); then',
         "        sleep 300  # SLURM ends this script as it requeues the job; exiting first would race the requeue",
         "    else",
         '        echo "scontrol requeue $job failed; submit the job again to resume from its checkpoint" >&2',

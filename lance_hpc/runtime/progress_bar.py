@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 from lance_hpc.output import ProgressDisplay, progress_bar
 
-# The tags of each rank's own figures (lance_hpc.runtime.rank_watch): TensorBoard's, not the line's.
+# The tags of each rank's own figures (written by lance_hpc.runtime.rank_watch): TensorBoard's, not the line's.
 PER_RANK = "perf/rank/"
 
 

@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lance_hpc.runtime import attempt
 from lance_hpc.runtime.environment import DistEnv
+from lance_hpc.runtime.progress_bar import PER_RANK
 from lance_hpc.runtime.watchdog import Progress, Stragglers, Watchdog, host_name, watch_dir
 from lance_hpc.spec import JobSpec
 
@@ -81,8 +82,8 @@ class RankWatch:
                 print(named, file=sys.stderr, flush=True)
         if self.world_size == 1:
             return {}
-        figures = {f"perf/rank/{rank}/own_work_s": value for rank, value in enumerate(own)}
-        figures.update({f"perf/rank/{rank}/data_wait_s": value for rank, value in enumerate(wait)})
+        figures = {f"{PER_RANK}{rank}/own_work_s": value for rank, value in enumerate(own)}
+        figures.update({f"{PER_RANK}{rank}/data_wait_s": value for rank, value in enumerate(wait)})
         return figures
 
     def hook(self, wrapped: DistributedDataParallel) -> None:
