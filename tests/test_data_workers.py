@@ -5,11 +5,13 @@ SIGKILLed worker ends the epoch with an error, not a hang. Also: the per-row ``_
 works inside a worker, and the image task gives the model and its batches the memory format it
 asked for."""
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -58,6 +60,33 @@ def test_slurm_signals_to_every_process_of_the_step_leave_the_workers_serving(tm
     finally:
         signal.signal(number, previous)
     assert received == [number] and rest == loader.steps_per_epoch - 1
+
+
+def test_sigterm_sent_again_and_again_while_workers_start_ends_none_of_them(tmp_path):
+    """torch's worker loop makes SIGTERM fatal before it runs the worker's init function, which
+    ignores it: a SIGTERM sent to every process of the step in between ended a worker. The server
+    starts its workers with the rank's signals blocked, so none arrives before the init runs."""
+    others = set(descendants(os.getpid()))
+    loaders = [loader_on(tmp_path / str(start)) for start in range(4)]
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    done = threading.Event()
+
+    def storm():
+        while not done.is_set():
+            for pid in set(descendants(os.getpid())) - others:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGTERM)
+            time.sleep(0.001)
+
+    sender = threading.Thread(target=storm, daemon=True)
+    sender.start()
+    try:
+        counts = [sum(1 for _ in loader) for loader in loaders]  # each starts its two workers
+    finally:
+        done.set()
+        sender.join()
+        signal.signal(signal.SIGTERM, previous)
+    assert counts == [loader.steps_per_epoch for loader in loaders]
 
 
 def test_a_killed_worker_stops_the_epoch_with_an_error_not_a_hang(tmp_path):

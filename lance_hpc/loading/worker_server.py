@@ -18,9 +18,8 @@ import contextlib
 import multiprocessing
 import os
 import signal
-import threading
 from collections.abc import Iterator
-from multiprocessing import forkserver
+from multiprocessing import forkserver, resource_tracker
 from multiprocessing.context import BaseContext
 
 from lance_hpc.imports import SAFE_PATH_VARIABLE
@@ -42,23 +41,35 @@ RANK_SIGNALS = (*PREEMPTION_SIGNALS, PROFILE_SIGNAL)
 
 def start() -> BaseContext:
     """The multiprocessing context whose processes fork from the server, which starts on the first
-    call and imports in the background. Its workers ignore :data:`RANK_SIGNALS` (the rank's to handle)."""
+    call and imports in the background. The server and its forks start with :data:`RANK_SIGNALS`
+    blocked (see :func:`rank_signals_blocked`); a worker unblocks them once it ignores them
+    (:func:`lance_hpc.loading.workers.init_worker`)."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(PRELOAD))
     atexit.unregister(stop)  # once, and after the workers' own exit hook (which runs first)
     atexit.register(stop)
-    if threading.current_thread() is not threading.main_thread():
-        with safe_path_for_children():
-            forkserver.ensure_running()  # signal dispositions can only be set from the main thread
-        return context
-    previous = {number: signal.signal(number, signal.SIG_IGN) for number in RANK_SIGNALS}
-    try:
-        with safe_path_for_children():
-            forkserver.ensure_running()  # an ignored signal stays ignored in the server and its forks
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
+    with rank_signals_blocked(), safe_path_for_children():
+        forkserver.ensure_running()
     return context
+
+
+@contextlib.contextmanager
+def rank_signals_blocked() -> Iterator[None]:
+    """Block :data:`RANK_SIGNALS` in this thread while the server starts: a blocked signal stays
+    blocked across fork and exec, so the server, and each worker it forks, is never ended by one.
+    Ignoring them would not be enough: torch's worker loop makes SIGTERM fatal again before it runs
+    the worker's init function, and a SIGTERM sent to every process of the step in between ended
+    the worker. Blocked, it waits until the worker ignores it, which discards it. A signal sent to
+    this process meanwhile is delivered when the block ends, not lost."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, RANK_SIGNALS)
+    try:
+        # multiprocessing's resource tracker starts first, with the same mask, and then unblocks
+        # SIGINT and SIGTERM in this thread whatever the mask was: block them again for the server
+        resource_tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, RANK_SIGNALS)
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def start_for_spec_file(spec_file: str) -> bool:

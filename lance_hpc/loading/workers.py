@@ -80,7 +80,8 @@ def init_worker(_worker_id: int, watch_dir: str | None = None) -> None:
     watchdog's signal."""
     torch.set_num_threads(1)
     for number in RANK_SIGNALS:
-        signal.signal(number, signal.SIG_IGN)
+        signal.signal(number, signal.SIG_IGN)  # which discards one sent since the worker forked
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, RANK_SIGNALS)  # blocked by the server (worker_server.start)
     release_forkserver()
     # SIGKILL when the worker server exits (it follows the rank): a worker stuck in a read that never
     # returns, which never gets to torch's check that its parent lives, would otherwise outlive the job
