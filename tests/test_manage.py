@@ -28,8 +28,8 @@ from lance_hpc.slurm import queue, records
 from lance_hpc.spec import JobSpec, expand, load_spec
 from tests.support.jobs import REPO_ROOT, Digits, write_spec
 from tests.support.ports import free_port
+from tests.support.slurm import job_fields, job_log, signal_steps
 from tests.support.slurm import lance_hpc as run_lance_hpc
-from tests.support.slurm import signal_steps
 from tests.support.slurm_cluster import SlurmCluster
 
 RUNNING_LINE = (
@@ -439,8 +439,20 @@ def slurm_job(cluster: SlurmCluster, job_id: str) -> queue.SlurmJob | None:
 
 
 def end_state(cluster: SlurmCluster, job_id: str) -> str:
-    """The job's state once it has ended; its ranks are gone by then (COMPLETING is no end)."""
-    wait_for(lambda: getattr(slurm_job(cluster, job_id), "ended", False), f"the end of job {job_id}", timeout_s=120)
+    """The job's state once it has ended; its ranks are gone by then (COMPLETING is no end). Past
+    the wait, fail with what SLURM says of the job, its steps, its log and the nodes' logs."""
+    try:
+        wait_for(lambda: getattr(slurm_job(cluster, job_id), "ended", False), f"the end of job {job_id}", timeout_s=120)
+    except AssertionError as late:
+        fields = job_fields(cluster, job_id)
+        shown = {key: fields.get(key) for key in ("JobState", "Reason", "NodeList", "BatchHost", "ExitCode")}
+        steps = cluster.run("squeue", "--steps", "--jobs", job_id, check=False).stdout
+        daemons = [
+            f"--- {log}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+            for log in cluster.log_files
+            if log.exists()
+        ]
+        raise AssertionError(f"{late}: {shown}\nsteps:\n{steps}\n{job_log(cluster, job_id)}\n" + "\n".join(daemons)) from None
     return slurm_job(cluster, job_id).state
 
 
