@@ -213,6 +213,37 @@ def test_signalling_steps_that_ended_meanwhile_is_no_error(tmp_path: Path, monke
     assert queue.signal_steps("77", "TERM") == ["77.0", "77.1"]  # the job is ending: the caller waits for it
 
 
+def test_cancel_now_cancels_only_once_slurm_shows_the_job_paused(tmp_path: Path, monkeypatch) -> None:
+    """SLURM records a pause (STOPPED) when the node answers it; an answer after the cancel would
+    overwrite CANCELLED, and the job would show STOPPED for good. scontrol here answers RUNNING
+    twice, then STOPPED: the steps and the job are cancelled only after that."""
+    calls = tmp_path / "calls"
+    directory = tmp_path / "bin"
+    directory.mkdir()
+    scontrol = (
+        f'echo scontrol >> {calls}; n=$(grep -c scontrol {calls}); state=RUNNING; [ "$n" -ge 3 ] && state=STOPPED\n'
+        'echo "JobId=77 JobName=x JobState=$state Reason=None"'
+    )
+    bodies = {
+        "squeue": f"echo squeue >> {calls}; printf '77.batch\\n77.0\\n'",
+        "scancel": f'echo "scancel $*" >> {calls}',
+        "scontrol": scontrol,
+    }
+    for name, body in bodies.items():
+        script = directory / name
+        script.write_text(f"#!/bin/sh\n{body}\n")
+        script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{directory}{os.pathsep}{os.environ['PATH']}")
+    queue.kill_now("77")
+    assert calls.read_text().splitlines() == [
+        "scancel --batch --signal=STOP 77",
+        *["scontrol"] * 3,
+        "squeue",
+        "scancel 77.0",
+        "scancel 77",
+    ]
+
+
 # ---- the real cluster --------------------------------------------------------------------------
 
 

@@ -12,6 +12,7 @@ import re
 import shutil
 import signal
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,8 @@ FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT
 SCONTROL_KEY = re.compile(r"(?:^|\s)([A-Za-z][A-Za-z0-9_/:]*)=")
 SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Start", "End", "Elapsed", "NodeList")
 COMMAND_TIMEOUT_S = 30
+# How long a cancel --now waits for a node to answer its pause (kill_now); it cancels either way.
+PAUSE_ANSWER_S = 10
 # scancel's words (slurm_strerror) for a step that ended before its signal reached it
 STEP_GONE_WORDS = ("already completing or completed", "invalid job id specified", "invalid job step")
 SHELL_SIGNAL_BASE = 128  # a process killed by signal N exits 128 + N as the shell reports it
@@ -223,11 +226,30 @@ def kill_now(job_id: str) -> None:
     lance_hpc's ranks take SIGTERM as "save and stop": a small model saves well within that. A
     cancelled job step gets SIGKILL alone, so each step is cancelled first, with the batch script
     paused meanwhile: it would otherwise end the job as FAILED as soon as its srun returns. The
-    job's own scancel then continues the script into its end, and the job ends CANCELLED."""
-    _run("scancel", "--batch", "--signal=STOP", job_id)  # fails only where the script has ended: no matter
+    job's own scancel then continues the script into its end, and the job ends CANCELLED.
+
+    SLURM records the pause (JobState STOPPED) only when the node answers, and an answer that
+    comes after the cancel overwrites CANCELLED: the job then shows STOPPED for good, though
+    nothing of it runs. So the cancel waits for that answer (:func:`wait_until_paused`)."""
+    paused = _run("scancel", "--batch", "--signal=STOP", job_id)  # fails only where the script has ended: no matter
+    if paused.returncode == 0:
+        wait_until_paused(job_id)
     for step in job_steps(job_id):
         _run("scancel", step)  # fails only for a step that ended meanwhile
     scancel(job_id)
+
+
+def wait_until_paused(job_id: str, timeout_s: float = PAUSE_ANSWER_S) -> bool:
+    """Wait until SLURM shows the job STOPPED (its node answered the pause), or ended, or
+    ``timeout_s`` passed; True if it shows STOPPED."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        job = show_job(job_id)
+        if job is None or job.state == "STOPPED" or job.ended or job.state == "COMPLETING":
+            return job is not None and job.state == "STOPPED"
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
 
 
 def job_steps(job_id: str) -> list[str]:
