@@ -30,7 +30,7 @@ from tests.support.jobs import REPO_ROOT, Digits, write_spec
 from tests.support.ports import free_port
 from tests.support.slurm import job_fields, job_log, signal_steps
 from tests.support.slurm import lance_hpc as run_lance_hpc
-from tests.support.slurm_cluster import SlurmCluster
+from tests.support.slurm_cluster import SlurmCluster, log_hint
 
 RUNNING_LINE = (
     "JobId=42 JobName=digits UserId=me(1000) GroupId=me(1000) Priority=1 JobState=RUNNING Reason=None "
@@ -478,12 +478,8 @@ def end_state(cluster: SlurmCluster, job_id: str) -> str:
         fields = job_fields(cluster, job_id)
         shown = {key: fields.get(key) for key in ("JobState", "Reason", "NodeList", "BatchHost", "ExitCode")}
         steps = cluster.run("squeue", "--steps", "--jobs", job_id, check=False).stdout
-        daemons = [
-            f"--- {log}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:])
-            for log in cluster.log_files
-            if log.exists()
-        ]
-        raise AssertionError(f"{late}: {shown}\nsteps:\n{steps}\n{job_log(cluster, job_id)}\n" + "\n".join(daemons)) from None
+        daemons = log_hint(cluster, lines_each=15)
+        raise AssertionError(f"{late}: {shown}\nsteps:\n{steps}\n{job_log(cluster, job_id)}\n{daemons}") from None
     return slurm_job(cluster, job_id).state
 
 

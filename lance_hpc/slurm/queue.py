@@ -239,16 +239,14 @@ def kill_now(job_id: str) -> None:
     scancel(job_id)
 
 
-def wait_until_paused(job_id: str, timeout_s: float = PAUSE_ANSWER_S) -> bool:
+def wait_until_paused(job_id: str, timeout_s: float = PAUSE_ANSWER_S) -> None:
     """Wait until SLURM shows the job STOPPED (its node answered the pause), or ended, or
-    ``timeout_s`` passed; True if it shows STOPPED."""
+    ``timeout_s`` passed."""
     deadline = time.monotonic() + timeout_s
-    while True:
+    while time.monotonic() < deadline:
         job = show_job(job_id)
-        if job is None or job.state == "STOPPED" or job.ended or job.state == "COMPLETING":
-            return job is not None and job.state == "STOPPED"
-        if time.monotonic() >= deadline:
-            return False
+        if job is None or job.state in ("STOPPED", "COMPLETING") or job.ended:
+            return
         time.sleep(0.1)
 
 

@@ -177,7 +177,7 @@ def _start_daemons(cluster: SlurmCluster) -> None:
     for command in commands:
         result = subprocess.run(command, env={**os.environ, **cluster.env}, capture_output=True, text=True)
         if result.returncode != 0:
-            raise UserError(f"{command[0]} failed to start: {result.stderr.strip()}\n{_log_hint(cluster)}")
+            raise UserError(f"{command[0]} failed to start: {result.stderr.strip()}\n{log_hint(cluster)}")
 
 
 def _wait_idle(cluster: SlurmCluster, timeout_s: float) -> None:
@@ -189,13 +189,14 @@ def _wait_idle(cluster: SlurmCluster, timeout_s: float) -> None:
             return
         time.sleep(0.5)
     shown = ", ".join(f"{node}={states.get(node, 'absent')}" for node in cluster.nodes)
-    raise UserError(f"test cluster nodes not idle after {timeout_s:.0f}s ({shown})\n{_log_hint(cluster)}")
+    raise UserError(f"test cluster nodes not idle after {timeout_s:.0f}s ({shown})\n{log_hint(cluster)}")
 
 
-def _log_hint(cluster: SlurmCluster) -> str:
+def log_hint(cluster: SlurmCluster, lines_each: int = 3) -> str:
+    """Where the cluster's daemons log, with the last ``lines_each`` lines of each."""
     lines = ["  see the logs:"]
     for log in cluster.log_files:
-        tail = log.read_text(errors="replace").splitlines()[-3:] if log.exists() else ["(not written)"]
+        tail = log.read_text(errors="replace").splitlines()[-lines_each:] if log.exists() else ["(not written)"]
         lines.append(f"    {log}")
         lines += [f"      | {line}" for line in tail]
     return "\n".join(lines)
