@@ -185,15 +185,21 @@ def test_log_paths_fill_in_job_and_array_ids() -> None:
     assert logs.expand_job_id("/l/x-%A_%a.out", "55_2") == Path("/l/x-55_2.out")
 
 
-def fake_slurm(directory: Path, monkeypatch: pytest.MonkeyPatch, scancel_stderr: str) -> None:
-    """squeue lists two steps of job 77; scancel fails for each with ``scancel_stderr``. Only the
-    handling of a failed scancel is under test here: the real cluster tests signal real steps."""
+def fake_commands(directory: Path, monkeypatch: pytest.MonkeyPatch, bodies: dict[str, str]) -> None:
+    """Put a shell script for each named command first on PATH, with the body given."""
     directory.mkdir()
-    for name, body in (("squeue", "printf '77.batch\\n77.0\\n77.1\\n'"), ("scancel", f"echo '{scancel_stderr}' >&2; exit 1")):
+    for name, body in bodies.items():
         script = directory / name
         script.write_text(f"#!/bin/sh\n{body}\n")
         script.chmod(0o755)
     monkeypatch.setenv("PATH", f"{directory}{os.pathsep}{os.environ['PATH']}")
+
+
+def fake_slurm(directory: Path, monkeypatch: pytest.MonkeyPatch, scancel_stderr: str) -> None:
+    """squeue lists two steps of job 77; scancel fails for each with ``scancel_stderr``. Only the
+    handling of a failed scancel is under test here: the real cluster tests signal real steps."""
+    bodies = {"squeue": "printf '77.batch\\n77.0\\n77.1\\n'", "scancel": f"echo '{scancel_stderr}' >&2; exit 1"}
+    fake_commands(directory, monkeypatch, bodies)
 
 
 def test_signalling_a_job_whose_steps_all_refuse_is_a_clear_error(tmp_path: Path, monkeypatch) -> None:
@@ -218,8 +224,6 @@ def test_cancel_now_cancels_only_once_slurm_shows_the_job_paused(tmp_path: Path,
     overwrite CANCELLED, and the job would show STOPPED for good. scontrol here answers RUNNING
     twice, then STOPPED: the steps and the job are cancelled only after that."""
     calls = tmp_path / "calls"
-    directory = tmp_path / "bin"
-    directory.mkdir()
     scontrol = (
         f'echo scontrol >> {calls}; n=$(grep -c scontrol {calls}); state=RUNNING; [ "$n" -ge 3 ] && state=STOPPED\n'
         'echo "JobId=77 JobName=x JobState=$state Reason=None"'
@@ -229,11 +233,7 @@ def test_cancel_now_cancels_only_once_slurm_shows_the_job_paused(tmp_path: Path,
         "scancel": f'echo "scancel $*" >> {calls}',
         "scontrol": scontrol,
     }
-    for name, body in bodies.items():
-        script = directory / name
-        script.write_text(f"#!/bin/sh\n{body}\n")
-        script.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{directory}{os.pathsep}{os.environ['PATH']}")
+    fake_commands(tmp_path / "bin", monkeypatch, bodies)
     queue.kill_now("77")
     assert calls.read_text().splitlines() == [
         "scancel --batch --signal=STOP 77",
