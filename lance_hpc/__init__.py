@@ -8,6 +8,8 @@ Context``) and listed on the docs page "Tasks and script mode", section "Public 
   :data:`Batch`, the :class:`DatasetInfo` it checks its options against, and
   :class:`TaskError` / :func:`column_problems` to report what does not match.
 - A training loop of your own (``entry: my_pkg.train:main``): :class:`Context`.
+- A training script of your own, launched by anything (torchrun, Lightning, Accelerate):
+  :class:`Loader`, the trainer's data loader with a resumable state.
 - A job kind of your own (``job: my_pkg.kinds:MyKind``): :class:`JobKind`, which gets the
   :class:`JobSpec` and this rank's :class:`DistEnv`, joins the ranks with
   :func:`process_group`, may create the dataset with :func:`ensure_dataset`, and returns a
@@ -42,6 +44,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "TaskOptions",
         "column_problems",
     ),
+    "lance_hpc.loading.library": ("Loader",),
     "lance_hpc.runtime.context": ("Context", "Summary"),
     "lance_hpc.runtime.environment": ("DistEnv", "process_group"),
     "lance_hpc.kinds": ("JobKind",),
@@ -59,6 +62,7 @@ __all__ = [
     "FieldSpec",
     "JobKind",
     "JobSpec",
+    "Loader",
     "Summary",
     "Task",
     "TaskError",
@@ -73,6 +77,7 @@ if TYPE_CHECKING:
     from lance_hpc.errors import UserError
     from lance_hpc.ingest import ensure_dataset
     from lance_hpc.kinds import JobKind
+    from lance_hpc.loading.library import Loader
     from lance_hpc.runtime.context import Context, Summary
     from lance_hpc.runtime.environment import DistEnv, process_group
     from lance_hpc.spec import JobSpec

@@ -154,6 +154,12 @@ class BatchReader:
         if len(unique) != len(ids):  # padding can repeat a row within a batch
             table = table.take(inverse)
             unique = unique[inverse]
+        return self.batch(table, unique, stats, epoch, batch_index, shared)
+
+    def batch(
+        self, table: pa.Table, unique: np.ndarray, stats: ReadStats, epoch: int, batch_index: int, shared: bool
+    ) -> tuple[Batch, ReadStats] | SharedBatch:
+        """The decoder's fields of ``table``, whose rows are ``unique``: the batch :meth:`read` returns."""
         # Augmentation depends only on (seed, epoch, rank, batch), not on which worker decodes.
         rng = np.random.default_rng([self.seed % 2**64, epoch, self.rank, batch_index])
         shared_batch = None
