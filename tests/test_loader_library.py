@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import collections
 import json
+import os
+import subprocess
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -21,6 +24,7 @@ import torch.multiprocessing as mp
 
 from lance_hpc import Loader, UserError
 from lance_hpc.kinds.rank import exit_process
+from tests.support.jobs import REPO_ROOT
 
 
 def write_rows(uri: str, fragment_rows: list[int]) -> str:
@@ -219,3 +223,30 @@ def test_two_gloo_ranks_take_equal_steps_on_an_uneven_dataset(tmp_path: Path) ->
     assert results[0]["state"] == results[1]["state"]
     rows = results[0]["rows"] + results[1]["rows"]
     assert len(rows) == len(set(rows)) == 96  # one row dropped: fewer than world_size
+
+
+def torchrun(nproc: int, *arguments: str) -> subprocess.CompletedProcess:
+    """examples/torchrun_ddp.py under ``torchrun --standalone`` on CPU (gloo), one worker a rank."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    environ = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    example = str(REPO_ROOT / "examples" / "torchrun_ddp.py")
+    return subprocess.run(
+        [*command, example, "--workers", "1", *arguments], env=environ, capture_output=True, text=True, timeout=400
+    )
+
+
+@pytest.mark.slow
+def test_the_torchrun_example_resumes_on_3_ranks_what_2_ranks_began(tmp_path: Path) -> None:
+    uri = write_rows(str(tmp_path / "rows.lance"), [30, 30, 30, 13])  # 51 rows a rank of 2: 7 steps of 8
+    logs = tmp_path / "rows"
+    logs.mkdir()
+    common = ["--data", uri, "--checkpoint", str(tmp_path / "ckpt.pt"), "--rows-log", str(logs), "--save-every", "2"]
+    first = torchrun(2, *common, "--stop-after", "3")
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert sorted(path.name for path in logs.iterdir()) == ["rows-2-0.txt", "rows-2-1.txt"]
+    second = torchrun(3, *common)
+    assert second.returncode == 0, second.stdout + second.stderr
+    steps = {path.name: len(path.read_text().splitlines()) for path in logs.iterdir()}
+    assert steps == {"rows-2-0.txt": 3, "rows-2-1.txt": 3, "rows-3-0.txt": 3, "rows-3-1.txt": 3, "rows-3-2.txt": 3}
+    rows = [int(row) for path in logs.iterdir() for line in path.read_text().splitlines() for row in line.split()[1:]]
+    assert sorted(collections.Counter(rows).values()) == [1] * 102, "every row of the epoch trained on once"
