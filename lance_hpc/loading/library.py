@@ -171,7 +171,13 @@ class Loader:
                 + "; ".join(differ)
                 + "\n  fix: build the Loader with the values the state was saved with, or start without the state"
             )
-        self._loader.load_state_dict(state)
+        try:
+            self._loader.load_state_dict(state)
+        except (KeyError, TypeError, ValueError) as error:  # a state edited or cut short
+            raise UserError(
+                f"Loader: the state is incomplete or damaged ({type(error).__name__}: {error})\n"
+                "  fix: pass what state_dict() returned, unchanged"
+            ) from None
 
     def _differences(self, state: dict[str, Any]) -> list[str]:
         """What the state read that this loader does not: dataset, version, filter, seed."""
