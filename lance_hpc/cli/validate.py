@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 from typing import TYPE_CHECKING, Sequence
 
 from lance_hpc.cli.arguments import add_overrides, add_spec
@@ -34,10 +35,10 @@ def validate(spec_file: str, overrides: list[str]) -> int:
 
     loaded = load_spec(spec_file, overrides)
     slurm = loaded.spec.slurm
-    print(
-        f"{spec_file}: valid ({loaded.spec.name}: {slurm.nodes} node(s) x {slurm.ntasks_per_node} task(s), "
-        f"{loaded.spec.data.style}/{loaded.spec.data.sampler}, {describe_task(loaded.spec)})"
-    )
+    what = f"{loaded.spec.data.style}/{loaded.spec.data.sampler}, {describe_task(loaded.spec)}"
+    if loaded.spec.command is not None:  # it reads no data
+        what = f"command {shlex.join(loaded.spec.command.argv)}"
+    print(f"{spec_file}: valid ({loaded.spec.name}: {slurm.nodes} node(s) x {slurm.ntasks_per_node} task(s), {what})")
     for item in loaded.resolutions:
         print(f"  {item.path}: {item.before} -> {item.after}")
     note = entry_note(loaded.spec)

@@ -78,7 +78,7 @@ class SubmititJob(submitit.helpers.Checkpointable):
         except Exception as error:  # submitit keeps the error as the task's result; the restart supervisor reads the note
             note_rank_failure(error)
             raise
-        if summary.status == "unsaved":
+        if summary.status in ("unsaved", "failed"):
             exit_process(ExitCode.FAILED)
         if summary.status == "requeued":
             exit_process(255)  # as submitit's handler does (sys.exit(-1)): a requeued task leaves no result behind
@@ -110,7 +110,7 @@ def run_rank(spec_file: str) -> int:
         raise
     except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save yet
         return ExitCode.INTERRUPTED
-    if summary.status == "unsaved":  # a stop signal the loop could not honour: it said so
+    if summary.status in ("unsaved", "failed"):  # a stop the loop could not honour, or a program that failed: it said so
         return ExitCode.FAILED
     return ExitCode.STOPPED if summary.status == "stopped" else ExitCode.OK
 

@@ -65,7 +65,8 @@ from lance_hpc.tasks import Batch, Decoder, Task
 @dataclass(frozen=True)
 class Summary:
     """How a rank's job ended: ``completed``, or ``preempted`` (a checkpoint holds the state), or
-    ``unsaved`` (a stop signal the loop could not honour: nothing saved); ``metrics`` are what the
+    ``unsaved`` (a stop signal the loop could not honour: nothing saved), or ``failed`` (a
+    ``job: command`` program that exited with an error; the kind said so); ``metrics`` are what the
     entry returned (the built-in trainer: the last validation values)."""
 
     status: str

@@ -53,6 +53,7 @@ KINDS: dict[str, str] = {
     "infer": "lance_hpc.kinds.infer:Infer",
     "evaluate": "lance_hpc.kinds.infer:Evaluate",
     "map": "lance_hpc.kinds.map:Map",
+    "command": "lance_hpc.kinds.command:Command",
 }
 
 # The built-in kinds whose ranks read through DataLoader workers: ``python -m lance_hpc.run`` starts

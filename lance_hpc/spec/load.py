@@ -23,6 +23,7 @@ from pydantic import ValidationError
 
 from lance_hpc.errors import UserError
 from lance_hpc.spec.choices import SHARD_FORMATS
+from lance_hpc.spec.command_section import command_problems, reference_problems
 from lance_hpc.spec.named_code import entry_problems, job_problems, task_problems
 from lance_hpc.spec.problems import Problem, SpecError, from_pydantic, unique
 from lance_hpc.spec.rules import cross_field_problems, moved_key_problems
@@ -235,12 +236,15 @@ def validate_spec(
         problems += malformed_sweep
         raw["sweep"] = {}  # reported above; the schema would only repeat it
     problems += moved_key_problems(raw)
+    problems += command_problems(raw)  # before the checks below fill in the sections a command job refuses
     resolutions, resolve_problems = _resolve_paths(raw, Path(base_dir) if base_dir else Path.cwd())
     problems += resolve_problems
     problems += job_problems(raw, imports=imports)
-    problems += task_problems(raw, imports=imports) + entry_problems(raw, imports=imports)
+    if raw.get("command") is None:  # a command job's task and entry are refused above
+        problems += task_problems(raw, imports=imports) + entry_problems(raw, imports=imports)
     try:
         spec = JobSpec.model_validate(raw)
+        problems += reference_problems(spec.to_dict())
     except ValidationError as error:
         spec = None
         problems += [from_pydantic(item, JobSpec) for item in error.errors()]

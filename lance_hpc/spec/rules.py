@@ -81,7 +81,8 @@ def cross_field_problems(raw: Mapping[str, Any]) -> list[Problem]:
                 "train with sharded_batch or sharded_fragment; full_scan is for evaluation (data.val_sampler: full_scan)",
             )
         )
-    problems += infer_problems(raw)
+    if raw.get("command") is None:  # a command job's infer section is refused with its other sections
+        problems += infer_problems(raw)
     if raw.get("job") == "ingest":
         ingest = data.get("ingest")
         source = ingest.get("source") if isinstance(ingest, Mapping) else None

@@ -18,6 +18,7 @@ import yaml
 from pydantic import Field, field_validator, model_validator
 
 from lance_hpc.spec.choices import OUTPUT_TYPES, REFRESH_MODES
+from lance_hpc.spec.command_section import COMMAND_KIND, NO_DATA, NOT_READ, CommandSpec
 from lance_hpc.spec.data_section import CacheSpec, DataSpec, IngestSpec, MixSource
 from lance_hpc.spec.predicates import check_predicate
 from lance_hpc.spec.secrets import redacted
@@ -29,6 +30,7 @@ from lance_hpc.spec.train_section import CheckpointSpec, LoggingSpec, TrainSpec
 __all__ = [
     "CacheSpec",
     "CheckpointSpec",
+    "CommandSpec",
     "ContainerSpec",
     "DataSpec",
     "IngestSpec",
@@ -150,10 +152,15 @@ class JobSpec(Section):
         "its shards split between the ranks, one commit at the end); infer (a model over data.uri, new columns "
         "per fragment, one commit); evaluate (a checkpoint's metrics on data.uri); map (your function over batches "
         "of data.uri's columns, no model, new columns the same way); or an import path to your own "
-        "JobKind subclass (my_pkg.kinds:MyKind or path/to/file.py:MyKind).",
+        "JobKind subclass (my_pkg.kinds:MyKind or path/to/file.py:MyKind); command, implied by command:.",
+    )
+    command: CommandSpec | None = Field(
+        None,
+        description="job: command: your program on every task instead of a built-in kind, with torchrun's variables: "
+        "[python, train.py, --lr, '${lr}'], one string split like a shell's, or {argv: [...], signal: USR1}.",
     )
     slurm: SlurmSpec = Field(default_factory=SlurmSpec, description="Resources and submission.")
-    data: DataSpec = Field(..., description="Dataset and loading strategy.")
+    data: DataSpec = Field(..., description="Dataset and loading strategy (none for job: command).")
     task: TaskSpec = Field(default_factory=TaskSpec, description="What is trained: columns, model, loss, metrics.")
     entry: str | None = Field(
         None, description="Script mode: your training function (my_pkg.train:main or file.py:main) instead of the built-in loop."
@@ -171,6 +178,15 @@ class JobSpec(Section):
         description="A sweep as one job array: spec path -> values, e.g. {train.lr: [0.1, 0.05]}; one run per combination.",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def command_defaults(cls, values: Any) -> Any:
+        """command: implies job: command, and stands for the data section that kind never reads
+        (a placeholder: every other kind needs one, so data stays required of them)."""
+        if not isinstance(values, dict) or (values.get("command") is None and values.get("job") != COMMAND_KIND):
+            return values
+        return {"job": COMMAND_KIND, "data": NO_DATA, **values}
+
     @model_validator(mode="after")
     def default_io_timeout(self) -> JobSpec:
         """data.io_timeout_s follows the collective timeout unless set: a rank retrying a read
@@ -181,7 +197,9 @@ class JobSpec(Section):
         return self
 
     def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
+        """The spec as plain values; a command job's without the sections it does not read, so that
+        its resolved spec loads again."""
+        return self.model_dump(mode="json", exclude=set(NOT_READ) if self.command is not None else None)
 
     def redacted_dict(self) -> dict[str, Any]:
         """:meth:`to_dict` for copies that leave the job's own spec file (its script, checkpoints,
