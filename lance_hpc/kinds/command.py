@@ -72,13 +72,13 @@ class Command(JobKind):
         from lance_hpc.runtime.context import Summary
 
         argv = expand_argv(spec.to_dict())
-        argv[0] = find_program(argv[0])
+        program = find_program(argv[0])
         environ = program_environment(spec, env)
         assert spec.command is not None  # job: command is implied by it
         preemption = Forwarding(signals, signal.Signals[f"SIG{spec.command.signal}"])
         with preemption:
             if preemption.received is None:  # a stop that came while the rank started: the program never runs
-                code = preemption.start(argv, environ)
+                code = preemption.start(program, argv, environ)
         if preemption.received is None:
             return Summary("completed", 0, 0, None) if code == 0 else failed(argv, code, env)
         return stopped(spec, env, requeue, preemption)
@@ -147,9 +147,9 @@ class Forwarding(Preemption):
         self.warning_as = warning_as
         self.process: subprocess.Popen[bytes] | None = None
 
-    def start(self, argv: list[str], environ: dict[str, str]) -> int:
-        """Run the program to its end and return its exit code; a stop that came while it started is passed on."""
-        self.process = subprocess.Popen(argv, env=environ, preexec_fn=self.program_signals)
+    def start(self, program: str, argv: list[str], environ: dict[str, str]) -> int:
+        """Run ``program`` with ``argv`` to its end and return its exit code; a stop that came while it started is passed on."""
+        self.process = subprocess.Popen(argv, executable=program, env=environ, preexec_fn=self.program_signals)
         if self.received is not None:
             self.forward(self.received)
         return self.process.wait()

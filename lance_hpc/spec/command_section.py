@@ -43,7 +43,6 @@ NO_DATA = {"uri": "none://command-job"}
 class CommandSpec(Section):
     argv: list[str] = Field(
         ...,
-        min_length=1,
         description="The program and its arguments, run in every task from the directory submit ran in; ${lr} is "
         "command.options.lr, ${checkpoint.dir} any field of the spec.",
     )
@@ -68,8 +67,8 @@ class CommandSpec(Section):
     @field_validator("argv")
     @classmethod
     def check_program(cls, argv: list[str]) -> list[str]:
-        if not argv[0].strip():
-            raise ValueError("the program (the first argument) is empty\n  fix: name a program, e.g. [python, train.py]")
+        if not argv or not argv[0].strip():
+            raise ValueError("no program to run: the first argument is empty\n  fix: name a program, e.g. [python, train.py]")
         return argv
 
 

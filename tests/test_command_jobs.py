@@ -1,0 +1,226 @@
+"""``command:`` jobs: a program of the user's own on every task, with torchrun's variables; its
+spec, its batch script, its dry run, and local runs of real programs (the environment each rank
+gets, a gloo process group over it, a signal passed on, a rerun, a program that is not there)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from lance_hpc.launch import render
+from lance_hpc.spec import SpecError, expand, load_spec, validate_spec
+from lance_hpc.spec.command_section import expand_argv
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "jobs" / "command_example.yaml"
+
+# A program that records the variables a rank gives it, meets the other ranks over them with gloo,
+# and on a signal writes which one it got and ends; it fails on its first run when asked to.
+PROGRAM = textwrap.dedent(
+    """
+    import json, os, signal, sys, time
+    from pathlib import Path
+
+    out = Path(sys.argv[1])
+    rank = os.environ["RANK"]
+    keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR",
+            "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "LANCE_HPC_RUN_COUNT", "SLURM_RESTART_COUNT",
+            "LANCE_HPC_OPTION_LR", "PYTHONSAFEPATH"]
+    seen = {key: os.environ.get(key) for key in keys}
+    seen.update(argv=sys.argv[1:], cwd=os.getcwd())
+    run = seen["LANCE_HPC_RUN_COUNT"]
+    mode = sys.argv[2]
+    if mode == "fail-first" and run == "0":
+        sys.exit(7)
+    if mode == "wait":
+        def stop(signum, frame):
+            (out / f"signal-{rank}-{run}").write_text(signal.Signals(signum).name)
+            sys.exit(0)
+        signal.signal(signal.SIGUSR1, stop)
+        signal.signal(signal.SIGTERM, stop)
+        (out / f"waiting-{rank}-{run}").write_text(str(os.getppid()))
+        time.sleep(300)
+        sys.exit(9)
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    dist.barrier()
+    seen["world"] = dist.get_world_size()
+    dist.destroy_process_group()
+    (out / f"rank-{rank}-{run}.json").write_text(json.dumps(seen))
+    """
+)
+
+
+def command_spec(**command: Any) -> dict[str, Any]:
+    return {"name": "mine", "command": command or ["python3", "train.py"]}
+
+
+# --- the spec ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "command, argv",
+    [
+        ("python3 train.py --name 'my run'", ["python3", "train.py", "--name", "my run"]),
+        (["python3", "train.py", "a b"], ["python3", "train.py", "a b"]),
+        ({"argv": ["./run.sh"], "signal": "USR1"}, ["./run.sh"]),
+    ],
+)
+def test_a_command_in_any_form_is_a_command_job_without_data(command: Any, argv: list[str]) -> None:
+    spec = validate_spec({"name": "mine", "command": command}, base_dir="/project").spec
+    assert spec.job == "command" and spec.command is not None and spec.command.argv == argv
+    dumped = spec.to_dict()
+    assert not {"data", "task", "train", "infer", "entry"} & set(dumped)
+    assert validate_spec(yaml.safe_load(spec.to_yaml())).spec == spec  # the resolved spec loads again, as a rank reads it
+
+
+@pytest.mark.parametrize(
+    "raw, path, words",
+    [
+        ({**command_spec(), "data": {"uri": "x.lance"}}, "data", "does not read"),
+        ({**command_spec(), "task": {"name": "image_classification"}}, "task", "does not read"),
+        ({**command_spec(), "train": {"lr": 0.1}}, "train", "does not read"),
+        ({**command_spec(), "infer": {"function": "a:b"}}, "infer", "does not read"),
+        ({**command_spec(), "entry": "my_pkg.train:main"}, "entry", "not a function"),
+        ({**command_spec(), "job": "train"}, "job", "not command:"),
+        ({"name": "mine", "job": "command"}, "command", "no program"),
+        ({"name": "mine", "command": {"argv": ["x"], "signal": "KILL"}}, "command.signal", "not a valid choice"),
+        ({"name": "mine", "command": []}, "command.argv", ""),
+        ({"name": "mine", "command": "python3 'unclosed"}, "command", "cannot split"),
+        ({"name": "mine", "command": ["python3", "t.py", "${lr}"]}, "command.argv[2]", "names no value"),
+        ({"name": "mine", "command": ["python3", "t.py", "${checkpoint.nope}"]}, "command.argv[2]", "names no value"),
+    ],
+)
+def test_a_command_with_what_it_does_not_read_is_refused(raw: dict[str, Any], path: str, words: str) -> None:
+    with pytest.raises(SpecError) as caught:
+        validate_spec(raw, base_dir="/project")
+    found = [problem for problem in caught.value.problems if problem.path == path]
+    assert len(found) == 1 and words in f"{found[0].message} {found[0].fix}" and found[0].fix, caught.value.problems
+    assert len(caught.value.problems) == 1, caught.value.problems  # one message for one problem
+
+
+def test_arguments_name_options_and_fields_and_a_sweep_varies_them() -> None:
+    raw = {
+        "name": "mine",
+        "command": {"argv": ["python3", "t.py", "--lr=${lr}", "${checkpoint.dir}", "$${HOME}"], "options": {"lr": 0.1}},
+        "checkpoint": {"dir": "/ckpt/{name}"},
+        "sweep": {"command.options.lr": [0.1, 0.01]},
+    }
+    spec = validate_spec(raw, base_dir="/project").spec
+    runs = expand(spec)
+    assert [expand_argv(run.spec.to_dict()) for run in runs] == [
+        ["python3", "t.py", "--lr=0.1", f"/ckpt/mine/{runs[0].spec.name}", "${HOME}"],
+        ["python3", "t.py", "--lr=0.01", f"/ckpt/mine/{runs[1].spec.name}", "${HOME}"],
+    ]
+
+
+def test_the_shipped_example_runs_the_rank_entry_like_every_job() -> None:
+    spec = load_spec(EXAMPLE, base_dir="/project").spec
+    assert spec.job == "command"
+    script = render.render_sbatch(spec, "/project/logs/x.spec.yaml")
+    assert "-m lance_hpc.run /project/logs/x.spec.yaml" in script  # the rank starts the program, as every rank runs its kind
+
+
+def test_dry_run_shows_the_command(tmp_path: Path) -> None:
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump({"name": "mine", "command": ["python3", "train.py", "--epochs", "3"]}))
+    result = lance_hpc(["submit", "job.yaml", "--dry-run"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "job: command: python3 train.py --epochs 3 on each of 1 rank(s)" in result.stdout
+    assert "command:" in result.stdout and "data:" not in result.stdout.split("---- resolved spec")[1].split("---- sbatch")[0]
+    assert not (tmp_path / "logs").exists()
+
+
+# --- local runs -------------------------------------------------------------------------------
+
+
+def lance_hpc(args: list[str], cwd: Path, **environ: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **environ}
+    return subprocess.run(
+        [sys.executable, "-m", "lance_hpc", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def write_job(tmp_path: Path, mode: str, **command: Any) -> Path:
+    (tmp_path / "prog.py").write_text(PROGRAM)
+    spec = {"name": "mine", "command": {"argv": ["python3", "prog.py", "out", mode, "${lr}"], "options": {"lr": 0.5}, **command}}
+    (tmp_path / "out").mkdir(exist_ok=True)
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+    return tmp_path / "out"
+
+
+def test_each_local_rank_gets_torchruns_variables_and_they_form_a_process_group(tmp_path: Path) -> None:
+    out = write_job(tmp_path, "meet")
+    result = lance_hpc(["submit", "job.yaml", "--local", "--nproc", "2"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    seen = [json.loads((out / f"rank-{rank}-0.json").read_text()) for rank in (0, 1)]
+    for rank, values in enumerate(seen):
+        assert values["RANK"] == values["LOCAL_RANK"] == str(rank)
+        assert (values["WORLD_SIZE"], values["LOCAL_WORLD_SIZE"], values["NODE_RANK"], values["GROUP_RANK"]) == (
+            "2",
+            "2",
+            "0",
+            "0",
+        )
+        assert values["MASTER_ADDR"] == "127.0.0.1" and values["MASTER_PORT"] == seen[0]["MASTER_PORT"]
+        assert (values["TORCHELASTIC_RESTART_COUNT"], values["LANCE_HPC_RUN_COUNT"]) == ("0", "0")
+        assert values["LANCE_HPC_OPTION_LR"] == "0.5" and values["argv"] == ["out", "meet", "0.5"]
+        assert values["cwd"] == str(tmp_path) and values["PYTHONSAFEPATH"] is None  # `python train.py` imports beside it
+        assert values["world"] == 2
+
+
+def test_a_program_that_fails_restarts_and_knows_it_is_a_rerun(tmp_path: Path) -> None:
+    out = write_job(tmp_path, "fail-first")
+    result = lance_hpc(["submit", "job.yaml", "--local", "--nproc", "2"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "exited with code 7" in result.stderr
+    values = json.loads((out / "rank-0-1.json").read_text())
+    assert (values["TORCHELASTIC_RESTART_COUNT"], values["LANCE_HPC_RUN_COUNT"]) == ("1", "1")
+
+
+def test_slurms_warning_reaches_the_program_as_its_signal_and_a_requeued_run_knows_it(tmp_path: Path) -> None:
+    out = write_job(tmp_path, "wait", signal="USR1")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "lance_hpc", "submit", "job.yaml", "--local", "--nproc", "2"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not all((out / f"waiting-{rank}-0").exists() for rank in (0, 1)):
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+            time.sleep(0.2)
+        for rank in (0, 1):  # SLURM's warning goes to every task; here, to each rank's own process
+            os.kill(int((out / f"waiting-{rank}-0").read_text()), signal.SIGUSR2)
+        stdout, stderr = launcher.communicate(timeout=120)
+    finally:
+        launcher.kill()
+    assert [(out / f"signal-{rank}-0").read_text() for rank in (0, 1)] == ["SIGUSR1", "SIGUSR1"]
+    assert launcher.returncode == 3, stderr  # no queue to go back to here: stopped, to be run again
+    assert "the program stopped on SIGUSR2" in stdout
+    write_job(tmp_path, "meet", signal="USR1")
+    rerun = lance_hpc(["submit", "job.yaml", "--local", "--nproc", "1"], tmp_path, SLURM_RESTART_COUNT="1")  # as requeued
+    assert rerun.returncode == 0, rerun.stderr
+    values = json.loads((out / "rank-0-1.json").read_text())
+    assert (values["SLURM_RESTART_COUNT"], values["LANCE_HPC_RUN_COUNT"], values["TORCHELASTIC_RESTART_COUNT"]) == ("1", "1", "0")
+
+
+def test_a_program_that_is_not_there_fails_the_job_at_once_with_its_name(tmp_path: Path) -> None:
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump({"name": "mine", "command": ["./no-such-program", "--x"]}))
+    result = lance_hpc(["submit", "job.yaml", "--local", "--nproc", "2"], tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "'./no-such-program' is not an executable file" in result.stderr
+    assert "restart" not in result.stderr.replace("no restart can help", "")  # one attempt
