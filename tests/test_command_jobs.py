@@ -55,8 +55,16 @@ PROGRAM = textwrap.dedent(
     dist.init_process_group("gloo")
     dist.barrier()
     seen["world"] = dist.get_world_size()
-    dist.destroy_process_group()
     (out / f"rank-{rank}-{run}.json").write_text(json.dumps(seen))
+    if mode == "slurm" and run == "0":  # wait for SLURM's warning, passed on as TERM
+        def stopped(signum, frame):
+            (out / f"signal-{rank}-{run}").write_text(signal.Signals(signum).name)
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, stopped)
+        (out / f"waiting-{rank}-{run}").write_text(str(os.getppid()))
+        time.sleep(300)
+        sys.exit(9)
+    dist.destroy_process_group()
     """
 )
 
@@ -224,3 +232,54 @@ def test_a_program_that_is_not_there_fails_the_job_at_once_with_its_name(tmp_pat
     assert result.returncode == 2, result.stderr
     assert "'./no-such-program' is not an executable file" in result.stderr
     assert "restart" not in result.stderr.replace("no restart can help", "")  # one attempt
+
+
+# --- on the SLURM test cluster ----------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_a_command_job_on_two_nodes_gets_its_ranks_and_is_requeued_on_the_warning(slurm_cluster: Any, tmp_path: Path) -> None:
+    """2 tasks on 2 nodes: each program records its variables and meets the other over them; USR2
+    to the job's step reaches each as TERM, rank 0 requeues the job, and the rerun's programs know it."""
+    from tests.support.slurm import environ, job_log, sbatch, signal_steps
+
+    (tmp_path / "prog.py").write_text(PROGRAM)
+    out = tmp_path / "out"
+    out.mkdir()
+    raw = {
+        "name": "command-slurm",
+        "slurm": {
+            "partition": slurm_cluster.partition,
+            "nodes": 2,
+            "tasks_per_node": 1,
+            "cpus_per_task": 1,
+            "time": "00:10:00",
+            "max_requeues": 2,
+            "log_dir": str(tmp_path / "logs"),
+        },
+        "command": [sys.executable, str(tmp_path / "prog.py"), str(out), "slurm"],
+    }
+    spec = validate_spec(raw).spec
+    job_id = sbatch(slurm_cluster, spec)
+    deadline = time.monotonic() + 300
+    while not all((out / f"waiting-{rank}-0").exists() for rank in (0, 1)):
+        assert time.monotonic() < deadline, job_log(slurm_cluster, job_id)
+        time.sleep(0.5)
+    signal_steps(environ(slurm_cluster), job_id)
+    while not all((out / f"rank-{rank}-1.json").exists() for rank in (0, 1)):
+        assert time.monotonic() < deadline + 300, job_log(slurm_cluster, job_id)
+        time.sleep(0.5)
+    first = [json.loads((out / f"rank-{rank}-0.json").read_text()) for rank in (0, 1)]
+    again = [json.loads((out / f"rank-{rank}-1.json").read_text()) for rank in (0, 1)]
+    for rank, values in enumerate(first):
+        assert (values["RANK"], values["LOCAL_RANK"], values["NODE_RANK"], values["WORLD_SIZE"]) == (
+            str(rank),
+            "0",
+            str(rank),
+            "2",
+        )
+        assert values["LOCAL_WORLD_SIZE"] == "1" and values["world"] == 2 and values["MASTER_PORT"] == first[0]["MASTER_PORT"]
+        assert (out / f"signal-{rank}-0").read_text() == "SIGTERM"  # USR2 reached the program as command.signal
+    for values in again:
+        assert (values["SLURM_RESTART_COUNT"], values["LANCE_HPC_RUN_COUNT"]) == ("1", "1") and values["world"] == 2
