@@ -148,6 +148,16 @@ def test_dry_run_shows_the_command(tmp_path: Path) -> None:
     assert not (tmp_path / "logs").exists()
 
 
+def test_status_points_at_the_programs_output() -> None:
+    from lance_hpc.kinds import registered_kind
+
+    spec = validate_spec({"name": "mine", "command": ["python3", "train.py", "${name}"]}, base_dir="/project").spec
+    kind = registered_kind(spec.job)
+    assert kind is not None and kind.progress(spec) == [
+        "job: command runs python3 train.py mine; its progress is in its output (lance-hpc logs)"
+    ]
+
+
 # --- local runs -------------------------------------------------------------------------------
 
 
