@@ -7,12 +7,20 @@ model, the optimizer and the loader's position every ``--save-every`` steps, and
 checkpoint when it exists: run it again, with as many processes as you like, and it continues at
 the first batch not yet trained on. ``--rows-log DIR`` writes the row ids each rank trained on (one
 file per rank and world size), ``--stop-after K`` ends the run after step K, saved.
+
+SIGTERM (what ``torchrun`` and lance_hpc's ``command:`` jobs send on SLURM's warning before the time
+limit) ends the run after the step in progress, saved, on every rank at the same step. As a
+lance_hpc job (docs/command-jobs.md), preempted and requeued on SLURM:
+
+    command: [python3, examples/torchrun_ddp.py, --data, rows.lance, --checkpoint, ckpt.pt]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
+import time
 from pathlib import Path
 
 import torch
@@ -33,6 +41,7 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--save-every", type=int, default=50, help="steps between checkpoints")
     parser.add_argument("--stop-after", type=int, default=None, help="end after this step, with a checkpoint")
     parser.add_argument("--rows-log", default=None, help="directory for the row ids each rank trained on")
+    parser.add_argument("--step-seconds", type=float, default=0.0, help="the least time a step takes (to watch a stop)")
     return parser.parse_args()
 
 
@@ -45,9 +54,27 @@ def save(path: str, step: int, model: nn.Module, optimizer: torch.optim.Optimize
     dist.barrier()
 
 
+class StopFlag:
+    """Set by SIGTERM; ranks agree on it once a step, so that all stop after the same step even
+    when the signal reaches them at different moments."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        signal.signal(signal.SIGTERM, self.request)
+
+    def request(self, signum: int, frame: object) -> None:
+        self.requested = True
+
+    def agreed(self, device: torch.device) -> bool:
+        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
 def main() -> None:
     args = parse_arguments()
     # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; the Loader reads the rank from here.
+    stop = StopFlag()
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", init_method="env://")
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
     loader = Loader(
@@ -75,12 +102,15 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             step += 1
+            if args.step_seconds:
+                time.sleep(args.step_seconds)
             if log is not None:
                 log.write(f"{epoch} {' '.join(map(str, batch['row_id'].tolist()))}\n")
                 log.flush()
-            if step % args.save_every == 0 or step == args.stop_after:
+            stopping = stop.agreed(device) or step == args.stop_after
+            if step % args.save_every == 0 or stopping:
                 save(args.checkpoint, step, model, optimizer, loader)
-            if step == args.stop_after:
+            if stopping:
                 dist.destroy_process_group()
                 return
     save(args.checkpoint, step, model, optimizer, loader)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -252,3 +253,38 @@ def test_the_torchrun_example_resumes_on_3_ranks_what_2_ranks_began(tmp_path: Pa
     assert steps == {"rows-2-0.txt": 3, "rows-2-1.txt": 3, "rows-3-0.txt": 3, "rows-3-1.txt": 3, "rows-3-2.txt": 3}
     rows = [int(row) for path in logs.iterdir() for line in path.read_text().splitlines() for row in line.split()[1:]]
     assert sorted(collections.Counter(rows).values()) == [1] * 102, "every row of the epoch trained on once"
+
+
+@pytest.mark.slow
+def test_the_torchrun_example_as_a_command_job_stopped_by_usr2_on_2_ranks_resumes_on_3(tmp_path: Path) -> None:
+    """The example as a ``command:`` job on the local launcher: SIGUSR2 (SLURM's warning) reaches
+    each program as SIGTERM, every rank stops after the same step, saved; the rerun on 3 ranks
+    trains on the rest of the epoch, every row once."""
+    uri = write_rows(str(tmp_path / "rows.lance"), [200, 200, 100])  # 250 rows a rank of 2: 32 steps of 8
+    logs = tmp_path / "rows"
+    logs.mkdir()
+    argv = [sys.executable, str(REPO_ROOT / "examples" / "torchrun_ddp.py"), "--data", uri, "--workers", "1"]
+    argv += ["--checkpoint", str(tmp_path / "ckpt.pt"), "--rows-log", str(logs), "--save-every", "1000", "--step-seconds", "0.3"]
+    (tmp_path / "job.yaml").write_text(json.dumps({"name": "ddp", "command": argv}))
+    environ = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    submit = [sys.executable, "-m", "lance_hpc", "submit", "job.yaml", "--local", "--nproc"]
+    first = subprocess.Popen(
+        [*submit, "2"], cwd=tmp_path, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not any(path.stat().st_size for path in logs.iterdir()):  # training has begun
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()[0]
+            time.sleep(0.1)
+        first.send_signal(signal.SIGUSR2)
+        output = first.communicate(timeout=300)[0]
+    finally:
+        first.kill()
+    assert first.returncode == 3, output  # stopped by the warning, to be run again
+    stopped_at = {path.name: len(path.read_text().splitlines()) for path in logs.iterdir()}
+    assert set(stopped_at) == {"rows-2-0.txt", "rows-2-1.txt"} and len(set(stopped_at.values())) == 1, stopped_at
+    assert 0 < stopped_at["rows-2-0.txt"] < 32, f"stopped after the step in progress: {stopped_at}\n{output}"
+    second = subprocess.run([*submit, "3"], cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=400)
+    assert second.returncode == 0, second.stdout + second.stderr
+    rows = [int(row) for path in logs.iterdir() for line in path.read_text().splitlines() for row in line.split()[1:]]
+    assert sorted(collections.Counter(rows).values()) == [1] * 500, "every row of the epoch trained on once"
