@@ -37,6 +37,11 @@ class UserError(Exception):
         super().__init__(worker_message(message, type(self).__name__) if isinstance(message, str) else message, *rest)
 
 
+class RepeatingError(Exception):
+    """The user's own code failed on the same input a restart would give it again (a map function
+    raising on a row): the job fails at once with this message, no traceback and no restart."""
+
+
 def worker_message(message: str, name: str) -> str:
     """The original message of an exception that a DataLoader worker raised.
 

@@ -219,6 +219,29 @@ def test_a_failed_overwrite_leaves_the_latest_version_as_it_was_and_a_rerun_repl
     assert lance.dataset(uri, version=before).to_table(columns=["twice"]).column("twice").to_pylist() == [-1] * 359
 
 
+def test_a_function_raising_on_a_row_fails_naming_it_or_with_skip_leaves_it_null(trained, tmp_path: Path) -> None:
+    dataset, _ = trained
+    uri = copy_of(dataset.val, tmp_path)
+    labels = lance.dataset(uri).to_table(columns=["label"]).column("label").to_pylist()
+    sevens = [row for row, label in enumerate(labels) if label == 7]
+    spec = function_spec(tmp_path, uri, "tests.support.infer:label_twice_but_not_sevens", outputs={"twice": "int64"})
+    failed = run_local(spec)
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert "Traceback" not in failed.stderr and "restart" not in failed.stderr, failed.stderr
+    named = [line for line in failed.stderr.splitlines() if line.startswith("lance_hpc.run: infer.function raised on row")]
+    assert named and all("ValueError: no twice for a 7" in line for line in named), failed.stderr
+    assert all(int(line.split("row ")[1].split()[0]) in sevens for line in named), failed.stderr
+    skip = function_spec(
+        tmp_path, uri, "tests.support.infer:label_twice_but_not_sevens", outputs={"twice": "int64"}, on_error="skip"
+    )
+    done = run_local(skip)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"{len(sevens)} row(s) skipped (infer.on_error: skip)" in done.stdout, done.stdout
+    assert all(f"row {row} of fragment {row // 64} skipped" in done.stdout for row in sevens), done.stdout
+    doubled = lance.dataset(uri).to_table(columns=["twice"]).column("twice").to_pylist()
+    assert doubled == [None if label == 7 else 2 * label for label in labels]
+
+
 @pytest.mark.parametrize(
     ("infer", "expected"),
     [

@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 import pytest
 import yaml
 
+from tests.support.mapping import FAILING_LABEL
 from tests.support.shards import digit_rows, write_webdataset
 from tests.test_grow import ingest
 from tests.test_infer import kill_rank_1_after_its_first_fragment, run_local
@@ -143,3 +144,47 @@ def test_map_specs_that_cannot_run_are_refused_before_any_rank_starts(digits: st
     ):
         assert text in refused.stderr, refused.stderr
     assert "image_bytes" not in lance.dataset(digits).schema.names
+
+
+def seven_rows(uri: str) -> list[tuple[int, str]]:
+    """The (row, key) of every row whose label is the one fails_on_a_seven raises on."""
+    table = lance.dataset(uri).to_table(columns=["label", "key"])
+    return [
+        (row, key)
+        for row, (label, key) in enumerate(zip(table.column("label").to_pylist(), table.column("key").to_pylist()))
+        if label == FAILING_LABEL
+    ]
+
+
+def test_a_function_raising_on_a_row_fails_the_job_once_naming_the_row(digits: str, tmp_path: Path) -> None:
+    sevens = seven_rows(digits)
+    assert sevens, "the digits hold a 7"
+    spec = map_spec(tmp_path / "job", digits, "tests.support.mapping:fails_on_a_seven")
+    failed = run_local(spec)
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert "Traceback" not in failed.stderr and "restart" not in failed.stderr, failed.stderr
+    rank_lines = [line for line in failed.stderr.splitlines() if line.startswith("lance_hpc.run:")]
+    assert rank_lines and all("ValueError: cannot size a 7" in line for line in rank_lines), failed.stderr
+    row, key = sevens[0]
+    assert any(f"row {row} (key {key!r}) of fragment {row // 10}" in line for line in rank_lines), failed.stderr
+    assert "infer.on_error: skip" in failed.stderr, failed.stderr
+    assert "image_bytes" not in lance.dataset(digits).schema.names
+
+
+def test_a_function_raising_on_a_row_with_skip_writes_every_other_row_and_names_it(digits: str, tmp_path: Path) -> None:
+    spec = map_spec(tmp_path / "job", digits, "tests.support.mapping:fails_on_a_seven", on_error="skip")
+    done = run_local(spec)
+    assert done.returncode == 0, done.stdout + done.stderr
+    sevens = seven_rows(digits)
+    for row, key in sevens:
+        assert f"row {row} (key {key!r}) of fragment {row // 10} skipped" in done.stdout, done.stdout
+    committed = next(line for line in done.stdout.splitlines() if line.startswith("committed:"))
+    assert f"{len(sevens)} row(s) skipped (infer.on_error: skip)" in committed, committed
+    table = lance.dataset(digits).to_table(columns=["image_bytes", "one_hot"])
+    sizes, one_hot = expected(digits)
+    skipped = {row for row, _ in sevens}
+    got = table.column("image_bytes").to_pylist()
+    for row in range(len(sizes)):
+        assert got[row] == (None if row in skipped else sizes[row]), row
+    vectors = table.column("one_hot").to_pylist()
+    assert all((vectors[row] is None) == (row in skipped) for row in range(len(sizes)))

@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 
 import submitit
 
-from lance_hpc.errors import ExitCode, UserError
+from lance_hpc.errors import ExitCode, RepeatingError, UserError
 from lance_hpc.kinds import job_kind
 from lance_hpc.kinds.standby import wait_if_standby
 from lance_hpc.output import whole_lines
@@ -95,7 +95,7 @@ def run_rank(spec_file: str) -> int:
         print(f"lance_hpc.run: {error}", file=sys.stderr, flush=True)
         note_rank_failure(error)
         return ExitCode.USER_ERROR
-    except StoreUnavailable as error:  # the store, not the code, failed: its message says it all
+    except (StoreUnavailable, RepeatingError) as error:  # the store failed, or the user's code on a row: its message says it all
         print(f"lance_hpc.run: {error}", file=sys.stderr, flush=True)
         note_rank_failure(error)
         return ExitCode.FAILED
@@ -125,11 +125,12 @@ def note_rank_failure(error: BaseException) -> None:
         cause = error.__cause__
         own = f"{type(cause).__name__}: {cause}" if cause is not None and error.show_traceback else str(error)
         message, lost_contact = own.strip().splitlines()[0], not error.show_traceback
-    elif not isinstance(error, (UserError, StoreUnavailable)):
+    elif not isinstance(error, (UserError, StoreUnavailable, RepeatingError)):
         message = f"{type(error).__name__}: {error}".strip().splitlines()[0]
         lost_contact = any(hint in message.lower() for hint in LOST_PEER_HINTS)  # another rank went away first
     user_error = isinstance(error, UserError) and not isinstance(error, PortInUse)  # a taken port is a fault
-    note_failure(rank, message, lost_contact, step=failed_step(), user_error=user_error)
+    repeats = isinstance(error, RepeatingError)
+    note_failure(rank, message, lost_contact, step=failed_step(), user_error=user_error, repeats=repeats)
 
 
 def exit_process(code: int) -> NoReturn:

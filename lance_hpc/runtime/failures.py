@@ -32,12 +32,14 @@ def note_failure(
     *,
     step: int | None = None,
     user_error: bool = False,
+    repeats: bool = False,
     what: str = "error",
     host: str | None = None,
 ) -> None:
     """Record that ``rank`` failed (with its own error, or by losing contact with another rank) in
     the launcher's failure directory, when it set one: at which step, whether the user must fix
-    something (no restart helps then), and ``what`` (error, or hang when the watchdog names a
+    something (no restart helps then), whether the error repeats on a restart (the user's code failed on
+    the same input: the job stops at once, with its own exit code), and ``what`` (error, or hang when the watchdog names a
     stuck rank)."""
     folder = directory or os.environ.get(FAILURE_DIR_VARIABLE)
     if not folder:
@@ -50,6 +52,7 @@ def note_failure(
         "message": message,
         "step": step,
         "user_error": user_error,
+        "repeats": repeats,
         "what": what,
     }
     try:

@@ -29,6 +29,8 @@ JOB_KINDS = ("train", "ingest", "infer", "evaluate", "map", "command")
 OUTPUT_TYPES = ("float16", "float32", "float64", "int32", "int64")
 # infer.refresh: which rows a write-back job computes (lance_hpc.backfill)
 REFRESH_MODES = ("missing",)
+# infer.on_error: what a write-back job does with a row its model or function raises on (lance_hpc.writeback.row_errors)
+ON_ERROR_MODES = ("fail", "skip")
 # data.ingest.source formats a job: ingest splits into shards (lance_hpc.ingest.shards.FORMATS), each
 # written <format>:<path or glob>; python-stdlib[:max_mb=N] is a text: corpus of this interpreter's library
 SHARD_FORMATS = ("parquet", "jsonl", "webdataset", "hf", "imagefolder", "text")

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 from pydantic import Field, field_validator, model_validator
 
-from lance_hpc.spec.choices import OUTPUT_TYPES, REFRESH_MODES
+from lance_hpc.spec.choices import ON_ERROR_MODES, OUTPUT_TYPES, REFRESH_MODES
 from lance_hpc.spec.command_section import COMMAND_KIND, NO_DATA, NOT_READ, CommandSpec
 from lance_hpc.spec.data_section import CacheSpec, DataSpec, IngestSpec, MixSource
 from lance_hpc.spec.predicates import check_predicate
@@ -121,6 +121,11 @@ class InferSpec(Section):
         "appended with nulls there), keeping every value and file there, in one commit; refused for columns another "
         "checkpoint or function wrote, unless overwrite.",
     )
+    on_error: str = Field(
+        "fail",
+        description="job: infer and map: a row your function (or the model) raises on: fail (the job stops, naming the "
+        "row, no restart) or skip (its new columns null, the row named in the log and counted in the last line).",
+    )
 
     @field_validator("outputs")
     @classmethod
@@ -139,6 +144,8 @@ class InferSpec(Section):
     @classmethod
     def check_refresh(cls, refresh: str | None) -> str | None:
         return None if refresh is None else choice(lambda: REFRESH_MODES)(refresh)
+
+    check_on_error = field_validator("on_error")(choice(lambda: ON_ERROR_MODES))
 
 
 class JobSpec(Section):

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -40,6 +42,7 @@ from lance_hpc.tasks import ROW_ID, Task
 from lance_hpc.tasks.base import Batch
 from lance_hpc.writeback import column_swap, new_columns, steps
 from lance_hpc.writeback.new_columns import ColumnPlan, FragmentRecord, Records
+from lance_hpc.writeback.row_errors import RowErrors, row_name
 
 Infer = Callable[[nn.Module | None, Batch], dict[str, torch.Tensor]]
 
@@ -124,19 +127,25 @@ def _work(
         pin_memory=device.type == "cuda",
     )
     batches = iter(loader)
+    assert spec.infer is not None
+    what = "infer.function" if spec.infer.function else "the model"
+    errors = RowErrors(spec.infer.on_error, env.rank, what, list(spec.infer.outputs))
     done = []
     for index in todo:
         if preemption.received is not None:
             break
         fragment = plan.fragments[index]
         expected = iter(plan.batches([index], spec.data.batch_size))
-        rows = _fragment_batches(batches, expected, fragment.start, index in plan.probes, task, model, infer, spec, device)
+        compute = _Compute(task, model, infer, spec, device, errors, partial(row_name, plan.dataset, fragment.id, fragment.start))
+        rows = _fragment_batches(batches, expected, fragment.start, index in plan.probes, compute)
         if spec.job == "evaluate":
             record = _evaluate_fragment(index, plan, rows)
         else:
-            kinds = spec.infer.outputs if spec.infer else {}
-            record = new_columns.write_fragment(plan, index, new_columns.expand(rows, fragment.rows, kinds))
-            record.unreadable = rows.unreadable
+            try:
+                record = new_columns.write_fragment(plan, index, new_columns.expand(rows, fragment.rows, spec.infer.outputs))
+            except Exception as error:
+                errors.reraise(error)
+            record.unreadable, record.skipped = rows.unreadable, errors.fragment_done()
         record.rows = plan.rows_selected(index)
         records.write(index, record)
         done.append(index)
@@ -148,53 +157,69 @@ def _work(
 
 
 class _Rows:
-    """A fragment's batches through the model: per batch, the outputs (numpy) and which rows were
-    readable (a row the decoder could not read was replaced by another: its outputs are null)."""
+    """A fragment's batches through the model: per batch, the outputs (numpy) and which rows have
+    them: rows that were readable (a row the decoder could not read was replaced by another: its
+    outputs are null) and were computed (infer.on_error: skip leaves a row that raised null)."""
 
-    def __init__(self, source: Iterator[tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]], probe: bool) -> None:
+    def __init__(self, source: Iterator[tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]], probe: bool) -> None:
         self.source, self.unreadable, self.probe = source, 0, probe
 
     def __iter__(self) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]]:
-        for outputs, valid, offsets in self.source:
+        for outputs, readable, computed, offsets in self.source:
             if self.probe:  # read for the outputs' shapes only: every value null
-                valid = np.zeros_like(valid)
+                readable = np.zeros_like(readable)
             else:
-                self.unreadable += int((~valid).sum())
-            yield outputs, valid, offsets
+                self.unreadable += int((~readable).sum())
+            yield outputs, readable & computed, offsets
+
+
+@dataclass
+class _Compute:
+    """What a batch on the device goes through: the model's metric sums (evaluate), or the outputs
+    of the model or infer.function, with infer.on_error for a batch that raises (name_row: a row of
+    the fragment by its offset there)."""
+
+    task: Task
+    model: nn.Module | None
+    infer: Infer
+    spec: JobSpec
+    device: torch.device
+    errors: RowErrors
+    name_row: Callable[[int], str]
+
+    def __call__(self, on_device: Batch, offsets: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """The batch's outputs and which of its rows have them (not those that raised, with skip)."""
+        rows = len(offsets)
+        if self.spec.job == "evaluate":
+            assert self.model is not None
+            return _numpy({"sums": self.task.forward(self.model, on_device)[1].double()}), np.ones(rows, bool)
+        return self.errors.run(
+            rows,
+            lambda: (self._outputs(on_device), np.ones(rows, bool)),
+            lambda row: (self._outputs({name: value[row : row + 1] for name, value in on_device.items()}), np.ones(1, bool)),
+            lambda row: self.name_row(int(offsets[row])),
+        )
+
+    def _outputs(self, on_device: Batch) -> dict[str, np.ndarray]:
+        return _numpy(self.infer(self.model, on_device))
+
+
+def _numpy(outputs: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    return {
+        name: value.float().cpu().numpy() if value.is_floating_point() else value.cpu().numpy() for name, value in outputs.items()
+    }
 
 
 def _fragment_batches(
-    batches: Iterator[Batch],
-    expected: Iterator[np.ndarray],
-    start: int,
-    probe: bool,
-    task: Task,
-    model: nn.Module | None,
-    infer: Infer,
-    spec: JobSpec,
-    device: torch.device,
+    batches: Iterator[Batch], expected: Iterator[np.ndarray], start: int, probe: bool, compute: _Compute
 ) -> _Rows:
-    evaluating = spec.job == "evaluate"
-
-    def produce() -> Iterator[tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]]:
+    def produce() -> Iterator[tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]]:
         for rows in expected:
             batch = next(batches)
-            valid = batch[ROW_ID].numpy() == rows
-            on_device = task.to_device(batch, device)
-            with torch.inference_mode(), precision_context(spec.train, device):
-                if evaluating:
-                    assert model is not None
-                    outputs = {"sums": task.forward(model, on_device)[1].double()}
-                else:
-                    outputs = infer(model, on_device)
-            yield (
-                {
-                    name: value.float().cpu().numpy() if value.is_floating_point() else value.cpu().numpy()
-                    for name, value in outputs.items()
-                },
-                valid,
-                rows - start,
-            )
+            readable = batch[ROW_ID].numpy() == rows
+            with torch.inference_mode(), precision_context(compute.spec.train, compute.device):
+                outputs, computed = compute(compute.task.to_device(batch, compute.device), rows - start)
+            yield outputs, readable, computed, rows - start
 
     return _Rows(produce(), probe)
 

@@ -14,6 +14,7 @@ columns as one data file.
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import numpy as np
@@ -24,6 +25,7 @@ from lance_hpc.storage.datasets import open_dataset
 from lance_hpc.storage.options import storage_options
 from lance_hpc.writeback import new_columns, steps
 from lance_hpc.writeback.new_columns import ColumnPlan, Records
+from lance_hpc.writeback.row_errors import RowErrors, row_name
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -88,6 +90,7 @@ def _work(
     already = [index for index in mine if index in finished]
     dataset = plan.dataset()
     columns = read_columns(spec, dataset.schema.names)
+    errors = RowErrors(spec.infer.on_error, env.rank, "infer.function", list(spec.infer.outputs))
     done = []
     for index in (index for index in mine if index not in finished):
         if preemption.received is not None:
@@ -95,9 +98,17 @@ def _work(
         started = time.monotonic()
         fragment = plan.fragments[index]
         batches = _batches(dataset.get_fragment(fragment.id), plan, index, columns, spec.data.batch_size)
-        rows = (_outputs(function, batch, offsets, index in plan.probes, spec.infer.outputs) for batch, offsets in batches)
-        record = new_columns.write_fragment(plan, index, new_columns.expand(rows, fragment.rows, spec.infer.outputs))
+        name_row = partial(row_name, lambda: dataset, fragment.id, fragment.start)
+        rows = (
+            _outputs(function, batch, offsets, index in plan.probes, spec.infer.outputs, errors, name_row)
+            for batch, offsets in batches
+        )
+        try:
+            record = new_columns.write_fragment(plan, index, new_columns.expand(rows, fragment.rows, spec.infer.outputs))
+        except Exception as error:
+            errors.reraise(error)
         record.rows, record.seconds = plan.rows_selected(index), time.monotonic() - started
+        record.skipped = errors.fragment_done()
         records.write(index, record)
         done.append(index)
         print(f"rank {env.rank}: fragment {fragment.id}: {fragment.rows:,} rows in {record.seconds:.1f} s", flush=True)
@@ -122,23 +133,41 @@ def _batches(
 
 
 def _outputs(
-    function: Function, batch: Any, offsets: np.ndarray, probe: bool, outputs: Mapping[str, str]
+    function: Function,
+    batch: Any,
+    offsets: np.ndarray,
+    probe: bool,
+    outputs: Mapping[str, str],
+    errors: RowErrors,
+    name_row: Callable[[int], str],
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
-    """The function's values for a batch as numpy, which rows have them, and the rows' offsets."""
+    """The function's values for a batch as numpy, which rows have them, and the rows' offsets; a
+    batch it raises on goes through infer.on_error (:mod:`lance_hpc.writeback.row_errors`)."""
+    values, valid = errors.run(
+        batch.num_rows,
+        lambda: _values(function, batch, outputs),
+        lambda row: _values(function, batch.slice(row, 1), outputs),
+        lambda row: name_row(int(offsets[row])),
+    )
+    return values, np.zeros_like(valid) if probe else valid, offsets
+
+
+def _values(function: Function, batch: Any, outputs: Mapping[str, str]) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """The function's values for ``batch`` as numpy, and which rows have them."""
     found = function(batch)
     if not isinstance(found, Mapping):
         raise UserError(
             f"infer.function returned {type(found).__name__}, not a mapping\n"
             f"  fix: return {{column: values}} with a value for each of {', '.join(outputs)}"
         )
-    valid = np.zeros(batch.num_rows, bool) if probe else np.ones(batch.num_rows, bool)
+    valid = np.ones(batch.num_rows, bool)
     values = {}
     for name in outputs:
         if name not in found:
             continue  # output_batch names every output the function did not give
         values[name], present = _as_numpy(name, found[name], batch.num_rows)
         valid &= present
-    return values, valid, offsets
+    return values, valid
 
 
 def _as_numpy(name: str, value: Any, rows: int) -> tuple[np.ndarray, np.ndarray]:

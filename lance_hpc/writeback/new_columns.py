@@ -55,6 +55,7 @@ class FragmentRecord:
     schema: list[str] = field(default_factory=list)
     sums: dict[str, float] = field(default_factory=dict)
     unreadable: int = 0  # rows the decoder could not read: their outputs are null
+    skipped: list[str] = field(default_factory=list)  # rows that raised, named (infer.on_error: skip): null
     seconds: float = 0.0
 
 

@@ -19,7 +19,7 @@ from lance_hpc.ingest.units import wait_for_all
 from lance_hpc.lineage.provenance import Producer, provenance_of
 from lance_hpc.storage.datasets import open_dataset
 from lance_hpc.storage.options import storage_options
-from lance_hpc.writeback import column_swap, new_columns, rerun
+from lance_hpc.writeback import column_swap, new_columns, rerun, row_errors
 from lance_hpc.writeback.new_columns import ColumnPlan, FragmentRecord, Records
 from lance_hpc.writeback.provenance import commit_metadata, producer
 
@@ -165,10 +165,12 @@ def commit(spec: JobSpec, plan: ColumnPlan, finished: dict[int, FragmentRecord],
     version = new_columns.commit(plan, finished, metadata)
     run.records.mark_committed(version)
     unreadable = sum(record.unreadable for record in finished.values())
+    skipped = [row for record in finished.values() for row in record.skipped]
     print(
         f"committed: {spec.data.uri} version {version} with {', '.join(spec.infer.outputs)} for {rows:,} rows"
         + (f" of {len(finished)} fragment(s), the others' values kept" if plan.fill else "")
-        + (f" ({unreadable} unreadable: null)" if unreadable else ""),
+        + (f" ({unreadable} unreadable: null)" if unreadable else "")
+        + row_errors.summary(skipped),
         flush=True,
     )
     filled = [plan.fragments[index].id for index in finished] if plan.fill else []

@@ -45,3 +45,10 @@ def label_twice_under_many_names(model: None, batch: dict[str, torch.Tensor]) ->
     but the name itself can stop the job."""
     twice = label_twice(model, batch)["twice"]
     return {name: twice for name in ("twice", "label", "_rowid", "_rowoffset", "_mine")}
+
+
+def label_twice_but_not_sevens(model: None, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """:func:`label_twice`, raising the user's own error on a batch that holds a 7."""
+    if (batch["label"] == 7).any():
+        raise ValueError("no twice for a 7")
+    return label_twice(model, batch)

@@ -25,3 +25,14 @@ def odd_labels_only(batch: pa.RecordBatch) -> dict[str, object]:
     """Twice the label where it is odd, null where it is even (a pyarrow array with nulls)."""
     labels = batch.column("label").to_pylist()
     return {"odd_twice": pa.array([2 * label if label % 2 else None for label in labels], pa.int64())}
+
+
+def fails_on_a_seven(batch: pa.RecordBatch) -> dict[str, object]:
+    """:func:`image_bytes`, raising the user's own error on a batch that holds the first row whose label is 7."""
+    labels = batch.column("label").to_pylist()
+    if FAILING_LABEL in labels:
+        raise ValueError(f"cannot size a {FAILING_LABEL}")
+    return image_bytes(batch)
+
+
+FAILING_LABEL = 7

@@ -47,6 +47,7 @@ def cause_from_note(note: dict[str, Any]) -> Cause:
         host=note.get("host"),
         step=note.get("step"),
         user_error=bool(note.get("user_error")),
+        repeats=bool(note.get("repeats")),
     )
 
 

@@ -33,6 +33,7 @@ class Cause:
     host: str | None = None
     step: int | None = None
     user_error: bool = False
+    repeats: bool = False  # the user's code failed on an input a restart gives it again
     exit_code: int | None = None  # the rank's own, as srun reported it ("Exited with exit code 3")
 
     def describe(self) -> str:
@@ -104,6 +105,8 @@ def decide(history: Sequence[Attempt], max_restarts: int) -> Decision:
         return Decision(False, code, NOT_RESTARTED[code])
     if cause is not None and cause.user_error:
         return Decision(False, 2, f"not restarted: {NOT_RESTARTED[2]}: {cause.describe()}")
+    if cause is not None and cause.repeats:
+        return Decision(False, code, f"not restarted: a restart would meet the same error: {cause.describe()}")
     for earlier in history[:-1]:
         if cause is not None and earlier.cause is not None and cause.same_as(earlier.cause):
             return Decision(
