@@ -742,3 +742,50 @@ def test_outputs_lance_reserves_and_a_filter_over_an_output_are_refused(
 @pytest.mark.parametrize("filter", ["label = 3", "label = 'twice'", "caption LIKE '%twice%' AND label > 1", "twice_old > 1"])
 def test_a_filter_that_names_no_output_passes(filter: str) -> None:
     validate_spec(infer_raw({"twice": "int64"}, filter), base_dir="/project")
+
+
+def task_infer_raw(outputs: dict[str, str], **infer: Any) -> dict[str, Any]:
+    """job: infer with the task's own outputs (a checkpoint, no infer.function)."""
+    return {**with_fields(infer={"checkpoint": "/ckpt/run", "outputs": outputs, **infer}), "job": "infer"}
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        (
+            task_infer_raw({"predictd": "int64"}),
+            [
+                "infer.outputs.predictd: task image_classification gives no output 'predictd' (it gives embedding, logits,",
+                "did you mean predicted?",
+            ],
+        ),
+        (
+            task_infer_raw({"label": "int64"}, overwrite=True),
+            ["infer.outputs: label is a column task image_classification reads (task.options.label_column)"],
+        ),
+        (infer_raw({"label": "int64"}), ["infer.outputs: label is a column task image_classification reads"]),
+        (
+            {**task_infer_raw({"caption": "int64"}), "task": {"options": {"label_column": "caption"}}},
+            ["infer.outputs: caption is a column task image_classification reads (task.options.label_column)"],
+        ),
+        (task_infer_raw({"predicted": "int64"}, on_error="ignore"), ["infer.on_error: 'ignore' is not a valid choice"]),
+    ],
+)
+def test_outputs_the_task_does_not_give_or_reads_are_refused_before_any_rank_starts(
+    raw: dict[str, Any], expected: list[str]
+) -> None:
+    problems = problems_of(raw)
+    assert all(text in problems for text in expected), problems
+
+
+def test_outputs_the_task_gives_pass_and_on_error_defaults_to_fail() -> None:
+    spec = validate_spec(task_infer_raw({"embedding": "float16", "predicted": "int64"}), base_dir="/project").spec
+    assert spec.infer is not None and spec.infer.on_error == "fail"
+    assert validate_spec(infer_raw({"anything": "int64"}), base_dir="/project").spec.infer is not None
+
+
+def test_each_registered_task_declares_the_outputs_the_spec_checks() -> None:
+    from lance_hpc.tasks.registry import OUTPUTS, TASKS, task_class
+
+    assert set(OUTPUTS) == set(TASKS)
+    assert all(OUTPUTS[name] == task_class(name).outputs for name in TASKS)

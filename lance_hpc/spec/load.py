@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from lance_hpc.errors import UserError
 from lance_hpc.spec.choices import SHARD_FORMATS
 from lance_hpc.spec.command_section import command_problems, reference_problems
-from lance_hpc.spec.named_code import entry_problems, job_problems, task_problems
+from lance_hpc.spec.named_code import entry_problems, infer_output_problems, job_problems, task_problems
 from lance_hpc.spec.problems import Problem, SpecError, from_pydantic, unique
 from lance_hpc.spec.rules import cross_field_problems, moved_key_problems
 from lance_hpc.spec.schema import CheckpointSpec, InferSpec, JobSpec, LoggingSpec, SlurmSpec
@@ -242,6 +242,7 @@ def validate_spec(
     problems += job_problems(raw, imports=imports)
     if raw.get("command") is None:  # a command job's task and entry are refused above
         problems += task_problems(raw, imports=imports) + entry_problems(raw, imports=imports)
+        problems += infer_output_problems(raw, imports=imports)
     try:
         spec = JobSpec.model_validate(raw)
         problems += reference_problems(spec.to_dict())

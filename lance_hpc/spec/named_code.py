@@ -4,6 +4,7 @@ registered name or an import path; and the entry's options as ``ctx.options`` gi
 
 from __future__ import annotations
 
+import difflib
 import json
 from typing import Any, Mapping
 
@@ -73,6 +74,50 @@ def task_problems(raw: dict[str, Any], imports: bool = True) -> list[Problem]:
         return [from_pydantic(item, model, ("task", "options")) for error in errors for item in error.errors()]
     task["options"] = validated.model_dump(mode="json")
     return []
+
+
+def infer_output_problems(raw: dict[str, Any], imports: bool = True) -> list[Problem]:
+    """job: infer: no output is a column the task reads (a ``*_column`` of its options), and without
+    infer.function each is one the task's class declares it gives: known before any rank starts,
+    with no model built. Without ``imports``, a task of one's own is not imported to ask."""
+    from lance_hpc.tasks.registry import OUTPUTS, task_outputs
+
+    infer, task = raw.get("infer"), raw.get("task")
+    if raw.get("job") != "infer" or not isinstance(infer, Mapping) or not isinstance(infer.get("outputs"), Mapping):
+        return []
+    task = task if isinstance(task, Mapping) else {}
+    name, options = str(task.get("name", "image_classification")), task.get("options")
+    read = {value: key for key, value in (options if isinstance(options, Mapping) else {}).items() if key.endswith("_column")}
+    outputs = [str(output) for output in infer["outputs"]]
+    problems = [
+        Problem(
+            "infer.outputs",
+            f"{output} is a column task {name} reads (task.options.{read[output]}): the job would replace its own input",
+            f"write the output under another name, e.g. {output}_predicted",
+        )
+        for output in outputs
+        if output in read
+    ]
+    if infer.get("function") or (not imports and name not in OUTPUTS):
+        return problems
+    try:
+        offered = task_outputs(name)
+    except UserError:
+        return problems  # task_problems says what is wrong with task.name
+    if not offered:
+        return problems  # a task that declares none: what its infer() gives is known when it runs
+    for output in outputs:
+        if output not in offered and output not in read:
+            close = difflib.get_close_matches(output, offered, n=1, cutoff=0.5)
+            problems.append(
+                Problem(
+                    f"infer.outputs.{output}",
+                    f"task {name} gives no output {output!r} (it gives {', '.join(offered)})",
+                    (f"did you mean {close[0]}? " if close else "")
+                    + "name outputs the task gives, or write your own with infer.function",
+                )
+            )
+    return problems
 
 
 def entry_problems(raw: dict[str, Any], imports: bool = True) -> list[Problem]:

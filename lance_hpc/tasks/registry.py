@@ -28,6 +28,19 @@ OPTIONS: dict[str, str] = {
     "language_model": "lance_hpc.tasks.options:LanguageModelOptions",
 }
 
+# What each registered task's infer() gives (the same as its class's ``outputs``, which a test
+# checks): infer.outputs is checked against them before anything runs, without importing torch.
+OUTPUTS: dict[str, tuple[str, ...]] = {
+    "image_classification": ("embedding", "logits", "predicted", "score", "loss"),
+    "language_model": (),
+}
+
+
+def task_outputs(name: str) -> tuple[str, ...]:
+    """The outputs the task ``task.name`` names gives: a registered task's without importing it, a
+    user's from its class (importing its module, which runs its code; no model is built)."""
+    return OUTPUTS[name] if name in OUTPUTS else task_class(name).outputs
+
 
 def task_class(name: str) -> type[Task]:
     """The Task class a spec's ``task.name`` names; a UserError that lists the choices otherwise."""
