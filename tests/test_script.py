@@ -15,10 +15,12 @@ import torch
 from lance_hpc.checkpoint.resuming import Checkpoint, load_latest
 from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.runtime.context import Context
+from lance_hpc.runtime.entry import final_line
 from lance_hpc.runtime.environment import detect
 from lance_hpc.runtime.metrics import NullLogger
 from lance_hpc.runtime.preemption import Preemption
 from lance_hpc.spec import JobSpec, load_spec, load_spec_text
+from lance_hpc.tasks import Task
 from tests.support.jobs import REPO_ROOT, check_trace, final_state, same_weights, write_spec
 from tests.support.ranks import launch, read_until
 
@@ -104,3 +106,35 @@ def test_script_mode_preempted_mid_epoch_resumes_to_the_same_weights(tmp_path: P
     assert final["step"] == expected["step"]
     assert same_weights(final["objects"]["model"], expected["objects"]["model"]) == []
     assert same_weights(final["objects"]["optimizer"]["state"][0], expected["objects"]["optimizer"]["state"][0]) == []
+
+
+RESULT_OF_ANY_KEYS = """
+def main(ctx) -> dict:
+    return {"val/loss": 1.25, "step": ctx.step + 7, "note": "x" * 500, "sizes": [1, 2, 3]}
+"""
+
+
+def test_a_result_with_keys_without_a_prefix_finishes_and_prints_each_key(tmp_path: Path, digits) -> None:
+    (tmp_path / "entry.py").write_text(RESULT_OF_ANY_KEYS)
+    spec_file = write_spec(tmp_path, digits, entry=f"{tmp_path}/entry.py:main", logging={"progress": False})
+    ranks = launch(spec_file)
+    output = ranks.communicate(timeout=300)[0]
+    assert ranks.returncode == 0, output
+    final = next(line for line in output.splitlines() if line.startswith("final validation"))
+    assert final.startswith("final validation loss: 1.2500 (step 7) after 0 steps; note 'xxx"), final
+    assert final.endswith("xxx..., sizes [1, 2, 3]"), final
+    assert len(final) < 250, final  # a long value is cut short
+    assert "restart" not in output, output
+
+
+class Unprintable:
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
+def test_the_final_line_prints_every_value_the_entry_returned() -> None:
+    task = SimpleNamespace(headline_metric="accuracy", headline=Task.headline)
+    task.headline = lambda metrics: Task.headline(task, metrics)  # type: ignore[arg-type]
+    line = final_line(task, {"epoch": 2, "done": True, "odd": Unprintable(), "loss": torch.tensor(0.5)}, 9)  # type: ignore[arg-type]
+    assert line == "training finished after 9 steps: epoch 2, done True, odd <Unprintable>, loss 0.5"
+    assert final_line(task, {"val/loss": 0.25, "step": 3}, 9) == "final validation loss: 0.2500 (step 3) after 9 steps"  # type: ignore[arg-type]

@@ -4,8 +4,9 @@ how the entry ended turned into a :class:`~lance_hpc.runtime.context.Summary`.""
 
 from __future__ import annotations
 
+import numbers
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -66,19 +67,52 @@ def run_entry(
         raise
     finally:
         context._end_run()
-    metrics = {key: float(value) for key, value in result.items()} if isinstance(result, dict) else {}
+    # The work is done: what follows only reports it, and must not fail the rank (a restart would
+    # run the entry's evaluation again), whatever the entry returned.
+    returned = {str(tag): value for tag, value in result.items()} if isinstance(result, Mapping) else {}
     if env.is_main:
-        print(final_line(task, metrics, context.step), flush=True)
+        print(final_line(task, returned, context.step), flush=True)
         print(checkpoint_line(context.last_checkpoint, context.resumed_from), flush=True)
+    metrics = {tag: number for tag, value in returned.items() if (number := _number(value)) is not None}
     return Summary("completed", context.step, context.epoch, context.last_checkpoint, metrics)
 
 
-def final_line(task: Task, metrics: dict[str, float], step: int) -> str:
-    """``final validation accuracy: 0.9944 (loss 0.0243) after 270 steps``, or what the entry returned."""
+def final_line(task: Task, returned: Mapping[str, Any], step: int) -> str:
+    """``final validation accuracy: 0.9944 (loss 0.0243) after 270 steps``, or what the entry
+    returned: every key as it is, a number to 4 significant digits, anything else as its repr
+    cut to :data:`SHOWN_CHARS`."""
+    metrics = {tag: number for tag, value in returned.items() if (number := _number(value)) is not None}
     if f"val/{task.headline_metric}" in metrics or "val/loss" in metrics:
-        return f"final validation {task.headline(metrics)} after {step} steps"
-    values = ", ".join(f"{tag} {value:.4g}" for tag, value in metrics.items())
+        others = ", ".join(f"{tag} {_shown(value)}" for tag, value in returned.items() if tag not in metrics)
+        return f"final validation {task.headline(metrics)} after {step} steps" + (f"; {others}" if others else "")
+    values = ", ".join(f"{tag} {_shown(value)}" for tag, value in returned.items())
     return f"training finished after {step} steps" + (f": {values}" if values else "")
+
+
+SHOWN_CHARS = 80  # of a returned value that is not a number, in the final line
+
+
+def _number(value: Any) -> float | None:
+    """A returned value as a number (a Python or NumPy number, a one-element tensor), or None."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except (TypeError, ValueError, OverflowError):  # a Real of the user's own that does not convert
+            return None
+    return None
+
+
+def _shown(value: Any) -> str:
+    number = _number(value)
+    if number is not None:
+        return f"{number:.4g}"
+    try:
+        text = repr(value)
+    except Exception:  # the user's own __repr__ failing must not fail a finished run
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= SHOWN_CHARS else f"{text[: SHOWN_CHARS - 3]}..."
 
 
 def checkpoint_line(saved: str | None, resumed_from: str | None) -> str:

@@ -164,7 +164,7 @@ class Task(ABC, Generic[OptionsT]):
     def headline(self, metrics: dict[str, float]) -> str:
         """One line on validation results, e.g. ``accuracy: 0.9944 (loss 0.0243)``."""
         main = f"val/{self.headline_metric}" if f"val/{self.headline_metric}" in metrics else "val/loss"
-        short = [tag.split("/", 1)[1] for tag in metrics]  # the prefix kept where two would print the same
+        short = [tag.split("/", 1)[-1] for tag in metrics]  # the prefix kept where two would print the same
         names = {tag: name if short.count(name) == 1 else tag for tag, name in zip(metrics, short)}
         rest = ", ".join(f"{names[tag]} {value:.4g}" for tag, value in metrics.items() if tag != main)
         return f"{main.split('/', 1)[1].replace('_', ' ')}: {metrics[main]:.4f}" + (f" ({rest})" if rest else "")
