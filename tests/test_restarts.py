@@ -61,6 +61,13 @@ def failed(number: int, cause: Cause | None, code: int = 1) -> Attempt:
             "ValueError: bad batch",
         ),
         ([failed(0, BAD_BATCH), failed(1, Cause("error", "ValueError: bad batch", 0, "node1", step=9))], True, 1, "restart 2"),
+        # the same error outside any step (an entry that fails before its loop, a job without one)
+        (
+            [failed(0, Cause("error", "KeyError: 'x'", 0, "node1")), failed(1, Cause("error", "KeyError: 'x'", 0, "node1"))],
+            False,
+            1,
+            "the same error in attempts 1 and 2, so a restart would fail again: rank 0 on node1: KeyError: 'x'",
+        ),
         ([failed(0, Cause("error", "no such column", 0, "node1", user_error=True))], False, 2, "a problem in the spec or data"),
         ([failed(0, None, 2)], False, 2, "a problem in the spec or data"),
         # exit 2 whose note says no user must fix it: another process took the rendezvous port

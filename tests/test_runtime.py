@@ -15,10 +15,12 @@ import torch
 
 from lance_hpc.checkpoint import resuming, saving
 from lance_hpc.checkpoint.resuming import Checkpoint
+from lance_hpc.errors import UserError
 from lance_hpc.imports import load_callable
 from lance_hpc.loading import load_task
 from lance_hpc.runtime.entry import run_entry
-from lance_hpc.runtime.environment import detect, process_group
+from lance_hpc.runtime.environment import TrainingFailed, detect, process_group
+from lance_hpc.runtime.failures import error_that_repeats
 from lance_hpc.runtime.preemption import Preemption
 from lance_hpc.spec import SpecError, load_spec
 from tests.support.jobs import final_state, same_weights, scalars, train_here, write_spec
@@ -207,3 +209,35 @@ def test_channels_last_pixels_straight_from_the_loader_do_not_break_ddp_gradient
     assert weights and all(weight.grad.stride() == weight.stride() for weight in weights)
     for ours, theirs in zip(wrapped.module.parameters(), plain.parameters()):
         assert torch.allclose(ours.grad, theirs.grad, atol=1e-5)
+
+
+def raised(action: Any) -> BaseException:
+    try:
+        action()
+    except Exception as error:
+        return error
+    raise AssertionError("nothing raised")
+
+
+def test_an_import_or_syntax_error_of_the_jobs_own_code_is_one_that_repeats(tmp_path: Path) -> None:
+    (tmp_path / "broken_helper.py").write_text("def f(:\n    pass\n")
+    (tmp_path / "user_code.py").write_text("def load():\n    import broken_helper\n")
+    sys.path.append(str(tmp_path))
+    try:
+        entry = load_callable(f"{tmp_path}/user_code.py:load", "entry")
+        error = raised(entry)
+    finally:
+        sys.path.remove(str(tmp_path))
+    wrapped = TrainingFailed("rank 0/1: training failed")
+    wrapped.__cause__ = error
+    repeats = error_that_repeats(wrapped)
+    assert isinstance(repeats, UserError), error
+    text = str(repeats)
+    assert f'File "{tmp_path}/user_code.py", line 2, in load\n    import broken_helper\n' in text, text
+    assert f'File "{tmp_path}/broken_helper.py", line 1\n' in text and "SyntaxError: " in text, text
+    assert "importlib" not in text and "lance_hpc" not in text, text
+    # an import error raised through none of the job's files (lance_hpc's own, say), and any other
+    # error of the job's code, may still be a fault
+    assert error_that_repeats(ModuleNotFoundError("No module named 'lance_hpc.no_such_module'")) is None
+    assert error_that_repeats(raised(lambda: load_callable(f"{tmp_path}/user_code.py:nothing", "entry"))) is None
+    assert error_that_repeats(ValueError("bad batch")) is None

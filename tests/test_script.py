@@ -6,6 +6,7 @@ written for another model."""
 from __future__ import annotations
 
 import signal
+import socket
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -108,6 +109,14 @@ def test_script_mode_preempted_mid_epoch_resumes_to_the_same_weights(tmp_path: P
     assert same_weights(final["objects"]["optimizer"]["state"][0], expected["objects"]["optimizer"]["state"][0]) == []
 
 
+def run_script(directory: Path, dataset, code: str, nproc: int, **sections) -> tuple[int, str]:
+    """The exit code and output of a local job whose entry is ``main`` in a file holding ``code``."""
+    (directory / "entry.py").write_text(code)
+    ranks = launch(write_spec(directory, dataset, entry=f"{directory}/entry.py:main", **sections), nproc=nproc)
+    output = ranks.communicate(timeout=300)[0]
+    return ranks.returncode, output
+
+
 RESULT_OF_ANY_KEYS = """
 def main(ctx) -> dict:
     return {"val/loss": 1.25, "step": ctx.step + 7, "note": "x" * 500, "sizes": [1, 2, 3]}
@@ -115,11 +124,8 @@ def main(ctx) -> dict:
 
 
 def test_a_result_with_keys_without_a_prefix_finishes_and_prints_each_key(tmp_path: Path, digits) -> None:
-    (tmp_path / "entry.py").write_text(RESULT_OF_ANY_KEYS)
-    spec_file = write_spec(tmp_path, digits, entry=f"{tmp_path}/entry.py:main", logging={"progress": False})
-    ranks = launch(spec_file)
-    output = ranks.communicate(timeout=300)[0]
-    assert ranks.returncode == 0, output
+    code, output = run_script(tmp_path, digits, RESULT_OF_ANY_KEYS, nproc=2)
+    assert code == 0, output
     final = next(line for line in output.splitlines() if line.startswith("final validation"))
     assert final.startswith("final validation loss: 1.2500 (step 7) after 0 steps; note 'xxx"), final
     assert final.endswith("xxx..., sizes [1, 2, 3]"), final
@@ -138,3 +144,42 @@ def test_the_final_line_prints_every_value_the_entry_returned() -> None:
     line = final_line(task, {"epoch": 2, "done": True, "odd": Unprintable(), "loss": torch.tensor(0.5)}, 9)  # type: ignore[arg-type]
     assert line == "training finished after 9 steps: epoch 2, done True, odd <Unprintable>, loss 0.5"
     assert final_line(task, {"val/loss": 0.25, "step": 3}, 9) == "final validation loss: 0.2500 (step 3) after 9 steps"  # type: ignore[arg-type]
+
+
+IMPORTS_WHEN_CALLED = """
+def main(ctx) -> dict:
+    import nonexistent_module
+    return {}
+"""
+
+
+def test_a_script_whose_import_fails_stops_at_once_with_its_own_frames(tmp_path: Path, digits) -> None:
+    code, output = run_script(tmp_path, digits, IMPORTS_WHEN_CALLED, nproc=1, slurm={"max_restarts": 2})
+    assert code == ExitCode.USER_ERROR, output
+    assert output.count("lance_hpc.launch.local: the job failed: rank 0") == 1, output  # one attempt
+    assert "restart 1" not in output and "Traceback" not in output, output
+    assert (
+        "lance_hpc.run: the job's code failed in a way no restart changes:\n"
+        f'  File "{tmp_path}/entry.py", line 3, in main\n'
+        "    import nonexistent_module\n"
+        "ModuleNotFoundError: No module named 'nonexistent_module'\n"
+        "  fix: "
+    ) in output, output
+    assert "lance_hpc/" not in output.split("lance_hpc.run: ", 1)[1], output  # none of lance_hpc's frames
+
+
+RAISES_BEFORE_ITS_LOOP = """
+def main(ctx) -> dict:
+    raise ValueError("no such layer: head")
+"""
+
+
+def test_a_script_that_raises_the_same_error_again_stops_after_one_restart_from_the_start(tmp_path: Path, digits) -> None:
+    code, output = run_script(tmp_path, digits, RAISES_BEFORE_ITS_LOOP, nproc=1, slurm={"max_restarts": 3})
+    assert code == ExitCode.FAILED, output
+    assert "restart 1 of at most 3, from the start (no checkpoint saved yet), after: " in output, output
+    assert "latest checkpoint" not in output and "restart 2" not in output, output
+    assert output.rstrip().endswith(
+        "the job failed after 2 attempts: the same error at step 0 in attempts 1 and 2, so a restart would fail again: "
+        f"rank 0 on {socket.gethostname()} at step 0: ValueError: no such layer: head"
+    ), output

@@ -27,7 +27,7 @@ from lance_hpc.output import whole_lines
 from lance_hpc.runtime.attempt import failed_step
 from lance_hpc.runtime.context import Summary
 from lance_hpc.runtime.environment import LOST_PEER_HINTS, SLURM_VARS, TrainingFailed, detect
-from lance_hpc.runtime.failures import PortInUse, note_failure
+from lance_hpc.runtime.failures import PortInUse, error_that_repeats, note_failure
 from lance_hpc.runtime.preemption import (
     Requeue,
     hold,
@@ -57,7 +57,13 @@ def run_job(spec_file: str, requeue: Requeue, signals: tuple[int, ...] = PREEMPT
     env = detect()
     if not kind.profiled:  # before the kind starts: USR1 must not end it
         ignore_profile_requests(kind.name, env.rank)
-    return kind.run(spec, env, requeue, signals)
+    try:
+        return kind.run(spec, env, requeue, signals)
+    except Exception as error:
+        repeats = error_that_repeats(error)  # the job's code does not import: no restart, one message
+        if repeats is None:
+            raise
+        raise repeats from None
 
 
 class SubmititJob(submitit.helpers.Checkpointable):

@@ -29,6 +29,8 @@ from pathlib import Path
 from types import FrameType
 
 from lance_hpc.checkpoint import lease
+from lance_hpc.checkpoint.manifests import checkpoint_steps
+from lance_hpc.checkpoint.stores import open_store
 from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.imports import child_environment, python_command
 from lance_hpc.kinds import job_kind
@@ -89,9 +91,20 @@ def run_local(spec_file: str | Path, nproc: int) -> int:
                 )
             return decision.exit_code
         failed = attempt.cause.describe() if attempt.cause else f"exit code {attempt.exit_code}"
-        print(
-            f"lance_hpc.launch.local: {decision.reason}, from the latest checkpoint, after: {failed}", file=sys.stderr, flush=True
-        )
+        print(f"lance_hpc.launch.local: {decision.reason}, {restart_point(spec)}, after: {failed}", file=sys.stderr, flush=True)
+
+
+def restart_point(spec: JobSpec) -> str:
+    """Where the next attempt starts, for the line that says so: a training job from its latest
+    checkpoint, or from the start when it saved none yet; the other kinds resume from what they
+    recorded, which the line keeps calling their checkpoint."""
+    if spec.job != "train":
+        return "from the latest checkpoint"
+    try:
+        saved = checkpoint_steps(open_store(spec.checkpoint.dir).names())
+    except (OSError, UserError):  # the ranks say what is wrong with the directory
+        return "from the latest checkpoint"
+    return "from the latest checkpoint" if saved else "from the start (no checkpoint saved yet)"
 
 
 def attempt_environment(history: list[Attempt], max_restarts: int) -> dict[str, str]:

@@ -109,10 +109,11 @@ def decide(history: Sequence[Attempt], max_restarts: int) -> Decision:
         return Decision(False, code, f"not restarted: a restart would meet the same error: {cause.describe()}")
     for earlier in history[:-1]:
         if cause is not None and earlier.cause is not None and cause.same_as(earlier.cause):
+            at = f" at step {cause.step}" if cause.step is not None else ""  # none: it failed outside the loop
             return Decision(
                 False,
                 code,
-                f"the same error at step {cause.step} in attempts {earlier.number + 1} and {last.number + 1}, so a "
+                f"the same error{at} in attempts {earlier.number + 1} and {last.number + 1}, so a "
                 f"restart would fail again: {cause.describe()}",
             )
     if len(history) > max_restarts:
