@@ -1,8 +1,13 @@
 """Import paths in a spec: ``pkg.module:Name`` or ``path/to/file.py:Name``.
 
-A file path is loaded as a module named after the file, with the file's directory put first on
-``sys.path``. That is also how the forkserver that DataLoader workers fork from finds it: the
-rank resolves every import path before the server starts, and the server copies ``sys.path``.
+A file path is loaded as a module named after the file, with the file's directory added at the
+end of ``sys.path``, where it stays: the file's own imports of its siblings (at its top, or later
+inside a function) find them there, and so do the DataLoader workers, which unpickle the task's
+decoder by its module's name (the rank resolves every import path before their server starts, and
+each worker gets the rank's ``sys.path``). At the end, never first: a module planted beside the
+file under the name of one already importable (``lance.py``, ``json.py``) never shadows it, in the
+file's imports or in anything the rank imports later. A file named like an importable module is
+refused (rename it).
 
 Importing runs the module's code. So ``validate``, ``submit`` (``--dry-run`` too) and the job's
 ranks import these paths; ``status``, ``logs`` and ``cancel`` never do (they validate with
@@ -113,7 +118,7 @@ def _import(module_name: str) -> Any:
         raise UserError(f"{file}: {file.stem!r} is not a valid module name\n  fix: rename the file, e.g. my_task.py")
     directory = str(file.parent)
     if directory not in sys.path:
-        sys.path.insert(0, directory)
+        sys.path.append(directory)  # last: it adds the file's siblings, and shadows nothing (module doc)
     module = importlib.import_module(file.stem)
     if Path(getattr(module, "__file__", "") or "").resolve() != file:
         raise UserError(f"{file}: the module name {file.stem!r} is already taken by {module.__file__}\n  fix: rename the file")

@@ -124,3 +124,30 @@ def test_the_worker_server_never_imports_from_the_working_directory(tmp_path: Pa
     output = done.stdout + done.stderr
     assert not note.exists(), not_imported(note, output)
     assert done.returncode == 0 and "[[0, 1], [2, 3]]" in done.stdout, output
+
+
+def test_a_task_file_imports_its_siblings_but_never_shadows_an_installed_module(tmp_path: Path) -> None:
+    """A task named by its file (``my_task.py:Task``) in a folder where someone planted ``lance.py``
+    and ``json.py``: the task and its own sibling module import, Lance and the standard library's
+    json are the real ones, and the folder is not first on sys.path."""
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    marker = folder / "planted-ran"
+    for planted in ("lance", "json"):
+        (folder / f"{planted}.py").write_text(f"open({str(marker)!r}, 'a').write({planted!r} + '\\n')\n")
+    (folder / "helpers.py").write_text("WIDTH = 8\n")
+    (folder / "my_task.py").write_text("import json\nfrom helpers import WIDTH\n\n\nclass Task:\n    width = WIDTH\n")
+    probe = textwrap.dedent(f"""\
+        import sys
+        assert "lance" not in sys.modules and "json" not in sys.modules
+        from lance_hpc.imports import load_object
+        task = load_object({str(folder / "my_task.py")!r} + ":Task", "task.name")
+        import lance, json
+        print(task.width, task.__module__, sys.path[0] == {str(folder)!r}, lance.__file__, json.__file__)
+        """)
+    done = subprocess.run(python_command("-c", probe), env=child_environment({}), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert not marker.exists(), f"the planted module ran: {marker.read_text()}"
+    width, module, first, lance_file, json_file = done.stdout.split()
+    assert (width, module, first) == ("8", "my_task", "False")
+    assert str(folder) not in lance_file and str(folder) not in json_file
