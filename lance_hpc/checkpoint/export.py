@@ -23,12 +23,11 @@ def model_state(saved: Any, name: str = "model") -> dict[str, Any]:
             raise UserError(f"checkpoint {saved.path} holds no {name!r} (it has {', '.join(saved.objects) or 'nothing'})")
         return dict(saved.objects[name])
     import torch
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from lance_hpc.checkpoint import shard_files
+    from lance_hpc.checkpoint import shard_reading
 
-    reader = shard_files.reader(saved.directory, saved.shards)
+    reader = shard_reading.reader(saved.directory, saved.shards)
     metadata = reader.read_metadata()
     prefix = f"{name}."
     state: dict[str, Any] = {}
@@ -37,7 +36,7 @@ def model_state(saved: Any, name: str = "model") -> dict[str, Any]:
             state[key[len(prefix) :]] = torch.empty(item.size, dtype=item.properties.dtype)
     if not state:
         raise UserError(f"checkpoint {saved.path}: its shards hold no {name!r}")
-    dcp.load({name: state}, storage_reader=reader, no_dist=True)
+    shard_reading.load({name: state}, reader, no_dist=True)
     return state
 
 

@@ -15,6 +15,7 @@ from torch import nn
 from lance_hpc.checkpoint.manifests import checkpoint_names, checkpoint_steps
 from lance_hpc.checkpoint.rng_states import reseed, restore_rng
 from lance_hpc.checkpoint.saving import RankPlace, list_checkpoints
+from lance_hpc.checkpoint.shard_files import plain_name
 from lance_hpc.checkpoint.stores import Location, open_store
 from lance_hpc.errors import UserError
 from lance_hpc.lineage.checkpoints import source_text
@@ -47,8 +48,10 @@ class Checkpoint:
 
     @property
     def shards(self) -> str | None:
-        """The name of its model and optimizer shards beside it (a sharded checkpoint); None for one file."""
-        return self.state.get("shards")
+        """The name of its model and optimizer shards beside it (a sharded checkpoint); None for one
+        file. A name that is not a plain one in its directory is refused (the file may come from anyone)."""
+        name = self.state.get("shards")
+        return None if name is None else plain_name(name, str(self.path))
 
     @property
     def directory(self) -> str:

@@ -17,6 +17,7 @@ import torch
 from pyarrow import fs
 
 from lance_hpc.checkpoint.stores import LocalDirectory, ObjectStore, Store, open_store
+from lance_hpc.errors import UserError
 from lance_hpc.storage.files import sync_to_disk
 
 if TYPE_CHECKING:
@@ -66,18 +67,22 @@ def writer(
     return writing
 
 
-def reader(directory: str | Path, name: str) -> dcp.FileSystemReader:
-    """A DCP reader of the shards ``name`` in checkpoint.dir ``directory``."""
-    import torch.distributed.checkpoint as dcp
+def plain_name(name: object, where: str) -> str:
+    """``name``, read from a checkpoint's files, when it is a plain file name: no directory part,
+    not ``.`` or ``..``; otherwise a UserError naming ``where`` it was read. A checkpoint from
+    elsewhere must not make a reader open files outside its directory."""
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise refused(where, f"it names {name!r} as a file of the checkpoint, which is not a plain name inside its directory")
+    return name
 
-    from lance_hpc.checkpoint.shard_objects import ObjectFiles
 
-    store = open_store(directory)
-    if isinstance(store, ObjectStore):
-        reading = dcp.FileSystemReader(f"{store.prefix}/{name}")
-        reading.fs = ObjectFiles(store.filesystem)  # type: ignore[assignment]
-        return reading
-    return dcp.FileSystemReader(str(Path(directory) / name))
+def refused(where: str, why: str) -> UserError:
+    """The one message of a checkpoint file that asks for more than data: ``where`` it is, ``why``."""
+    return UserError(
+        f"refusing checkpoint file {where}: {why}\n  fix: export, resume and evaluate only checkpoints written by "
+        "lance_hpc; a checkpoint from elsewhere is read as data, and this one asks to run code or to read outside "
+        "its directory"
+    )
 
 
 def shard_directories(store: Store) -> list[str]:

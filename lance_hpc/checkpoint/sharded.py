@@ -109,11 +109,12 @@ def by_parameter_name(saved: dict[str, Any], model: nn.Module, optimizer: torch.
 
 
 def load_shards(objects: dict[str, Any], directory: str | Path, name: str) -> None:
-    """Collective: every rank reads its own rows of the shards ``name`` in ``directory`` into ``objects``."""
-    import torch.distributed.checkpoint as dcp
+    """Collective: every rank reads its own rows of the shards ``name`` in ``directory`` into
+    ``objects``, as data only (:mod:`lance_hpc.checkpoint.shard_reading`)."""
+    from lance_hpc.checkpoint import shard_reading
 
     state = tensor_state(objects)
-    dcp.load(state, storage_reader=shard_files.reader(directory, name))
+    shard_reading.load(state, shard_reading.reader(directory, name))
     restore_tensor_state(objects, state)
 
 

@@ -1,0 +1,198 @@
+"""A checkpoint directory is data from anyone: exporting, resuming from and evaluating one never runs
+code its files carry or reads outside it, and says so in one message naming the file."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from lance_hpc.checkpoint import resuming, saving
+from lance_hpc.checkpoint.sharded import ShardedSaver, load_shards, tensor_state
+from lance_hpc.cli.checkpoint import main as checkpoint_main
+from lance_hpc.errors import ExitCode, UserError
+from lance_hpc.spec import JobSpec, load_spec
+from lance_hpc.tasks.models import small_cnn
+from tests.support.jobs import REPO_ROOT
+from tests.test_infer import infer_spec
+
+MARKER = "code-ran"
+
+
+class RunsCode:
+    """Unpickled, it creates the file ``marker``: what a hostile checkpoint would do instead."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[str]]:
+        return exec, (f"open({str(self.marker)!r}, 'w').close()",)
+
+
+def model_and_optimizer() -> dict[str, Any]:
+    """A small_cnn for 10 classes after one AdamW step: the optimizer has state and hyperparameters."""
+    torch.manual_seed(0)
+    model = small_cnn(10)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(2, 3, 16, 16)).sum().backward()
+    optimizer.step()
+    return {"model": model, "optimizer": optimizer}
+
+
+def write_checkpoint(directory: Path, spec: JobSpec, step: int = 1) -> None:
+    """A sharded checkpoint of :func:`model_and_optimizer`, as a training job writes it."""
+    saver = ShardedSaver(None)
+    state = {"format": saving.FORMAT, "step": step, "epoch": 0, "progress": 0.0, "mid_epoch": False}
+    state.update(objects={}, spec=spec.redacted_dict())
+    saving.save(directory, step, state, {}, keep=2, sharded=(saver, tensor_state(model_and_optimizer()), False))
+    saver.wait()
+
+
+def metadata_of(shards: Path) -> Any:
+    return pickle.loads((shards / ".metadata").read_bytes())
+
+
+def point_an_item_at(shards: Path, pick: Callable[[str, Any], bool], payload: bytes, name: str = "extra.distcp") -> None:
+    """The first item of the metadata that ``pick`` (key, storage metadata) chooses, read from a
+    file of ``payload`` instead: the metadata itself stays DCP's own."""
+    metadata = metadata_of(shards)
+    key = next(key for key, item in metadata.state_dict_metadata.items() if pick(key, item))
+    (shards / name).write_bytes(payload)
+    for index in list(metadata.storage_data):
+        if index.fqn == key:
+            metadata.storage_data[index] = _StorageInfo(name, 0, len(payload))
+    (shards / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def saved_object(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def tamper(directory: Path, how: str, marker: Path) -> str:
+    """Make the checkpoint in ``directory`` hostile in one way; the file a refusal must name."""
+    shards = directory / "step-00000001.dcp"
+    if how == "metadata":  # .metadata itself runs code
+        (shards / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
+        return str(shards / ".metadata")
+    if how == "tensor-item":  # a tensor of the model read from a pickle that runs code
+        point_an_item_at(
+            shards,
+            lambda key, item: key.startswith("model.") and isinstance(item, TensorStorageMetadata),
+            saved_object(RunsCode(marker)),
+        )
+        return str(shards)
+    if how == "bytes-item":  # an optimizer hyperparameter read from a pickle that runs code
+        point_an_item_at(shards, lambda key, item: isinstance(item, BytesStorageMetadata), saved_object(RunsCode(marker)))
+        return str(shards)
+    if how == "data-outside":  # the metadata names a data file outside the shard directory
+        shutil.copy(shards / "__0_0.distcp", directory / "elsewhere.distcp")
+        metadata = metadata_of(shards)
+        for index, stored in list(metadata.storage_data.items()):
+            metadata.storage_data[index] = _StorageInfo("../elsewhere.distcp", stored.offset, stored.length)
+        (shards / ".metadata").write_bytes(pickle.dumps(metadata))
+        return str(shards / ".metadata")
+    assert how == "shards-outside"  # the step file names shards outside checkpoint.dir: a full copy is there
+    shutil.copytree(shards, directory.parent / "elsewhere")
+    step_file = directory / "step-00000001.pt"
+    saving.write_atomically({**torch.load(step_file, weights_only=True), "shards": "../elsewhere"}, step_file)
+    return str(step_file)
+
+
+HOSTILE = ["metadata", "tensor-item", "data-outside", "shards-outside"]
+
+
+@pytest.fixture
+def spec(tmp_path: Path, digits) -> JobSpec:
+    return load_spec(infer_spec(tmp_path / "eval", digits.val, tmp_path / "checkpoints", job="evaluate")).spec
+
+
+def assert_refused(message: str, named: str, marker: Path) -> None:
+    assert not marker.exists(), "the checkpoint ran its code"
+    assert message.startswith("refusing checkpoint file ") and named in message, message
+    assert "Traceback" not in message and "fix:" in message, message
+
+
+@pytest.mark.parametrize("how", HOSTILE)
+def test_export_refuses_a_hostile_checkpoint_in_one_message(
+    tmp_path: Path, spec: JobSpec, single_rank: torch.device, how: str
+) -> None:
+    """The command itself, in its own process: what it prints is all the user sees."""
+    directory, marker = tmp_path / "checkpoints", tmp_path / MARKER
+    write_checkpoint(directory, spec)
+    named = tamper(directory, how, marker)
+    done = subprocess.run(
+        [sys.executable, "-m", "lance_hpc", "checkpoint", "export", str(directory), str(tmp_path / "model.pt")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+    assert done.returncode == ExitCode.USER_ERROR, done.stdout + done.stderr
+    assert done.stderr.count("refusing checkpoint file") == 1, done.stderr
+    assert_refused(done.stderr[done.stderr.index("refusing") :], named, marker)
+    assert "Traceback" not in done.stderr, done.stderr
+    assert not (tmp_path / "model.pt").exists()
+
+
+@pytest.mark.parametrize("how", [*HOSTILE, "bytes-item"])
+def test_resuming_refuses_a_hostile_checkpoint_in_one_message(
+    tmp_path: Path, spec: JobSpec, single_rank: torch.device, how: str
+) -> None:
+    directory, marker = tmp_path / "checkpoints", tmp_path / MARKER
+    write_checkpoint(directory, spec)
+    named = tamper(directory, how, marker)
+    saved = resuming.load_latest(directory)
+    assert saved is not None
+    with pytest.raises(UserError) as refused:
+        load_shards(model_and_optimizer(), saved.directory, saved.shards)  # as CheckpointManager.register does
+    assert_refused(str(refused.value), named, marker)
+
+
+@pytest.mark.parametrize("how", HOSTILE)
+def test_evaluation_refuses_a_hostile_checkpoint_in_one_message(
+    tmp_path: Path, spec: JobSpec, single_rank: torch.device, how: str
+) -> None:
+    from lance_hpc.loading import load_task
+    from lance_hpc.writeback.job import load_model
+
+    directory, marker = tmp_path / "checkpoints", tmp_path / MARKER
+    write_checkpoint(directory, spec)
+    named = tamper(directory, how, marker)
+    with pytest.raises(UserError) as refused:
+        load_model(spec, load_task(spec), torch.device("cpu"))
+    assert_refused(str(refused.value), named, marker)
+
+
+def test_an_untampered_checkpoint_still_exports_resumes_and_evaluates(
+    tmp_path: Path, spec: JobSpec, single_rank: torch.device
+) -> None:
+    from lance_hpc.loading import load_task
+    from lance_hpc.writeback.job import load_model
+
+    directory = tmp_path / "checkpoints"
+    write_checkpoint(directory, spec)
+    expected = model_and_optimizer()
+    assert checkpoint_main(["export", str(directory), str(tmp_path / "model.pt")]) == 0
+    exported = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert all(torch.equal(exported[key], value) for key, value in expected["model"].state_dict().items())
+    saved = resuming.load_latest(directory)
+    assert saved is not None and saved.shards is not None
+    resumed = {"model": small_cnn(10), "optimizer": None}
+    resumed["optimizer"] = torch.optim.AdamW(resumed["model"].parameters(), lr=0.5)
+    load_shards(resumed, saved.directory, saved.shards)
+    assert resumed["optimizer"].param_groups[0]["lr"] == 0.01
+    assert all(torch.equal(resumed["model"].state_dict()[key], value) for key, value in expected["model"].state_dict().items())
+    model, _ = load_model(spec, load_task(spec), torch.device("cpu"))
+    assert model is not None
