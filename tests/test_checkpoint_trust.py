@@ -15,11 +15,14 @@ from typing import Any
 
 import pytest
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemWriter, _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from lance_hpc.checkpoint import resuming, saving
+from lance_hpc.checkpoint import resuming, saving, shard_files
+from lance_hpc.checkpoint.export import export
 from lance_hpc.checkpoint.sharded import ShardedSaver, load_shards, tensor_state
+from lance_hpc.checkpoint.stores import LocalDirectory
 from lance_hpc.cli.checkpoint import main as checkpoint_main
 from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.spec import JobSpec, load_spec
@@ -196,3 +199,73 @@ def test_an_untampered_checkpoint_still_exports_resumes_and_evaluates(
     assert all(torch.equal(resumed["model"].state_dict()[key], value) for key, value in expected["model"].state_dict().items())
     model, _ = load_model(spec, load_task(spec), torch.device("cpu"))
     assert model is not None
+
+
+class Killed(BaseException):
+    """Raised where a save is cut short: nothing after it runs, as when the ranks are killed there."""
+
+
+def cut_short(where: str) -> None:
+    raise Killed(where)
+
+
+# A point of a repeated save -> (object, attribute) that is cut short there.
+SAVE_POINTS: dict[str, tuple[Any, str]] = {
+    "before-the-shards": (shard_files, "writer"),
+    "before-their-metadata": (FileSystemWriter, "finish"),
+    "before-their-fsync": (shard_files, "flush"),
+    "before-the-step-file": (saving, "write_atomically"),
+    "before-the-manifest": (LocalDirectory, "write_bytes"),
+    "while-pruning": (saving, "delete_shards"),
+}
+
+
+def other_weights() -> dict[str, Any]:
+    """The objects of :func:`model_and_optimizer`, another step later: other weights to save."""
+    objects = model_and_optimizer()
+    objects["model"](torch.randn(2, 3, 16, 16)).sum().backward()
+    objects["optimizer"].step()
+    return objects
+
+
+@pytest.mark.parametrize("point", list(SAVE_POINTS))
+def test_a_repeated_save_cut_short_anywhere_leaves_a_checkpoint_that_loads(
+    tmp_path: Path, spec: JobSpec, single_rank: torch.device, monkeypatch: pytest.MonkeyPatch, point: str
+) -> None:
+    """The step saved again (ctx.save() after the loop saved it, an epoch-end hook, a restart
+    repeating it) with checkpoint.keep: 1, cut short at ``point``: the newest checkpoint still
+    exports and resumes, whole, as one save or the other left it; the save repeated once more
+    completes, and the old shards are gone."""
+    directory = tmp_path / "checkpoints"
+    state = {"format": saving.FORMAT, "step": 1, "epoch": 0, "progress": 0.0, "mid_epoch": False}
+    state.update(objects={}, spec=spec.redacted_dict())
+    first, second = model_and_optimizer(), other_weights()
+
+    def save_step_1(objects: dict[str, Any]) -> None:
+        saver = ShardedSaver(None)
+        saving.save(directory, 1, state, {}, keep=1, sharded=(saver, tensor_state(objects), False))
+        saver.wait()
+
+    save_step_1(first)
+
+    owner, name = SAVE_POINTS[point]
+    with monkeypatch.context() as patched:
+        patched.setattr(owner, name, lambda *args, **kwargs: cut_short(point))
+        with pytest.raises((Killed, CheckpointException, RuntimeError), match=point):  # as DCP or the saver report it
+            save_step_1(second)
+
+    def loads_as_one_of(*candidates: dict[str, Any]) -> None:
+        export(str(directory), tmp_path / "model.pt", None)
+        exported = torch.load(tmp_path / "model.pt", weights_only=True)
+        wholes = [candidate["model"].state_dict() for candidate in candidates]
+        assert any(all(torch.equal(exported[key], value) for key, value in whole.items()) for whole in wholes)
+        saved = resuming.load_latest(directory)
+        assert saved is not None and saved.shards is not None
+        load_shards(model_and_optimizer(), saved.directory, saved.shards)
+
+    loads_as_one_of(first, second)
+    save_step_1(second)  # the restart repeats the save
+    loads_as_one_of(second)
+    saved = resuming.load_latest(directory)
+    assert saved is not None
+    assert sorted(path.name for path in directory.glob("*.dcp")) == [saved.shards]

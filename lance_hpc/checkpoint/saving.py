@@ -30,7 +30,7 @@ from lance_hpc.errors import UserError
 
 # The checkpoint layout Context.save writes: named objects, named loaders per rank.
 FORMAT = 2
-SHARDS_PATTERN = re.compile(r"^step-(\d+)" + re.escape(SHARDS_SUFFIX) + "$")
+SHARDS_PATTERN = re.compile(r"^step-(\d+)(-\d+)?" + re.escape(SHARDS_SUFFIX) + "$")
 
 
 def checkpoint_path(directory: str | Path, step: int) -> Location:
@@ -52,9 +52,11 @@ def write_atomically(state: dict[str, Any], path: Location) -> None:
     store.write(name, state)
 
 
-def prune(directory: str | Path, keep: int) -> None:
+def prune(directory: str | Path, keep: int, published: tuple[int, str | None] | None = None) -> None:
     """Delete all but the newest ``keep`` checkpoints with their manifests and shards, and what a
-    crash left (temporary files, shards of a save that never completed)."""
+    crash left (temporary files, shards of a save that never completed). ``published``: the step
+    whose step file was just written and the shards it names (None: none); that step's other shard
+    directories go too (those of an earlier save of the same step, now replaced)."""
     store = open_store(directory)
     names = store.names()
     steps = checkpoint_steps(names)
@@ -65,8 +67,26 @@ def prune(directory: str | Path, keep: int) -> None:
     kept = set(steps) - {step for step, _ in pruned}
     for name in shard_directories(store):  # pruned, or of a save that never completed
         match = SHARDS_PATTERN.match(name)
-        if match and int(match.group(1)) not in kept:
+        if match is None:
+            continue
+        replaced = published is not None and int(match.group(1)) == published[0] and name != published[1]
+        if int(match.group(1)) not in kept or replaced:
             delete_shards(store, name)
+
+
+def fresh_shards_name(directory: str | Path, step: int) -> str:
+    """Collective: a name for the shards of a save of ``step`` that no directory in checkpoint.dir
+    has, the same on every rank: ``step-N.dcp``, or ``step-N-K.dcp`` beside the shards of an earlier
+    save of that step (the published checkpoint's, until the new step file names the new ones)."""
+    chosen = [shards_name(step)]
+    if dist.get_rank() == 0:
+        taken = set(shard_directories(open_store(directory)))
+        generation = 0
+        while chosen[0] in taken:
+            generation += 1
+            chosen[0] = shards_name(step, generation)
+    dist.broadcast_object_list(chosen, src=0)
+    return chosen[0]
 
 
 def save(
@@ -92,8 +112,11 @@ def save(
     ranks: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, {**rank_state, "rng": capture_rng()})
     path = checkpoint_path(directory, step)
+    shards = None
     if sharded is not None:
-        state = {**state, "shards": shards_name(step)}
+        sharded[0].wait()  # an earlier save still in flight publishes first: its shards are then listed
+        shards = fresh_shards_name(directory, step)
+        state = {**state, "shards": shards}
 
     def publish() -> None:
         held = lease.held(directory)
@@ -101,11 +124,11 @@ def save(
             held.confirm()
         write_atomically({**state, "ranks": ranks}, path)
         open_store(directory).write_bytes(manifest_name(step), manifest({**state, "step": step}, len(ranks)))
-        prune(directory, keep)
+        prune(directory, keep, (step, shards))
 
-    if sharded is not None:
+    if sharded is not None and shards is not None:
         saver, tensors, background = sharded
-        if saver.save(tensors, directory, shards_name(step), publish, background):
+        if saver.save(tensors, directory, shards, publish, background):
             return path  # rank 0 publishes it in the background
     outcome: list[Any] = [None]  # (message, whether it is a UserError) when rank 0 failed
     if dist.get_rank() == 0:

@@ -5,7 +5,9 @@ A sharded checkpoint of step N is a directory ``step-N.dcp`` of DCP files beside
 ``step-N.pt`` that every checkpoint has: the step, the epoch, every rank's loader position and RNG
 states, the spec, and the name of its shards. ``step-N.pt`` and its manifest are written only once
 every shard is complete, so until then the checkpoint is not listed and a crash at any moment
-leaves the previous one loadable. Loading reshards: DCP gives each rank the rows of its own shards
+leaves the previous one loadable. A save never writes into shards that exist: a second save of
+step N (``ctx.save()`` after the loop saved that step, a restart repeating it) writes
+``step-N-1.dcp`` beside them, and the old shards go only once ``step-N.pt`` names the new ones. Loading reshards: DCP gives each rank the rows of its own shards
 whatever the world size that wrote them, and a whole (DDP) model loads a sharded checkpoint and
 a sharded model a whole one.
 
@@ -30,7 +32,6 @@ import torch.distributed as dist
 from torch import nn
 
 from lance_hpc.checkpoint import shard_files
-from lance_hpc.checkpoint.stores import open_store
 
 if TYPE_CHECKING:
     import torch.distributed.checkpoint as dcp
@@ -41,8 +42,10 @@ if TYPE_CHECKING:
 SHARDS_SUFFIX = ".dcp"
 
 
-def shards_name(step: int) -> str:
-    return f"step-{step:08d}{SHARDS_SUFFIX}"
+def shards_name(step: int, generation: int = 0) -> str:
+    """The shard directory of a save of ``step``; ``generation`` counts the saves of that step whose
+    shards were still there (``step-N-K.dcp``)."""
+    return f"step-{step:08d}{f'-{generation}' if generation else ''}{SHARDS_SUFFIX}"
 
 
 def bare(item: Any) -> Any:
@@ -176,9 +179,6 @@ class ShardedSaver:
 
         self.wait()
         started = time.monotonic()
-        if dist.get_rank() == 0:  # what a save of this step cut short left behind
-            shard_files.delete_shards(open_store(directory), name)
-        dist.barrier()
         if self._group is None:  # the background thread's collectives must not mix with the loop's
             self._group = dist.new_group(backend="gloo")
         publish = finish if dist.get_rank() == 0 else None
