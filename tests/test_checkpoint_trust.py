@@ -9,6 +9,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -269,3 +270,64 @@ def test_a_repeated_save_cut_short_anywhere_leaves_a_checkpoint_that_loads(
     saved = resuming.load_latest(directory)
     assert saved is not None
     assert sorted(path.name for path in directory.glob("*.dcp")) == [saved.shards]
+
+
+def one_file_checkpoints(directory: Path, steps: list[int]) -> dict[int, dict[str, torch.Tensor]]:
+    """A one-file (ddp) checkpoint of each of ``steps``, its model's weights all ``step``; those weights by step."""
+    weights = {step: {"weight": torch.full((64, 64), float(step)), "bias": torch.full((64,), float(step))} for step in steps}
+    for step in steps:
+        saving.write_atomically({"step": step, "objects": {"model": weights[step]}}, saving.checkpoint_path(directory, step))
+    return weights
+
+
+def test_export_never_follows_a_link_planted_at_its_temporary_name(tmp_path: Path) -> None:
+    """Links at the name the export used to write through, and at the name a pid makes guessable,
+    point at a file of someone else's: it stays as it was, and OUT is a file of its own."""
+    directory, out = tmp_path / "checkpoints", tmp_path / "model.pt"
+    one_file_checkpoints(directory, [1])
+    victim = tmp_path / "victim"
+    victim.write_text("someone else's file\n")
+    planted = [tmp_path / f".{out.name}.tmp", tmp_path / f".{out.name}.{os.getpid()}.tmp"]
+    for link in planted:
+        link.symlink_to(victim)
+    export(str(directory), out, None)
+    assert victim.read_text() == "someone else's file\n"
+    assert all(link.is_symlink() and link.resolve() == victim for link in planted)
+    assert not out.is_symlink() and torch.equal(torch.load(out, weights_only=True)["weight"], torch.full((64, 64), 1.0))
+
+
+def test_two_exports_to_one_file_leave_the_one_renamed_last_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The export of step 1 has written its file and stops there while the export of step 2 runs to
+    the end; then step 1's goes on. Both report what they wrote, and OUT holds step 1's model,
+    whole: the export that renamed last."""
+    directory, out = tmp_path / "checkpoints", tmp_path / "model.pt"
+    weights = one_file_checkpoints(directory, [1, 2])
+    first_written, second_done = threading.Event(), threading.Event()
+    real_save = torch.save
+
+    def save(*args: Any, **kwargs: Any) -> None:
+        real_save(*args, **kwargs)
+        if threading.current_thread().name == "step-1":
+            first_written.set()
+            assert second_done.wait(timeout=60)
+
+    monkeypatch.setattr(torch, "save", save)
+    reports: dict[int, str | BaseException] = {}
+
+    def export_step(step: int) -> None:
+        try:
+            reports[step] = export(str(directory), out, step)
+        except BaseException as error:  # reported below, with what the other export said
+            reports[step] = error
+
+    first = threading.Thread(target=export_step, args=(1,), name="step-1")
+    first.start()
+    assert first_written.wait(timeout=60)
+    export_step(2)
+    second_done.set()
+    first.join(timeout=60)
+    assert all(isinstance(report, str) for report in reports.values()), reports
+    assert "(step 1)" in str(reports[1]) and "(step 2)" in str(reports[2]), reports
+    exported = torch.load(out, weights_only=True)
+    assert exported.keys() == weights[1].keys() and all(torch.equal(exported[key], weights[1][key]) for key in exported)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["checkpoints", "model.pt"], "a temporary file was left"

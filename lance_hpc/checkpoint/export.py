@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from lance_hpc.errors import UserError
+from lance_hpc.storage.files import replaced_atomically
 
 FORMATS = (".pt", ".safetensors")
 
@@ -53,14 +54,16 @@ def export(directory: str, out: Path, step: int | None) -> str:
         raise UserError(f"{directory} holds no checkpoint\n  fix: name the checkpoint.dir of a job that has saved one")
     state = {key: value.detach().cpu().contiguous() for key, value in model_state(saved).items()}
     out.parent.mkdir(parents=True, exist_ok=True)
-    temporary = out.with_name(f".{out.name}.tmp")
-    if out.suffix == ".safetensors":
-        from safetensors.torch import save_file
+    # A fresh temporary name beside OUT, created exclusively and never through a link, fsynced, then
+    # renamed over OUT: a link planted at a guessable name is not followed, and two exports to one
+    # OUT each rename a file of their own (the last one's stays, whole).
+    with replaced_atomically(out) as file:
+        if out.suffix == ".safetensors":
+            from safetensors.torch import save
 
-        # safetensors refuses tensors that share memory (a tied head and embedding): each gets its own copy
-        save_file({key: value.clone() for key, value in state.items()}, str(temporary), metadata={"step": str(saved.step)})
-    else:
-        torch.save(state, temporary)
-    temporary.replace(out)
+            # safetensors refuses tensors that share memory (a tied head and embedding): each gets its own copy
+            file.write(save({key: value.clone() for key, value in state.items()}, metadata={"step": str(saved.step)}))
+        else:
+            torch.save(state, file)
     count = sum(value.numel() for value in state.values())
     return f"{out}: the model of {saved.path} (step {saved.step}), {len(state)} tensors, {count:,} values"
