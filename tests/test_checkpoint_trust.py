@@ -123,6 +123,14 @@ def spec(tmp_path: Path, digits) -> JobSpec:
     return load_spec(infer_spec(tmp_path / "eval", digits.val, tmp_path / "checkpoints", job="evaluate")).spec
 
 
+def hostile_checkpoint(tmp_path: Path, spec: JobSpec, how: str) -> tuple[Path, str, Path]:
+    """A checkpoint made hostile ``how``: its directory, the file a refusal names, the marker file
+    its code would create."""
+    directory, marker = tmp_path / "checkpoints", tmp_path / MARKER
+    write_checkpoint(directory, spec)
+    return directory, tamper(directory, how, marker), marker
+
+
 def assert_refused(message: str, named: str, marker: Path) -> None:
     assert not marker.exists(), "the checkpoint ran its code"
     assert message.startswith("refusing checkpoint file ") and named in message, message
@@ -134,9 +142,7 @@ def test_export_refuses_a_hostile_checkpoint_in_one_message(
     tmp_path: Path, spec: JobSpec, single_rank: torch.device, how: str
 ) -> None:
     """The command itself, in its own process: what it prints is all the user sees."""
-    directory, marker = tmp_path / "checkpoints", tmp_path / MARKER
-    write_checkpoint(directory, spec)
-    named = tamper(directory, how, marker)
+    directory, named, marker = hostile_checkpoint(tmp_path, spec, how)
     done = subprocess.run(
         [sys.executable, "-m", "lance_hpc", "checkpoint", "export", str(directory), str(tmp_path / "model.pt")],
         capture_output=True,
@@ -154,9 +160,7 @@ def test_export_refuses_a_hostile_checkpoint_in_one_message(
 def test_resuming_refuses_a_hostile_checkpoint_in_one_message(
     tmp_path: Path, spec: JobSpec, single_rank: torch.device, how: str
 ) -> None:
-    directory, marker = tmp_path / "checkpoints", tmp_path / MARKER
-    write_checkpoint(directory, spec)
-    named = tamper(directory, how, marker)
+    directory, named, marker = hostile_checkpoint(tmp_path, spec, how)
     saved = resuming.load_latest(directory)
     assert saved is not None
     with pytest.raises(UserError) as refused:
@@ -171,9 +175,7 @@ def test_evaluation_refuses_a_hostile_checkpoint_in_one_message(
     from lance_hpc.loading import load_task
     from lance_hpc.writeback.job import load_model
 
-    directory, marker = tmp_path / "checkpoints", tmp_path / MARKER
-    write_checkpoint(directory, spec)
-    named = tamper(directory, how, marker)
+    directory, named, marker = hostile_checkpoint(tmp_path, spec, how)
     with pytest.raises(UserError) as refused:
         load_model(spec, load_task(spec), torch.device("cpu"))
     assert_refused(str(refused.value), named, marker)
