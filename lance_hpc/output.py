@@ -6,6 +6,8 @@
   so two ranks' lines could interleave mid-line.
 - :func:`progress_bar`: a tqdm bar on a terminal; in a file (a redirected run, a SLURM log), where
   a bar redrawn with carriage returns becomes one endless line, a plain line now and then instead.
+- :func:`printable`: text read from a file or dataset anyone may have written, safe to print: a
+  control character in it (an escape sequence, a newline) is shown, never obeyed by the terminal.
 """
 
 from __future__ import annotations
@@ -38,6 +40,14 @@ def whole_lines() -> None:
     for stream in (sys.stdout, sys.stderr):
         if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(line_buffering=True, write_through=False)
+
+
+def printable(text: str) -> str:
+    """``text`` with each character a terminal would act on instead of show (control characters,
+    escape sequences, line breaks, bidirectional overrides) written as its escape: ``\\x1b``,
+    ``\\n``, ``\\u202e``. A value read from a shared dataset or directory could otherwise set the
+    terminal's title, clear it or forge lines of the report."""
+    return "".join(char if char.isprintable() or char == " " else char.encode("unicode_escape").decode() for char in text)
 
 
 def progress_bar(

@@ -31,7 +31,8 @@ import numpy as np
 import pyarrow as pa
 
 from lance_hpc.errors import UserError
-from lance_hpc.lineage.provenance import Producer, differs, provenance_of
+from lance_hpc.lineage.provenance import InvalidProvenance, Producer, differs, provenance_of
+from lance_hpc.output import printable
 
 # A field id that a data file keeps for a column it no longer provides (Lance's tombstone).
 DROPPED_FIELD = -2
@@ -78,7 +79,7 @@ def fills(dataset: Any, uri: str, outputs: Mapping[str, str], made_by: Producer,
             f"infer.refresh: {uri} has {', '.join(there)} but not {', '.join(absent)}, so the rows missing them cannot be "
             "told apart\n  fix: refresh the columns the dataset has in one job, and write the others in another"
         )
-    reasons = {name: differs(provenance_of(dataset.schema, name), made_by) for name in outputs}
+    reasons = {name: provenance_differs(dataset.schema, name, made_by) for name in outputs}
     refused = {name: reason for name, reason in reasons.items() if reason}
     if refused and overwrite:
         return False
@@ -93,6 +94,17 @@ def fills(dataset: Any, uri: str, outputs: Mapping[str, str], made_by: Producer,
     for name, kind in outputs.items():
         check_type(dataset.schema.field(name).type, kind, name, uri)
     return True
+
+
+def provenance_differs(schema: pa.Schema, name: str, made_by: Producer) -> str | None:
+    """Why ``made_by``'s values may not join column ``name`` (None when they may), a provenance
+    document that is not lance_hpc's among the reasons: anyone may have set its field metadata, so
+    what it records is shown with its control characters escaped."""
+    try:
+        reason = differs(provenance_of(schema, name), made_by)
+    except InvalidProvenance as error:
+        return f"its provenance is not one lance_hpc wrote ({error.problem})"
+    return None if reason is None else printable(reason)
 
 
 def check_type(existing: pa.DataType, kind: str, name: str, uri: str) -> None:

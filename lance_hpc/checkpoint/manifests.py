@@ -6,6 +6,10 @@ written and its lineage (the data it was trained on, the spec: :mod:`lance_hpc.l
 The manifest is written (atomically) once its checkpoint is complete and pruned with it, so
 ``lance-hpc status``, ``cancel`` and ``lineage`` list a directory and read a few hundred bytes on a
 login node, where loading the newest checkpoint would read, or download, all of it.
+
+A checkpoint directory may be shared, so a manifest is read as a file anyone may have put there:
+at most :data:`MANIFEST_BYTES`, only a regular file, and its fields checked against their shape
+(:data:`MANIFEST_SHAPE`) before any is used.
 """
 
 from __future__ import annotations
@@ -18,13 +22,32 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from lance_hpc.checkpoint.stores import TEMP_SUFFIX, Store, open_store
+from lance_hpc.checkpoint.stores import SMALL_FILE_FIX, TEMP_SUFFIX, Store, open_store
+from lance_hpc.errors import UserError
 from lance_hpc.lineage.checkpoints import checkpoint_lineage
+from lance_hpc.lineage.shapes import COUNT, FLAG, LINEAGE_SHAPE, NUMBER, TEXT, Fields, shape_problem
 
 CHECKPOINT_PATTERN = re.compile(r"^step-(\d+)\.pt$")
 MANIFEST_PATTERN = re.compile(r"^step-(\d+)\.json$")
 # What the manifest copies from a checkpoint's state, when the state has it.
 MANIFEST_FIELDS = ("step", "epoch", "progress", "mid_epoch", "world_size", "dataset_version")
+# What :func:`manifest` writes, field by field.
+MANIFEST_SHAPE = Fields(
+    {
+        "step": COUNT,
+        "epoch": COUNT,
+        "progress": NUMBER,
+        "mid_epoch": FLAG,
+        "world_size": COUNT,
+        "dataset_version": COUNT,
+        "saved_at": TEXT,
+        "checkpoint": TEXT,
+        "lineage": LINEAGE_SHAPE,
+    },
+    nullable=False,
+)
+# A manifest is a few hundred bytes (a mix of many sources a few kB): a larger file is not one.
+MANIFEST_BYTES = 1 << 20
 
 
 def checkpoint_name(step: int) -> str:
@@ -102,9 +125,15 @@ def latest(directory: str | Path) -> Saved | None:
 
 
 def read_manifest(store: Store, step: int) -> dict[str, Any]:
-    """The manifest of ``step``'s checkpoint; empty when it cannot be parsed (the name still gives the step)."""
+    """The manifest of ``step``'s checkpoint; empty when it is gone or cannot be parsed (the name
+    still gives the step). A UserError naming it when it is not a regular file, is larger than
+    MANIFEST_BYTES or has a field of the wrong type: not a manifest lance_hpc wrote."""
+    name = manifest_name(step)
     try:
-        fields = json.loads(store.read_bytes(manifest_name(step)))
-    except (OSError, ValueError):
+        fields = json.loads(store.read_bytes(name, MANIFEST_BYTES))
+    except (OSError, ValueError, RecursionError):
         return {}
-    return fields if isinstance(fields, dict) else {}
+    problem = shape_problem(fields, MANIFEST_SHAPE)
+    if problem:
+        raise UserError(f"{store.location(name)}: {problem}, so it is not a manifest lance_hpc wrote\n  fix: {SMALL_FILE_FIX}")
+    return fields

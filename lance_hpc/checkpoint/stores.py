@@ -11,7 +11,9 @@ checkpoint:
   nothing is listed under the final name; its parts wait for the bucket's lifecycle rule.
 
 Besides checkpoints, a store keeps small files by name (a checkpoint's JSON manifest), written the
-same way. A local write that fills the file system raises :class:`NoSpace`, the partial file removed.
+same way, and read back only up to a size (anyone who may write to a shared checkpoint directory
+may have put a FIFO, a device or a huge file there). A local write that fills the file system
+raises :class:`NoSpace`, the partial file removed.
 
 Object storage takes its endpoint, region and credentials from the same AWS_* environment
 variables as s3:// datasets (:func:`lance_hpc.storage.options.storage_options`).
@@ -32,7 +34,7 @@ from pyarrow import fs
 
 from lance_hpc.errors import UserError
 from lance_hpc.spec.choices import check_registry
-from lance_hpc.storage.files import replaced_atomically
+from lance_hpc.storage.files import read_regular, replaced_atomically, too_large
 from lance_hpc.storage.options import (
     CHECKPOINT_SCHEMES,
     CREDENTIAL_FIX,
@@ -56,6 +58,10 @@ CREDENTIAL_ERRORS = (
     "InvalidToken",
 )
 ENDPOINT_FIX = "check AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3) and the network from this machine"
+# What to do with a small file in a checkpoint directory that read_bytes refuses.
+SMALL_FILE_FIX = (
+    "remove it: lance_hpc keeps only small regular files beside its checkpoints, which are listed by name without them"
+)
 
 Location = Path | str  # a local checkpoint is a Path, one on object storage an s3:// URI
 
@@ -83,7 +89,7 @@ class Store(Protocol):
 
     def write_bytes(self, name: str, payload: bytes) -> None: ...
 
-    def read_bytes(self, name: str) -> bytes: ...
+    def read_bytes(self, name: str, limit: int) -> bytes: ...
 
     def delete(self, name: str) -> None: ...
 
@@ -112,8 +118,13 @@ class LocalDirectory:
     def write_bytes(self, name: str, payload: bytes) -> None:
         self._write(name, lambda file: file.write(payload))
 
-    def read_bytes(self, name: str) -> bytes:
-        return self.location(name).read_bytes()
+    def read_bytes(self, name: str, limit: int) -> bytes:
+        """The small file ``name``, at most ``limit`` bytes (a UserError past that, or for anything
+        but a regular file); FileNotFoundError when it is gone."""
+        found = read_regular(self.location(name), limit, fix=SMALL_FILE_FIX)
+        if found is None:
+            raise FileNotFoundError(self.location(name))
+        return found
 
     def _write(self, name: str, dump: Callable[[BinaryIO], object]) -> None:
         """``dump`` into a temporary file that replaces ``name`` once complete; NoSpace when the
@@ -175,7 +186,7 @@ class ObjectStore:
         self.write_bytes(name, payload.getbuffer())
 
     def read(self, name: str) -> dict[str, Any]:
-        return _load(io.BytesIO(self.read_bytes(name)))
+        return _load(io.BytesIO(self._fetch(name, None)))
 
     def write_bytes(self, name: str, payload: bytes | memoryview) -> None:
         try:
@@ -185,9 +196,15 @@ class ObjectStore:
             untouched = "; earlier checkpoints are untouched"
             raise self.error(str(error), "write checkpoint", self.location(name), untouched) from None
 
-    def read_bytes(self, name: str) -> bytes:
+    def read_bytes(self, name: str, limit: int) -> bytes:
+        return self._fetch(name, limit)
+
+    def _fetch(self, name: str, limit: int | None) -> bytes:
+        """The object ``name``, refused when it is larger than ``limit`` bytes (a checkpoint has no limit)."""
         try:
             with self.filesystem.open_input_file(f"{self.prefix}/{name}") as file:
+                if limit is not None and file.size() > limit:
+                    raise too_large(self.location(name), limit, SMALL_FILE_FIX)
                 return file.read()
         except OSError as error:
             raise self.error(str(error), "read checkpoint", self.location(name)) from None

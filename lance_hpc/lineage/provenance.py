@@ -5,7 +5,9 @@ digest of its weights; or the function), a digest of the spec, the dataset and v
 read, the rows and fragments it computed, the run and the time. A refresh that fills the rows
 appended since adds an entry to its ``refreshes``. The document is written in the same commit as
 the values (readers never see one without the other), so a column without it was not written by
-lance_hpc (or was written before lance_hpc recorded provenance).
+lance_hpc (or was written before lance_hpc recorded provenance). Anyone who may write to the
+dataset may set a column's field metadata: a document is checked against its shape
+(:data:`lance_hpc.lineage.shapes.PROVENANCE_SHAPE`) when it is read, before any field is used.
 
 Everything here reads and writes plain values; nothing imports Lance or torch at module level.
 """
@@ -21,8 +23,25 @@ from typing import Any, Mapping
 
 import pyarrow as pa
 
+from lance_hpc.errors import UserError
+from lance_hpc.lineage.shapes import PROVENANCE_SHAPE, parse
+from lance_hpc.output import printable
+
 # The field-metadata key of the document (Lance keeps field metadata with the schema of a version).
 PROVENANCE_KEY = "lance_hpc.provenance"
+# A larger document is not one lance_hpc wrote (each refresh adds about 200 bytes to it).
+PROVENANCE_BYTES = 1 << 22
+
+
+class InvalidProvenance(UserError):
+    """The provenance of ``column`` is not a document lance_hpc wrote; ``problem`` says why."""
+
+    def __init__(self, column: str, problem: str) -> None:
+        super().__init__(
+            f"the provenance of column {printable(column)} is not a document lance_hpc wrote: {problem}\n"
+            "  fix: compute the column again (infer.overwrite: true), or drop it"
+        )
+        self.column, self.problem = column, problem
 
 
 def now() -> str:
@@ -141,17 +160,19 @@ def encode(document: Mapping[str, Any]) -> str:
 
 
 def provenance_of(schema: pa.Schema, name: str) -> dict[str, Any] | None:
-    """The provenance of column ``name`` (None when it has none, or there is no such column)."""
+    """The provenance of column ``name`` (None when it has none, or there is no such column);
+    :class:`InvalidProvenance` when its document is too large, not JSON or of the wrong shape."""
     if name not in schema.names:
         return None
     text = (schema.field(name).metadata or {}).get(PROVENANCE_KEY.encode())
     if text is None:
         return None
+    if len(text) > PROVENANCE_BYTES:
+        raise InvalidProvenance(name, f"it is larger than {PROVENANCE_BYTES:,} bytes")
     try:
-        found = json.loads(text)
-    except ValueError:
-        return None
-    return found if isinstance(found, dict) else None
+        return parse(text, PROVENANCE_SHAPE)
+    except ValueError as error:
+        raise InvalidProvenance(name, str(error)) from None
 
 
 def derived_columns(schema: pa.Schema) -> list[str]:
@@ -188,7 +209,9 @@ def weights_digest(state: Mapping[str, Any]) -> str:
 
 
 __all__ = [
+    "PROVENANCE_BYTES",
     "PROVENANCE_KEY",
+    "InvalidProvenance",
     "Producer",
     "absolute",
     "column_document",

@@ -6,6 +6,9 @@ each refresh since). A column whose checkpoint was trained on rows of the datase
 flagged: its values on those rows are not a held-out estimate (validation leakage). For a checkpoint
 directory, each checkpoint in it with the data it was trained and validated on and its spec.
 Everything is read from the dataset's schema and the checkpoints' manifests: nothing is loaded.
+Both may have been written by anyone with access to them: a column whose provenance is not a
+document lance_hpc wrote is shown as invalid, and every line is printed with its control
+characters escaped (:func:`lance_hpc.output.printable`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from lance_hpc.checkpoint.manifests import checkpoint_steps, latest, read_manife
 from lance_hpc.checkpoint.stores import open_store
 from lance_hpc.errors import UserError
 from lance_hpc.lineage.checkpoints import source_text
-from lance_hpc.lineage.provenance import absolute, derived_columns, producer_of, provenance_of
+from lance_hpc.lineage.provenance import InvalidProvenance, absolute, derived_columns, producer_of, provenance_of
+from lance_hpc.output import printable
 from lance_hpc.storage.datasets import open_dataset
 from lance_hpc.storage.options import storage_options
 
@@ -62,7 +66,11 @@ def dataset_lines(uri: str, dataset: Any) -> list[str]:
     if not derived:
         return lines + ["  no column written by lance_hpc (none carries provenance)"]
     for name in derived:
-        document = provenance_of(schema, name)
+        try:
+            document = provenance_of(schema, name)
+        except InvalidProvenance as error:
+            lines.append(f"  {name} ({schema.field(name).type}): provenance invalid, not shown: {error.problem}")
+            continue
         assert document is not None  # derived_columns lists the columns that have one
         lines += column_lines(name, schema.field(name).type, document)
     others = [name for name in schema.names if name not in derived]
@@ -106,5 +114,5 @@ def lineage_lines(target: str, options: Mapping[str, str]) -> list[str]:
 
 def print_lineage(target: str, given: Mapping[str, str]) -> int:
     """``lance-hpc lineage TARGET``: the chain printed; ``given``: object-store options (endpoint, region)."""
-    print("\n".join(lineage_lines(target, storage_options(target, dict(given)))))
+    print("\n".join(printable(line) for line in lineage_lines(target, storage_options(target, dict(given)))))
     return 0

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 import sys
 import time
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from lance_hpc.errors import UserError
 from lance_hpc.launch.paths import JobPaths
 from lance_hpc.slurm import queue, records
 from lance_hpc.slurm.records import JobRef
+from lance_hpc.storage.files import open_regular
 
 PROG = "lance-hpc logs"
 RANK_LABEL = re.compile(rb"^\s*(\d+): ?")
@@ -99,21 +99,13 @@ class Printer:
 def open_log(path: Path) -> int | None:
     """A descriptor of the regular file at ``path``, or None while it does not exist. A job found
     by id alone has the log path SLURM shows, which its submitter chose: a device such as
-    /dev/zero or a FIFO there would never end or block forever, so only a regular file is read."""
-    try:
-        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # O_NONBLOCK: a FIFO cannot hang us
-    except FileNotFoundError:
-        return None
-    except OSError as error:
-        raise UserError(f"cannot read {path}: {error.strerror}\n  fix: check that the log is yours to read") from None
-    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
-        os.close(descriptor)
-        raise UserError(
-            f"{path} is not a regular file, so lance-hpc logs does not read it (a device or a pipe "
-            "may never end or may block)\n  fix: read the job's output where it was sent, or name the "
-            "job's spec: lance-hpc logs jobs/<spec>.yaml"
-        )
-    return descriptor
+    /dev/zero or a FIFO there would never end or block forever, so only a regular file is read (a
+    link to one is followed: the path is the submitter's own choice, not a file lance_hpc wrote)."""
+    return open_regular(
+        path,
+        fix="read the job's output where it was sent, or name the job's spec: lance-hpc logs jobs/<spec>.yaml",
+        follow_links=True,
+    )
 
 
 def read_log(path: Path, offset: int, size: int) -> bytes:

@@ -1,17 +1,27 @@
-"""Durable local files: written under a temporary name in the same directory, fsynced, then renamed
-into place, so a crash or a full disk at any moment leaves either the whole new file or the old one
-under its final name, never a truncated mix. Every file lance_hpc writes or rewrites for the user
-(a tuned spec, the resolved spec and script, records, checkpoints and their manifests, metrics)
-goes through :func:`replaced_atomically` or :func:`write_file`."""
+"""Durable local files, and files read back from directories others may write to.
+
+Written under a temporary name in the same directory, fsynced, then renamed into place, so a crash
+or a full disk at any moment leaves either the whole new file or the old one under its final name,
+never a truncated mix. Every file lance_hpc writes or rewrites for the user (a tuned spec, the
+resolved spec and script, records, checkpoints and their manifests, metrics) goes through
+:func:`replaced_atomically` or :func:`write_file`.
+
+Read back through :func:`open_regular` or :func:`read_regular`: in a shared directory anyone may
+have put a FIFO (which blocks a reader forever), a link to a device such as /dev/zero (which never
+ends) or a file of any size where lance_hpc's own small file belongs.
+"""
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import stat
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Iterator
+
+from lance_hpc.errors import UserError
 
 # A new file's mode before the umask, as open() gives it.
 NEW_FILE_MODE = 0o666
@@ -78,3 +88,49 @@ def _mode_of(path: Path) -> int | None:
         return stat.S_IMODE(os.stat(path).st_mode)
     except FileNotFoundError:
         return None
+
+
+def open_regular(path: Path, *, fix: str, follow_links: bool = False) -> int | None:
+    """A read-only descriptor of the regular file at ``path``, or None when nothing is there.
+    Anything else is refused with a UserError ending in ``fix``: a FIFO or a device, opened without
+    blocking so a FIFO cannot hang the caller, and, unless ``follow_links``, a symbolic link
+    (lance_hpc never writes one where it reads its own files back)."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_links else os.O_NOFOLLOW)
+    try:
+        descriptor = os.open(path, flags)
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        reason = "it is a symbolic link, which is not followed" if error.errno == errno.ELOOP else error.strerror
+        raise UserError(f"cannot read {path}: {reason}\n  fix: {fix}") from None
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise UserError(
+            f"{path} is not a regular file, so it is not read (a device or a pipe may never end or may block)\n  fix: {fix}"
+        )
+    return descriptor
+
+
+def read_regular(path: Path, limit: int, *, fix: str) -> bytes | None:
+    """The whole of the regular file at ``path`` (None when nothing is there), as :func:`open_regular`
+    opens it, never more than ``limit`` bytes: a larger file is refused with a UserError naming it."""
+    descriptor = open_regular(path, fix=fix)
+    if descriptor is None:
+        return None
+    chunks, size = [], 0
+    try:
+        while size <= limit and (chunk := os.read(descriptor, limit + 1 - size)):
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(descriptor)
+    if size > limit:
+        raise too_large(path, limit, fix)
+    return b"".join(chunks)
+
+
+def too_large(where: Path | str, limit: int, fix: str) -> UserError:
+    """The refusal of a file (or object) at ``where`` larger than ``limit`` bytes."""
+    return UserError(
+        f"{where} is larger than {limit:,} bytes, more than lance_hpc ever writes there, so it is not read\n  fix: {fix}"
+    )
