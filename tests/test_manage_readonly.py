@@ -1,11 +1,14 @@
 """Looking at a job never runs its code: ``status``, ``logs`` and ``cancel`` read only spec files
-the caller owns, and validate them without importing the task or entry they name. SLURM is faked
-(``queue`` answers from a table), so these run without a cluster."""
+the caller owns, and validate them without importing the task or entry they name; what they read
+from a log others may have written (a FIFO there, escape sequences in it) neither blocks them nor
+reaches the terminal raw. SLURM is faked (``queue`` answers from a table), so these run without a
+cluster."""
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -13,12 +16,15 @@ import pytest
 import yaml
 
 from lance_hpc.cli import cancel, logs, status
+from lance_hpc.manage import logs as manage_logs
 from lance_hpc.slurm import queue, records
 from lance_hpc.spec import SpecError, load_spec
 
 JOB_ID = "77"
 COMMANDS = {"status": status.main, "logs": logs.main, "cancel": cancel.main}
 OTHER_UID = 12345
+# Escape sequences that set the terminal's title and clear it, and a line break that forges a line.
+ESCAPES = "\x1b]0;pwned\x07\x1b[2J\nforged line\r"
 NEEDS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
 
 
@@ -133,3 +139,34 @@ def test_a_fifo_in_place_of_the_spec_does_not_hang(job: Path, capfd: pytest.Capt
     os.mkfifo(job)
     assert status.main([JOB_ID]) == 0
     assert "its spec was not found beside its log" in capfd.readouterr().out
+
+
+def test_status_escapes_the_control_characters_of_a_jobs_log(job: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    (job.parent / f"evil-{JOB_ID}.err").write_text(f"lance_hpc.run: {ESCAPES}\n")
+    assert status.main([str(job)]) == 0
+    out = capfd.readouterr().out
+    assert "ended       failed: \\x1b]0;pwned\\x07" in out and "\x1b" not in out and "\x07" not in out, repr(out)
+    assert not any(line.startswith("forged line") for line in out.splitlines()), out
+
+
+def test_status_reads_only_the_end_of_a_regular_log(
+    job: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A log that is a FIFO is refused at once (read whole, it would block status forever), and of a
+    long log only the end is read: the outcome is in its last lines."""
+    monkeypatch.setattr(manage_logs, "OUTCOME_BYTES", 64)
+    err = job.parent / f"evil-{JOB_ID}.err"
+    err.write_text("lance_hpc.run: an early failure, before the end\n" + "x" * 100 + "\nlance_hpc.run: the last one\n")
+    assert status.main([str(job)]) == 0
+    assert "ended       failed: the last one" in capfd.readouterr().out
+    err.unlink()
+    os.mkfifo(err)
+    ended: dict[str, int] = {}
+    reader = threading.Thread(target=lambda: ended.update(code=status.main([str(job)])), daemon=True)
+    reader.start()
+    reader.join(30)
+    if reader.is_alive():
+        os.close(os.open(err, os.O_WRONLY | os.O_NONBLOCK))  # the blocked reader's writer: it reads the end and returns
+        reader.join()
+        pytest.fail("status blocked reading a FIFO")
+    assert ended["code"] == 2 and f"{err} is not a regular file" in capfd.readouterr().err

@@ -16,7 +16,8 @@ import time
 
 from lance_hpc.checkpoint import manifests
 from lance_hpc.errors import ExitCode, UserError
-from lance_hpc.manage import logs, progress
+from lance_hpc.manage import logs
+from lance_hpc.output import printable
 from lance_hpc.slurm import queue, records
 from lance_hpc.slurm.records import JobRef
 
@@ -99,10 +100,9 @@ def report_stopped(ref: JobRef, job: queue.SlurmJob | None) -> None:
     if ref.spec is None:
         print(f"  ({ref.spec_note}: see its last lines with `lance-hpc logs {ref.job_id}`)")
         return
-    texts = [path.read_text(errors="replace") if path.exists() else "" for path in logs.job_logs(ref, job).files]
-    outcome = progress.outcome_from_log(texts[0], "".join(texts[1:]))
+    outcome = logs.log_outcome(logs.job_logs(ref, job).files)
     saved = manifests.latest(ref.spec.checkpoint.dir)  # names and manifests only: nothing is loaded
-    print(f"  its log: {outcome or 'no stop message (it may have stopped before its first step)'}")
+    print(f"  its log: {printable(outcome or 'no stop message (it may have stopped before its first step)')}")
     if saved:
         print(f"  checkpoint step {saved.step}: {saved.location}")
         print(f"  continue with: lance-hpc submit {ref.spec_source}")

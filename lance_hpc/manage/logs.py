@@ -19,6 +19,7 @@ from submitit.core.utils import JobPaths as SubmititPaths
 
 from lance_hpc.errors import UserError
 from lance_hpc.launch.paths import JobPaths
+from lance_hpc.manage import progress
 from lance_hpc.slurm import queue, records
 from lance_hpc.slurm.records import JobRef
 from lance_hpc.storage.files import open_regular
@@ -31,6 +32,8 @@ POLL_S, STATE_EVERY_S = 0.5, 2.0
 READ_CHUNK = 1 << 20
 # --rank looks for rank labels in this much of the end of the log, not the whole file.
 LABEL_CHECK_BYTES = 1 << 16
+# How an ended job ended is in the last lines of its log: this much of its end is read.
+OUTCOME_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,30 @@ def read_log(path: Path, offset: int, size: int) -> bytes:
         os.close(descriptor)
 
 
+def read_end(path: Path, size: int) -> tuple[bytes, bool]:
+    """The last ``size`` bytes of the log at ``path`` (nothing while it does not exist), and whether
+    the log holds more before them (then the first line read is cut off)."""
+    descriptor = open_log(path)
+    if descriptor is None:
+        return b"", False
+    try:
+        start = max(os.fstat(descriptor).st_size - size, 0)
+        return os.pread(descriptor, size, start), start > 0
+    finally:
+        os.close(descriptor)
+
+
+def log_outcome(files: Sequence[Path]) -> str | None:
+    """How the job whose log is ``files`` (stdout first, then stderr) last ended, read from the
+    whole lines in the last OUTCOME_BYTES of each; None when they do not say."""
+    texts = []
+    for path in files:
+        end, cut = read_end(path, OUTCOME_BYTES)
+        text = end.decode(errors="replace")
+        texts.append(text.partition("\n")[2] if cut else text)
+    return progress.outcome_from_log(texts[0], "".join(texts[1:]))
+
+
 class Tail:
     """New complete lines of one file since the last read (a cut-off last line waits for its end).
     Each read takes at most READ_CHUNK bytes; ``more`` says the file has more to read now."""
@@ -160,9 +187,8 @@ def check_labels(logs: JobLogs, rank: int | None) -> None:
     """--rank needs labelled lines: refuse clearly on logs written before the script labelled them."""
     if rank is None or not logs.labelled or not logs.files[0].exists():
         return
-    path = logs.files[0]
-    start = max(path.stat().st_size - LABEL_CHECK_BYTES, 0)
-    lines = read_log(path, start, LABEL_CHECK_BYTES).splitlines()[1 if start else 0 :]  # the line the window starts in is cut off
+    end, cut = read_end(logs.files[0], LABEL_CHECK_BYTES)
+    lines = end.splitlines()[1 if cut else 0 :]  # the line the window starts in is cut off
     if any(line.strip() for line in lines) and not any(RANK_LABEL.match(line) for line in lines):
         raise UserError(
             f"the lines in {logs.files[0]} carry no rank labels (the job's script was rendered "

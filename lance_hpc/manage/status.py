@@ -2,18 +2,19 @@
 
 SLURM says the state and restarts (requeues) while it knows the job; the restart supervisor's records
 say the attempts inside each allocation; the checkpoint, the TensorBoard events and the log say the
-rest, also for a job SLURM has forgotten.
+rest, also for a job SLURM has forgotten. Logs and checkpoint directories may be shared: only the
+end of a regular log file is read, and every line is printed with its control characters escaped.
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from lance_hpc.checkpoint import manifests
 from lance_hpc.kinds import registered_kind
 from lance_hpc.manage import logs, progress
 from lance_hpc.manage.attempts import attempt_lines
+from lance_hpc.output import printable
 from lance_hpc.runtime.watchdog import activity_line, watch_dir
 from lance_hpc.slurm import queue, records
 from lance_hpc.slurm.records import JobRef
@@ -63,8 +64,7 @@ def report(ref: JobRef, job: queue.SlurmJob | None) -> list[str]:
     job_logs = logs.job_logs(ref, job)
     ended = job is None or job.ended
     if ended:
-        texts = [_read(path) for path in job_logs.files]
-        outcome = progress.outcome_from_log(texts[0], "".join(texts[1:]))
+        outcome = logs.log_outcome(job_logs.files)
         lines.append(f"  ended       {outcome or 'the log does not say how'}")
     shown = kind_progress(spec)
     if shown is not None:
@@ -155,13 +155,6 @@ def time_left_text(spec: JobSpec, step: int, seconds_per_step: float | None) -> 
     )
 
 
-def _read(path: Path) -> str:
-    try:
-        return path.read_text(errors="replace")
-    except FileNotFoundError:
-        return ""
-
-
 def show_status(target: str, overrides: list[str], job_id: str | None, every: bool) -> int:
     """Print the report of each job ``target`` (a spec or a job id) names: its latest job, the one
     ``job_id`` picks, or with ``every`` all of them, oldest first; for a spec never submitted, what
@@ -169,7 +162,7 @@ def show_status(target: str, overrides: list[str], job_id: str | None, every: bo
     try:
         refs = records.resolve(target, overrides, job_id, every=every)
     except records.NeverSubmitted as never:
-        print("\n".join(local_report(never)), flush=True)
+        print("\n".join(map(printable, local_report(never))), flush=True)
         return 0
     if not queue.have_slurm():
         print(
@@ -178,5 +171,5 @@ def show_status(target: str, overrides: list[str], job_id: str | None, every: bo
         )
     for index, ref in enumerate(refs):
         job = queue.show_job(ref.job_id) if queue.have_slurm() else None
-        print(("\n" if index else "") + "\n".join(report(ref, job)), flush=True)
+        print(("\n" if index else "") + "\n".join(map(printable, report(ref, job))), flush=True)
     return 0
