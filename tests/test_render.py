@@ -110,7 +110,14 @@ def test_script_requests_what_the_spec_says() -> None:
     assert directive_lines == sorted(directive_lines)
     # the supervisor, then srun (restarts inside the allocation), on two lines
     launch = shlex.split(script[script.rindex("\npython3 -I ") :].replace("\\\n", " "))
-    assert launch[:3] == ["python3", "-I", "/project/logs/full-options/full-options.restarts.pyz"]
+    program = "/project/logs/full-options/full-options.restarts.pyz"
+    assert launch[:5] == [
+        "python3",
+        "-I",
+        "-c",
+        restart_script.RUN_OWN_PROGRAM,
+        program,
+    ]  # run once checked: see test_restart_files
     assert "--max-restarts=2" in launch and "--nodes=4" in launch and "--min-nodes=4" in launch
     assert launch[launch.index("--") + 1 :] == [
         "srun", "--label", "--kill-on-bad-exit=1", "--cpus-per-task=12",

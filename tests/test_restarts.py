@@ -11,6 +11,7 @@ import ast
 import json
 import os
 import re
+import shlex
 import socket
 import stat
 import subprocess
@@ -229,7 +230,7 @@ def test_the_script_asks_for_spares_keeps_the_allocation_and_runs_srun_through_t
     directives = dict(render.sbatch_directives(script))
     assert directives["nodes"] == "5" and directives["no-kill"] is True
     supervisor = (
-        "python3 -I /logs/big.restarts.pyz --max-restarts=2 --nodes=4 --min-nodes=3 --tasks-per-node=1 "
+        f"python3 -I -c {shlex.quote(restart_script.RUN_OWN_PROGRAM)} /logs/big.restarts.pyz --max-restarts=2 --nodes=4 --min-nodes=3 --tasks-per-node=1 "
         '--record=/logs/big.attempts/"$SLURM_JOB_ID" --progress=/logs/big.watch/"$SLURM_JOB_ID" --'
     )
     assert f"{supervisor} \\\n    srun --label" in script

@@ -8,6 +8,12 @@ a zip application that holds its own modules, its command line (:mod:`lance_hpc.
 :mod:`lance_hpc.runtime.ports` (whose port holder it runs before each restart) under empty
 ``__init__`` files of the packages above them, and a ``__main__`` that runs the command line. Python puts the file
 first on sys.path even with ``-I``; the modules in it import nothing else but the standard library.
+
+The log directory may be a group's, where another user could put a program of theirs in its place
+after submission. So the script does not hand the path to Python: a few lines in the script itself
+(:data:`RUN_OWN_PROGRAM`, which SLURM keeps as it was submitted) open the file without following a
+link or waiting on a FIFO, refuse it unless it is a regular file of the job's user that nobody else
+may write, and run what they opened, through its descriptor, not what the path names a moment later.
 """
 
 from __future__ import annotations
@@ -28,6 +34,21 @@ PACKED = ("launch/restarts", "cli/restarts.py", "runtime/ports.py")
 MAIN = "import sys\n\nfrom lance_hpc.cli.restarts import main\n\nsys.exit(main())\n"
 # The same bytes for the same sources: a re-rendered job writes the same file.
 ZIP_TIME = (1980, 1, 1, 0, 0, 0)
+# python3 -I -c RUN_OWN_PROGRAM <program> ARGS: the checks of lance_hpc.storage.shared_files.open_own
+# (private), written out, since nothing of lance_hpc can be imported before the program is checked.
+RUN_OWN_PROGRAM = """import os, runpy, stat, sys
+program = sys.argv.pop(1)
+try:
+    descriptor = os.open(program, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    info = os.fstat(descriptor)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise OSError(f"not a regular file of yours that only you may write (uid {info.st_uid}, mode {info.st_mode:o})")
+except OSError as error:
+    print(f"lance_hpc: {program} is not run: {error}\\n  fix: submit the job again from a log directory"
+          " (slurm.log_dir) where nobody else can replace its files", file=sys.stderr)
+    sys.exit(2)
+runpy.run_path(f"/proc/self/fd/{descriptor}", run_name="__main__")  # the file checked, whatever the path names now
+"""
 
 
 def packed_sources() -> dict[str, str]:
@@ -58,8 +79,8 @@ def supervisor_program() -> bytes:
 
 
 def restart_supervisor(spec: JobSpec) -> str:
-    """What runs srun when the job restarts inside its allocation (``python3 -I <log_dir>/<name>.restarts.pyz
-    ... --``), with the node's own Python, outside any container; empty for slurm.max_restarts: 0."""
+    """What runs srun when the job restarts inside its allocation (``python3 -I -c RUN_OWN_PROGRAM
+    <log_dir>/<name>.restarts.pyz ... --``), with the node's own Python, outside any container; empty for slurm.max_restarts: 0."""
     slurm = spec.slurm
     if not slurm.max_restarts:
         return ""
@@ -71,7 +92,7 @@ def restart_supervisor(spec: JobSpec) -> str:
         f"--tasks-per-node={slurm.ntasks_per_node}",
         *([] if slurm.restart_standby else ["--no-standby"]),
     ]
-    words = ["python3", "-I", str(paths.restarts_program), *options]
+    words = ["python3", "-I", "-c", RUN_OWN_PROGRAM, str(paths.restarts_program), *options]
     record = f'--record={shlex.quote(str(paths.attempts) + "/")}"{job}"'
     # a sweep's runs have names of their own, which the script cannot know: their steps go unpublished here
     progress = (
