@@ -20,10 +20,12 @@ from lance_hpc.runtime import preemption
 from lance_hpc.runtime.attempt import STANDBY_VARIABLE
 from lance_hpc.spec import load_spec_text
 from lance_hpc.spec.load import read_own_text
+from lance_hpc.storage.shared_files import read_own
 
 # How often a waiting standby rank looks for its go file: the delay it adds to a restart, and the
 # metadata reads it costs a shared file system while it waits (one per rank per interval).
 STANDBY_POLL_S = 0.2
+GO_LIMIT = 16 * 1024 * 1024  # bytes read of the go file: the variables of the attempt's ranks
 # A waiting standby rank ends quietly on these (srun passes SIGTERM on; submitit's task would ignore it).
 QUIT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -47,7 +49,7 @@ def wait_if_standby(spec_file: str, environ: dict[str, str] | os._Environ = os.e
         Path(f"{go}.ready-{rank}").touch()
     while True:
         try:
-            message = json.loads(Path(go).read_text())
+            message = json.loads(read_own(go, GO_LIMIT))
             break
         except (OSError, ValueError):  # not written yet (it is renamed into place whole)
             time.sleep(STANDBY_POLL_S)

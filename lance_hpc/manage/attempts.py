@@ -9,10 +9,12 @@ import time
 from lance_hpc.launch.paths import JobPaths
 from lance_hpc.launch.restarts import ATTEMPTS_FILE, Attempt, read_attempts
 from lance_hpc.slurm.records import JobRef
+from lance_hpc.storage.shared_files import RefusedFile
 
 
 def attempts_of(ref: JobRef) -> list[Attempt]:
-    """What the supervisor recorded of ``ref``'s attempts (a sweep's run under the sweep's name)."""
+    """What the supervisor recorded of ``ref``'s attempts (a sweep's run under the sweep's name).
+    Raises RefusedFile for a record that is not the caller's own regular file."""
     owner = ref.log_owner
     if owner is None:
         return []
@@ -20,8 +22,12 @@ def attempts_of(ref: JobRef) -> list[Attempt]:
 
 
 def attempt_lines(ref: JobRef) -> list[str]:
-    """``attempts`` and one line per attempt, or nothing for a job that never restarted inside its allocation."""
-    attempts = attempts_of(ref)
+    """``attempts`` and one line per attempt, or nothing for a job that never restarted inside its
+    allocation, or the one line that says which record was not read."""
+    try:
+        attempts = attempts_of(ref)
+    except RefusedFile as error:
+        return [f"attempts not shown: {error}"]
     if len(attempts) < 2 and not any(attempt.exit_code for attempt in attempts):
         return []
     runs = sorted({attempt.run for attempt in attempts})

@@ -20,7 +20,7 @@ import traceback
 from pathlib import Path
 
 from lance_hpc.errors import UserError
-from lance_hpc.storage.files import write_file
+from lance_hpc.storage.files import PRIVATE_MODE, write_file
 
 # Where a rank notes how it failed (the restart supervisor names the same variable).
 FAILURE_DIR_VARIABLE = "LANCE_HPC_FAILURE_DIR"
@@ -64,7 +64,7 @@ def note_failure(
         "what": what,
     }
     try:
-        write_file(Path(folder) / f"rank-{rank}.json", json.dumps(note))
+        write_file(Path(folder) / f"rank-{rank}.json", json.dumps(note), mode=PRIVATE_MODE)
     except OSError:
         pass  # the launcher then names a rank by exit codes alone
 

@@ -12,11 +12,13 @@ from pathlib import Path
 from typing import Any, Collection
 
 from lance_hpc.launch.restarts.policy import Cause
+from lance_hpc.storage.shared_files import read_own
 
 # What srun prints of a step's failures (SLURM 22.05 and later).
 SRUN_TASKS = re.compile(r"^srun: error: (?P<host>\S+): tasks? (?P<ranks>[\d,-]+): (?P<what>.+)$")
 SRUN_NODE_FAILURE = re.compile(r"^srun: error: Node failure on (?P<host>\S+)")
 EXIT_CODE = re.compile(r"Exited with exit code (\d+)$", re.IGNORECASE)
+NOTE_LIMIT = 1024 * 1024  # bytes read of a rank's note: an error message and a few fields
 
 
 def notes(directory: str | Path) -> list[dict[str, Any]]:
@@ -25,8 +27,8 @@ def notes(directory: str | Path) -> list[dict[str, Any]]:
     folder = Path(directory)
     for path in sorted(folder.glob("rank-*.json")) if folder.is_dir() else []:
         try:
-            note = json.loads(path.read_text())
-        except (OSError, ValueError):
+            note = json.loads(read_own(path, NOTE_LIMIT))
+        except (OSError, ValueError):  # a FIFO, a link or another user's file planted there included
             continue
         if isinstance(note, dict) and {"rank", "time", "lost_contact", "message"} <= set(note):
             found.append(note)

@@ -9,9 +9,12 @@ import subprocess
 from pathlib import Path
 from typing import Sequence
 
+from lance_hpc.storage.shared_files import read_own
+
 # sinfo's compact node states (%t) in which a node takes no new step; a trailing * means not
 # responding. Not resv or maint: a job that runs in a reservation sees its nodes so.
 UNUSABLE_STATES = ("down", "drain", "drng", "fail", "boot", "pow", "npc", "inval", "unk", "futr")
+PROGRESS_LIMIT = 64 * 1024  # bytes read of a rank's published step: a few numbers
 
 
 def _slurm(*command: str) -> str:
@@ -48,7 +51,7 @@ def furthest_step(progress_dir: str | None) -> int | None:
     steps = []
     for path in Path(progress_dir).glob("rank-*.json") if progress_dir else []:
         try:
-            steps.append(int(json.loads(path.read_text())["step"]))
+            steps.append(int(json.loads(read_own(path, PROGRESS_LIMIT))["step"]))
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return max(steps) if steps else None

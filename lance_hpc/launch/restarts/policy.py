@@ -10,7 +10,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from lance_hpc.storage.shared_files import RefusedFile, read_own
+
 ATTEMPTS_FILE = "attempts.jsonl"
+ATTEMPTS_LIMIT = 16 * 1024 * 1024  # bytes read of it: two short lines an attempt, many thousand attempts
 # Exit codes of ``python -m lance_hpc.run`` that a restart cannot change (lance_hpc.errors.ExitCode).
 NOT_RESTARTED = {
     0: "finished",
@@ -143,10 +146,14 @@ def choose_nodes(allocated: Sequence[str], left_out: dict[str, str], wanted: int
 
 
 def read_attempts(path: str | Path) -> list[Attempt]:
-    """The attempts ``attempts.jsonl`` records, in order; a later line of an attempt updates it."""
+    """The attempts ``attempts.jsonl`` records, in order; a later line of an attempt updates it.
+    Raises RefusedFile for anything there but a regular file of the caller's (a FIFO would block the
+    reader, a link point anywhere)."""
     merged: dict[tuple, dict[str, Any]] = {}
     try:
-        text = Path(path).read_text()
+        text = read_own(path, ATTEMPTS_LIMIT).decode(errors="replace")
+    except RefusedFile:
+        raise
     except OSError:
         return []
     for line in text.splitlines():

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lance_hpc.launch.restarts.causes import StepReport, attempt_cause, notes
-from lance_hpc.launch.restarts.nodes import allocated_nodes, furthest_step, unusable_nodes
+from lance_hpc.launch.restarts.nodes import PROGRESS_LIMIT, allocated_nodes, furthest_step, unusable_nodes
 from lance_hpc.launch.restarts.policy import (
     ATTEMPTS_FILE,
     NOT_RESTARTED,
@@ -29,6 +29,7 @@ from lance_hpc.launch.restarts.policy import (
 from lance_hpc.launch.restarts.port_holder import PortHolder
 from lance_hpc.launch.restarts.step import Step
 from lance_hpc.runtime.ports import HANDOFF_VARIABLE
+from lance_hpc.storage.shared_files import append_own, own_private_dir, read_own
 
 # What the ranks of an attempt read (lance_hpc.runtime.attempt and lance_hpc.runtime.failures name the same).
 FAILURE_DIR_VARIABLE = "LANCE_HPC_FAILURE_DIR"  # where each rank notes how it failed
@@ -81,7 +82,12 @@ class Supervisor:
     def main(self) -> int:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self.stop)
-        self.record.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            # <name>.attempts/<job id>/: the ranks' notes and the go files are read back from there
+            own_private_dir(self.record, levels=2)
+        except OSError as error:
+            say(f"cannot keep the job's records in {self.record}: {error}; choose a slurm.log_dir of your own", error=True)
+            return 2
         try:
             return self.loop()
         finally:
@@ -174,7 +180,7 @@ class Supervisor:
             return True
         for path in Path(self.args.progress).glob("rank-*.json") if self.args.progress else []:
             try:
-                status = json.loads(path.read_text())
+                status = json.loads(read_own(path, PROGRESS_LIMIT))
                 if status["time"] > attempt.started and status["step"] > 0:
                     return True
             except (OSError, ValueError, KeyError, TypeError):
@@ -265,8 +271,7 @@ class Supervisor:
 
     def write(self, attempt: Attempt) -> None:
         try:
-            with open(self.record / ATTEMPTS_FILE, "a") as file:  # one short write in append mode
-                file.write(attempt.line() + "\n")
+            append_own(self.record / ATTEMPTS_FILE, attempt.line() + "\n")  # one short write in append mode
         except OSError as error:
             say(f"cannot record attempt {attempt.number + 1} in {self.record}: {error.strerror}", error=True)
 
