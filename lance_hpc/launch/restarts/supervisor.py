@@ -44,6 +44,7 @@ REQUEUE_REQUEST_VARIABLE = "LANCE_HPC_REQUEUE_REQUEST"
 # A standby step starts once the running attempt published a step, or this long after it started.
 STANDBY_AFTER_S = 30.0
 POLL_S = 0.1
+STOPPED_CODE = 3  # lance_hpc.errors.ExitCode.STOPPED: run the job again to continue
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,8 @@ class Supervisor:
                 {node: "no longer in the job's allocation" for node in self.original() if allocated and node not in allocated}
             )
             nodes = choose_nodes(allocated, self.left_out, self.args.nodes, self.args.min_nodes) if allocated else []
+            if self.stopping:  # the signal came while SLURM was asked: the next attempt never starts
+                return self.stop_before_next()
             if nodes is None:
                 return self.give_up(allocated)
             attempt = self.attempt(allocated, nodes)
@@ -125,6 +128,16 @@ class Supervisor:
             )
             if attempt.cause is not None and attempt.cause.what == "node" and attempt.cause.host:
                 self.left_out.setdefault(attempt.cause.host, attempt.cause.message)
+
+    def stop_before_next(self) -> int:
+        """End the job on a signal that came between two attempts, with the first one's exit code."""
+        if not self.history:
+            say("stopped by a signal before the first attempt", error=True)
+            return STOPPED_CODE
+        self.history[-1].outcome = "stopped by a signal before the next attempt"
+        self.write(self.history[-1])
+        say(f"stopped by a signal before attempt {len(self.history) + 1}; the job ends with attempt 1's error", error=True)
+        return first_code(self.history)
 
     def original(self) -> list[str]:
         return self.history[0].nodes if self.history else []
