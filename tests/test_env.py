@@ -82,6 +82,11 @@ ENVIRONMENTS = [
         id="srun-explicit-port-requeued-gpus",
     ),
     pytest.param(
+        srun_task(LANCE_HPC_ATTEMPT="1"),
+        DistEnv("slurm", 3, 1, 4, 2, 1, 2, "gpu01", port_for_job("4242"), job_id="4242", attempt=1),
+        id="srun-restarted-in-the-allocation",
+    ),
+    pytest.param(
         srun_task(SLURM_JOB_NODELIST="gpu[01-03,07],cpu5", SLURM_STEP_NODELIST=None),
         DistEnv("slurm", 3, 1, 4, 2, 1, 2, "gpu01", port_for_job("4242"), job_id="4242"),
         id="srun-job-nodelist-only",

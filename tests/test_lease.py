@@ -163,6 +163,18 @@ def test_a_lease_of_a_slurm_job_that_ended_is_taken_over_before_its_heartbeat_is
         slurm_cluster.run("scancel", running, check=False)
 
 
+def test_a_restart_inside_the_allocation_takes_its_jobs_lease_on_another_node_and_others_wait(tmp_path: Path, leases) -> None:
+    """The restart supervisor starts an attempt only once the one before has ended, whose rank 0 may
+    have held the lease on another node, its heartbeat still fresh."""
+    plant(tmp_path, elsewhere(heartbeat_age_s=5, job="800"))  # attempt 1's rank 0, on node-elsewhere
+    with pytest.raises(UserError, match="in use by another run: pid 4242 on node-elsewhere, SLURM job 800"):
+        lease.acquire(tmp_path, lease.this_process("801", 0, attempt=1))  # another job's second attempt
+    with pytest.raises(UserError, match="in use by another run: pid 4242 on node-elsewhere, SLURM job 800"):
+        lease.acquire(tmp_path, lease.this_process("800", 0))  # the same attempt of the same job: a second srun
+    held, note = take(tmp_path, lease.this_process("800", 0, attempt=1), leases)  # attempt 2, on this node
+    assert note is None and held.holder.attempt == 1
+
+
 def test_a_requeued_job_takes_its_own_lease_back_and_others_wait(tmp_path: Path, leases) -> None:
     first_run = elsewhere(heartbeat_age_s=5, job="800")  # SLURM ran the job's first run on another node
     plant(tmp_path, first_run)

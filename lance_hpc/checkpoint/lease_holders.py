@@ -32,6 +32,7 @@ class Holder:
     started: float
     heartbeat: float
     requeued: bool = False  # the job was requeued and keeps its lease until it runs again
+    attempt: int = 0  # the attempt inside the allocation (LANCE_HPC_ATTEMPT: the restart supervisor's)
 
     def encode(self) -> bytes:
         fields = {**asdict(self), "started": _iso(self.started), "heartbeat": _iso(self.heartbeat)}
@@ -54,6 +55,7 @@ class Holder:
                 _seconds(raw["started"]),
                 _seconds(raw["heartbeat"]),
                 bool(raw.get("requeued", False)),
+                int(raw.get("attempt", 0)),
             )
         except (ValueError, KeyError, TypeError):
             return None
@@ -75,8 +77,9 @@ class Holder:
         return f"`kill -TERM {self.pid}` on {self.host} saves and stops it"
 
 
-def this_process(job: str | None, restart: int) -> Holder:
-    """A lease record for this process, as rank 0 of SLURM job ``job`` (None: a local run)."""
+def this_process(job: str | None, restart: int, attempt: int = 0) -> Holder:
+    """A lease record for this process, as rank 0 of SLURM job ``job`` (None: a local run) in its
+    run ``restart`` (SLURM_RESTART_COUNT) and the ``attempt`` inside that run's allocation."""
     now = whole_seconds()
     return Holder(
         uuid.uuid4().hex,
@@ -89,6 +92,7 @@ def this_process(job: str | None, restart: int) -> Holder:
         restart,
         now,
         now,
+        attempt=attempt,
     )
 
 

@@ -26,8 +26,14 @@ def verdict(seen: Snapshot, me: Holder, directory: str, where: str) -> str | Non
                 f"  fix: start this run again in a minute; if no other run uses this directory, delete {where}"
             )
         return f"taking over the unreadable lease {where}, untouched for {duration(age)}"
-    if holder.job is not None and holder.job == me.job and (holder.requeued or holder.restart != me.restart):
-        return None  # SLURM ends a job's previous run before it starts the next one
+    if (
+        holder.job is not None
+        and holder.job == me.job
+        and (holder.requeued or holder.restart != me.restart or holder.attempt < me.attempt)
+    ):
+        # SLURM ends a job's previous run before it starts the next one, and the restart supervisor
+        # an attempt before the next, wherever that one's rank 0 runs
+        return None
     gone = _why_gone(holder, me, now)
     if gone is None and holder.requeued and holder.job:
         raise UserError(

@@ -193,6 +193,9 @@ class RankPlace(Protocol):
     @property
     def job_ref(self) -> str | None: ...
 
+    @property
+    def attempt(self) -> int: ...
+
 
 @contextmanager
 def writer_lease(directory: str | Path, env: RankPlace) -> Iterator[lease.Lease | None]:
@@ -204,7 +207,7 @@ def writer_lease(directory: str | Path, env: RankPlace) -> Iterator[lease.Lease 
     refusal: list[Any] = [None]  # (message, whether it is a UserError) when rank 0 did not get the lease
     if env.rank == 0:
         try:
-            held, note = lease.acquire(directory, lease.this_process(env.job_ref, env.restart_count))
+            held, note = lease.acquire(directory, lease.this_process(env.job_ref, env.restart_count, env.attempt))
             if note:
                 print(f"lance_hpc: {note}", file=sys.stderr, flush=True)
         except UserError as error:

@@ -62,6 +62,7 @@ class DistEnv:
     master_port: int
     job_id: str | None = None
     restart_count: int = 0
+    attempt: int = 0  # inside the allocation, counted by the restart supervisor (0 without one)
     array_job_id: str | None = None
     array_task_id: str | None = None
 
@@ -131,6 +132,7 @@ def _from_torchrun(environ: Mapping[str, str]) -> DistEnv:
         master_port=_int(environ, "MASTER_PORT", 0),
         job_id=environ.get(SLURM_VARS["job_id"]),
         restart_count=_int(environ, SLURM_VARS["restart_count"], 0),
+        attempt=_int(environ, ATTEMPT_VARIABLE, 0),
     )
 
 
@@ -171,6 +173,7 @@ def _from_slurm_task(environ: Mapping[str, str]) -> DistEnv:
         master_port=_maybe_int(environ, "MASTER_PORT") or port_for_job(job_id),
         job_id=job_id,
         restart_count=_int(environ, SLURM_VARS["restart_count"], 0),
+        attempt=_int(environ, ATTEMPT_VARIABLE, 0),
         array_job_id=environ.get(SLURM_VARS["array_job_id"]),
         array_task_id=environ.get(SLURM_VARS["array_task_id"]),
     )
