@@ -35,9 +35,10 @@ class Infer(JobKind):
         """This rank's fragments through the model, and on rank 0 the commit or the report."""
         from lance_hpc.runtime.preemption import Preemption
         from lance_hpc.writeback.job import run_infer
+        from lance_hpc.writeback.waits import until_stopped
 
         with Preemption(signals) as preemption:
-            return run_infer(spec, env, preemption, requeue)
+            return until_stopped(lambda: run_infer(spec, env, preemption, requeue), env.rank)
 
     def progress(self, spec: JobSpec) -> list[str] | None:
         """The fragments done (of how many) and the commit, from the job's records."""

@@ -40,9 +40,10 @@ class Map(JobKind):
         """This rank's fragments through the function, and on rank 0 the commit."""
         from lance_hpc.runtime.preemption import Preemption
         from lance_hpc.writeback.map_job import run_map
+        from lance_hpc.writeback.waits import until_stopped
 
         with Preemption(signals) as preemption:
-            return run_map(spec, env, preemption, requeue)
+            return until_stopped(lambda: run_map(spec, env, preemption, requeue), env.rank)
 
     def progress(self, spec: JobSpec) -> list[str] | None:
         """The fragments done (of how many) and the commit, from the job's records."""

@@ -81,7 +81,7 @@ def run_infer(spec: JobSpec, env: DistEnv, preemption: Preemption, requeue: Requ
     assert spec.infer is not None
     device = select_device(env)
     configure_process(spec.train.seed, False, env, device)
-    run = steps.begin(spec, env)
+    run = steps.begin(spec, env, preemption)
     if run is None:
         return Summary("completed", 0, 0, None)
     if spec.data.num_workers > 0:  # there is work: the workers' server imports torch while the model and plan load
@@ -90,7 +90,7 @@ def run_infer(spec: JobSpec, env: DistEnv, preemption: Preemption, requeue: Requ
     check_task_inputs(spec, task)
     model, weights = load_model(spec, task, device, digest=env.is_main)
     run = run.with_weights(weights)
-    plan = steps.pin(spec, env, run)
+    plan = steps.pin(spec, env, run, preemption)
     if not plan.compute:
         return Summary("completed", 0, 0, None)
     mine = plan.assignment(env.world_size)[env.rank]

@@ -68,11 +68,11 @@ def run_map(spec: JobSpec, env: DistEnv, preemption: Preemption, requeue: Requeu
     from lance_hpc.runtime.context import Summary  # the runtime only on a rank: checks stay free of torch
 
     assert spec.infer is not None and spec.infer.function is not None
-    run = steps.begin(spec, env)
+    run = steps.begin(spec, env, preemption)
     if run is None:
         return Summary("completed", 0, 0, None)
     function: Function = load_callable(spec.infer.function, "infer.function")
-    plan = steps.pin(spec, env, run)
+    plan = steps.pin(spec, env, run, preemption)
     if not plan.compute:
         return Summary("completed", 0, 0, None)
     mine = plan.assignment(env.world_size)[env.rank]

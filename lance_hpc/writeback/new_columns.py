@@ -23,8 +23,9 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+import uuid
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -38,10 +39,7 @@ from lance_hpc.lineage.provenance import Producer
 from lance_hpc.spec import JobSpec
 from lance_hpc.storage.datasets import open_dataset
 from lance_hpc.storage.options import storage_options
-from lance_hpc.writeback import column_swap, fill
-
-# How often a rank waits for rank 0's pinned version, and for how long at most.
-WAIT_S, WAIT_LIMIT_S = 0.5, 600.0
+from lance_hpc.writeback import column_swap, fill, waits
 
 
 @dataclass
@@ -144,11 +142,17 @@ class Records(UnitRecords[FragmentRecord]):
         self.write_json("started.json", {"version": version})
 
     def committed(self) -> int | None:
-        found = self.read_json("committed.json")
+        found = self.commit_record()
         return int(found["version"]) if found else None
 
+    def commit_record(self) -> dict[str, Any] | None:
+        """The record of the run's commit as written: each commit's is unique (its ``id``), so a
+        rank that saw one can tell a later commit from it even at the same version."""
+        found = self.read_json("committed.json")
+        return found if isinstance(found, dict) and "version" in found else None
+
     def mark_committed(self, version: int) -> None:
-        self.write_json("committed.json", {"version": version})
+        self.write_json("committed.json", {"version": version, "id": uuid.uuid4().hex})
 
     def clear(self) -> None:
         """Forget the run (it starts over): the pin and the fragments first, the commit's record
@@ -171,10 +175,12 @@ def start(
     overwrite: bool,
     filter: str | None = None,
     refresh: Producer | None = None,
+    stopped: Callable[[], bool],
 ) -> ColumnPlan:
     """The run's plan. Rank 0 pins the latest version at the first start (the columns an overwrite
-    replaces still in it); the other ranks wait for the pin. ``refresh``: what computes the columns
-    of a refresh, which fills the rows that lack columns the dataset has (their maker's)."""
+    replaces still in it); the other ranks wait for the pin, or for ``stopped()``
+    (:mod:`lance_hpc.writeback.waits`). ``refresh``: what computes the columns of a refresh, which
+    fills the rows that lack columns the dataset has (their maker's)."""
     records = Records(run, options)
     version = records.pinned()
     if version is None and main:
@@ -183,12 +189,8 @@ def start(
         column_swap.check_columns(dataset, uri, outputs, overwrite or filling)
         version = int(dataset.version)
         records.pin(version)
-    deadline = time.monotonic() + WAIT_LIMIT_S
-    while version is None:
-        if time.monotonic() > deadline:
-            raise UserError(f"rank 0 did not pin the dataset version of {uri} within {WAIT_LIMIT_S:.0f} s: see its log")
-        time.sleep(WAIT_S)
-        version = records.pinned()
+    if version is None:
+        version = waits.wait_for(records.pinned, stopped, f"pin the dataset version of {uri}")
     return plan_at(uri, options, version, outputs, run, filter, refresh=refresh, overwrite=overwrite)
 
 

@@ -3,19 +3,20 @@
 A run's record of its commit (``committed.json``) counts only while the dataset, at its latest
 version, is at least that version and holds the columns that commit wrote, which their provenance
 names (:mod:`lance_hpc.lineage.provenance`); for a refresh, while no row lacks them. Otherwise rank
-0 clears the run's records and the job starts over, and the other ranks wait for that.
+0 clears the run's records and the job starts over. The other ranks wait until the record they
+read is no longer there as they read it: gone, or another commit (each is unique), which rank 0
+may have made before they look again (:mod:`lance_hpc.writeback.waits`).
 """
 
 from __future__ import annotations
 
-import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from lance_hpc.backfill import missing
-from lance_hpc.errors import UserError
 from lance_hpc.lineage.provenance import provenance_of, runs_of
 from lance_hpc.storage.datasets import open_dataset
-from lance_hpc.writeback.new_columns import WAIT_LIMIT_S, WAIT_S, Records, run_name
+from lance_hpc.writeback import waits
+from lance_hpc.writeback.new_columns import Records, run_name
 
 
 def stale_commit(
@@ -58,26 +59,35 @@ def earlier_commit(
     outputs: Mapping[str, str],
     *,
     main: bool,
+    stopped: Callable[[], bool],
     refresh: bool = False,
     filtered: bool = False,
 ) -> int | None:
     """The version an earlier run of this job committed, while the dataset still has it; else None,
-    after rank 0 has cleared that run's records (saying so in one line): the job starts over."""
-    version = records.committed()
-    if version is None:
+    after rank 0 has cleared that run's records (saying so in one line): the job starts over. The
+    other ranks wait for rank 0 (or for ``stopped()``: :class:`~lance_hpc.writeback.waits.Stopped`)."""
+    seen = records.commit_record()  # read before the dataset: a commit made after it is another record
+    if seen is None:
         return None
-    reason = stale_commit(
-        open_dataset(uri, None, options), outputs, version, run_name(records.path), refresh=refresh, filtered=filtered
-    )
+    version = int(seen["version"])
+
+    def stale(version: int) -> str | None:
+        dataset = open_dataset(uri, None, options)
+        return stale_commit(dataset, outputs, version, run_name(records.path), refresh=refresh, filtered=filtered)
+
+    reason = stale(version)
     if reason is None:
         return version
     if main:
         print(f"starting over: an earlier run of this job committed version {version} of {uri}, but {reason}", flush=True)
         records.clear()
         return None
-    deadline = time.monotonic() + WAIT_LIMIT_S
-    while records.committed() is not None:
-        if time.monotonic() > deadline:
-            raise UserError(f"rank 0 did not clear the stale records of {uri} within {WAIT_LIMIT_S:.0f} s: see its log")
-        time.sleep(WAIT_S)
-    return None
+
+    def moved_on() -> tuple[dict[str, Any] | None] | None:
+        now = records.commit_record()
+        return None if now == seen else (now,)
+
+    (now,) = waits.wait_for(moved_on, stopped, f"clear the stale records of {uri}")
+    # cleared: the run starts over (its pin, which stays, is what this rank waits for next); or rank
+    # 0 has started over and committed already: that commit, while it holds
+    return int(now["version"]) if now is not None and stale(int(now["version"])) is None else None

@@ -47,15 +47,23 @@ class Run:
         return replace(self, made_by=replace(self.made_by, weights=weights))
 
 
-def begin(spec: JobSpec, env: DistEnv) -> Run | None:
-    """The run of ``spec``; None, said on rank 0, when an earlier run's commit still holds."""
+def begin(spec: JobSpec, env: DistEnv, preemption: Preemption) -> Run | None:
+    """The run of ``spec``; None, said on rank 0, when an earlier run's commit still holds. A stop
+    signal while this rank waits for rank 0 raises :class:`~lance_hpc.writeback.waits.Stopped`."""
     assert spec.infer is not None
     name = new_columns.model_name(spec)
     folder, records = new_columns.run_records(spec, name)
     options = storage_options(spec.data.uri, spec.data.storage_options)
     refresh = spec.infer.refresh is not None
     committed = rerun.earlier_commit(
-        records, spec.data.uri, options, spec.infer.outputs, main=env.is_main, refresh=refresh, filtered=bool(spec.infer.filter)
+        records,
+        spec.data.uri,
+        options,
+        spec.infer.outputs,
+        main=env.is_main,
+        stopped=lambda: preemption.received is not None,
+        refresh=refresh,
+        filtered=bool(spec.infer.filter),
     )
     if committed is None:
         return Run(name, producer(spec), folder, records, options)
@@ -68,9 +76,10 @@ def begin(spec: JobSpec, env: DistEnv) -> Run | None:
     return None
 
 
-def pin(spec: JobSpec, env: DistEnv, run: Run) -> ColumnPlan:
+def pin(spec: JobSpec, env: DistEnv, run: Run, preemption: Preemption) -> ColumnPlan:
     """The plan on the pinned version; rank 0 says what runs (a refresh: what it fills). A refresh
-    with nothing to fill is recorded as committed, so a rerun knows until rows are added."""
+    with nothing to fill is recorded as committed, so a rerun knows until rows are added. A stop
+    signal while this rank waits for the pin raises :class:`~lance_hpc.writeback.waits.Stopped`."""
     assert spec.infer is not None
     plan = new_columns.start(
         spec.data.uri,
@@ -81,6 +90,7 @@ def pin(spec: JobSpec, env: DistEnv, run: Run) -> ColumnPlan:
         overwrite=spec.infer.overwrite,
         filter=spec.infer.filter,
         refresh=run.made_by if spec.infer.refresh else None,
+        stopped=lambda: preemption.received is not None,
     )
     if env.is_main:
         announce(spec, plan, run, env.world_size)

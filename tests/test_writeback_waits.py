@@ -1,0 +1,70 @@
+"""A rank that waits for rank 0 during a write-back: it waits for a record that stays (not a
+state it can miss between two looks), and a stop signal ends the wait at once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import lance
+import pyarrow as pa
+import pytest
+
+from lance_hpc.writeback import rerun, waits
+from lance_hpc.writeback.new_columns import Records
+
+
+@pytest.fixture
+def stale(tmp_path: Path) -> tuple[str, Records]:
+    """A dataset without the column ``twice`` and a run's record that it committed the column: stale."""
+    uri = str(tmp_path / "digits.lance")
+    lance.write_dataset(pa.table({"label": list(range(10))}), uri)
+    records = Records(str(tmp_path / ".digits.lance.infer" / "run"), {})
+    records.mark_committed(1)
+    return uri, records
+
+
+def test_a_waiting_rank_sees_rank_0_clear_and_commit_between_two_of_its_looks(stale, monkeypatch) -> None:
+    uri, records = stale
+    monkeypatch.setattr(waits, "WAIT_LIMIT_S", 3.0)  # a missed commit fails in seconds, not 600 s
+    real = rerun.stale_commit
+    moved: list[int] = []
+
+    def rank_0_done_meanwhile(*args: Any, **kwargs: Any) -> str | None:
+        reason = real(*args, **kwargs)
+        if not moved:  # right after rank 1 found the record stale: rank 0 clears, starts over and commits
+            records.clear()
+            lance.dataset(uri).add_columns({"twice": "label * 2"})
+            records.mark_committed(2)
+            moved.append(2)
+        return reason
+
+    monkeypatch.setattr(rerun, "stale_commit", rank_0_done_meanwhile)
+    started = time.monotonic()
+    found = rerun.earlier_commit(records, uri, {}, {"twice": "int64"}, main=False, stopped=lambda: False)
+    assert found == 2 and time.monotonic() - started < 2.0
+
+
+def test_a_stop_signal_ends_a_rank_waiting_for_rank_0_within_seconds(stale, monkeypatch) -> None:
+    from lance_hpc.runtime.preemption import Preemption
+    from lance_hpc.writeback.waits import Stopped, until_stopped
+
+    uri, records = stale  # rank 0 never clears the records: the wait would last its whole limit
+    with Preemption((signal.SIGTERM,)) as preemption:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        started = time.monotonic()
+        with pytest.raises(Stopped):
+            rerun.earlier_commit(
+                records, uri, {}, {"twice": "int64"}, main=False, stopped=lambda: preemption.received is not None
+            )
+        assert time.monotonic() - started < 5.0
+    assert preemption.received == signal.SIGTERM
+
+    def waits() -> Any:
+        raise Stopped("rank 0's commit")
+
+    assert until_stopped(waits, 1).status == "stopped"
