@@ -300,7 +300,9 @@ def test_a_commit_whose_columns_were_dropped_since_does_not_count_and_the_run_st
     assert lance.dataset(uri).version == 2 and "twice" in lance.dataset(uri).schema.names
 
 
-def test_a_dataset_that_moved_on_is_reported_and_nothing_is_mixed(trained, tmp_path: Path) -> None:
+def test_a_dataset_that_moved_on_is_reported_nothing_is_mixed_and_the_rerun_continues_with_the_appended_rows(
+    trained, tmp_path: Path
+) -> None:
     dataset, checkpoint = trained
     uri = copy_of(dataset.val, tmp_path)
     spec = infer_spec(tmp_path, uri, checkpoint, outputs={"predicted": "int64"}, function="tests.support.infer:slow_predict")
@@ -308,10 +310,16 @@ def test_a_dataset_that_moved_on_is_reported_and_nothing_is_mixed(trained, tmp_p
     assert kill_rank_1_after_its_first_fragment(spec).wait(timeout=120) != 0
     more = lance.dataset(uri).to_table().slice(0, 10)
     lance.write_dataset(more, uri, mode="append")  # another writer adds rows meanwhile
-    done = run_local(spec)
-    assert done.returncode != 0
-    assert "changed since this job began" in done.stdout + done.stderr and "were not committed" in done.stdout + done.stderr
+    refused = run_local(spec)
+    output = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and "rows were appended to" in output and "were not committed" in output, output
     assert "predicted" not in lance.dataset(uri).schema.names
+    assert "the next run continues from version 2, keeping the 6 fragment(s) written" in output, output
+    done = run_local(spec)  # no step by hand: the run goes on from the version with the appended rows
+    assert done.returncode == 0 and "7 fragments" in done.stdout, done.stdout + done.stderr
+    assert re.findall(r"(\d+) fragment\(s\) written, \d+ written before", done.stdout) in (["1", "0"], ["0", "1"]), done.stdout
+    table = lance.dataset(uri).to_table(columns=["predicted"])
+    assert table.num_rows == lance.dataset(uri, version=2).count_rows() and table.column("predicted").null_count == 0
 
 
 def test_an_evaluation_job_reports_the_checkpoint_metrics_to_the_terminal_tensorboard_and_json(trained, tmp_path: Path) -> None:

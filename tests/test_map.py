@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 import pytest
 import yaml
 
-from tests.support.mapping import FAILING_LABEL
+from tests.support.mapping import APPEND_TO, FAILING_LABEL
 from tests.support.shards import digit_rows, write_webdataset
 from tests.test_grow import ingest
 from tests.test_infer import kill_rank_1_after_its_first_fragment, run_local
@@ -188,3 +188,22 @@ def test_a_function_raising_on_a_row_with_skip_writes_every_other_row_and_names_
         assert got[row] == (None if row in skipped else sizes[row]), row
     vectors = table.column("one_hot").to_pylist()
     assert all((vectors[row] is None) == (row in skipped) for row in range(len(sizes)))
+
+
+def test_a_map_whose_commit_lost_to_an_append_continues_on_the_next_run_keeping_its_fragments(
+    digits: str, tmp_path: Path
+) -> None:
+    spec = map_spec(tmp_path / "job", digits, "tests.support.mapping:image_bytes_with_an_append", max_restarts=0)
+    refused = run_local(spec, {APPEND_TO: digits})
+    output = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and "image_bytes" not in lance.dataset(digits).schema.names, output
+    assert "rows were appended to" in output and "the next run continues from version 2, keeping the 4 fragment(s)" in output
+    assert "Traceback" not in output, output
+    done = run_local(spec)
+    assert done.returncode == 0, done.stdout + done.stderr
+    counts = [tuple(map(int, found)) for found in re.findall(r"(\d+) fragment\(s\) written, (\d+) written before", done.stdout)]
+    assert sorted(counts) == [(0, 2), (1, 2)], done.stdout  # only the appended fragment computed
+    assert "with image_bytes, one_hot for 50 rows" in done.stdout, done.stdout
+    sizes, _ = expected(digits)
+    table = lance.dataset(digits).to_table(columns=["image_bytes"])
+    assert len(sizes) == 50 and table.column("image_bytes").to_pylist() == sizes

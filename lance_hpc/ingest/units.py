@@ -64,7 +64,14 @@ class UnitRecords(Generic[Record]):
             return None
 
     def write(self, index: int, record: Record) -> None:
-        self.write_json(f"{self.prefix}-{index:06d}.json", asdict(record))  # type: ignore[call-overload]
+        self.write_json(self._name(index), asdict(record))  # type: ignore[call-overload]
+
+    def forget(self, index: int) -> None:
+        """Drop one unit's record: the unit is done again."""
+        self.store.delete_file(f"{self.path}/{self._name(index)}")
+
+    def _name(self, index: int) -> str:
+        return f"{self.prefix}-{index:06d}.json"
 
     def finished(self, known: dict[int, Record] | None = None) -> dict[int, Record]:
         """Every recorded unit by index; records already in ``known`` are not read again."""

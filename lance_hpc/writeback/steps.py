@@ -19,7 +19,7 @@ from lance_hpc.ingest.units import wait_for_all
 from lance_hpc.lineage.provenance import Producer, provenance_of
 from lance_hpc.storage.datasets import open_dataset
 from lance_hpc.storage.options import storage_options
-from lance_hpc.writeback import column_swap, new_columns, rerun, row_errors
+from lance_hpc.writeback import column_swap, new_columns, repin, rerun, row_errors
 from lance_hpc.writeback.new_columns import ColumnPlan, FragmentRecord, Records
 from lance_hpc.writeback.provenance import commit_metadata, producer
 
@@ -172,6 +172,7 @@ def commit(spec: JobSpec, plan: ColumnPlan, finished: dict[int, FragmentRecord],
         refreshed={name: provenance_of(pinned.schema, name) or {} for name in spec.infer.outputs} if plan.fill else None,
     )
     kept = indices.on_columns(pinned, spec.infer.outputs)
+    repin.refuse_if_moved(plan, run.records)
     version = new_columns.commit(plan, finished, metadata)
     run.records.mark_committed(version)
     unreadable = sum(record.unreadable for record in finished.values())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -36,3 +37,22 @@ def fails_on_a_seven(batch: pa.RecordBatch) -> dict[str, object]:
 
 
 FAILING_LABEL = 7
+
+
+# When set, image_bytes_with_an_append appends rows to the dataset this names, once per job.
+APPEND_TO = "LANCE_HPC_TEST_APPEND_TO"
+
+
+def image_bytes_with_an_append(batch: pa.RecordBatch) -> dict[str, object]:
+    """:func:`image_bytes`, and with ``APPEND_TO`` set, another writer's append of 10 rows while the
+    job runs (by whichever rank gets there first: a file created once says it is done)."""
+    uri = os.environ.get(APPEND_TO)
+    if uri:
+        try:
+            os.close(os.open(f"{uri}.appended", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return image_bytes(batch)
+        import lance
+
+        lance.write_dataset(lance.dataset(uri).to_table().slice(0, 10), uri, mode="append")
+    return image_bytes(batch)
