@@ -207,3 +207,35 @@ def test_a_map_whose_commit_lost_to_an_append_continues_on_the_next_run_keeping_
     sizes, _ = expected(digits)
     table = lance.dataset(digits).to_table(columns=["image_bytes"])
     assert len(sizes) == 50 and table.column("image_bytes").to_pylist() == sizes
+
+
+SCALED = """
+import numpy as np
+
+batches = [0]
+
+
+def scaled(batch):
+    batches[0] += 1
+    if FAIL and batches[0] > 3:  # each rank's second fragment (3 batches of 4, 4 and 2 rows each)
+        raise RuntimeError("scaled: failing on a later fragment, as the test asked")
+    return {{"scaled": np.asarray(batch.column("label")) * {factor}}}
+"""
+
+
+def test_a_rerun_after_the_function_changed_starts_over_and_no_column_mixes_two_versions(digits: str, tmp_path: Path) -> None:
+    source = tmp_path / "scale_labels.py"
+    source.write_text("FAIL = True\n" + SCALED.format(factor=5))
+    spec = map_spec(tmp_path / "job", digits, f"{source}:scaled", max_restarts=0, columns=["label"], outputs={"scaled": "int64"})
+    failed = run_local(spec)
+    assert failed.returncode != 0 and "failing on a later fragment" in failed.stdout + failed.stderr
+    assert len(list((tmp_path / ".digits.lance.infer").glob("*/fragment-*.json"))) == 2  # one per rank, of 5 x label
+    source.write_text("FAIL = False\n" + SCALED.format(factor=3))  # the user fixes the function
+    done = run_local(spec)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("starting over: infer.function's source changed since an earlier run") == 1, done.stdout
+    assert "wrote 2 fragment(s) of version 1; they are discarded" in done.stdout, done.stdout
+    table = lance.dataset(digits).to_table(columns=["label", "scaled"])
+    assert table.column("scaled").to_pylist() == [3 * label for label in table.column("label").to_pylist()]
+    left = list((tmp_path / ".digits.lance.infer").glob("*/fragment-*.json"))
+    assert len(left) == 4 and len({path.parent for path in left}) == 1, left  # the failed run's fragments are gone

@@ -39,7 +39,7 @@ from lance_hpc.lineage.provenance import Producer
 from lance_hpc.spec import JobSpec
 from lance_hpc.storage.datasets import open_dataset
 from lance_hpc.storage.options import storage_options
-from lance_hpc.writeback import column_swap, fill, waits
+from lance_hpc.writeback import column_swap, fill, identity, waits
 
 
 @dataclass
@@ -284,18 +284,23 @@ def model_name(spec: JobSpec) -> str:
     return f"{spec.infer.checkpoint} step {saved.step}" + (f" with {spec.infer.function}" if spec.infer.function else "")
 
 
-def run_records(spec: JobSpec, model: str) -> tuple[str, Records]:
-    """The run's folder beside the dataset, named by the dataset, the columns, the model and the job."""
+def job_key(spec: JobSpec, model: str) -> str:
+    """Names the job: the dataset, the columns, the model's name, the settings and the job kind."""
     assert spec.infer is not None
-    options = storage_options(spec.data.uri, spec.data.storage_options)
     refresh = f" refresh={spec.infer.refresh}" if spec.infer.refresh else ""
-    key = run_key(
+    return run_key(
         spec.data.uri,
         spec.infer.outputs,
         f"{model} overwrite={spec.infer.overwrite} filter={spec.infer.filter}{refresh}",
         spec.job,
     )
-    run = f"{records_root(spec.data.uri)}/{key}"
+
+
+def run_records(spec: JobSpec, model: str) -> tuple[str, Records]:
+    """The run's folder beside the dataset, named by the job and what produces the values (the
+    function's source, the checkpoint: :mod:`lance_hpc.writeback.identity`)."""
+    options = storage_options(spec.data.uri, spec.data.storage_options)
+    run = f"{records_root(spec.data.uri)}/{identity.with_code(job_key(spec, model), identity.code(spec))}"
     return run, Records(run, options)
 
 

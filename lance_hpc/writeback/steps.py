@@ -19,7 +19,7 @@ from lance_hpc.ingest.units import wait_for_all
 from lance_hpc.lineage.provenance import Producer, provenance_of
 from lance_hpc.storage.datasets import open_dataset
 from lance_hpc.storage.options import storage_options
-from lance_hpc.writeback import column_swap, new_columns, repin, rerun, row_errors
+from lance_hpc.writeback import column_swap, earlier_runs, identity, new_columns, repin, rerun, row_errors
 from lance_hpc.writeback.new_columns import ColumnPlan, FragmentRecord, Records
 from lance_hpc.writeback.provenance import commit_metadata, producer
 
@@ -55,6 +55,10 @@ def begin(spec: JobSpec, env: DistEnv, preemption: Preemption) -> Run | None:
     folder, records = new_columns.run_records(spec, name)
     options = storage_options(spec.data.uri, spec.data.storage_options)
     refresh = spec.infer.refresh is not None
+    if env.is_main:
+        earlier_runs.claim(
+            new_columns.records_root(spec.data.uri), new_columns.job_key(spec, name), folder, identity.code(spec), options
+        )
     committed = rerun.earlier_commit(
         records,
         spec.data.uri,
