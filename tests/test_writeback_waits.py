@@ -64,7 +64,7 @@ def test_a_stop_signal_ends_a_rank_waiting_for_rank_0_within_seconds(stale, monk
         assert time.monotonic() - started < 5.0
     assert preemption.received == signal.SIGTERM
 
-    def waits() -> Any:
-        raise Stopped("rank 0's commit")
+    def waiting() -> Any:
+        raise Stopped("commit")
 
-    assert until_stopped(waits, 1).status == "stopped"
+    assert until_stopped(waiting, 1).status == "stopped"

@@ -30,9 +30,9 @@ def claim(root: str, job: str, run: str, produced_by: Mapping[str, str], options
         return
     store, path = filesystem(root, options)
     for info in store.get_file_info(pafs.FileSelector(path, allow_not_found=True)):
-        other = Records(f"{root}/{info.base_name}", options)
         if info.type != pafs.FileType.Directory or info.base_name == run.rpartition("/")[2]:
             continue
+        other = Records(f"{root}/{info.base_name}", options)
         recorded = other.read_json(JOB_RECORD)
         ours = info.base_name == job or (isinstance(recorded, dict) and recorded.get("job") == job)
         if not ours or other.committed() is not None:

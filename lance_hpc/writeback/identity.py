@@ -12,7 +12,7 @@ uncommitted fragments (:mod:`lance_hpc.writeback.earlier_runs`).
 from __future__ import annotations
 
 import hashlib
-import importlib.util
+import importlib.machinery
 import json
 from pathlib import Path
 from typing import Mapping
@@ -27,15 +27,24 @@ def _digest(payload: bytes) -> str:
 
 
 def source_file(function: str) -> Path | None:
-    """The file that defines ``function`` (``module:name`` or ``file.py:name``); None when it is not
-    a file (a namespace, a compiled module) or cannot be found (the import says why, later)."""
+    """The file that defines ``function`` (``module:name`` or ``file.py:name``), found on sys.path
+    as the import would find it, without importing anything (``lance-hpc status`` imports no
+    user code); None when it is not a file (a namespace, a compiled module) or is not found (the
+    import says why, later)."""
     module = function.rpartition(":")[0]
     if module.endswith(".py"):
         return Path(module).resolve()
-    try:
-        found = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        return None
+    parts, search = module.split("."), None
+    found = None
+    for depth, part in enumerate(parts):
+        try:
+            found = importlib.machinery.PathFinder.find_spec(part, search)
+        except (ImportError, ValueError):
+            return None
+        if found is None:
+            return None
+        if depth < len(parts) - 1:
+            search = list(found.submodule_search_locations or [])
     origin = found.origin if found is not None else None
     return Path(origin) if origin and Path(origin).is_file() else None
 

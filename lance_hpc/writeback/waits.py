@@ -30,7 +30,7 @@ class Stopped(Exception):
 def wait_for(look: Callable[[], Found | None], stopped: Callable[[], bool], what: str) -> Found:
     """``look()``'s first answer that is not None, looked for every :data:`WAIT_S`; :class:`Stopped`
     once ``stopped()``; a UserError naming ``what`` (rank 0's part) after :data:`WAIT_LIMIT_S`."""
-    limit_s = WAIT_LIMIT_S
+    limit_s = WAIT_LIMIT_S  # read here, not as a default: a test shortens it
     deadline = time.monotonic() + limit_s
     while True:
         found = look()
