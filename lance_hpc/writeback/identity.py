@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Mapping
 
-from lance_hpc.checkpoint.manifests import latest, manifest_name
+from lance_hpc.checkpoint.manifests import MANIFEST_BYTES, latest, manifest_name
 from lance_hpc.checkpoint.stores import open_store
 from lance_hpc.spec import JobSpec
 
@@ -59,7 +59,7 @@ def code(spec: JobSpec) -> dict[str, str]:
     if spec.infer.checkpoint is not None:
         saved = latest(spec.infer.checkpoint)
         try:
-            manifest = open_store(spec.infer.checkpoint).read_bytes(manifest_name(saved.step)) if saved else b""
+            manifest = open_store(spec.infer.checkpoint).read_bytes(manifest_name(saved.step), MANIFEST_BYTES) if saved else b""
         except OSError:  # a checkpoint saved before manifests: its step, which the name holds, is all
             manifest = b""
         found["checkpoint"] = _digest(manifest)
