@@ -1,5 +1,5 @@
-"""Tables that grow: rows appended to a dataset with columns an inference job wrote get nulls there
-(and the ingest says which), a job's record of its commit counts only while the dataset holds
+"""Tables that grow: rows appended to a dataset with columns a job wrote back get nulls there (and
+the ingest says which, and what wrote them), a job's record of its commit counts only while the dataset holds
 those very columns, and ``infer.refresh: missing`` computes the columns for the new rows only."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def data_files(uri: str) -> dict[str, bytes]:
 
 @pytest.fixture
 def with_column(tmp_path: Path) -> tuple[str, Path]:
-    """40 digits from WebDataset tars in 4 fragments, with the column ``twice`` an inference job wrote."""
+    """40 digits from WebDataset tars in 4 fragments, with the column ``twice`` an infer job's function wrote."""
     rows = digit_rows()
     write_webdataset(tmp_path / "first", rows[:40], per_tar=10)
     write_webdataset(tmp_path / "second", rows[40:], per_tar=10)
@@ -55,6 +55,7 @@ def test_an_append_to_a_dataset_with_derived_columns_adds_the_rows_with_nulls_th
     printed = capsys.readouterr()
     assert code == 0, printed.err
     assert "the new rows have no values in twice" in printed.out and "infer.refresh: missing" in printed.out, printed.out
+    assert "twice (written by an infer job, from a function)" in printed.out, printed.out
     assert "--overwrite" not in printed.out + printed.err
     after = lance.dataset(uri)
     assert after.version == before.version + 1 and after.count_rows() == 60
@@ -66,6 +67,49 @@ def test_an_append_to_a_dataset_with_derived_columns_adds_the_rows_with_nulls_th
     assert again.returncode == 0 and "already committed" in again.stdout, again.stdout + again.stderr
     assert "20 rows have no twice" in again.stdout and "infer.refresh: missing" in again.stdout, again.stdout
     assert lance.dataset(uri).version == after.version
+
+
+@pytest.mark.parametrize(
+    ("document", "wrote"),
+    [
+        ({"job": "map", "checkpoint": None, "function": "m:f"}, "written by a map job, from a function"),
+        ({"job": "infer", "checkpoint": {"dir": "ck", "step": 3}, "function": None}, "written by an infer job, from a model"),
+        ({"job": "infer", "checkpoint": {"dir": "ck", "step": 3}, "function": "m:f"}, "written by an infer job, from a model"),
+        ({"function": "m:f"}, "written back by a job"),  # no kind recorded
+        ({"job": "\x1b[2Jtrain"}, "written back by a job"),  # not a kind that writes columns
+        ("not JSON", "written back by a job"),
+    ],
+)
+def test_an_append_names_what_wrote_each_column_its_rows_lack(document: object, wrote: str, tmp_path: Path) -> None:
+    """What wrote each column comes from the column's provenance; without a readable one, the line
+    says only that a job wrote it back."""
+    from lance_hpc.ingest.plan import written_by
+
+    text = document if isinstance(document, str) else json.dumps(document)
+    schema = pa.schema([pa.field("score", pa.float32(), metadata={PROVENANCE_KEY: text})])
+    assert written_by(schema, "score") == wrote
+
+
+def test_an_append_says_which_set_grew(tmp_path: Path, capsys) -> None:
+    """Rows appended to a training and a validation set are counted as appended to each, and rows
+    appended to one dataset are not called training rows."""
+    rows = digit_rows()
+    write_webdataset(tmp_path / "first", rows[:40], per_tar=10)
+    write_webdataset(tmp_path / "second", rows[40:], per_tar=10)
+    train, val = tmp_path / "train.lance", tmp_path / "val.lance"
+    split = ("--val-uri", val, "--val-fraction", "0.25")
+    assert ingest(f"webdataset:{tmp_path}/first/*.tar", train, *split) == 0
+    assert "rows train " in capsys.readouterr().out  # a new dataset: its rows per split
+    before = [lance.dataset(str(uri)).count_rows() for uri in (train, val)]
+    assert ingest(f"webdataset:{tmp_path}/second/*.tar", train, *split, "--append") == 0
+    both = capsys.readouterr().out
+    grew = [lance.dataset(str(uri)).count_rows() - rows for uri, rows in zip((train, val), before)]
+    assert all(grew) and sum(grew) == 20, grew
+    expected = f"{grew[0]} rows appended to the training set, {grew[1]} to the validation set"
+    assert expected in both and "rows train" not in both, both
+    assert ingest(f"webdataset:{tmp_path}/second/*.tar", val, "--append") == 0
+    alone = capsys.readouterr().out
+    assert f"committed: {val} version 3; 20 rows appended; skipped none" in alone and "train" not in alone, alone
 
 
 def test_another_schema_is_refused_without_suggesting_an_overwrite(with_column: tuple[str, Path], tmp_path: Path, capsys) -> None:

@@ -136,21 +136,37 @@ def _appended_figures(dataset: Any, added: pa.Schema, read_version: int | None) 
 
 
 def committed_line(plan: Plan, done: Committed) -> str:
-    """``committed: URI version N, ...; rows train N, val N; skipped ...`` (or ``already committed``),
-    and what an append left null."""
+    """``committed: URI version N, ...; rows train N, val N; skipped ...`` (or ``already committed``;
+    an append says which set grew by how many rows), and what an append left null."""
     where = ", ".join(f"{plan.targets()[split].uri} version {version}" for split, version in done.versions.items())
-    rows = ", ".join(f"{split} {count:,}" for split, count in done.rows.items())
     state = "already committed" if done.already else "committed"
-    return "\n".join([f"{state}: {where}; rows {rows}; skipped {describe_skips(done.skipped)}", *unfilled_lines(plan)])
+    return "\n".join([f"{state}: {where}; {_rows(plan, done)}; skipped {describe_skips(done.skipped)}", *unfilled_lines(plan)])
+
+
+def _rows(plan: Plan, done: Committed) -> str:
+    """The rows per split; of an append, the rows each set grew by (a dataset appended to alone may
+    be either set, so it is not named)."""
+    if plan.mode != "append":
+        return "rows " + ", ".join(f"{split} {count:,}" for split, count in done.rows.items())
+    if plan.val is None:
+        return f"{done.rows.get('train', 0):,} rows appended"
+    return f"{done.rows.get('train', 0):,} rows appended to the training set, {done.rows.get('val', 0):,} to the validation set"
 
 
 def unfilled_lines(plan: Plan) -> list[str]:
-    """What an append leaves null: the columns lance_hpc derived that the new rows lack, per dataset."""
-    return [
-        f"{plan.targets()[split].uri}: the new rows have no values in {', '.join(names)} (columns an inference job "
-        "wrote) until a job with infer.refresh: missing computes them for those rows only"
-        for split, names in plan.unfilled.items()
-    ]
+    """What an append leaves null: the columns lance_hpc derived that the new rows lack, per dataset,
+    grouped by what wrote them."""
+    lines = []
+    for split, columns in plan.unfilled.items():
+        writers: dict[str, list[str]] = {}
+        for name, writer in columns.items():
+            writers.setdefault(writer, []).append(name)
+        which = "; ".join(f"{', '.join(names)} ({writer})" for writer, names in writers.items())
+        lines.append(
+            f"{plan.targets()[split].uri}: the new rows have no values in {which} until a job with infer.refresh: "
+            "missing computes them for those rows only"
+        )
+    return lines
 
 
 def describe_skips(skipped: dict[str, int]) -> str:

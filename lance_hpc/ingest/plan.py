@@ -41,7 +41,7 @@ from lance_hpc.ingest.target import SPEC_NAMES, Target, existing_dataset, target
 from lance_hpc.ingest.tokenizer import Tokenizer, load_tokenizer
 from lance_hpc.ingest.units import balanced
 from lance_hpc.limits import DEFAULT_RECORD_MB
-from lance_hpc.lineage.provenance import derived_columns
+from lance_hpc.lineage.provenance import derived_columns, provenance_of
 from lance_hpc.storage.datasets import dataset_exists, open_dataset
 from lance_hpc.storage.options import storage_options
 from lance_hpc.tasks.formats import CLASS_NAMES_KEY, KIND_KEY
@@ -71,8 +71,9 @@ class Plan:
     _tokenizer: Tokenizer | None = field(default=None, repr=False, compare=False)
     # splits whose commit by this run (an earlier process of it) the datasets hold: split -> version
     landed: dict[str, int] = field(default_factory=dict)
-    # append: per split, the columns lance_hpc derived (inference write-back) the new rows lack: null
-    unfilled: dict[str, list[str]] = field(default_factory=dict)
+    # append: per split, the columns lance_hpc derived (a job's write-back) the new rows lack (null
+    # there), each with what wrote it
+    unfilled: dict[str, dict[str, str]] = field(default_factory=dict)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -159,7 +160,7 @@ def make_plan(
     else:
         schema = _schema(source, shards[0], columns)
     read_versions: dict[str, int | None] = {}
-    unfilled: dict[str, list[str]] = {}
+    unfilled: dict[str, dict[str, str]] = {}
     for split, target in splits.items():
         # A UserError for anything but a Lance dataset; a worker trusts the check of the command
         # that started it (other workers' fragments may be landing in the folder meanwhile).
@@ -179,7 +180,8 @@ def make_plan(
             )
         read_versions[split] = int(found.version) if found is not None else None
         if found is not None and mode == "append":
-            unfilled[split] = _check_append_schema(found, schema, target)
+            derived = _check_append_schema(found, schema, target)
+            unfilled[split] = {name: written_by(found.schema, name) for name in derived}
     return Plan(
         source_text,
         source,
@@ -281,6 +283,20 @@ def _check_append_schema(found: Any, ours: pa.Schema, target: Target) -> list[st
             "data.ingest.columns)"
         )
     return derived
+
+
+# The kinds of job that write columns back, as the line about an append names them.
+WRITERS = {"infer": "an infer job", "map": "a map job"}
+
+
+def written_by(schema: pa.Schema, name: str) -> str:
+    """What wrote column ``name`` back, from its provenance: the kind of job, and whether a model (a
+    checkpoint) or a function computed it; only "a job" when the provenance names no such kind."""
+    document = provenance_of(schema, name) or {}
+    writer = WRITERS.get(str(document.get("job")))
+    if writer is None:
+        return "written back by a job"
+    return f"written by {writer}, from {'a model' if document.get('checkpoint') else 'a function'}"
 
 
 def _dataset_or_none(target: Target) -> Any | None:
