@@ -205,6 +205,17 @@ def test_a_failed_step_starts_again_and_the_attempts_are_recorded(tmp_path: Path
     assert attempts[0].outcome == "restarted (restart 1 of at most 2)" and attempts[1].outcome == "finished"
 
 
+def test_a_restart_promises_no_checkpoint_the_job_may_not_have_saved(tmp_path: Path) -> None:
+    """The supervisor cannot see whether the job saved a checkpoint (it failed before one, or its
+    kind keeps none): the line says it resumes from what the job saved, if anything."""
+    result, _ = supervise(tmp_path, "OSError: a flaky disk", FAIL_ONCE="1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "from the latest checkpoint" not in result.stdout, result.stdout
+    assert (
+        "restart 1 of at most 2 in this allocation, resuming from what the job saved (its latest checkpoint, if any)"
+    ) in result.stdout, result.stdout
+
+
 def test_the_same_error_at_the_same_step_stops_after_the_second_attempt_with_that_error(tmp_path: Path) -> None:
     result, attempts = supervise(tmp_path, "ValueError: bad batch on rank 1")
     assert result.returncode == 1, result.stdout + result.stderr

@@ -37,6 +37,7 @@ from lance_hpc.kinds import job_kind
 from lance_hpc.launch.paths import JobPaths
 from lance_hpc.launch.render import write_job_files
 from lance_hpc.launch.restarts import NOT_RESTARTED, Attempt, Cause, cause_from_note, decide, first_note
+from lance_hpc.launch.restarts.supervisor import RESUMES
 from lance_hpc.output import whole_lines
 from lance_hpc.quiet import exec_children
 from lance_hpc.runtime.attempt import ATTEMPT_VARIABLE, FAILED_AT_VARIABLE, FAILED_STEP_VARIABLE, RESTARTS_LEFT_VARIABLE
@@ -97,13 +98,13 @@ def run_local(spec_file: str | Path, nproc: int) -> int:
 def restart_point(spec: JobSpec) -> str:
     """Where the next attempt starts, for the line that says so: a training job from its latest
     checkpoint, or from the start when it saved none yet; the other kinds resume from what they
-    recorded, which the line keeps calling their checkpoint."""
+    recorded (fragments, shards), which is no checkpoint of theirs."""
     if spec.job != "train":
-        return "from the latest checkpoint"
+        return "resuming from what the job saved"
     try:
         saved = checkpoint_steps(open_store(spec.checkpoint.dir).names())
     except (OSError, UserError):  # the ranks say what is wrong with the directory
-        return "from the latest checkpoint"
+        return RESUMES
     return "from the latest checkpoint" if saved else "from the start (no checkpoint saved yet)"
 
 

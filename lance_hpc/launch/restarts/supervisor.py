@@ -41,6 +41,9 @@ STANDBY_VARIABLE = "LANCE_HPC_STANDBY"  # a standby rank's go file
 # Set by the batch script of a job in a container: a file there means rank 0 asked for a requeue,
 # which the script carries out once this supervisor ends (lance_hpc.runtime.preemption).
 REQUEUE_REQUEST_VARIABLE = "LANCE_HPC_REQUEUE_REQUEST"
+# Where a restarted attempt starts, as far as the supervisor knows: it does not read the job's
+# checkpoints (the job may have failed before its first save; an infer or map job keeps none).
+RESUMES = "resuming from what the job saved (its latest checkpoint, if any)"
 # A standby step starts once the running attempt published a step, or this long after it started.
 STANDBY_AFTER_S = 30.0
 POLL_S = 0.1
@@ -124,7 +127,7 @@ class Supervisor:
             failed = attempt.cause.describe() if attempt.cause else f"exit code {attempt.exit_code}"
             say(
                 f"attempt {attempt.number + 1} failed after {_seconds(attempt)}: {failed}; {decision.reason} in this "
-                "allocation, from the latest checkpoint"
+                f"allocation, {RESUMES}"
             )
             if attempt.cause is not None and attempt.cause.what == "node" and attempt.cause.host:
                 self.left_out.setdefault(attempt.cause.host, attempt.cause.message)
