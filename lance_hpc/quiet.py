@@ -8,22 +8,51 @@ Every warning lance_hpc prints itself says what to do; these come from its depen
   come from a forkserver that never imported Lance: :func:`exec_children` silences the warning
   around those starts only, so a user's own fork of a Lance process still warns.
 - torch 2.14 imports warn that ``isinstance(treespec, LeafSpec)`` is deprecated (its own code).
+- torch's distributed checkpoint warns that it assumes a load in one process when no process group
+  is formed: lance_hpc reads shards in one process only where it means to (``checkpoint export``
+  asks for exactly that), and a job's ranks load with their process group formed.
+- TensorBoard logs "Detected out of order event.step likely caused by a TensorFlow restart" when
+  it reads the events of a resumed run: the run asked for that purge itself (``purge_step``, so a
+  requeued job draws one curve), so ``lance-hpc status`` reading them has nothing to report.
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
 from contextlib import contextmanager
 from typing import Iterator
 
 FORK_WARNING = r"lance is not fork-safe"
-NOT_ACTIONABLE = ((r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning),)
+NOT_ACTIONABLE = (
+    (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning),
+    (
+        r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent is to load in a single process",
+        UserWarning,
+    ),
+)
+# TensorBoard's log lines (logger, how the line starts) that are not warnings to a user.
+NOT_ACTIONABLE_LOGS = (("tensorboard", "Detected out of order event.step likely caused by a TensorFlow restart"),)
+
+
+class _Dropped(logging.Filter):
+    """Drops the warnings of a logger that start with ``start``, and nothing else."""
+
+    def __init__(self, start: str):
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno == logging.WARNING and record.getMessage().startswith(self.start))
 
 
 def quiet_dependencies() -> None:
     """Install the filters for the dependencies' warnings listed in the module doc."""
     for message, category in NOT_ACTIONABLE:
         warnings.filterwarnings("ignore", message=message, category=category)
+    for name, start in NOT_ACTIONABLE_LOGS:
+        # the logger TensorBoard logs through, made here without importing TensorBoard
+        logging.getLogger(name).addFilter(_Dropped(start))
 
 
 @contextmanager
