@@ -101,10 +101,14 @@ def test_a_map_killed_mid_run_and_rerun_writes_each_fragment_once(digits: str, t
     assert lance.dataset(digits).to_table(columns=["image_bytes"]).column("image_bytes").to_pylist() == sizes
 
 
-def test_a_map_refresh_maps_only_the_appended_rows_and_an_index_it_replaces_is_built_again(digits: str, tmp_path: Path) -> None:
+def test_a_map_refresh_maps_only_the_appended_rows_and_an_index_it_replaces_is_built_again(
+    digits: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     spec = map_spec(tmp_path / "job", digits, "tests.support.mapping:image_bytes")
     assert run_local(spec).returncode == 0
     assert ingest(f"webdataset:{tmp_path}/second/*.tar", digits, "--append", "--rows-per-fragment", "10") == 0
+    appended = capsys.readouterr().out
+    assert "no values in image_bytes, one_hot (written by a map job, from a function)" in appended, appended
     raw = yaml.safe_load(spec.read_text())
     raw["infer"]["refresh"] = "missing"
     spec.write_text(yaml.safe_dump(raw))
