@@ -192,3 +192,38 @@ def test_printable_escapes_control_characters_and_keeps_the_rest() -> None:
     assert printable("plain text, ünïcode → ok") == "plain text, ünïcode → ok"
     assert printable(HOSTILE) == "\\x1b]0;pwned\\x07\\x1b[2J\\nforged line\\r"
     assert printable("a\u202eb\tc\x00\x9b") == "a\\u202eb\\tc\\x00\\x9b"
+
+
+def in_child(code: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter that must end within a minute (a FIFO opened to read blocks)."""
+    environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, env=environment, timeout=60
+    )
+
+
+def test_a_fifo_planted_as_the_job_records_of_a_log_directory_is_refused_at_once(tmp_path: Path) -> None:
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    os.mkfifo(log_dir / "jobs.jsonl")
+    spec = {"name": "job", "data": {"uri": str(tmp_path / "d.lance")}, "slurm": {"log_dir": str(log_dir)}}
+    result = in_child(
+        "from lance_hpc.errors import UserError\n"
+        "from lance_hpc.slurm import records\n"
+        "from lance_hpc.spec import validate_spec\n"
+        f"spec = validate_spec({spec!r}).spec\n"
+        "try:\n    records.read_records(spec)\nexcept UserError as error:\n    print(error)\n"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "jobs.jsonl is not a regular file" in result.stdout, result.stdout
+
+
+def test_a_fifo_or_a_link_among_the_ranks_statuses_is_skipped_by_status(tmp_path: Path) -> None:
+    (tmp_path / "rank-0.json").write_text(json.dumps({"rank": 0, "host": "n1", "time": 0.0, "phase": "train", "step": 3}))
+    os.mkfifo(tmp_path / "rank-1.json")
+    (tmp_path / "rank-2.json").symlink_to("/dev/zero")
+    result = in_child(
+        f"from pathlib import Path\nfrom lance_hpc.runtime.watchdog import activity_line\nprint(activity_line(Path({str(tmp_path)!r})))\n"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "step 3" in result.stdout, result.stdout

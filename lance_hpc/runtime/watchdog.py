@@ -33,7 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from lance_hpc.errors import UserError
 from lance_hpc.signals import WORKER_DUMP_SIGNAL, start_time
+from lance_hpc.storage.files import read_regular
 
 PUBLISH_S = 2.0  # how often a rank's progress file is rewritten
 STALE_S = 15.0  # a progress file this old belongs to a rank that stopped answering
@@ -276,8 +278,8 @@ class Watchdog(threading.Thread):
         found = []
         for rank in range(self.world_size):
             try:
-                found.append(json.loads(self.status_path(rank).read_text()))
-            except (OSError, ValueError):
+                found.append(read_status(self.status_path(rank)))
+            except (OSError, ValueError, UserError):
                 found.append({"rank": rank, "host": "?", "time": 0.0, "phase": "starting", "step": -1, "top": []})
         return found
 
@@ -335,15 +337,30 @@ class Stragglers:
         return "lance_hpc.watchdog: straggler " + "; ".join(parts) + " (at two log points in a row; the other ranks wait for it)"
 
 
+def read_status(path: Path) -> dict[str, Any]:
+    """A rank's published status: a small JSON object, read without following a link or waiting on
+    a FIFO (``status`` reads these from a watch directory under the job's log directory)."""
+    found = read_regular(path, STATUS_BYTES, fix=f"remove {path}")
+    if found is None:
+        raise FileNotFoundError(path)
+    status = json.loads(found)
+    if not isinstance(status, dict):
+        raise ValueError(f"{path} holds no JSON object")
+    return status
+
+
+STATUS_BYTES = 1024 * 1024  # a rank's status is a few hundred bytes
+
+
 def activity_line(directory: Path) -> str | None:
     """What a running job's ranks published last, in one line for ``lance-hpc status``: a stuck
     rank first, else the step and phases; None when nothing was published."""
     statuses = []
     for path in sorted(directory.glob("rank-*.json")):
         try:
-            statuses.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            continue
+            statuses.append(read_status(path))
+        except (OSError, ValueError, UserError):
+            continue  # gone, cut short, or not a regular file of the size a rank writes
     if not statuses:
         return None
     now = time.time()

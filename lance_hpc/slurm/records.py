@@ -20,6 +20,7 @@ from lance_hpc.errors import UserError
 from lance_hpc.slurm import queue
 from lance_hpc.spec import JobSpec, SweepRun, expand, load_spec_text
 from lance_hpc.spec.load import NotYourFile, owner_name, read_own_text
+from lance_hpc.storage.files import read_regular
 
 RECORDS_FILE = "jobs.jsonl"
 JOB_ID = re.compile(r"^\d+(_\d+)?$")
@@ -57,6 +58,10 @@ class JobRef:
         return self.log_spec or self.spec
 
 
+# Far more than the lines of a lifetime of submissions of one log directory (about 100 bytes a line).
+RECORDS_BYTES = 64 * 1024 * 1024
+
+
 def records_path(spec: JobSpec) -> Path:
     return Path(spec.slurm.log_dir) / RECORDS_FILE
 
@@ -79,9 +84,11 @@ def read_records(spec: JobSpec) -> dict[str, dict[str, Any]]:
     """job id -> everything recorded about it (later lines update earlier ones)."""
     path = records_path(spec)
     records: dict[str, dict[str, Any]] = {}
-    if not path.exists():
+    # a log directory may be shared: a FIFO or a link to a device planted here must not hang status
+    found = read_regular(path, RECORDS_BYTES, fix=f"remove {path}; it is lance_hpc's own record of the jobs submitted")
+    if found is None:
         return records
-    for line in path.read_text().splitlines():
+    for line in found.decode(errors="replace").splitlines():
         try:
             entry = json.loads(line)
         except json.JSONDecodeError:
