@@ -5,16 +5,22 @@ written for another model."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pyarrow as pa
 import pytest
 import torch
 
 from lance_hpc.checkpoint.resuming import Checkpoint, load_latest
 from lance_hpc.errors import ExitCode, UserError
+from lance_hpc.loading import load_task
+from lance_hpc.manage.lineage import lineage_lines
 from lance_hpc.runtime.context import Context
 from lance_hpc.runtime.entry import final_line
 from lance_hpc.runtime.environment import detect
@@ -22,6 +28,7 @@ from lance_hpc.runtime.metrics import NullLogger
 from lance_hpc.runtime.preemption import Preemption
 from lance_hpc.spec import JobSpec, load_spec, load_spec_text
 from lance_hpc.tasks import Task
+from lance_hpc.tasks.columns import ColumnsDecoder
 from tests.support.jobs import REPO_ROOT, check_trace, final_state, same_weights, write_spec
 from tests.support.ranks import launch, read_until
 
@@ -183,3 +190,83 @@ def test_a_script_that_raises_the_same_error_again_stops_after_one_restart_from_
         "the job failed after 2 attempts: the same error at step 0 in attempts 1 and 2, so a restart would fail again: "
         f"rank 0 on {socket.gethostname()} at step 0: ValueError: no such layer: head"
     ), output
+
+
+READS_TWO_COLUMNS = """
+import torch
+
+def main(ctx) -> dict:
+    model = ctx.wrap(torch.nn.Linear(1, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = ctx.train_loader()
+    ctx.register(model=model, optimizer=optimizer, loader=loader)
+    for step, batch in ctx.steps(loader, max_steps=4):
+        assert sorted(batch) == ["image", "label", "row_id"], sorted(batch)
+        assert isinstance(batch["image"], list) and isinstance(batch["image"][0], bytes)
+        batch = ctx.to_device(batch)
+        loss = model(batch["label"].float()[:, None]).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"rows": len(batch["image"]), "label": str(batch["label"].dtype)}
+"""
+
+
+def test_an_entry_reads_named_columns_without_a_task_and_its_checkpoints_name_the_entry(tmp_path: Path, digits) -> None:
+    code, output = run_script(
+        tmp_path,
+        digits,
+        READS_TWO_COLUMNS,
+        nproc=2,
+        task={"name": "columns", "options": {"columns": ["image", "label"]}},
+        checkpoint={"every_steps": 2},
+    )
+    assert code == 0, output
+    assert "training finished after 4 steps: rows 16, label 'torch.int64'" in output, output
+    lines = lineage_lines(str(tmp_path / "checkpoints"), {})
+    assert lines[0].startswith("checkpoints in ") and lines[0].endswith(": 2"), lines
+    assert lines[-1].startswith(f"    job digits, entry {tmp_path}/entry.py:main, task columns, spec "), lines
+
+
+def test_the_columns_task_needs_an_entry_and_names_existing_columns(tmp_path: Path, digits) -> None:
+    with pytest.raises(UserError, match="task columns only decodes rows: it has no model") as refused:
+        load_spec(write_spec(tmp_path, digits, task={"name": "columns", "options": {"columns": ["label"]}}))
+    assert "set entry: path/to/train.py:main" in str(refused.value)
+    spec = load_spec(
+        write_spec(tmp_path, digits, entry=EXAMPLE, task={"name": "columns", "options": {"columns": ["label", "lable"]}})
+    ).spec
+    with pytest.raises(UserError, match=r"task.options.columns: column 'lable' is not in .*train.lance; its columns:"):
+        load_task(spec)
+
+
+def test_an_empty_batch_of_columns_keeps_each_columns_type_for_the_ranks_that_pad() -> None:
+    schema = pa.schema([("tokens", pa.list_(pa.int32(), 4)), ("text", pa.string()), ("score", pa.float32())])
+    empty = ColumnsDecoder(["tokens", "text", "score"], None, schema).empty_batch()
+    assert empty["tokens"].shape == (0, 4) and empty["tokens"].dtype == torch.int32
+    assert empty["text"] == [] and empty["score"].shape == (0,) and empty["row_id"].dtype == torch.int64
+
+
+REPORTS_ITS_PYTHON = """
+import sys
+
+def main(ctx) -> dict:
+    return {"python": sys.executable}
+"""
+
+
+def test_local_ranks_run_the_python_that_ran_submit(tmp_path: Path, digits) -> None:
+    # a venv's python is a link to another interpreter: the ranks run the link, so its packages
+    python = tmp_path / "venv-python"
+    python.symlink_to(sys.executable)
+    (tmp_path / "entry.py").write_text(REPORTS_ITS_PYTHON)
+    spec_file = write_spec(tmp_path, digits, entry=f"{tmp_path}/entry.py:main")
+    done = subprocess.run(
+        [str(python), "-m", "lance_hpc", "submit", str(spec_file), "--local", "--nproc", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        cwd=REPO_ROOT,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"training finished after 0 steps: python '{python}'" in done.stdout, done.stdout

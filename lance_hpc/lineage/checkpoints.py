@@ -16,7 +16,9 @@ from lance_hpc.lineage.provenance import absolute, spec_digest
 
 def checkpoint_lineage(spec: Mapping[str, Any], pinned: Mapping[str, Any] | None) -> dict[str, Any]:
     """The lineage of a checkpoint of a run of ``spec`` (its redacted dict) that pinned ``pinned``
-    (the loader's: one dataset, or a mix's sources): what it was trained and validated on."""
+    (the loader's: one dataset, or a mix's sources): what it was trained and validated on, and by
+    what: the spec's ``entry`` (a loop of its own, None for the built-in trainer) and its task (for
+    an entry, maybe only the decoder of its rows: ``columns``)."""
     data = spec.get("data") or {}
     if pinned and pinned.get("sources"):
         sources = [dict(source) for source in pinned["sources"]]
@@ -30,6 +32,7 @@ def checkpoint_lineage(spec: Mapping[str, Any], pinned: Mapping[str, Any] | None
     return {
         "trained_on": sources,
         "validated_on": absolute(str(data["val_uri"])) if data.get("val_uri") else None,
+        "entry": spec.get("entry"),  # the loop that trained it, when not the built-in trainer
         "task": (spec.get("task") or {}).get("name"),
         "spec": spec_digest(spec),
         "job": spec.get("name"),

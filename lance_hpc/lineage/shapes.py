@@ -94,7 +94,9 @@ def parse(text: str | bytes, shape: Fields) -> dict[str, Any]:
 
 # A checkpoint's lineage (lance_hpc.lineage.checkpoints), in its manifest and in a column's provenance.
 SOURCE_SHAPE = Fields({"uri": TEXT, "version": COUNT, "tag": TEXT, "filter": TEXT, "weight": NUMBER}, nullable=False)
-LINEAGE_SHAPE = Fields({"trained_on": Items(SOURCE_SHAPE), "validated_on": TEXT, "task": TEXT, "spec": TEXT, "job": TEXT})
+LINEAGE_SHAPE = Fields(
+    {"trained_on": Items(SOURCE_SHAPE), "validated_on": TEXT, "entry": TEXT, "task": TEXT, "spec": TEXT, "job": TEXT}
+)
 # A column's provenance (lance_hpc.lineage.provenance).
 REFRESH_SHAPE = Fields(
     {

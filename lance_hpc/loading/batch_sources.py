@@ -18,6 +18,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from lance_hpc.errors import UserError
+from lance_hpc.loading.dict_batches import dict_reader
 from lance_hpc.loading.epoch_plan import DataPlan, spec_plan
 from lance_hpc.loading.mix import MixPart, MixPlanner, MixSchedule, epoch_rows, mix_steps, source_name
 from lance_hpc.loading.reader import BatchReader, MixReader
@@ -27,6 +28,7 @@ from lance_hpc.loading.selection import select_training_rows
 from lance_hpc.spec import DataSpec
 from lance_hpc.storage.options import storage_options
 from lance_hpc.tasks.base import Decoder
+from lance_hpc.tasks.columns import ColumnsDecoder
 
 log = logging.getLogger("lance_hpc.data")
 
@@ -37,8 +39,9 @@ def io_timeout(data: DataSpec) -> float:
 
 
 def batch_reader(data: DataSpec, uri: str, version: int, options: dict[str, str], decoder: Decoder, rank: int) -> BatchReader:
-    """The batch reader of ``uri`` at ``version``, with the spec's reading settings."""
-    return BatchReader(
+    """The batch reader of ``uri`` at ``version``, with the spec's reading settings; of dict batches
+    for a :class:`~lance_hpc.tasks.columns.ColumnsDecoder`."""
+    reader = BatchReader(
         uri,
         version,
         options,
@@ -50,6 +53,7 @@ def batch_reader(data: DataSpec, uri: str, version: int, options: dict[str, str]
         cache=data.cache,
         io_timeout_s=io_timeout(data),
     )
+    return dict_reader(reader) if isinstance(decoder, ColumnsDecoder) else reader
 
 
 class BatchSource(Protocol):
@@ -265,7 +269,8 @@ class MixBatches:
         )
         self.epoch_rows = epoch_rows(data, parts)
         steps = mix_steps(self.epoch_rows, world_size, data.batch_size)
-        self.reader: BatchReader = MixReader(**{**readers[0].__dict__, "_dataset": None}, parts=tuple(readers))
+        reader = MixReader(**{**readers[0].__dict__, "_dataset": None}, parts=tuple(readers))
+        self.reader: BatchReader = dict_reader(reader) if isinstance(decoder, ColumnsDecoder) else reader
         self.rows = 0
         self.planner = MixPlanner(self.schedule, world_size, data.batch_size, rank, steps)
 

@@ -10,58 +10,19 @@ batch crosses to the main process as an ordinary pickled value (tensors through 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import torch
 
 from lance_hpc.errors import UserError
 from lance_hpc.loading.reader import BatchReader, MixReader
 from lance_hpc.storage.datasets import ReadStats
-from lance_hpc.tasks.base import ROW_ID, Batch, Decoder, FieldSpec
-
-Transform = Callable[[dict[str, Any]], Any]
+from lance_hpc.tasks.columns import ColumnsDecoder, table_batch
 
 
 class TransformError(UserError):
     """The user's transform raised on a batch; the message names the batch and carries the error."""
-
-
-def column_value(column: pa.ChunkedArray | pa.Array) -> torch.Tensor | list[Any]:
-    """A column of a batch: a ``[rows, *sizes]`` tensor for numbers (and fixed-size lists of them,
-    nested or not) without nulls, else a list of Python values."""
-    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-    values, sizes = array, []
-    while pa.types.is_fixed_size_list(values.type) and values.null_count == 0:
-        sizes.append(values.type.list_size)
-        values = values.flatten()  # the rows of this slice only, whatever its offset
-    numeric = pa.types.is_integer(values.type) or pa.types.is_floating(values.type) or pa.types.is_boolean(values.type)
-    if not numeric or values.null_count:
-        return array.to_pylist()
-    return torch.from_numpy(values.to_numpy(zero_copy_only=False, writable=True)).reshape(len(array), *sizes)
-
-
-def table_batch(table: pa.Table, row_ids: np.ndarray) -> dict[str, Any]:
-    """The batch of ``table`` (rows ``row_ids``): each column by :func:`column_value`, and ``row_id``."""
-    batch: dict[str, Any] = {name: column_value(table.column(name)) for name in table.column_names}
-    batch[ROW_ID] = torch.from_numpy(np.ascontiguousarray(row_ids, dtype=np.int64))
-    return batch
-
-
-class ColumnsDecoder(Decoder):
-    """The columns a :class:`DictReader` takes, and the transform it applies. It fills no fields of
-    its own: the reader builds the whole batch (:func:`table_batch`)."""
-
-    def __init__(self, columns: Sequence[str], transform: Transform | None) -> None:
-        self.columns = tuple(columns)
-        self.transform = transform
-
-    def fields(self) -> dict[str, FieldSpec]:
-        return {}
-
-    def decode(self, table: pa.Table, out: Batch, rng: np.random.Generator) -> dict[int, str]:
-        return {}
 
 
 @dataclass

@@ -13,28 +13,18 @@ import pickle
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import pyarrow as pa
 import torch.distributed as dist
 from pydantic import ValidationError
 
 from lance_hpc.errors import UserError
-from lance_hpc.loading.batch_sources import DatasetBatches, MixBatches
-from lance_hpc.loading.dict_batches import ColumnsDecoder, Transform, dict_reader
-from lance_hpc.loading.loader import STATE_VERSION, TrainLoader, dataset_info
+from lance_hpc.loading.loader import STATE_VERSION, build_train_loader, dataset_info
 from lance_hpc.spec import DataSpec
 from lance_hpc.spec.problems import from_pydantic
-from lance_hpc.tasks.base import Decoder
+from lance_hpc.tasks.columns import ColumnsDecoder, Transform
 
 # What a state must have been read from to continue here: (state key, argument that sets it).
 IDENTITY = (("uri", "uri"), ("version", "version"), ("filter", "filter"))
-
-
-class _DictTrainLoader(TrainLoader):
-    """The trainer's loader, its source reading dict batches."""
-
-    def _source(self, data: DataSpec, decoder: Decoder, rank: int, world_size: int) -> DatasetBatches | MixBatches:
-        source = MixBatches(data, decoder, rank, world_size) if data.mix else DatasetBatches(data, decoder, rank, world_size)
-        source.reader = dict_reader(source.reader)
-        return source
 
 
 def data_spec(uri: str | None, arguments: dict[str, Any]) -> DataSpec:
@@ -53,11 +43,14 @@ def data_spec(uri: str | None, arguments: dict[str, Any]) -> DataSpec:
         raise UserError(f"Loader: {len(lines)} bad argument{'s' if len(lines) != 1 else ''}\n" + "\n".join(lines)) from None
 
 
-def check_columns(data: DataSpec, columns: Sequence[str] | None) -> tuple[str, ...]:
-    """``columns``, each in every dataset read (all the first dataset's columns when None)."""
+def check_columns(data: DataSpec, columns: Sequence[str] | None) -> tuple[tuple[str, ...], pa.Schema]:
+    """``columns``, each in every dataset read (all the first dataset's columns when None), and the
+    first dataset's schema."""
     uris = [source.uri for source in data.mix] if data.mix else [data.uri]
+    schemas = []
     for uri in uris:
         info = dataset_info(data, uri)
+        schemas.append(info.schema)
         if columns is None:
             columns = info.schema.names
         missing = [name for name in columns if name not in info.schema.names]
@@ -66,7 +59,7 @@ def check_columns(data: DataSpec, columns: Sequence[str] | None) -> tuple[str, .
                 f"Loader: column{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))} not in {uri}; "
                 f"its columns:{info.describe_columns()}\n  fix: name columns of the dataset in columns=[...]"
             )
-    return tuple(columns or ())
+    return tuple(columns or ()), schemas[0]
 
 
 def check_picklable(transform: Transform | None, num_workers: int) -> None:
@@ -129,11 +122,11 @@ class Loader:
         **data: Any,
     ) -> None:
         self.data = data_spec(uri, {"batch_size": batch_size, "shuffle": shuffle, "seed": seed, **data})
-        self.columns = check_columns(self.data, columns)
+        self.columns, schema = check_columns(self.data, columns)
         check_picklable(transform, self.data.num_workers)
         self.rank, self.world_size = this_rank(rank, world_size)
-        decoder = ColumnsDecoder(self.columns, transform)
-        self._loader = _DictTrainLoader(self.data, decoder, self.rank, self.world_size, pin_memory=pin_memory)
+        decoder = ColumnsDecoder(self.columns, transform, schema)
+        self._loader = build_train_loader(self.data, decoder, self.rank, self.world_size, pin_memory=pin_memory)
 
     def __len__(self) -> int:
         """Batches of an epoch (steps per epoch), the same on every rank."""

@@ -94,7 +94,8 @@ def checkpoint_lines(directory: str) -> list[str]:
             lines.append(f"    trained on {source_text(source)}")
         if lineage.get("validated_on"):
             lines.append(f"    validated on {lineage['validated_on']}")
-        lines.append(f"    job {lineage.get('job')}, task {lineage.get('task')}, spec {lineage.get('spec')}")
+        trained_by = f"entry {lineage['entry']}, " if lineage.get("entry") else ""
+        lines.append(f"    job {lineage.get('job')}, {trained_by}task {lineage.get('task')}, spec {lineage.get('spec')}")
     return lines
 
 

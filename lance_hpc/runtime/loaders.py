@@ -14,7 +14,7 @@ from lance_hpc.checkpoint.resuming import Checkpoint
 from lance_hpc.loading import EvalLoader, TrainLoader, selection
 from lance_hpc.runtime.environment import DistEnv
 from lance_hpc.spec import JobSpec
-from lance_hpc.tasks import ROW_ID, Batch, Decoder
+from lance_hpc.tasks import Batch, Decoder
 
 
 def train_loader(spec: JobSpec, resumed: Checkpoint | None, decoder: Decoder, env: DistEnv, device: torch.device) -> TrainLoader:
@@ -58,6 +58,4 @@ class EqualBatches:
     def __iter__(self) -> Iterator[Batch]:
         yield from self.loader
         for _ in range(self.count - len(self.loader)):
-            yield {name: field.empty(0) for name, field in self.decoder.fields().items()} | {
-                ROW_ID: torch.empty(0, dtype=torch.int64)
-            }
+            yield self.decoder.empty_batch()

@@ -50,6 +50,14 @@ def task_problems(raw: dict[str, Any], imports: bool = True) -> list[Problem]:
         task = raw["task"] = {}
     if not isinstance(task, dict) or not isinstance(task.get("name", ""), str):
         return []  # the schema reports the wrong type
+    if task.get("name") == "columns" and not raw.get("entry"):
+        return [
+            Problem(
+                "task.name",
+                "task columns only decodes rows: it has no model, loss or metrics for the built-in trainer",
+                "set entry: path/to/train.py:main (your own loop, which brings its model), or name a task that has a model",
+            )
+        ]
     if not imports:
         name = task.get("name", "image_classification")
         if name in TASKS or is_import_path(name):

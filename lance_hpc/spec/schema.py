@@ -49,7 +49,7 @@ __all__ = [
 class TaskSpec(Section):
     name: str = Field(
         "image_classification",
-        description="image_classification | language_model, or your Task class: my_pkg.tasks:MyTask or file.py:MyTask.",
+        description="image_classification | language_model | columns (script mode), or your Task class: my_pkg.tasks:MyTask or file.py:MyTask.",
     )
     options: dict[str, Any] = Field(default_factory=dict, description="The task's options (see docs/tasks.md).")
 

@@ -77,6 +77,11 @@ class Decoder(ABC):
         could not be decoded as ``{position: reason}`` (the reader skips or fails them by policy).
         ``rng`` is seeded from ``(seed, epoch, rank, batch)``: draw augmentation from it only."""
 
+    def empty_batch(self) -> Batch:
+        """A batch of no rows, with every field and ``row_id``: what a rank whose rows ran out
+        evaluates while the others still have some (``train.parallelism: fsdp``)."""
+        return {name: field.empty(0) for name, field in self.fields().items()} | {ROW_ID: torch.empty(0, dtype=torch.int64)}
+
 
 @dataclass
 class DatasetInfo:

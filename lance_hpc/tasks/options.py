@@ -140,3 +140,17 @@ class LanguageModelOptions(TaskOptions):
     vocab_size: int | None = Field(
         None, ge=2, le=MAX_VOCAB_SIZE, description="Vocabulary size; null reads it from the dataset's metadata."
     )
+
+
+class ColumnsOptions(TaskOptions):
+    columns: list[str] = Field(
+        min_length=1, description="The columns each batch carries, as tensors (numbers, fixed-size lists) or lists."
+    )
+
+    @field_validator("columns")
+    @classmethod
+    def _distinct(cls, value: list[str]) -> list[str]:
+        repeated = sorted({name for name in value if value.count(name) > 1})
+        if repeated:
+            raise ValueError(f"column(s) named more than once: {', '.join(repeated)}")
+        return value

@@ -21,11 +21,13 @@ if TYPE_CHECKING:
 TASKS: dict[str, str] = {
     "image_classification": "lance_hpc.tasks.image:ImageClassification",
     "language_model": "lance_hpc.tasks.language:LanguageModel",
+    "columns": "lance_hpc.tasks.columns:Columns",  # decodes the named columns for an entry's own model
 }
 # Each registered task's Options (the same class as its ``Options``, which a test checks).
 OPTIONS: dict[str, str] = {
     "image_classification": "lance_hpc.tasks.options:ImageOptions",
     "language_model": "lance_hpc.tasks.options:LanguageModelOptions",
+    "columns": "lance_hpc.tasks.options:ColumnsOptions",
 }
 
 # What each registered task's infer() gives (the same as its class's ``outputs``, which a test
@@ -33,6 +35,7 @@ OPTIONS: dict[str, str] = {
 OUTPUTS: dict[str, tuple[str, ...]] = {
     "image_classification": ("embedding", "logits", "predicted", "score", "loss"),
     "language_model": (),
+    "columns": (),
 }
 
 
