@@ -51,7 +51,8 @@ def build_parser(prog: str = "lance-hpc submit") -> argparse.ArgumentParser:
     mode.add_argument(
         "--local",
         action="store_true",
-        help="run the job on this machine without SLURM (a sweep's runs one after another; a failed run does not stop the rest)",
+        help="run the job on this machine without SLURM, each rank with the Python that runs this command (a sweep's runs "
+        "one after another; a failed run does not stop the rest)",
     )
     parser.add_argument(
         "-o", "--output", type=Path, metavar="FILE", help="with --render-only: script path [<log_dir>/<name>.sbatch]"
