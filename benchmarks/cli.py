@@ -24,6 +24,7 @@ from benchmarks import (
     gpu,
     infer,
     ingest,
+    loader_library,
     local,
     map_job,
     object_storage,
@@ -69,6 +70,14 @@ SECTIONS: dict[str, Section] = {
         peer_loaders.configs,
         peer_loaders.section_report,
         runs=1,
+    ),
+    "loader_library": Section(
+        "lance_hpc.Loader in a plain loop (no model) over a token set: batches/s against the built-in trainer's "
+        "loader with the same strategy, batch and workers, and against lance.torch's LanceDataset with a "
+        "ShardedBatchSampler, each ratio against the trainer's loader in the same round",
+        loader_library.configs,
+        loader_library.section_report,
+        runs=3,
     ),
     "ingest": Section(
         "lance-hpc ingest of the photos' JPEG bytes from WebDataset tars, Parquet and an image folder with 1, 2 and 4 "

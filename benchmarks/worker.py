@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
-from benchmarks import infer, ingest, map_job, refresh, restarts, sharded, shuffle_quality, text_ingest
+from benchmarks import infer, ingest, loader_library, map_job, refresh, restarts, sharded, shuffle_quality, text_ingest
 from benchmarks.gpu import TrainStep, synthetic_batches
 from benchmarks.pipelines import build_pipeline, import_modules
 from benchmarks.s3_server import EpochCounterWindow
@@ -47,6 +47,7 @@ PIPELINES = _worker.Pipelines(
         **dict.fromkeys(infer.RUNNERS, infer.measure),
         **dict.fromkeys(refresh.RUNNERS, refresh.measure),
         **dict.fromkeys(map_job.RUNNERS, map_job.measure),
+        **dict.fromkeys(loader_library.LOOPS, loader_library.measure),
         shuffle_quality.TRAIN_KIND: shuffle_quality.measure,
         sharded.KIND: sharded.measure,
         restarts.KIND: restarts.measure,

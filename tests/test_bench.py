@@ -459,3 +459,17 @@ def test_map_section_puts_a_map_job_against_its_data_pipeline_alone_in_the_same_
     assert job["images"] == pipeline["images"] == 384 and job["images_per_s"] > 0 and pipeline["images_per_s"] > 0, figures
     assert "job: map vs the data pipeline alone:" in printed, printed
     assert "## Map" in (tmp_path / "out" / "results.md").read_text()
+
+
+@pytest.mark.slow
+def test_loader_library_section_puts_the_loader_and_lance_torch_against_the_trainers_loader(tmp_path, capfd):
+    """--tiny: one epoch of the small token set through the trainer's loader, lance_hpc.Loader and
+    lance.torch's LanceDataset; each reads the same rows (the first batch aside), and the report prints
+    the Loader's ratio against its target."""
+    printed, figures = _tiny_section(tmp_path, capfd, "loader_library")
+    rows = {label: result["images"] for label, result in figures.items()}
+    assert len(rows) == 3 and len(set(rows.values())) == 1 and all(result["images_per_s"] > 0 for result in figures.values()), (
+        figures
+    )
+    assert "Loader vs the trainer's loader:" in printed, printed
+    assert "## The Loader in your own loop" in (tmp_path / "out" / "results.md").read_text()
