@@ -293,3 +293,38 @@ def test_a_command_job_on_two_nodes_gets_its_ranks_and_is_requeued_on_the_warnin
         assert (out / f"signal-{rank}-0").read_text() == "SIGTERM"  # USR2 reached the program as command.signal
     for values in again:
         assert (values["SLURM_RESTART_COUNT"], values["LANCE_HPC_RUN_COUNT"]) == ("1", "1") and values["world"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_the_torchrun_example_requeued_by_usr2_on_the_cluster_trains_every_row_once(slurm_cluster: Any, tmp_path: Path) -> None:
+    """examples/torchrun_ddp.py as a command job on 2 nodes: SLURM's warning (USR2) reaches it as
+    TERM, both ranks save after the same step and exit, rank 0 requeues the job, and the requeued
+    run resumes from that checkpoint: every row of the epoch trained on once, over both runs."""
+    import collections
+
+    from tests.support.slurm import environ, job_log, sbatch, signal_steps, wait_for_runs
+    from tests.test_loader_library import write_rows
+
+    uri = write_rows(str(tmp_path / "rows.lance"), [200, 200, 100])  # 250 rows a rank: 32 steps of 8
+    logs = tmp_path / "rows"
+    logs.mkdir()
+    argv = [sys.executable, str(ROOT / "examples" / "torchrun_ddp.py"), "--data", uri, "--workers", "1"]
+    argv += ["--checkpoint", str(tmp_path / "ckpt.pt"), "--rows-log", str(logs), "--save-every", "1000", "--step-seconds", "0.3"]
+    slurm = {"partition": slurm_cluster.partition, "nodes": 2, "tasks_per_node": 1, "cpus_per_task": 1}
+    slurm |= {"time": "00:10:00", "max_requeues": 2, "log_dir": str(tmp_path / "logs")}
+    spec = validate_spec({"name": "torchrun-slurm", "slurm": slurm, "command": argv}).spec
+    job_id = sbatch(slurm_cluster, spec)
+    deadline = time.monotonic() + 300
+    while not any(path.stat().st_size for path in logs.iterdir()):  # training has begun
+        assert time.monotonic() < deadline, job_log(slurm_cluster, job_id)
+        time.sleep(0.2)
+    signal_steps(environ(slurm_cluster), job_id)
+    states = wait_for_runs(slurm_cluster, [job_id], timeout_s=400)
+    assert states[job_id] == "COMPLETED", job_log(slurm_cluster, job_id)
+    rows = [int(row) for path in logs.iterdir() for line in path.read_text().splitlines() for row in line.split()[1:]]
+    counts = collections.Counter(rows)
+    assert sorted(counts.values()) == [1] * 500, f"rows trained on other than once: {job_log(slurm_cluster, job_id)}"
+    steps = [len(path.read_text().splitlines()) for path in sorted(logs.iterdir())]
+    assert steps == [32, 32], steps  # both ranks, the same steps, over the stopped run and the requeued one
+    assert "requeue" in job_log(slurm_cluster, job_id, lines=200).lower(), job_log(slurm_cluster, job_id, lines=200)
