@@ -132,6 +132,16 @@ class Loader:
         """Batches of an epoch (steps per epoch), the same on every rank."""
         return self._loader.steps_per_epoch
 
+    # Frameworks set a DataLoader's epoch through its sampler: Lightning's fit loop calls
+    # ``loader.sampler.set_epoch(epoch)`` (else ``loader.batch_sampler.sampler``) on every train
+    # dataloader at each epoch's start, a resumed one included. Without these the order would never change.
+    batch_sampler = None
+
+    @property
+    def sampler(self) -> Loader:
+        """This loader, whose :meth:`set_epoch` a framework reaches as a DataLoader's sampler's."""
+        return self
+
     @property
     def epoch(self) -> int:
         """The epoch the next pass reads (a restored state's, until :meth:`set_epoch` selects another)."""
