@@ -4,12 +4,14 @@ framework's own checkpoint, and every row of each epoch trained on once."""
 
 from __future__ import annotations
 
+import collections
 from pathlib import Path
 
+import pytest
 from lightning.fabric.utilities.data import _set_sampler_epoch
 
 from lance_hpc import Loader
-from tests.test_loader_library import write_rows
+from tests.test_loader_library import torchrun, write_rows
 
 
 def test_lightnings_fit_loop_reaches_the_loaders_epoch(tmp_path: Path) -> None:
@@ -20,3 +22,41 @@ def test_lightnings_fit_loop_reaches_the_loaders_epoch(tmp_path: Path) -> None:
     assert loader.epoch == 1
     second = [int(row) for batch in loader for row in batch["x"]]
     assert sorted(first) == sorted(second) == list(range(60)) and first != second  # a new order
+
+
+def epoch_rows(logs: Path) -> dict[int, collections.Counter]:
+    """How often each row was trained on, by epoch, from the examples' row logs of every rank."""
+    counts: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+    for path in logs.iterdir():
+        for line in path.read_text().splitlines():
+            epoch, *rows = line.split()
+            counts[int(epoch)].update(int(row) for row in rows)
+    return counts
+
+
+def run_example(example: str, nproc: int, *arguments: str) -> str:
+    """The example on ``nproc`` ranks, its output (for a failing assertion to show)."""
+    done = torchrun(nproc, *arguments, example=example)
+    output = f"--- {example} on {nproc} ranks {' '.join(arguments)}\n{done.stdout}{done.stderr}"
+    assert done.returncode == 0, output
+    return output
+
+
+@pytest.mark.slow
+def test_lightning_resumes_mid_epoch_from_its_own_checkpoint(tmp_path: Path) -> None:
+    uri = write_rows(str(tmp_path / "rows.lance"), [30, 30, 30, 13])  # 51 rows a rank of 2: 7 steps of 8
+    logs = tmp_path / "rows"
+    logs.mkdir()
+    common = ["--data", uri, "--checkpoints", str(tmp_path / "ckpt"), "--rows-log", str(logs), "--save-every", "2"]
+    output = run_example("lightning_train.py", 2, *common, "--epochs", "2", "--stop-after", "4")
+    assert (tmp_path / "ckpt" / "last.ckpt").exists(), output
+    stopped = {path.name: len(path.read_text().splitlines()) for path in logs.iterdir()}
+    assert stopped == {"rows-2-0.txt": 4, "rows-2-1.txt": 4}, output
+    output += run_example("lightning_train.py", 2, *common, "--epochs", "2")
+    assert "Restored all states from the checkpoint" in output, output
+    counts = epoch_rows(logs)
+    assert sorted(counts) == [0, 1], output
+    for epoch, count in counts.items():
+        assert sorted(count.values()) == [1] * 102, f"epoch {epoch}: not every row once\n{output}"
+    first_rank = (logs / "rows-2-0.txt").read_text().splitlines()
+    assert [line.split()[1:] for line in first_rank[:7]] != [line.split()[1:] for line in first_rank[7:]], output

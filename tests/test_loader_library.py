@@ -228,13 +228,13 @@ def test_two_gloo_ranks_take_equal_steps_on_an_uneven_dataset(tmp_path: Path) ->
     assert len(rows) == len(set(rows)) == 96  # one row dropped: fewer than world_size
 
 
-def torchrun(nproc: int, *arguments: str) -> subprocess.CompletedProcess:
-    """examples/torchrun_ddp.py under ``torchrun --standalone`` on CPU (gloo), one worker a rank."""
+def torchrun(nproc: int, *arguments: str, example: str = "torchrun_ddp.py") -> subprocess.CompletedProcess:
+    """An example of examples/ under ``torchrun --standalone`` on CPU (gloo), one worker a rank."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     environ = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    example = str(REPO_ROOT / "examples" / "torchrun_ddp.py")
+    script = str(REPO_ROOT / "examples" / example)
     return subprocess.run(
-        [*command, example, "--workers", "1", *arguments], env=environ, capture_output=True, text=True, timeout=400
+        [*command, script, "--workers", "1", *arguments], env=environ, capture_output=True, text=True, timeout=400
     )
 
 
