@@ -42,16 +42,25 @@ def run_example(example: str, nproc: int, *arguments: str) -> str:
     return output
 
 
-@pytest.mark.slow
-def test_lightning_resumes_mid_epoch_from_its_own_checkpoint(tmp_path: Path) -> None:
-    uri = write_rows(str(tmp_path / "rows.lance"), [30, 30, 30, 13])  # 51 rows a rank of 2: 7 steps of 8
+def example_arguments(tmp_path: Path) -> tuple[list[str], Path]:
+    """The examples' arguments over a dataset of 103 rows (51 a rank of 2: 7 steps of 8, and one row
+    dropped), saving every 2 steps, and the directory their row logs go to."""
+    uri = write_rows(str(tmp_path / "rows.lance"), [30, 30, 30, 13])
     logs = tmp_path / "rows"
     logs.mkdir()
-    common = ["--data", uri, "--checkpoints", str(tmp_path / "ckpt"), "--rows-log", str(logs), "--save-every", "2"]
+    return ["--data", uri, "--checkpoints", str(tmp_path / "ckpt"), "--rows-log", str(logs), "--save-every", "2"], logs
+
+
+def steps_logged(logs: Path) -> dict[str, int]:
+    return {path.name: len(path.read_text().splitlines()) for path in logs.iterdir()}
+
+
+@pytest.mark.slow
+def test_lightning_resumes_mid_epoch_from_its_own_checkpoint(tmp_path: Path) -> None:
+    common, logs = example_arguments(tmp_path)
     output = run_example("lightning_train.py", 2, *common, "--epochs", "2", "--stop-after", "4")
     assert (tmp_path / "ckpt" / "last.ckpt").exists(), output
-    stopped = {path.name: len(path.read_text().splitlines()) for path in logs.iterdir()}
-    assert stopped == {"rows-2-0.txt": 4, "rows-2-1.txt": 4}, output
+    assert steps_logged(logs) == {"rows-2-0.txt": 4, "rows-2-1.txt": 4}, output
     output += run_example("lightning_train.py", 2, *common, "--epochs", "2")
     assert "Restored all states from the checkpoint" in output, output
     counts = epoch_rows(logs)
@@ -60,3 +69,15 @@ def test_lightning_resumes_mid_epoch_from_its_own_checkpoint(tmp_path: Path) -> 
         assert sorted(count.values()) == [1] * 102, f"epoch {epoch}: not every row once\n{output}"
     first_rank = (logs / "rows-2-0.txt").read_text().splitlines()
     assert [line.split()[1:] for line in first_rank[:7]] != [line.split()[1:] for line in first_rank[7:]], output
+
+
+@pytest.mark.slow
+def test_accelerate_resumes_on_3_ranks_what_2_ranks_began(tmp_path: Path) -> None:
+    common, logs = example_arguments(tmp_path)
+    output = run_example("accelerate_train.py", 2, *common, "--stop-after", "3")
+    assert (tmp_path / "ckpt" / "latest").read_text() == "step-3", output
+    assert steps_logged(logs) == {"rows-2-0.txt": 3, "rows-2-1.txt": 3}, output
+    output += run_example("accelerate_train.py", 3, *common)
+    assert steps_logged(logs) == {f"rows-{world}-{rank}.txt": 3 for world in (2, 3) for rank in range(world)}, output
+    assert sorted(epoch_rows(logs)[0].values()) == [1] * 102, f"not every row of the epoch once\n{output}"
+    assert sorted(path.name for path in (tmp_path / "ckpt").iterdir()) == ["latest", "step-6"], output
