@@ -1,6 +1,6 @@
-"""lance_hpc.Loader under the frameworks people train with: Lightning's Trainer and Hugging Face
-Accelerate, each example run on two gloo ranks by torchrun, stopped mid-epoch, resumed from the
-framework's own checkpoint, and every row of each epoch trained on once."""
+"""lance_hpc.Loader under the frameworks people train with: Lightning's Trainer, Hugging Face
+Accelerate and DeepSpeed, each example run on two gloo ranks by torchrun, stopped mid-epoch, resumed
+from the framework's own checkpoint, and every row of each epoch trained on once."""
 
 from __future__ import annotations
 
@@ -81,3 +81,13 @@ def test_accelerate_resumes_on_3_ranks_what_2_ranks_began(tmp_path: Path) -> Non
     assert steps_logged(logs) == {f"rows-{world}-{rank}.txt": 3 for world in (2, 3) for rank in range(world)}, output
     assert sorted(epoch_rows(logs)[0].values()) == [1] * 102, f"not every row of the epoch once\n{output}"
     assert sorted(path.name for path in (tmp_path / "ckpt").iterdir()) == ["latest", "step-6"], output
+
+
+@pytest.mark.slow
+def test_deepspeed_resumes_mid_epoch_from_its_client_state(tmp_path: Path) -> None:
+    common, logs = example_arguments(tmp_path)
+    output = run_example("deepspeed_train.py", 2, *common, "--stop-after", "3")
+    assert steps_logged(logs) == {"rows-2-0.txt": 3, "rows-2-1.txt": 3}, output
+    output += run_example("deepspeed_train.py", 2, *common)
+    assert steps_logged(logs) == {"rows-2-0.txt": 7, "rows-2-1.txt": 7}, output
+    assert sorted(epoch_rows(logs)[0].values()) == [1] * 102, f"not every row of the epoch once\n{output}"
