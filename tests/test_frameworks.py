@@ -1,17 +1,23 @@
 """lance_hpc.Loader under the frameworks people train with: Lightning's Trainer, Hugging Face
-Accelerate and DeepSpeed, each example run on two gloo ranks by torchrun, stopped mid-epoch, resumed
-from the framework's own checkpoint, and every row of each epoch trained on once."""
+Accelerate and DeepSpeed, each example submitted as a ``command:`` job on local gloo ranks
+(``lance-hpc submit --local --nproc N``, torchrun's variables given by lance_hpc), stopped
+mid-epoch, resumed from the framework's own checkpoint, and every row of each epoch trained on once."""
 
 from __future__ import annotations
 
 import collections
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from lightning.fabric.utilities.data import _set_sampler_epoch
 
 from lance_hpc import Loader
-from tests.test_loader_library import torchrun, write_rows
+from tests.support.jobs import REPO_ROOT
+from tests.test_loader_library import write_rows
 
 
 def test_lightnings_fit_loop_reaches_the_loaders_epoch(tmp_path: Path) -> None:
@@ -35,8 +41,20 @@ def epoch_rows(logs: Path) -> dict[int, collections.Counter]:
 
 
 def run_example(example: str, nproc: int, *arguments: str) -> str:
-    """The example on ``nproc`` ranks, its output (for a failing assertion to show)."""
-    done = torchrun(nproc, *arguments, example=example)
+    """The example as a command job on ``nproc`` local ranks (one loader worker a rank); its output,
+    for a failing assertion to show."""
+    workdir = Path(arguments[arguments.index("--rows-log") + 1]).parent
+    argv = [sys.executable, str(REPO_ROOT / "examples" / example), "--workers", "1", *arguments]
+    (workdir / "job.yaml").write_text(json.dumps({"name": example.removesuffix(".py"), "command": argv}))
+    environ = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "lance_hpc", "submit", "job.yaml", "--local", "--nproc", str(nproc)],
+        cwd=workdir,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     output = f"--- {example} on {nproc} ranks {' '.join(arguments)}\n{done.stdout}{done.stderr}"
     assert done.returncode == 0, output
     return output
