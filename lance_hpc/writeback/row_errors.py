@@ -23,6 +23,12 @@ Outputs = dict[str, np.ndarray]
 Computed = Callable[[], tuple[Outputs, np.ndarray]]  # a batch's (or a row's) outputs and which rows have them
 
 
+def is_fault(error: BaseException) -> bool:
+    """An error of the machine rather than of a row: out of memory, or the GPU's own (CUDA) errors,
+    which another attempt (on another node) may not meet."""
+    return isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError" or "CUDA" in str(error)
+
+
 @dataclass
 class RowErrors:
     """One rank's rows that raised, under ``policy`` (infer.on_error); ``what`` names the code that
@@ -46,18 +52,28 @@ class RowErrors:
             values, valid = whole()
         except UserError:  # ours, about what the code returned: the message says the fix
             raise
-        except Exception as error:  # the user's code: any exception is theirs
+        except Exception as error:  # the user's code, or the device or store under it
+            if is_fault(error):
+                raise
             found: list[tuple[Outputs, np.ndarray] | None] = []
+            failures: list[tuple[int, Exception]] = []
             for row in range(rows):
                 try:
                     found.append(one(row))
                 except UserError:
                     raise
-                except Exception as own:
+                except Exception as row_error:
+                    if is_fault(row_error):
+                        raise
                     found.append(None)
-                    self.raised(name_row(row), own)
-            if all(outputs is not None for outputs in found):  # only the whole batch raises: its first row is named
-                self.raised(name_row(0), error)
+                    failures.append((row, row_error))
+            # No row raises alone (the batch as a whole was at fault: its size, a passing fault), or
+            # every row of several does (nothing points at a row): the error is not a row's, and
+            # takes the path of any other error (a restart; the same error twice stops the job).
+            if not failures or (rows > 1 and len(failures) == rows):
+                raise error
+            for row, raised in failures:
+                self.raised(name_row(row), raised)
             return self.stack(found)
         self.template = {name: value[:1] for name, value in values.items()}
         return values, valid
