@@ -769,6 +769,10 @@ def task_infer_raw(outputs: dict[str, str], **infer: Any) -> dict[str, Any]:
             ["infer.outputs: caption is a column task image_classification reads (task.options.label_column)"],
         ),
         (task_infer_raw({"predicted": "int64"}, on_error="ignore"), ["infer.on_error: 'ignore' is not a valid choice"]),
+        (  # a list where a column's name belongs: the options' own problem, not a traceback
+            {**task_infer_raw({"predicted": "int64"}), "task": {"options": {"label_column": ["a", "b"]}}},
+            ["task.options.label_column"],
+        ),
     ],
 )
 def test_outputs_the_task_does_not_give_or_reads_are_refused_before_any_rank_starts(

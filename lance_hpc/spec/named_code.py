@@ -95,7 +95,11 @@ def infer_output_problems(raw: dict[str, Any], imports: bool = True) -> list[Pro
         return []
     task = task if isinstance(task, Mapping) else {}
     name, options = str(task.get("name", "image_classification")), task.get("options")
-    read = {value: key for key, value in (options if isinstance(options, Mapping) else {}).items() if key.endswith("_column")}
+    read = {
+        value: key
+        for key, value in (options if isinstance(options, Mapping) else {}).items()
+        if str(key).endswith("_column") and isinstance(value, str)  # another type is the options' own problem
+    }
     outputs = [str(output) for output in infer["outputs"]]
     problems = [
         Problem(
