@@ -108,6 +108,13 @@ def tamper(directory: Path, how: str, marker: Path) -> str:
             metadata.storage_data[index] = _StorageInfo("../elsewhere.distcp", stored.offset, stored.length)
         (shards / ".metadata").write_bytes(pickle.dumps(metadata))
         return str(shards / ".metadata")
+    if how in ("metadata-fifo", "metadata-device"):  # a read that would never end, or never begin
+        (shards / ".metadata").unlink()
+        if how == "metadata-fifo":
+            os.mkfifo(shards / ".metadata")
+        else:
+            (shards / ".metadata").symlink_to("/dev/zero")
+        return str(shards / ".metadata")
     assert how == "shards-outside"  # the step file names shards outside checkpoint.dir: a full copy is there
     shutil.copytree(shards, directory.parent / "elsewhere")
     step_file = directory / "step-00000001.pt"
@@ -137,7 +144,7 @@ def assert_refused(message: str, named: str, marker: Path) -> None:
     assert "Traceback" not in message and "fix:" in message, message
 
 
-@pytest.mark.parametrize("how", HOSTILE)
+@pytest.mark.parametrize("how", [*HOSTILE, "metadata-fifo", "metadata-device"])
 def test_export_refuses_a_hostile_checkpoint_in_one_message(
     tmp_path: Path, spec: JobSpec, single_rank: torch.device, how: str
 ) -> None:
@@ -148,6 +155,7 @@ def test_export_refuses_a_hostile_checkpoint_in_one_message(
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        timeout=120,
     )
     assert done.returncode == ExitCode.USER_ERROR, done.stdout + done.stderr
     assert done.stderr.count("refusing checkpoint file") == 1, done.stderr

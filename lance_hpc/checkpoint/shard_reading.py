@@ -31,6 +31,7 @@ from lance_hpc.checkpoint.shard_files import plain_name, refused
 from lance_hpc.checkpoint.shard_objects import ObjectFiles
 from lance_hpc.checkpoint.stores import ObjectStore, open_store
 from lance_hpc.errors import UserError
+from lance_hpc.storage.files import read_regular, too_large
 
 # What a DCP ``.metadata`` pickle may name: DCP's metadata classes, and the torch and standard
 # types inside them (sizes, dtypes, layouts; the checkpoint's path). Each only stores its
@@ -74,11 +75,12 @@ class DataOnlyReader(dcp.FileSystemReader):
     def read_metadata(self) -> Metadata:
         """The checkpoint's one ``.metadata`` (lance_hpc never writes DCP's per-rank ones)."""
         path = self._get_metadata_path()
-        with self.fs.create_stream(path, "rb") as stream:
-            try:
-                metadata = MetadataUnpickler(io.BytesIO(stream.read())).load()
-            except Exception as error:  # whatever the bytes make the unpickler fail with, they are not metadata
-                raise refused(str(path), f"not DCP metadata ({error})") from None
+        try:
+            metadata = MetadataUnpickler(io.BytesIO(self.metadata_bytes(path))).load()
+        except UserError:
+            raise
+        except Exception as error:  # whatever the bytes make the unpickler fail with, they are not metadata
+            raise refused(str(path), f"not DCP metadata ({error})") from None
         if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
             raise refused(str(path), f"it holds a {type(metadata).__name__}, not DCP metadata")
         for stored in metadata.storage_data.values():
@@ -90,6 +92,29 @@ class DataOnlyReader(dcp.FileSystemReader):
         assert metadata.storage_meta is not None
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def metadata_bytes(self, path: Any) -> bytes:
+        """``.metadata`` whole, at most :data:`METADATA_BYTES`: on a file system only a regular file,
+        never through a link or from a FIFO (a checkpoint directory may be shared)."""
+        if not isinstance(self.fs, ObjectFiles):
+            try:
+                found = read_regular(Path(path), METADATA_BYTES, fix=METADATA_FIX)
+            except UserError as error:  # a FIFO, a device, a link, or more than DCP ever writes
+                raise refused(str(path), str(error).splitlines()[0]) from None
+            if found is None:
+                raise FileNotFoundError(path)
+            return found
+        with self.fs.create_stream(path, "rb") as stream:
+            found = stream.read(METADATA_BYTES + 1)
+        if len(found) > METADATA_BYTES:
+            raise too_large(str(path), METADATA_BYTES, METADATA_FIX)
+        return found
+
+
+# DCP's index of a checkpoint's tensors: a few hundred bytes a tensor shard, so a model of
+# hundreds of thousands of shards stays far below this.
+METADATA_BYTES = 512 * 1024 * 1024
+METADATA_FIX = "point at a checkpoint lance_hpc wrote, or save it again"
 
 
 class DataOnlyPlanner(DefaultLoadPlanner):
