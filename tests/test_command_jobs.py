@@ -244,6 +244,22 @@ def test_a_program_that_is_not_there_fails_the_job_at_once_with_its_name(tmp_pat
     assert "restart" not in result.stderr.replace("no restart can help", "")  # one attempt
 
 
+def test_a_script_without_its_interpreter_line_fails_the_job_at_once_saying_how_to_start_it(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text("print('never runs')\n")
+    (tmp_path / "train.py").chmod(0o755)  # executable, but no #! line: the kernel cannot start it
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump({"name": "mine", "command": ["./train.py"]}))
+    result = lance_hpc(["submit", "job.yaml", "--local", "--nproc", "1"], tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "program './train.py' could not be started: Exec format error" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and "[python3, train.py]" in result.stderr, result.stderr
+
+
+def test_a_program_killed_by_a_signal_without_a_name_is_said_by_its_number() -> None:
+    from lance_hpc.kinds.command import signal_name
+
+    assert (signal_name(9), signal_name(35)) == ("SIGKILL", "signal 35")
+
+
 # --- on the SLURM test cluster ----------------------------------------------------------------
 
 

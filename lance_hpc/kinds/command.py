@@ -149,7 +149,16 @@ class Forwarding(Preemption):
 
     def start(self, program: str, argv: list[str], environ: dict[str, str]) -> int:
         """Run ``program`` with ``argv`` to its end and return its exit code; a stop that came while it started is passed on."""
-        self.process = subprocess.Popen(argv, executable=program, env=environ, preexec_fn=self.program_signals)
+        from lance_hpc.errors import UserError
+
+        try:
+            self.process = subprocess.Popen(argv, executable=program, env=environ, preexec_fn=self.program_signals)
+        except OSError as error:  # no interpreter line, not permitted, ...: every start would fail the same way
+            raise UserError(
+                f"command: program {program!r} could not be started: {error.strerror or error} (no restart can help)\n"
+                "  fix: a script needs its interpreter line (#!/usr/bin/env python3) and the execute bit, "
+                "or name its interpreter first in command: ([python3, train.py])"
+            ) from None
         if self.received is not None:
             self.forward(self.received)
         return self.process.wait()
@@ -171,12 +180,20 @@ class Forwarding(Preemption):
                 signal.signal(signum, signal.SIG_IGN)
 
 
+def signal_name(signum: int) -> str:
+    """SIGKILL, or ``signal 35`` for one without a name (a real-time signal)."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
 def failed(argv: list[str], code: int, env: DistEnv) -> Summary:
     """A program that ended on its own with an error: said once, and noted for the restart supervisor."""
     from lance_hpc.runtime.context import Summary
     from lance_hpc.runtime.failures import note_failure
 
-    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    how = f"was killed by {signal_name(-code)}" if code < 0 else f"exited with code {code}"
     message = f"command {shlex.join(argv)} {how}"
     print(f"lance_hpc.run: rank {env.rank}: {message}", file=sys.stderr, flush=True)
     note_failure(env.rank, message, False, step=None, user_error=False)
