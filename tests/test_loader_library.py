@@ -156,6 +156,9 @@ def test_a_state_of_other_data_is_refused_naming_what_differs(rows_uri: str) -> 
     Loader(rows_uri, batch_size=8, columns=["x"], num_workers=0, seed=1, version=4).load_state_dict(state)
     with pytest.raises(UserError, match="not a state of lance_hpc.Loader"):
         newer.load_state_dict({"epoch": 1})
+    for pinned in ([], {"sources": "x"}, {"sources": [1]}):  # shapes a state never has
+        with pytest.raises(UserError, match="not a state of lance_hpc.Loader"):
+            newer.load_state_dict({**state, "pinned": pinned})
     with pytest.raises(UserError, match="incomplete or damaged"):
         newer.load_state_dict({**state, "version": 2, "pinned": {**state["pinned"], "version": 5}, "epoch": "one"})
 

@@ -163,7 +163,14 @@ class Loader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``, saved at any world size or batch size: the next pass starts at
         the first batch not yet handed out, and every row of the epoch is read once."""
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION or "pinned" not in state:
+        pinned = state.get("pinned") if isinstance(state, dict) else None
+        sources = pinned.get("sources", []) if isinstance(pinned, dict) else None
+        if (
+            not isinstance(state, dict)
+            or state.get("version") != STATE_VERSION
+            or not isinstance(sources, list)
+            or not all(isinstance(source, dict) for source in sources)
+        ):
             raise UserError(
                 "Loader: this is not a state of lance_hpc.Loader's state_dict()\n  fix: pass what state_dict() returned"
             )

@@ -37,7 +37,8 @@ def claim(root: str, job: str, run: str, produced_by: Mapping[str, str], options
         ours = info.base_name == job or (isinstance(recorded, dict) and recorded.get("job") == job)
         if not ours or other.committed() is not None:
             continue
-        then = recorded.get("code", {}) if isinstance(recorded, dict) else {}
+        then = recorded.get("code") if isinstance(recorded, dict) else None
+        then = then if isinstance(then, dict) else {}  # a record of another shape says nothing of the code
         changed = [WHAT[part] for part in WHAT if part in produced_by and then.get(part) != produced_by[part]]
         written, pinned = len(other.finished()), other.pinned()
         other.clear()
