@@ -4,7 +4,7 @@
 (the built-in training prepares the dataset and checks the task against it), then starts ``python -P -m lance_hpc.run SPEC`` N times (without the
 working directory on sys.path, see :mod:`lance_hpc.imports`) with the variables torchrun would set
 (gloo on CPU), forwards SLURM's stop signals to them, and when one rank dies stops the others and
-says which rank died and how. A failed attempt starts again from the latest checkpoint, as in a
+says which rank died and how. A failed attempt starts again from what the job saved (its latest checkpoint, if any), as in a
 SLURM allocation (slurm.max_restarts; the same error at the same step twice stops the job, see
 :mod:`lance_hpc.launch.restarts`).
 

@@ -6,9 +6,9 @@ rerun would be refused again. So rank 0, refusing, moves the run on: when the da
 pinned version's schema and every one of its fragments as it was (rows appended: another ingest,
 LanceDB's ``add``), the run is pinned to the new version, and the fragments already written are
 kept, since their rows did not change (a fragment keeps its position in the list, its id and its
-files); the next run computes only the new fragments, and commits. Any other change (rows deleted,
-compacted, columns changed) clears the run: the next one starts over on the version the dataset
-is at, with its checks.
+files); the next run computes only the fragments it does not hold as they were (the appended ones,
+and any rewritten, e.g. by a compaction), and commits. Rows deleted anywhere, or a changed schema,
+clear the run: the next one starts over on the version the dataset is at, with its checks.
 """
 
 from __future__ import annotations

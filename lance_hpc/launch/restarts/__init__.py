@@ -1,5 +1,5 @@
-"""Restarts inside one allocation: a failed job step starts again from the latest checkpoint,
-on the nodes that are left, without a place in the queue.
+"""Restarts inside one allocation: a failed job step starts again from what the job saved (its
+latest checkpoint, if any), on the nodes that are left, without a place in the queue.
 
 The batch script runs srun through the supervisor (``python3 -I <log_dir>/<name>.restarts.pyz ...
 -- srun ...``; submitit's script through a shell function ``srun`` that does the same). Each
