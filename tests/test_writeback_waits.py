@@ -68,3 +68,19 @@ def test_a_stop_signal_ends_a_rank_waiting_for_rank_0_within_seconds(stale, monk
         raise Stopped("commit")
 
     assert until_stopped(waiting, 1).status == "stopped"
+
+
+@pytest.mark.parametrize("code", ["x", ["function"], None])
+def test_an_earlier_runs_record_of_another_shape_is_discarded_as_other_code(tmp_path, capsys, code) -> None:
+    """``job.json`` beside a shared dataset may have been written by anyone: a ``code`` that is no
+    mapping says nothing of the code, so the earlier run is discarded, never an AttributeError."""
+    import json
+
+    from lance_hpc.writeback.earlier_runs import JOB_RECORD, claim
+
+    root = tmp_path / ".data.infer"
+    (root / "old").mkdir(parents=True)
+    (root / "old" / JOB_RECORD).write_text(json.dumps({"job": "job-key", "code": code}))
+    claim(str(root), "job-key", str(root / "new"), {"function": "abc"}, {})
+    assert "starting over: infer.function's source changed" in capsys.readouterr().out
+    assert json.loads((root / "new" / JOB_RECORD).read_text()) == {"job": "job-key", "code": {"function": "abc"}}
