@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -156,6 +157,14 @@ def test_status_points_at_the_programs_output() -> None:
     assert kind is not None and kind.progress(spec) == [
         "job: command runs python3 train.py mine; its progress is in its output (lance-hpc logs)"
     ]
+
+
+def test_a_command_job_in_a_container_starts_its_rank_and_so_its_program_inside_the_image() -> None:
+    raw = {"name": "boxed", "command": ["python3", "train.py"], "slurm": {"container": {"image": "/images/train.sif"}}}
+    script = render.render_sbatch(validate_spec(raw, base_dir="/project").spec, "/s.yaml")
+    words = shlex.split(script.rstrip().split("\n")[-1])
+    assert words[words.index("apptainer") :][:2] == ["apptainer", "exec"]
+    assert words[-5:] == ["python3", "-P", "-m", "lance_hpc.run", "/s.yaml"]  # the rank, in the image, starts the program
 
 
 # --- local runs -------------------------------------------------------------------------------
@@ -344,3 +353,33 @@ def test_the_torchrun_example_requeued_by_usr2_on_the_cluster_trains_every_row_o
     steps = [len(path.read_text().splitlines()) for path in sorted(logs.iterdir())]
     assert steps == [32, 32], steps  # both ranks, the same steps, over the stopped run and the requeued one
     assert "requeue" in job_log(slurm_cluster, job_id, lines=200).lower(), job_log(slurm_cluster, job_id, lines=200)
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_a_command_job_submitted_through_submitit_runs_and_status_and_logs_follow_it(slurm_cluster: Any, tmp_path: Path) -> None:
+    """The same command job through ``lance-hpc submit`` (submitit): both tasks get their ranks and
+    meet in the directory submit ran in; ``lance-hpc status`` and ``lance-hpc logs`` of its spec show it."""
+    import re
+
+    from tests.support.jobs import REPO_ROOT
+    from tests.support.slurm import job_log, wait_for_runs
+    from tests.support.slurm import lance_hpc as cluster_cli
+
+    (tmp_path / "prog.py").write_text(PROGRAM)
+    out = tmp_path / "out"
+    out.mkdir()
+    slurm = {"partition": slurm_cluster.partition, "nodes": 2, "tasks_per_node": 1, "cpus_per_task": 1}
+    slurm |= {"time": "00:10:00", "log_dir": str(tmp_path / "logs")}
+    raw = {"name": "command-submitit", "slurm": slurm, "command": [sys.executable, str(tmp_path / "prog.py"), str(out), "meet"]}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(raw))
+    submitted = cluster_cli(slurm_cluster, "submit", str(tmp_path / "job.yaml")).stdout
+    job_id = re.search(r"submitted job (\d+)", submitted).group(1)  # type: ignore[union-attr]
+    assert wait_for_runs(slurm_cluster, [job_id], 300)[job_id] == "COMPLETED", job_log(slurm_cluster, job_id)
+    seen = [json.loads((out / f"rank-{rank}-0.json").read_text()) for rank in (0, 1)]
+    assert [(values["RANK"], values["NODE_RANK"], values["world"]) for values in seen] == [("0", "0", 2), ("1", "1", 2)]
+    assert all(values["cwd"] == str(REPO_ROOT) for values in seen)  # the directory submit ran in
+    status = cluster_cli(slurm_cluster, "status", str(tmp_path / "job.yaml")).stdout
+    assert job_id in status and "COMPLETED" in status, status
+    logs = cluster_cli(slurm_cluster, "logs", str(tmp_path / "job.yaml"))
+    assert job_id in logs.stdout + logs.stderr, logs.stdout + logs.stderr
