@@ -84,3 +84,15 @@ def test_an_earlier_runs_record_of_another_shape_is_discarded_as_other_code(tmp_
     claim(str(root), "job-key", str(root / "new"), {"function": "abc"}, {})
     assert "starting over: infer.function's source changed" in capsys.readouterr().out
     assert json.loads((root / "new" / JOB_RECORD).read_text()) == {"job": "job-key", "code": {"function": "abc"}}
+
+
+def test_an_append_to_a_column_with_several_metadata_keys_keeps_every_fragment(tmp_path: Path) -> None:
+    """A schema is the same after an append, whatever order Lance lists a field's metadata in
+    (each read of the schema lists a map in an order of its own)."""
+    from lance_hpc.writeback.repin import unchanged
+
+    uri = str(tmp_path / "data.lance")
+    field = pa.field("image", pa.binary(), metadata={f"key{index}": f"value{index}" for index in range(8)})
+    lance.write_dataset(pa.table({"image": [b"a", b"b"]}, schema=pa.schema([field])), uri, max_rows_per_file=1)
+    lance.write_dataset(lance.dataset(uri).to_table(), uri, mode="append")
+    assert unchanged(lance.dataset(uri, version=1), lance.dataset(uri)) == [0, 1]

@@ -17,14 +17,15 @@ from typing import Any
 
 from lance_hpc.errors import UserError
 from lance_hpc.storage.datasets import open_dataset
-from lance_hpc.writeback import column_swap
 from lance_hpc.writeback.new_columns import ColumnPlan, Records
 
 
 def unchanged(pinned: Any, latest: Any) -> list[int] | None:
     """The positions of the fragments ``latest`` holds as ``pinned`` had them (same position, id
     and metadata); None when the schema changed or a fragment has deleted rows (a run cannot go on)."""
-    if column_swap.encode(pinned.lance_schema) != column_swap.encode(latest.lance_schema):
+    # pyarrow compares field metadata as maps; Lance's serialised schema lists a map's keys in an
+    # order of its own each time, so its bytes differ for the same schema
+    if not pinned.schema.equals(latest.schema, check_metadata=True):
         return None
     now = latest.get_fragments()
     if any(fragment.metadata.deletion_file is not None for fragment in now):
