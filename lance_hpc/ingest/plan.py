@@ -292,7 +292,10 @@ WRITERS = {"infer": "an infer job", "map": "a map job"}
 def written_by(schema: pa.Schema, name: str) -> str:
     """What wrote column ``name`` back, from its provenance: the kind of job, and whether a model (a
     checkpoint) or a function computed it; only "a job" when the provenance names no such kind."""
-    document = provenance_of(schema, name) or {}
+    try:
+        document = provenance_of(schema, name) or {}
+    except UserError:  # provenance that is not lance_hpc's: nothing to say of who wrote it
+        document = {}
     writer = WRITERS.get(str(document.get("job")))
     if writer is None:
         return "written back by a job"
