@@ -305,7 +305,12 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint_loadable(tmp_pat
 
     output = run(spec_file)
     assert f"resuming from {saved.path} at step 10" in output, output
-    assert (directory / "step-00000020.pt").exists() and (directory / "step-00000020.dcp" / ".metadata").exists()
+    # the step is saved again beside the killed save's shards, which go once it is published
+    shards = torch.load(directory / "step-00000020.pt", weights_only=True)["shards"]
+    assert (directory / shards / ".metadata").exists(), sorted(path.name for path in directory.iterdir())
+    assert not (shards != "step-00000020.dcp" and (directory / "step-00000020.dcp").exists()), (
+        "the killed save's shards were left"
+    )
 
 
 @pytest.mark.slow
