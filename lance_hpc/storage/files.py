@@ -117,16 +117,11 @@ def read_regular(path: Path, limit: int, *, fix: str) -> bytes | None:
     descriptor = open_regular(path, fix=fix)
     if descriptor is None:
         return None
-    chunks, size = [], 0
-    try:
-        while size <= limit and (chunk := os.read(descriptor, limit + 1 - size)):
-            chunks.append(chunk)
-            size += len(chunk)
-    finally:
-        os.close(descriptor)
-    if size > limit:
+    with os.fdopen(descriptor, "rb") as file:  # read as shared_files.read_own reads: one byte past the bound at most
+        data = file.read(limit + 1)
+    if len(data) > limit:
         raise too_large(path, limit, fix)
-    return b"".join(chunks)
+    return data
 
 
 def too_large(where: Path | str, limit: int, fix: str) -> UserError:
