@@ -6,6 +6,7 @@ level names the steps of the flow."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import lance_hpc
@@ -234,3 +235,27 @@ def test_the_top_level_names_the_steps_of_the_flow() -> None:
     # warnings that do not apply)
     shared = {"errors", "imports", "limits", "quiet", "signals", "output"}
     assert modules <= {"__init__", "__main__", "submit", "run", *shared}
+
+
+# An import path to lance_hpc's own code written in a string, as load_callable takes it.
+IMPORT_PATH_TEXT = re.compile(r"lance_hpc(?:\.\w+)+:\w+(?:\.\w+)*")
+
+
+def upward_import_paths() -> list[str]:
+    """Import paths in strings (``lance_hpc.kinds.train:Train``) that name a module of a higher layer."""
+    modules, found = module_names(), []
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and IMPORT_PATH_TEXT.fullmatch(node.value):
+                target = node.value.partition(":")[0]
+                if target in modules and LAYERS.index(layer_of(target)) > LAYERS.index(layer_of(name)):
+                    found.append(f"{name}: {node.value!r}")
+    return found
+
+
+def test_no_package_names_code_above_it_by_import_path() -> None:
+    """A string loaded on use is an import all the same: the spec once named the kinds it validates
+    this way. A lower package asks for what it needs through a registry that it owns instead."""
+    assert IMPORT_PATH_TEXT.fullmatch("lance_hpc.kinds.train:Train") and not IMPORT_PATH_TEXT.fullmatch("lance_hpc.run")
+    found = upward_import_paths()
+    assert not found, "import paths in strings that run up the layers:\n  " + "\n  ".join(found)

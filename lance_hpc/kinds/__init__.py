@@ -1,17 +1,20 @@
-"""Job kinds by name: what the ranks of a job run, and what launch, dry run and status ask of it.
+"""Job kinds by name: what the ranks of a job run, and what validation, launch, dry run and status ask of it.
 
-``job`` in a spec is a registered name (:data:`~lance_hpc.spec.kinds.KINDS`) or an import path to a
-:class:`JobKind` subclass (``my_pkg.kinds:CountRows``, ``path/to/file.py:CountRows``), as
-``task.name`` is for tasks. Launch, status, the dry run and the rank ask the kind; none of them
-branches on its name, so a new kind is one module here (or in the user's own code) and one line in
-the registry. Registered kinds are imported only when used: a login-node command (status, dry run)
-loads only what the kind's method itself needs. The spec validates ``job`` against the registry and
-:class:`~lance_hpc.spec.kinds.JobKindBase`, the half of a kind that reads only a spec; :class:`JobKind`
-adds the rank's half, ``run``, which takes the runtime.
+``job`` in a spec is a registered name (:data:`~lance_hpc.spec.kinds.KINDS`, the one list of kind
+names) or an import path to a :class:`JobKind` subclass (``my_pkg.kinds:CountRows``,
+``path/to/file.py:CountRows``), as ``task.name`` is for tasks. Validation, launch, status, the dry
+run and the rank ask the kind; none of them branches on its name, so a new kind is one module here
+(or in the user's own code). A registered kind ``<name>`` is two halves: its spec half, the
+:class:`~lance_hpc.spec.kinds.JobKindBase` subclass registered in the spec (what it needs of a spec
+and refuses, which the spec checks without importing this package), and the class in
+``lance_hpc.kinds.<name>`` that subclasses it and :class:`JobKind`, adding the rank's half,
+``run``, which takes the runtime. Registered kinds are imported only when used: a login-node
+command (status, dry run) loads only what the kind's method itself needs.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
 
 from lance_hpc.spec.kinds import KINDS, JobKindBase, kind_class
@@ -24,9 +27,9 @@ if TYPE_CHECKING:
 
 
 class JobKind(JobKindBase):
-    """One kind of job. Subclass it, set ``name``, and implement :meth:`run`; ``check``, ``plan``
-    and ``progress`` (:class:`~lance_hpc.spec.kinds.JobKindBase`) have defaults that suit a kind
-    without a data plan or progress of its own."""
+    """One kind of job. Subclass it, set ``name``, and implement :meth:`run`; the rules and the
+    ``check``, ``plan`` and ``progress`` of :class:`~lance_hpc.spec.kinds.JobKindBase` have
+    defaults that suit a kind that reads no section of its own and has no data plan or progress."""
 
     def run(self, spec: JobSpec, env: DistEnv, requeue: Requeue, signals: tuple[int, ...]) -> Summary:
         """What each rank runs; ``signals`` stop it (see lance_hpc.runtime.preemption), ``requeue`` puts the job back in the queue."""
@@ -35,7 +38,15 @@ class JobKind(JobKindBase):
 
 def job_kind(name: str) -> JobKind:
     """The kind a spec's ``job`` names, ready to use; a UserError that lists the choices otherwise."""
-    return kind_class(name, JobKind)()
+    if name not in KINDS:
+        return kind_class(name, JobKind)()
+    module = importlib.import_module(f"{__name__}.{name}")
+    (found,) = [
+        value
+        for value in vars(module).values()
+        if isinstance(value, type) and issubclass(value, JobKind) and issubclass(value, KINDS[name]) and value.name == name
+    ]
+    return found()
 
 
 def registered_kind(name: str) -> JobKind | None:

@@ -25,6 +25,7 @@ from lance_hpc.kinds import JobKind
 from lance_hpc.runtime.preemption import Preemption
 from lance_hpc.signals import REQUEUE_SIGNAL
 from lance_hpc.spec.command_section import expand_argv
+from lance_hpc.spec.kinds.builtin import CommandRules
 
 if TYPE_CHECKING:
     from types import FrameType
@@ -44,10 +45,8 @@ OPTION_PREFIX = "LANCE_HPC_OPTION_"
 NOT_PASSED_ON = ("PYTHONSAFEPATH",)
 
 
-class Command(JobKind):
+class Command(CommandRules, JobKind):
     """Your program on every task; no data plan, no progress of its own beyond its log."""
-
-    name = "command"
 
     def check(self, spec: JobSpec, nproc: int | None) -> list[str]:
         """What each rank will run."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lance_hpc.kinds import JobKind
+from lance_hpc.spec.kinds.builtin import IngestRules
 
 if TYPE_CHECKING:
     from lance_hpc.runtime.context import Summary
@@ -14,10 +15,8 @@ if TYPE_CHECKING:
     from lance_hpc.spec import JobSpec
 
 
-class Ingest(JobKind):
+class Ingest(IngestRules, JobKind):
     """Writing a dataset: the shards each rank writes, rank 0's commit, the shards written so far."""
-
-    name = "ingest"
 
     def check(self, spec: JobSpec, nproc: int | None) -> list[str]:
         """The targets checked and the shards listed: the plan in a few lines. Here (``nproc`` ranks on

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lance_hpc.kinds import JobKind
+from lance_hpc.spec.kinds.columns import MapRules
 
 if TYPE_CHECKING:
     from lance_hpc.runtime.context import Summary
@@ -14,10 +15,8 @@ if TYPE_CHECKING:
     from lance_hpc.spec import JobSpec
 
 
-class Map(JobKind):
+class Map(MapRules, JobKind):
     """A function over every row's columns, new columns committed once; CPU only unless asked."""
-
-    name = "map"
 
     def check(self, spec: JobSpec, nproc: int | None) -> list[str]:
         """The dataset (ingested first, here, when data.ingest says so), the columns read and written,

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from lance_hpc.errors import UserError
 from lance_hpc.imports import load_callable
 from lance_hpc.kinds import JobKind
+from lance_hpc.spec.kinds.builtin import TrainRules
 
 if TYPE_CHECKING:
     from lance_hpc.runtime.context import Summary
@@ -18,12 +19,8 @@ if TYPE_CHECKING:
     from lance_hpc.spec import JobSpec
 
 
-class Train(JobKind):
+class Train(TrainRules, JobKind):
     """Training: the steps USR1 profiles, checkpoints the next run resumes from, the training status lines."""
-
-    name = "train"
-    profiled = True
-    trains = True
 
     def check(self, spec: JobSpec, nproc: int | None) -> list[str]:
         """Here: the dataset prepared and the task checked once; under SLURM: the data reachable from the login node."""

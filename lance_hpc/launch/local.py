@@ -99,7 +99,7 @@ def restart_point(spec: JobSpec) -> str:
     """Where the next attempt starts, for the line that says so: a training job from its latest
     checkpoint, or from the start when it saved none yet; the other kinds resume from what they
     recorded (fragments, shards), which is no checkpoint of theirs."""
-    if spec.job != "train":
+    if not job_kind(spec.job).trains:
         return "resuming from what the job saved"
     try:
         saved = checkpoint_steps(open_store(spec.checkpoint.dir).names())

@@ -74,13 +74,13 @@ def rank_signals_blocked() -> Iterator[None]:
 
 def start_for_spec_file(spec_file: str) -> bool:
     """Start the server now if the spec in ``spec_file`` names a kind that reads with DataLoader
-    workers (:data:`lance_hpc.spec.kinds.READS_WITH_WORKERS`) and has workers; True if it did. Its
+    workers (as its registered kind says: ``reads_with_workers``) and has workers; True if it did. Its
     imports then run on another core while the rank imports torch and builds its model, and the
     first loader's workers fork from it ready. Only a head start: a spec it cannot read starts
     nothing here, and the rank says what is wrong with it once it loads it."""
     from lance_hpc.errors import UserError
     from lance_hpc.spec.data_section import DataSpec
-    from lance_hpc.spec.kinds import READS_WITH_WORKERS
+    from lance_hpc.spec.kinds import named_kind
     from lance_hpc.spec.load import read_own_text
     from lance_hpc.spec.yaml_text import parse_yaml
 
@@ -93,7 +93,7 @@ def start_for_spec_file(spec_file: str) -> bool:
     data = raw.get("data")
     default = DataSpec.model_fields["num_workers"].default
     workers = data.get("num_workers", default) if isinstance(data, dict) else default
-    if raw.get("job", "train") not in READS_WITH_WORKERS or not isinstance(workers, int) or workers <= 0:
+    if not named_kind(raw).reads_with_workers or not isinstance(workers, int) or workers <= 0:
         return False
     start()
     return True

@@ -109,7 +109,8 @@ def local_report(never: records.NeverSubmitted) -> list[str]:
     """For a training spec without a SLURM job: what its local runs left (a checkpoint, TensorBoard
     events) and where their output went. Raises ``never`` when they left nothing either."""
     spec = never.spec
-    if spec.job != "train":
+    kind = registered_kind(spec.job)
+    if kind is None or not kind.trains:
         raise never
     saved, logged = manifests.latest(spec.checkpoint.dir), progress.last_logged(spec.logging.tensorboard_dir)
     if saved is None and logged.step is None:

@@ -6,7 +6,7 @@ it never runs through a shell), or a mapping ``{argv: [...], signal: USR1, optio
 An argument may name a value of the spec as ``${...}``: ``${lr}`` is ``command.options.lr`` (which
 a sweep varies as ``command.options.lr``), ``${checkpoint.dir}`` any field by its path; ``$${``
 is a literal ``${``. A command job reads no data, task, train or infer section, and no entry: each
-is refused (:func:`command_problems`) rather than silently ignored.
+is refused (:class:`~lance_hpc.spec.kinds.builtin.CommandRules`) rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from pydantic import Field, field_validator, model_validator
 from lance_hpc.spec.problems import Problem, section_of
 from lance_hpc.spec.section import Section, choice
 
-# The kind a command: section implies (lance_hpc.kinds.command).
-COMMAND_KIND = "command"
 # What the program may be sent when SLURM warns of the time limit (USR2 to the task): TERM, as
 # torchrun passes a stop on, unless the program saves on another signal.
 COMMAND_SIGNALS = ("TERM", "INT", "USR1", "USR2")
@@ -36,7 +34,7 @@ NOT_READ = {
 }
 # ${name} or ${dotted.path}; $${ escapes it.
 REFERENCE = re.compile(r"(?<!\$)\$\{([^{}]*)\}")
-# The spec that a command job's data section stands for: nothing reads it (see JobSpec.command_defaults).
+# The spec that a command job's data section stands for: nothing reads it (see CommandRules.defaults).
 NO_DATA = {"uri": "none://command-job"}
 
 
@@ -82,20 +80,6 @@ def as_mapping(value: Any) -> Any:
     if isinstance(value, list):
         return {"argv": value}
     return value
-
-
-def command_problems(raw: Mapping[str, Any]) -> list[Problem]:
-    """A command with the sections of another kind, and a job: command without one; read from the
-    raw mapping, like the other rules, before validation fills in the sections it refuses."""
-    job, command = raw.get("job"), raw.get("command")
-    if command is None:
-        if job == COMMAND_KIND:
-            return [Problem("command", "job: command has no program to run", "add command: [python, train.py]")]
-        return []
-    problems = [Problem(key, "a command job does not read it", fix) for key, fix in NOT_READ.items() if key in raw]
-    if job not in (None, COMMAND_KIND):
-        problems.append(Problem("job", f"{job} runs its own code, not command:", "remove job: (command: implies job: command)"))
-    return problems
 
 
 def reference_problems(spec: Mapping[str, Any]) -> list[Problem]:

@@ -23,8 +23,8 @@ from pydantic import ValidationError
 
 from lance_hpc.errors import UserError
 from lance_hpc.spec.choices import SHARD_FORMATS
-from lance_hpc.spec.command_section import command_problems, reference_problems
-from lance_hpc.spec.named_code import entry_problems, infer_output_problems, job_problems, task_problems
+from lance_hpc.spec.command_section import reference_problems
+from lance_hpc.spec.kinds import job_problems, spec_kind
 from lance_hpc.spec.problems import Problem, SpecError, from_pydantic, unique
 from lance_hpc.spec.rules import cross_field_problems, moved_key_problems
 from lance_hpc.spec.schema import CheckpointSpec, InferSpec, JobSpec, LoggingSpec, SlurmSpec
@@ -236,13 +236,12 @@ def validate_spec(
         problems += malformed_sweep
         raw["sweep"] = {}  # reported above; the schema would only repeat it
     problems += moved_key_problems(raw)
-    problems += command_problems(raw)  # before the checks below fill in the sections a command job refuses
     resolutions, resolve_problems = _resolve_paths(raw, Path(base_dir) if base_dir else Path.cwd())
     problems += resolve_problems
+    kind = spec_kind(raw, imports=imports)  # a kind of one's own by its resolved path
+    problems += kind.spec_problems(raw)  # before the checks below fill in sections the kind may refuse
     problems += job_problems(raw, imports=imports)
-    if raw.get("command") is None:  # a command job's task and entry are refused above
-        problems += task_problems(raw, imports=imports) + entry_problems(raw, imports=imports)
-        problems += infer_output_problems(raw, imports=imports)
+    problems += kind.named_code_problems(raw, imports)
     try:
         spec = JobSpec.model_validate(raw)
         problems += reference_problems(spec.to_dict())

@@ -1,10 +1,10 @@
-"""The code a spec names: the job kind (``job``), the task (``task.name``, its options checked
-against the task's ``Options``) and the entry (``entry``, with its ``entry_options``), each a
-registered name or an import path; and the entry's options as ``ctx.options`` gives them back."""
+"""The code a spec names besides its kind (:mod:`~lance_hpc.spec.kinds`): the task (``task.name``,
+its options checked against the task's ``Options``) and the entry (``entry``, with its
+``entry_options``), each a registered name or an import path; and the entry's options as
+``ctx.options`` gives them back."""
 
 from __future__ import annotations
 
-import difflib
 import json
 from typing import Any, Mapping
 
@@ -12,30 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 from lance_hpc.errors import UserError
 from lance_hpc.imports import is_import_path, load_callable
-from lance_hpc.spec.choices import JOB_KINDS, check_registry
-from lance_hpc.spec.kinds import KIND_ADVICE, KINDS, JobKindBase, kind_class
 from lance_hpc.spec.problems import Problem, from_pydantic
-
-# The kinds the spec documents are the kinds that run.
-check_registry(KINDS, JOB_KINDS, "job")
-
-
-def job_problems(raw: Mapping[str, Any], imports: bool = True) -> list[Problem]:
-    """Check ``job`` names a registered kind, or an import path to a JobKind subclass. Without
-    ``imports``, only that it is a registered name or has the form of an import path: importing
-    it would run its code."""
-    name = raw.get("job", "train")
-    if not isinstance(name, str):
-        return []  # the schema reports the wrong type
-    if not imports:
-        if name in KINDS or is_import_path(name):
-            return []
-        return [Problem("job", f"unknown job kind {name!r}", KIND_ADVICE)]
-    try:
-        kind_class(name, JobKindBase)()
-    except UserError as error:
-        return [_problem_from_user_error("job", error)]
-    return []
 
 
 def task_problems(raw: dict[str, Any], imports: bool = True) -> list[Problem]:
@@ -73,7 +50,7 @@ def task_problems(raw: dict[str, Any], imports: bool = True) -> list[Problem]:
     try:
         model = options_class(task.get("name", "image_classification"))
     except UserError as error:
-        return [_problem_from_user_error("task.name", error)]
+        return [problem_from_user_error("task.name", error)]
     options = task.get("options") or {}
     if not isinstance(options, dict):
         return []
@@ -82,54 +59,6 @@ def task_problems(raw: dict[str, Any], imports: bool = True) -> list[Problem]:
         return [from_pydantic(item, model, ("task", "options")) for error in errors for item in error.errors()]
     task["options"] = validated.model_dump(mode="json")
     return []
-
-
-def infer_output_problems(raw: dict[str, Any], imports: bool = True) -> list[Problem]:
-    """job: infer: no output is a column the task reads (a ``*_column`` of its options), and without
-    infer.function each is one the task's class declares it gives: known before any rank starts,
-    with no model built. Without ``imports``, a task of one's own is not imported to ask."""
-    from lance_hpc.tasks.registry import OUTPUTS, task_outputs
-
-    infer, task = raw.get("infer"), raw.get("task")
-    if raw.get("job") != "infer" or not isinstance(infer, Mapping) or not isinstance(infer.get("outputs"), Mapping):
-        return []
-    task = task if isinstance(task, Mapping) else {}
-    name, options = str(task.get("name", "image_classification")), task.get("options")
-    read = {
-        value: key
-        for key, value in (options if isinstance(options, Mapping) else {}).items()
-        if str(key).endswith("_column") and isinstance(value, str)  # another type is the options' own problem
-    }
-    outputs = [str(output) for output in infer["outputs"]]
-    problems = [
-        Problem(
-            "infer.outputs",
-            f"{output} is a column task {name} reads (task.options.{read[output]}): the job would replace its own input",
-            f"write the output under another name, e.g. {output}_predicted",
-        )
-        for output in outputs
-        if output in read
-    ]
-    if infer.get("function") or (not imports and name not in OUTPUTS):
-        return problems
-    try:
-        offered = task_outputs(name)
-    except UserError:
-        return problems  # task_problems says what is wrong with task.name
-    if not offered:
-        return problems  # a task that declares none: what its infer() gives is known when it runs
-    for output in outputs:
-        if output not in offered and output not in read:
-            close = difflib.get_close_matches(output, offered, n=1, cutoff=0.5)
-            problems.append(
-                Problem(
-                    f"infer.outputs.{output}",
-                    f"task {name} gives no output {output!r} (it gives {', '.join(offered)})",
-                    (f"did you mean {close[0]}? " if close else "")
-                    + "name outputs the task gives, or write your own with infer.function",
-                )
-            )
-    return problems
 
 
 def entry_problems(raw: dict[str, Any], imports: bool = True) -> list[Problem]:
@@ -155,7 +84,7 @@ def entry_problems(raw: dict[str, Any], imports: bool = True) -> list[Problem]:
     try:
         function = load_callable(entry, "entry")
     except UserError as error:
-        return [_problem_from_user_error("entry", error)]
+        return [problem_from_user_error("entry", error)]
     model = entry_options_model(function)
     if model is None or not isinstance(options, dict):
         return []  # any mapping is the entry's to read (the schema reports one that is not a mapping)
@@ -185,7 +114,8 @@ def entry_options(function: Any, validated: Mapping[str, Any]) -> Any:
     return model.model_validate_json(json.dumps(validated))
 
 
-def _problem_from_user_error(path: str, error: UserError) -> Problem:
+def problem_from_user_error(path: str, error: UserError) -> Problem:
+    """A UserError about the code at ``path`` as one problem of the spec, its message without the path it repeats."""
     message, _, fix = str(error).partition("\n  fix: ")
     prefix = f"{path}: "
     return Problem(path, message[len(prefix) :] if message.startswith(prefix) else message, fix)

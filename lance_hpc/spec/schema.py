@@ -18,8 +18,9 @@ import yaml
 from pydantic import Field, field_validator, model_validator
 
 from lance_hpc.spec.choices import ON_ERROR_MODES, OUTPUT_TYPES, REFRESH_MODES
-from lance_hpc.spec.command_section import COMMAND_KIND, NO_DATA, NOT_READ, CommandSpec
+from lance_hpc.spec.command_section import NOT_READ, CommandSpec
 from lance_hpc.spec.data_section import CacheSpec, DataSpec, IngestSpec, MixSource
+from lance_hpc.spec.kinds import named_kind
 from lance_hpc.spec.predicates import check_predicate
 from lance_hpc.spec.secrets import redacted
 from lance_hpc.spec.section import Section, choice
@@ -187,12 +188,10 @@ class JobSpec(Section):
 
     @model_validator(mode="before")
     @classmethod
-    def command_defaults(cls, values: Any) -> Any:
-        """command: implies job: command, and stands for the data section that kind never reads
-        (a placeholder: every other kind needs one, so data stays required of them)."""
-        if not isinstance(values, dict) or (values.get("command") is None and values.get("job") != COMMAND_KIND):
-            return values
-        return {"job": COMMAND_KIND, "data": NO_DATA, **values}
+    def kind_defaults(cls, values: Any) -> Any:
+        """What the registered kind the spec names fills in (command: implies job: command, and
+        stands for the data section that kind never reads)."""
+        return named_kind(values).defaults(values) if isinstance(values, dict) else values
 
     @model_validator(mode="after")
     def default_io_timeout(self) -> JobSpec:

@@ -1,5 +1,6 @@
 """The inference and evaluation jobs (``job: infer``, ``job: evaluate``): a model over every row of
-data.uri, its outputs written as new columns, or its metrics reported.
+data.uri, its outputs written as new columns (:class:`WriteColumns`), or its metrics reported
+(:class:`~lance_hpc.writeback.evaluation.Evaluation`): the kind gives the run its :class:`ModelPass`.
 
 The model is the latest checkpoint in ``infer.checkpoint`` (a training job's checkpoint.dir), built
 by the spec's task and read with the task's evaluation decoder, so rows are prepared as they were
@@ -14,12 +15,9 @@ record, one commit. A stop signal is honoured at a fragment boundary (USR2 reque
 
 from __future__ import annotations
 
-import json
-import time
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -34,10 +32,8 @@ from lance_hpc.lineage.provenance import weights_digest
 from lance_hpc.loading.loader import RowsLoader
 from lance_hpc.runtime.context import Summary, precision_context
 from lance_hpc.runtime.environment import DistEnv, configure_process, select_device
-from lance_hpc.runtime.metrics import build_logger
 from lance_hpc.runtime.preemption import Preemption, Requeue
 from lance_hpc.spec import JobSpec
-from lance_hpc.storage.files import write_file
 from lance_hpc.tasks import ROW_ID, Task
 from lance_hpc.tasks.base import Batch
 from lance_hpc.writeback import column_swap, new_columns, steps
@@ -75,9 +71,70 @@ def infer_function(spec: JobSpec, task: Task) -> Infer:
     return lambda model, batch: task.infer(model, batch)  # type: ignore[arg-type]
 
 
-def run_infer(spec: JobSpec, env: DistEnv, preemption: Preemption, requeue: Requeue) -> Summary:
-    """This rank's fragments; on rank 0 also the wait for the others, the commit or the report
-    (:mod:`lance_hpc.writeback.steps`)."""
+class ModelPass:
+    """What a run of the model makes of the fragments, which the kind chooses: the check of the
+    task's inputs, each batch's outputs, each fragment's record, and what rank 0 does once every
+    fragment has one besides the commit."""
+
+    def check_inputs(self, spec: JobSpec, task: Task) -> None:
+        """Before the model loads: refuse what the task reads that the run would change (a UserError)."""
+
+    def check_before(self, spec: JobSpec) -> None:
+        """Before any rank starts, on the launching machine: :meth:`check_inputs`, if it needs the task loaded."""
+
+    def compute(self, compute: Compute, on_device: Batch, offsets: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """The batch's outputs and which of its rows have them."""
+        raise NotImplementedError(f"{type(self).__name__}.compute")
+
+    def record(self, spec: JobSpec, plan: ColumnPlan, index: int, rows: FragmentRows, errors: RowErrors) -> FragmentRecord:
+        """The fragment's record, from its batches' outputs."""
+        raise NotImplementedError(f"{type(self).__name__}.record")
+
+    def report(
+        self, spec: JobSpec, task: Task, plan: ColumnPlan
+    ) -> Callable[[dict[int, FragmentRecord]], dict[str, float]] | None:
+        """What rank 0 reports from every fragment's record (:func:`lance_hpc.writeback.steps.finish`); None: nothing."""
+        return None
+
+
+class WriteColumns(ModelPass):
+    """``job: infer``: the outputs of the model or infer.function, written as the fragment's new columns."""
+
+    def check_inputs(self, spec: JobSpec, task: Task) -> None:
+        """No output is a column the task reads its rows from (a UserError naming it)."""
+        assert spec.infer is not None
+        column_swap.check_inputs(spec.infer.outputs, task.decoder(train=False).columns, spec.task.name)
+
+    def check_before(self, spec: JobSpec) -> None:
+        """The task's inputs against the outputs: one error here, not one per rank."""
+        self.check_inputs(spec, loading.load_task(spec))
+
+    def compute(self, compute: Compute, on_device: Batch, offsets: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """The outputs, with infer.on_error for a batch that raises (then row by row)."""
+        rows = len(offsets)
+        return compute.errors.run(
+            rows,
+            lambda: (compute.outputs(on_device), np.ones(rows, bool)),
+            lambda row: (compute.outputs({name: value[row : row + 1] for name, value in on_device.items()}), np.ones(1, bool)),
+            lambda row: compute.name_row(int(offsets[row])),
+        )
+
+    def record(self, spec: JobSpec, plan: ColumnPlan, index: int, rows: FragmentRows, errors: RowErrors) -> FragmentRecord:
+        """The fragment's new column file written, and how many rows were unreadable or skipped."""
+        assert spec.infer is not None
+        try:
+            record = new_columns.write_fragment(
+                plan, index, new_columns.expand(rows, plan.fragments[index].rows, spec.infer.outputs)
+            )
+        except Exception as error:
+            errors.reraise(error)
+        record.unreadable, record.skipped = rows.unreadable, errors.fragment_done()
+        return record
+
+
+def run_infer(spec: JobSpec, env: DistEnv, preemption: Preemption, requeue: Requeue, work: ModelPass) -> Summary:
+    """This rank's fragments through ``work``; on rank 0 also the wait for the others, the commit
+    or the report (:mod:`lance_hpc.writeback.steps`)."""
     assert spec.infer is not None
     device = select_device(env)
     configure_process(spec.train.seed, False, env, device)
@@ -87,16 +144,15 @@ def run_infer(spec: JobSpec, env: DistEnv, preemption: Preemption, requeue: Requ
     if spec.data.num_workers > 0:  # there is work: the workers' server imports torch while the model and plan load
         loading.worker_context()
     task = loading.load_task(spec)
-    check_task_inputs(spec, task)
+    work.check_inputs(spec, task)
     model, weights = load_model(spec, task, device, digest=env.is_main)
     run = run.with_weights(weights)
     plan = steps.pin(spec, env, run, preemption)
     if not plan.compute:
         return Summary("completed", 0, 0, None)
     mine = plan.assignment(env.world_size)[env.rank]
-    done, already = _work(spec, env, plan, run.records, mine, task, model, infer_function(spec, task), preemption, device)
-    report = (lambda finished: _report(spec, task, plan, finished)) if spec.job == "evaluate" else None
-    return steps.finish(spec, env, plan, run, mine, done, already, preemption, requeue, report)
+    done, already = _work(spec, env, plan, run.records, mine, task, model, infer_function(spec, task), preemption, device, work)
+    return steps.finish(spec, env, plan, run, mine, done, already, preemption, requeue, work.report(spec, task, plan))
 
 
 def _work(
@@ -110,6 +166,7 @@ def _work(
     infer: Infer,
     preemption: Preemption,
     device: torch.device,
+    work: ModelPass,
 ) -> tuple[list[int], list[int]]:
     """Write (or evaluate) this rank's fragments that have no record, in order, until a stop signal."""
     finished = records.finished()
@@ -136,16 +193,11 @@ def _work(
             break
         fragment = plan.fragments[index]
         expected = iter(plan.batches([index], spec.data.batch_size))
-        compute = _Compute(task, model, infer, spec, device, errors, partial(row_name, plan.dataset, fragment.id, fragment.start))
-        rows = _fragment_batches(batches, expected, fragment.start, index in plan.probes, compute)
-        if spec.job == "evaluate":
-            record = _evaluate_fragment(index, plan, rows)
-        else:
-            try:
-                record = new_columns.write_fragment(plan, index, new_columns.expand(rows, fragment.rows, spec.infer.outputs))
-            except Exception as error:
-                errors.reraise(error)
-            record.unreadable, record.skipped = rows.unreadable, errors.fragment_done()
+        name_row = partial(row_name, plan.dataset, fragment.id, fragment.start)
+        compute = Compute(task, model, infer, spec, device, errors, name_row, work)
+        record = work.record(
+            spec, plan, index, _fragment_batches(batches, expected, fragment.start, index in plan.probes, compute), errors
+        )
         record.rows = plan.rows_selected(index)
         records.write(index, record)
         done.append(index)
@@ -156,7 +208,7 @@ def _work(
     return done, already
 
 
-class _Rows:
+class FragmentRows:
     """A fragment's batches through the model: per batch, the outputs (numpy) and which rows have
     them: rows that were readable (a row the decoder could not read was replaced by another: its
     outputs are null) and were computed (infer.on_error: skip leaves a row that raised null)."""
@@ -174,10 +226,9 @@ class _Rows:
 
 
 @dataclass
-class _Compute:
-    """What a batch on the device goes through: the model's metric sums (evaluate), or the outputs
-    of the model or infer.function, with infer.on_error for a batch that raises (name_row: a row of
-    the fragment by its offset there)."""
+class Compute:
+    """What a batch on the device goes through: ``work``'s computation with the model or
+    infer.function, the task and infer.on_error (name_row: a row of the fragment by its offset there)."""
 
     task: Task
     model: nn.Module | None
@@ -186,33 +237,26 @@ class _Compute:
     device: torch.device
     errors: RowErrors
     name_row: Callable[[int], str]
+    work: ModelPass
 
     def __call__(self, on_device: Batch, offsets: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """The batch's outputs and which of its rows have them (not those that raised, with skip)."""
-        rows = len(offsets)
-        if self.spec.job == "evaluate":
-            assert self.model is not None
-            return _numpy({"sums": self.task.forward(self.model, on_device)[1].double()}), np.ones(rows, bool)
-        return self.errors.run(
-            rows,
-            lambda: (self._outputs(on_device), np.ones(rows, bool)),
-            lambda row: (self._outputs({name: value[row : row + 1] for name, value in on_device.items()}), np.ones(1, bool)),
-            lambda row: self.name_row(int(offsets[row])),
-        )
+        return self.work.compute(self, on_device, offsets)
 
-    def _outputs(self, on_device: Batch) -> dict[str, np.ndarray]:
-        return _numpy(self.infer(self.model, on_device))
+    def outputs(self, on_device: Batch) -> dict[str, np.ndarray]:
+        """What the model or infer.function gives for the batch, as numpy arrays."""
+        return as_numpy(self.infer(self.model, on_device))
 
 
-def _numpy(outputs: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+def as_numpy(outputs: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     return {
         name: value.float().cpu().numpy() if value.is_floating_point() else value.cpu().numpy() for name, value in outputs.items()
     }
 
 
 def _fragment_batches(
-    batches: Iterator[Batch], expected: Iterator[np.ndarray], start: int, probe: bool, compute: _Compute
-) -> _Rows:
+    batches: Iterator[Batch], expected: Iterator[np.ndarray], start: int, probe: bool, compute: Compute
+) -> FragmentRows:
     def produce() -> Iterator[tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]]:
         for rows in expected:
             batch = next(batches)
@@ -221,61 +265,10 @@ def _fragment_batches(
                 outputs, computed = compute(compute.task.to_device(batch, compute.device), rows - start)
             yield outputs, readable, computed, rows - start
 
-    return _Rows(produce(), probe)
+    return FragmentRows(produce(), probe)
 
 
-def _evaluate_fragment(index: int, plan: ColumnPlan, rows: _Rows) -> FragmentRecord:
-    started = time.monotonic()
-    total: np.ndarray | None = None
-    for outputs, _, _ in rows:
-        if index not in plan.probes:  # a probe row is outside the filter: not counted
-            total = outputs["sums"] if total is None else total + outputs["sums"]
-    sums = [] if total is None else total.tolist()
-    fragment = plan.fragments[index]
-    return FragmentRecord(
-        fragment.id, fragment.rows, sums={str(i): value for i, value in enumerate(sums)}, seconds=time.monotonic() - started
-    )
-
-
-def _report(spec: JobSpec, task: Task, plan: ColumnPlan, finished: dict[int, FragmentRecord]) -> dict[str, float]:
-    """An evaluation's metrics from every fragment's sums: printed, to TensorBoard and to a JSON file."""
-    assert spec.infer is not None
-    totals = np.zeros(len(task.metrics))
-    for record in finished.values():
-        for position, value in record.sums.items():
-            totals[int(position)] += value
-    metrics = task.report(dict(zip(task.metrics, totals.tolist())), "eval")
-    logger = build_logger(spec, True)
-    logger.log(metrics, 0)
-    logger.close()
-    path = Path(spec.infer.metrics_file)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    payload: dict[str, Any] = {
-        "dataset": spec.data.uri,
-        "version": plan.version,
-        "checkpoint": spec.infer.checkpoint,
-        "rows": sum(record.rows for record in finished.values()),
-        "metrics": metrics,
-    }
-    write_file(path, json.dumps(payload, indent=2) + "\n")
-    values = ", ".join(f"{tag.split('/', 1)[1]} {value:.4f}" for tag, value in metrics.items())
-    print(f"evaluation of {spec.infer.checkpoint} on {spec.data.uri} version {plan.version}: {values}; wrote {path}", flush=True)
-    return metrics
-
-
-def check_task_inputs(spec: JobSpec, task: Task) -> None:
-    """job: infer writes no column the task reads its rows from (a UserError naming it)."""
-    assert spec.infer is not None
-    if spec.job == "infer":
-        column_swap.check_inputs(spec.infer.outputs, task.decoder(train=False).columns, spec.task.name)
-
-
-def check_infer(spec: JobSpec, world_size: int | None = None) -> str:
-    """Before any rank starts: the dataset, the columns and the checkpoint checked (and the task's
-    inputs against the outputs); the work in a few lines, no model loaded (:func:`lance_hpc.writeback.steps.check`)."""
-
-    def inputs() -> None:
-        if spec.job == "infer":  # before any rank starts: one error, not one per rank
-            check_task_inputs(spec, loading.load_task(spec))
-
-    return steps.check(spec, world_size, inputs)
+def check_infer(spec: JobSpec, work: ModelPass, world_size: int | None = None) -> str:
+    """Before any rank starts: the dataset, the columns and the checkpoint checked (and ``work``'s
+    own check); the work in a few lines, no model loaded (:func:`lance_hpc.writeback.steps.check`)."""
+    return steps.check(spec, world_size, lambda: work.check_before(spec))
