@@ -4,8 +4,9 @@ Every user mistake becomes one :class:`SpecError` that lists each problem with i
 a fix, never a traceback. The sections live in :mod:`~lance_hpc.spec.schema` (and the section
 modules it names), loading and path resolution in :mod:`~lance_hpc.spec.load`, bounded YAML reading
 in :mod:`~lance_hpc.spec.yaml_text`, rules across fields in :mod:`~lance_hpc.spec.rules`, the job
-kind, task and entry a spec names in :mod:`~lance_hpc.spec.named_code`, credentials in
-:mod:`~lance_hpc.spec.secrets`, and error reporting in :mod:`~lance_hpc.spec.problems`.
+kinds and what each needs of a spec in :mod:`~lance_hpc.spec.kinds`, the task and entry a spec names
+in :mod:`~lance_hpc.spec.named_code`, credentials in :mod:`~lance_hpc.spec.secrets`, and error
+reporting in :mod:`~lance_hpc.spec.problems`.
 """
 
 from lance_hpc.spec.load import (

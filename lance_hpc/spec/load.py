@@ -239,7 +239,7 @@ def validate_spec(
     resolutions, resolve_problems = _resolve_paths(raw, Path(base_dir) if base_dir else Path.cwd())
     problems += resolve_problems
     kind = spec_kind(raw, imports=imports)  # a kind of one's own by its resolved path
-    problems += kind.spec_problems(raw)  # before the checks below fill in sections the kind may refuse
+    kind_problems = kind.spec_problems(raw)  # read before the checks below fill in sections it may refuse
     problems += job_problems(raw, imports=imports)
     problems += kind.named_code_problems(raw, imports)
     try:
@@ -248,7 +248,7 @@ def validate_spec(
     except ValidationError as error:
         spec = None
         problems += [from_pydantic(item, JobSpec) for item in error.errors()]
-    problems += cross_field_problems(raw)
+    problems += cross_field_problems(raw) + kind_problems  # the kind's rules after the schema's problems
     problems += secret_problems(raw)
     if not problems and spec is not None and spec.sweep:
         try:
