@@ -10,6 +10,8 @@ from multiprocessing.reduction import ForkingPickler
 
 import torch
 
+from lance_hpc.loading import dict_batches
+from lance_hpc.loading.dict_batches import SharedDict
 from lance_hpc.loading.reader import ROW_ID_FIELD
 from lance_hpc.loading.transport import BufferPool
 from lance_hpc.spec import DataSpec
@@ -68,6 +70,43 @@ def test_a_smaller_batch_fits_a_larger_free_buffer():
     smaller = pool.batch(image_fields(8), 2)
     assert len(pool.buffers) == 1 and smaller.fields["image"].shape == (2, 3, 8, 8)
     assert smaller.fields["label"].shape == (2,) and smaller.fields[ROW_ID].shape == (2,)
+
+
+def test_a_dict_batch_crosses_in_one_buffer_keeping_its_order_strides_and_other_values(monkeypatch):
+    """What a transform may return: tensors of any shape (channels-last, a scalar, a strided
+    slice, booleans) cross in one buffer, each with its values and dtype and a dense one with
+    its strides; what is not a plain tensor (one that needs its gradient, a list, an int key)
+    is pickled beside them; the keys keep their order."""
+    image = torch.arange(96, dtype=torch.uint8).view(2, 4, 4, 3).permute(0, 3, 1, 2)
+    weights = torch.ones(3, requires_grad=True)
+    value = {
+        "image": image,
+        "names": ["a", "b"],
+        "scale": torch.tensor(2.5),
+        "every_other": torch.arange(12.0).view(3, 4)[:, ::2],
+        7: torch.tensor([True, False]),
+        "weights": weights,
+    }
+    pool = BufferPool()  # this process's own pool would outlive the test, mapped
+    monkeypatch.setattr(dict_batches, "worker_pool", lambda: pool)
+    sent = SharedDict.of(value, ReadStats(retries=3))
+    received, stats = send(sent)
+    assert list(received) == list(value) and stats == ReadStats(retries=3)
+    for name, tensor in value.items():
+        if isinstance(tensor, torch.Tensor):
+            assert received[name].dtype == tensor.dtype and torch.equal(received[name].detach(), tensor.detach()), name
+    assert received["image"].stride() == image.stride()
+    assert received["names"] == ["a", "b"] and received["weights"].requires_grad
+    buffered = ["image", "scale", "every_other", 7]
+    assert {received[name].untyped_storage().data_ptr() for name in buffered} == {received["image"].untyped_storage().data_ptr()}
+    assert not sent.buffer.free
+    del received
+    gc.collect()
+    assert sent.buffer.free, "the buffer is the worker's again once the batch is freed"
+    (buffer,) = pool.buffers
+    pool.buffers.clear()
+    del sent
+    os.close(buffer.fd)
 
 
 def test_a_worker_reuses_a_few_buffers_for_a_whole_epoch(tmp_path):

@@ -88,6 +88,30 @@ def test_the_transform_runs_in_the_worker_processes(rows_uri: str) -> None:
     assert sorted(int(row) for batch in batches for row in batch["rows"]) == list(range(103))
 
 
+def test_workers_hand_over_the_in_process_batches_each_in_one_shared_buffer(tmp_path: Path) -> None:
+    """Without a transform the tensors of a worker's batch lie in one reused buffer (not a shared
+    segment each); the batches equal the in-process ones, key order and dtypes too, and a column
+    with nulls in a batch still comes as a list."""
+    uri = write_rows(str(tmp_path / "rows.lance"), [30, 30, 30, 13])
+    scores = pa.array([None if row % 17 == 0 else row / 2 for row in range(103)], pa.float64())
+    lance.write_dataset(lance.dataset(uri).to_table().append_column("score", scores), uri, mode="overwrite")
+    columns = ["vec", "x", "name", "score"]
+    reference = list(Loader(uri, batch_size=8, columns=columns, num_workers=0, seed=3))
+    batches = list(Loader(uri, batch_size=8, columns=columns, num_workers=2, seed=3))
+    assert len(batches) == len(reference) == 13
+    for batch, want in zip(batches, reference):
+        assert list(batch) == list(want) == [*columns, "row_id"]
+        for name, value in want.items():
+            if isinstance(value, torch.Tensor):
+                assert batch[name].dtype == value.dtype and torch.equal(batch[name], value), name
+            else:
+                assert batch[name] == value, name
+        storages = {value.untyped_storage().data_ptr() for value in batch.values() if isinstance(value, torch.Tensor)}
+        assert len(storages) == 1, "one buffer per batch"
+    kinds = {type(batch["score"]) for batch in batches}
+    assert kinds == {list, torch.Tensor}, "score has nulls in some batches only"
+
+
 def test_set_epoch_changes_the_order_deterministically(rows_uri: str) -> None:
     def order(epoch: int) -> list[int]:
         loader = Loader(rows_uri, batch_size=8, columns=["x"], num_workers=0, seed=5)

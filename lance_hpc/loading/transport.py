@@ -114,14 +114,16 @@ class BufferPool:
     def __init__(self) -> None:
         self.buffers: list[Buffer] = []
 
-    def batch(self, fields: dict[str, FieldSpec], rows: int) -> SharedBatch:
+    def batch(self, fields: dict[str, FieldSpec], rows: int, kind: type[SharedBatch] = SharedBatch) -> SharedBatch:
+        """A free buffer for a ``rows``-row batch of ``fields``, as ``kind`` (a :class:`SharedBatch`
+        that travels another way, such as a dict batch's)."""
         placed, nbytes = layout(fields, rows)
         buffer = next((b for b in self.buffers if b.nbytes >= nbytes and b.free), None)
         if buffer is None:
             buffer = Buffer(nbytes)
             self.buffers.append(buffer)
         buffer.mapping[0] = IN_USE
-        return SharedBatch(buffer, placed, rows)
+        return kind(buffer, placed, rows)
 
 
 _pools: dict[int, BufferPool] = {}
