@@ -73,11 +73,12 @@ SECTIONS: dict[str, Section] = {
     ),
     "loader_library": Section(
         "lance_hpc.Loader in a plain loop (no model) over a token set: batches/s against the built-in trainer's "
-        "loader with the same strategy, batch and workers, and against lance.torch's LanceDataset with a "
-        "ShardedBatchSampler, each ratio against the trainer's loader in the same round",
+        "loader with the same strategy, batch and workers, and with the sharded_batch strategy against lance.torch's "
+        "LanceDataset with a ShardedBatchSampler (the same read pattern), each ratio against the trainer's loader and "
+        "lance.torch in the same round",
         loader_library.configs,
         loader_library.section_report,
-        runs=3,
+        runs=5,
     ),
     "ingest": Section(
         "lance-hpc ingest of the photos' JPEG bytes from WebDataset tars, Parquet and an image folder with 1, 2 and 4 "

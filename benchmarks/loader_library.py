@@ -3,19 +3,23 @@ trainer's loader and against Lance's own ``lance.torch`` dataset, on the same ro
 
 The data is a token set generated here (fixed-size lists of int32, as ``lance-hpc ingest --tokenize``
 writes them), so each loader hands the loop the same ``[batch, tokens]`` tensor and nothing but the
-loader differs: no decode, no model. Three measurements, each in a fresh process, interleaved:
+loader differs: no decode, no model. Four measurements, each in a fresh process, interleaved:
 
 - the built-in trainer's loader (``build_train_loader`` with the language model's decoder), the
   default strategy (map-style, ``distributed``, shuffled), ``--workers`` worker processes;
 - ``lance_hpc.Loader`` with the same strategy, batch and workers, dict batches of the column;
+- ``lance_hpc.Loader`` with the ``sharded_batch`` strategy (iterable style): contiguous runs of a
+  batch, their order shuffled each epoch, which is ``ShardedBatchSampler(randomize=True)``'s read
+  pattern, with the same workers;
 - ``lance.torch.data.LanceDataset`` with ``ShardedBatchSampler`` (randomised: batches spread over
   ranks as a ``DistributedSampler`` does, here rank 0 of 1), read in the loop's process by its
   read-ahead threads: it shards by rank, not by DataLoader worker, so workers would read every row
   once each.
 
 Each reads one whole epoch; the rate is batches from the first to the last, over that time (its
-start-up, the worker processes forking, is not counted). Every ratio is against the trainer's
-loader in the same round.
+start-up, the worker processes forking, is not counted). Each ratio is against the trainer's
+loader, and against ``lance.torch``, in the same round; a verdict is the median of the rounds'
+ratios, printed with the ratio of the median rates.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ ROWS, TINY_ROWS = 200_000, 2_048
 ROWS_PER_FILE = 16_384  # fragments, for the strategies to spread reads over
 TRAINER = "built-in trainer's loader (map/distributed)"
 LOADER = "lance_hpc.Loader (map/distributed)"
+LOADER_SHARDED = "lance_hpc.Loader (iterable/sharded_batch)"
 LANCE_TORCH = "lance.torch LanceDataset + ShardedBatchSampler (in process)"
 TARGET = 0.95  # the Loader's batches/s against the trainer's loader, at least
 
@@ -126,10 +131,12 @@ def measure(config: Measurement) -> Result:
 def configs(context: Context) -> list[Measurement]:
     uri = token_set(context)
     data = dict(uri=uri, style="map", sampler="distributed", batch_size=BATCH, num_workers=context.workers, shuffle=True, seed=0)
+    sharded = {**data, "style": "iterable", "sampler": "sharded_batch"}
     common: dict[str, Any] = dict(dataset="tokens", batch_size=BATCH, num_workers=context.workers)
     return [
         Measurement(TRAINER, "library_trainer", data=data, **common),
         Measurement(LOADER, "library_loader", data=data, **common),
+        Measurement(LOADER_SHARDED, "library_loader", data=sharded, **common),
         Measurement(LANCE_TORCH, "library_lance_torch", data={"uri": uri}, **{**common, "num_workers": 0}),
     ]
 
@@ -143,22 +150,44 @@ def _round_ratios(summary: Summary, baseline: Summary) -> list[float]:
     ]
 
 
+def _per_round(summary: Summary, baseline: Summary | None) -> str:
+    ratios = _round_ratios(summary, baseline) if baseline else []
+    return ", ".join(f"{ratio:.2f}x" for ratio in ratios) or "-"
+
+
+def _comparison(summary: Summary | None, baseline: Summary | None) -> tuple[float, str] | None:
+    """The median of the rounds' ratios of ``summary`` to ``baseline``, and a line with it and the
+    ratio of the median rates (a round's ratio cancels a load both felt; the rates' medians do not)."""
+    ratios = _round_ratios(summary, baseline) if summary and baseline else []
+    if not ratios or not summary or not baseline or baseline.images_per_s <= 0:
+        return None
+    ratio = statistics.median(ratios)
+    rates = summary.images_per_s / baseline.images_per_s
+    return ratio, f"{ratio:.2f}x by the median of {len(ratios)} rounds' ratios, {rates:.2f}x by the ratio of the median rates"
+
+
 def section_report(context: Context, summaries: Summaries) -> SectionReport:
     found = {label: summary for (dataset, label), summary in summaries.items() if dataset == "tokens"}
-    trainer = found.get(TRAINER)
-    header = ["loop over", "batches/s (median)", "rows/s (min-max)", "first batch s", "x trainer's loader, per round"]
-    cells = []
-    for label, summary in found.items():
-        ratios = _round_ratios(summary, trainer) if trainer else []
-        cells.append(
-            [
-                label,
-                f"{summary.images_per_s / BATCH:,.1f}" if summary.ok_runs else "-",
-                report.rate_text(summary),
-                f"{summary.first_batch_s:.2f}" if summary.ok_runs else "-",
-                ", ".join(f"{ratio:.2f}x" for ratio in ratios) or "-",
-            ]
-        )
+    trainer, lance_torch = found.get(TRAINER), found.get(LANCE_TORCH)
+    header = [
+        "loop over",
+        "batches/s (median)",
+        "rows/s (min-max)",
+        "first batch s",
+        "x trainer's loader, per round",
+        "x lance.torch, per round",
+    ]
+    cells = [
+        [
+            label,
+            f"{summary.images_per_s / BATCH:,.1f}" if summary.ok_runs else "-",
+            report.rate_text(summary),
+            f"{summary.first_batch_s:.2f}" if summary.ok_runs else "-",
+            _per_round(summary, trainer),
+            _per_round(summary, lance_torch),
+        ]
+        for label, summary in found.items()
+    ]
     rows = TINY_ROWS if context.tiny else ROWS
     title = (
         f"The Loader in your own loop: one epoch of {rows:,} rows of {TOKENS + 1} int32 tokens, {BATCH} rows a batch, "
@@ -166,14 +195,16 @@ def section_report(context: Context, summaries: Summaries) -> SectionReport:
         "batches/s from the first batch to the last"
     )
     verdicts = []
-    loader = found.get(LOADER)
-    ratios = _round_ratios(loader, trainer) if loader and trainer else []
-    if ratios:
-        ratio = statistics.median(ratios)
-        verdicts.append(Target("Loader vs the trainer's loader", ratio >= TARGET, f"{ratio:.2f}x (target >= {TARGET}x)"))
+    against_trainer = _comparison(found.get(LOADER), trainer)
+    if against_trainer:
+        ratio, detail = against_trainer
+        verdicts.append(Target("Loader vs the trainer's loader", ratio >= TARGET, f"{detail} (target >= {TARGET}x)"))
     notes = [
         "lance.torch's LanceDataset reads in the loop's process (its own read-ahead threads): it shards by rank, "
         "so DataLoader workers would each read every row."
     ]
+    against_lance = _comparison(found.get(LOADER_SHARDED), lance_torch)
+    if against_lance:
+        notes.append(f"The same read pattern, Loader iterable/sharded_batch vs lance.torch: {against_lance[1]}.")
     text, markdown = report.section_lines("The Loader in your own loop", title, header, cells, notes, verdicts)
     return SectionReport(text, markdown, verdicts)

@@ -463,13 +463,17 @@ def test_map_section_puts_a_map_job_against_its_data_pipeline_alone_in_the_same_
 
 @pytest.mark.slow
 def test_loader_library_section_puts_the_loader_and_lance_torch_against_the_trainers_loader(tmp_path, capfd):
-    """--tiny: one epoch of the small token set through the trainer's loader, lance_hpc.Loader and
-    lance.torch's LanceDataset; each reads the same rows (the first batch aside), and the report prints
-    the Loader's ratio against its target."""
+    """--tiny: one epoch of the small token set through the trainer's loader, lance_hpc.Loader with
+    two strategies and lance.torch's LanceDataset; each reads the same rows (the first batch aside),
+    and the report prints the Loader's ratio against its target and the like-for-like ratio against
+    lance.torch, each by the rounds' ratios and by the median rates."""
     printed, figures = _tiny_section(tmp_path, capfd, "loader_library")
     rows = {label: result["images"] for label, result in figures.items()}
-    assert len(rows) == 3 and len(set(rows.values())) == 1 and all(result["images_per_s"] > 0 for result in figures.values()), (
+    assert len(rows) == 4 and len(set(rows.values())) == 1 and all(result["images_per_s"] > 0 for result in figures.values()), (
         figures
     )
+    assert "lance_hpc.Loader (iterable/sharded_batch)" in rows, rows
     assert "Loader vs the trainer's loader:" in printed, printed
+    assert "Loader iterable/sharded_batch vs lance.torch:" in printed, printed
+    assert printed.count("by the ratio of the median rates") == 2, printed
     assert "## The Loader in your own loop" in (tmp_path / "out" / "results.md").read_text()
