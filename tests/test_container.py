@@ -18,9 +18,9 @@ import pytest
 from lance_hpc.errors import UserError
 from lance_hpc.launch import render
 from lance_hpc.loading import build_train_loader, load_task
-from lance_hpc.runtime import preemption
 from lance_hpc.runtime.environment import DistEnv
 from lance_hpc.runtime.preemption import requeue_sbatch
+from lance_hpc.runtime.restart_variables import REQUEUE_REQUEST_VARIABLE
 from lance_hpc.spec import JobSpec, SpecError, load_spec, validate_spec
 from tests.support.jobs import REPO_ROOT, Digits, final_state, write_spec
 from tests.support.ports import free_port
@@ -152,7 +152,7 @@ def test_the_script_requeues_a_run_of_an_array_when_rank_0_asks(tmp_path: Path) 
             "slurm": {"log_dir": str(tmp_path), "container": {"image": "/i.sif"}, "max_requeues": 2},
         }
     ).spec
-    asks = f'touch "${preemption.REQUEUE_REQUEST_VARIABLE}"'  # what rank 0 does inside the container
+    asks = f'touch "${REQUEUE_REQUEST_VARIABLE}"'  # what rank 0 does inside the container
     result, calls = run_script_with_shims(
         spec, tmp_path, asks, SLURM_ARRAY_JOB_ID="70", SLURM_ARRAY_TASK_ID="1", SLURM_RESTART_COUNT="1"
     )
@@ -170,7 +170,7 @@ def test_the_script_leaves_a_job_alone_unless_asked_even_when_srun_fails(tmp_pat
     result, calls = run_script_with_shims(spec, tmp_path, "exit 1")
     assert result.returncode == 1 and calls == []
     # a submitit task that asked for a requeue exits with an error; the script still requeues it
-    result, calls = run_script_with_shims(spec, tmp_path, f'touch "${preemption.REQUEUE_REQUEST_VARIABLE}"; exit 255')
+    result, calls = run_script_with_shims(spec, tmp_path, f'touch "${REQUEUE_REQUEST_VARIABLE}"; exit 255')
     assert calls == ["requeue 73"] and "requeueing job 73 (requeue 1 of at most 3)" in result.stdout
 
 

@@ -1,7 +1,7 @@
 """The package's shape: no module imports itself back through others, at the top of a file or
-inside a function (an import moved into a function to dodge a cycle is still a cycle); the
-packages stand in layers, each importing only those below it (type hints included); and the top
-level names the steps of the flow."""
+inside a function (an import moved into a function to dodge a cycle is still a cycle) or for type
+hints only; the packages stand in layers, each importing only those below it (type hints
+included); no module is over 400 lines; and the top level names the steps of the flow."""
 
 from __future__ import annotations
 
@@ -173,7 +173,9 @@ def test_the_graph_sees_imports_inside_functions_and_skips_type_checking_blocks(
 
 
 def test_no_import_cycles() -> None:
-    graph = import_graph()
+    """Between files, type hints included: a module that names another's type for a checker is made
+    of it as much as one that calls it (a Protocol of the few methods it needs breaks such a loop)."""
+    graph = import_graph(type_checking=True)
     assert len(graph) > 50 and graph["lance_hpc.kinds.rank"]  # the walk found the package
     found = cycles(graph)
     described = [
@@ -224,6 +226,16 @@ def test_every_package_imports_only_the_layers_below_it() -> None:
         "imports that run up the layers (tests/test_layout.py LAYERS, lowest first): move the piece both need to the "
         "lower package, or into a small one of its own below both\n  " + "\n  ".join(upward)
     )
+
+
+MODULE_LINES = 400  # house style: a module that would pass this becomes a package
+
+
+def test_every_module_is_at_most_400_lines() -> None:
+    lengths = {path: len(path.read_text().splitlines()) for path in PACKAGE.rglob("*.py")}
+    assert len(lengths) > 50  # the walk found the package
+    longer = sorted(f"{path.relative_to(PACKAGE.parent)}: {lines}" for path, lines in lengths.items() if lines > MODULE_LINES)
+    assert not longer, f"modules over {MODULE_LINES} lines: split each into a package of smaller ones\n  " + "\n  ".join(longer)
 
 
 def test_the_top_level_names_the_steps_of_the_flow() -> None:

@@ -24,10 +24,11 @@ import pytest
 from lance_hpc.kinds import standby
 from lance_hpc.launch import render, restart_script, restarts
 from lance_hpc.launch.paths import JobPaths
-from lance_hpc.launch.restarts import Attempt, Cause, StepReport, attempt_cause, choose_nodes, decide, supervisor
+from lance_hpc.launch.restarts import Attempt, Cause, StepReport, attempt_cause, choose_nodes, decide
 from lance_hpc.manage.attempts import attempt_lines
 from lance_hpc.runtime import attempt as rank_attempt
-from lance_hpc.runtime import failures, preemption
+from lance_hpc.runtime import failures
+from lance_hpc.runtime.restart_variables import ATTEMPT_VARIABLE
 from lance_hpc.slurm.records import JobRef
 from lance_hpc.spec import SpecError, validate_spec
 from tests.support.jobs import REPO_ROOT
@@ -128,12 +129,18 @@ def test_srun_and_the_ranks_notes_say_which_rank_or_node_failed_first(tmp_path: 
     assert report.failed_nodes == {"node2": "srun reported a node failure"}
 
 
-def test_the_supervisor_program_holds_what_it_imports_of_lance_hpc_and_names_what_the_ranks_read() -> None:
+def test_the_supervisor_program_holds_what_it_imports_of_lance_hpc() -> None:
     """It runs outside any container, where lance_hpc may not be installed: every module in it imports
     the standard library and the modules packed beside it, nothing else."""
     sources = restart_script.packed_sources()
     packed = {name.removesuffix(".py").removesuffix("/__init__").replace("/", ".") for name in sources}
-    wanted = {"lance_hpc.cli.restarts", "lance_hpc.launch.restarts.supervisor", "lance_hpc.runtime.ports", "__main__"}
+    wanted = {
+        "lance_hpc.cli.restarts",
+        "lance_hpc.launch.restarts.supervisor",
+        "lance_hpc.runtime.ports",
+        "lance_hpc.runtime.restart_variables",  # the names it sets for the ranks, which they read from it too
+        "__main__",
+    }
     assert wanted <= packed, sorted(packed)
     for name, source in sources.items():
         tree = ast.parse(source, name)
@@ -144,10 +151,6 @@ def test_the_supervisor_program_holds_what_it_imports_of_lance_hpc_and_names_wha
         } - {"__future__"}
         assert not outside, f"{name} imports {sorted(outside)}, which the supervisor program does not hold"
     assert restart_script.supervisor_program() == restart_script.supervisor_program()  # a re-render writes the same file
-    for name in ("ATTEMPT_VARIABLE", "RESTARTS_LEFT_VARIABLE", "FAILED_AT_VARIABLE", "FAILED_STEP_VARIABLE", "STANDBY_VARIABLE"):
-        assert getattr(supervisor, name) == getattr(rank_attempt, name), name
-    assert supervisor.FAILURE_DIR_VARIABLE == failures.FAILURE_DIR_VARIABLE
-    assert supervisor.REQUEUE_REQUEST_VARIABLE == preemption.REQUEUE_REQUEST_VARIABLE
 
 
 def write_program(tmp_path: Path) -> Path:
@@ -403,7 +406,7 @@ def test_a_rank_on_fewer_nodes_than_the_job_holds_is_a_misconfiguration_unless_t
     }  # fmt: skip
     with pytest.raises(UserError, match="world size is 1 but the job holds 2 nodes"):
         detect(task)
-    env = detect({**task, rank_attempt.ATTEMPT_VARIABLE: "0"})
+    env = detect({**task, ATTEMPT_VARIABLE: "0"})
     assert (env.world_size, env.num_nodes, env.master_addr) == (1, 1, "node1")
 
 

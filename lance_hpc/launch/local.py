@@ -40,9 +40,14 @@ from lance_hpc.launch.restarts import NOT_RESTARTED, Attempt, Cause, cause_from_
 from lance_hpc.launch.restarts.supervisor import RESUMES
 from lance_hpc.output import whole_lines
 from lance_hpc.quiet import exec_children
-from lance_hpc.runtime.attempt import ATTEMPT_VARIABLE, FAILED_AT_VARIABLE, FAILED_STEP_VARIABLE, RESTARTS_LEFT_VARIABLE
-from lance_hpc.runtime.failures import FAILURE_DIR_VARIABLE
 from lance_hpc.runtime.ports import free_port
+from lance_hpc.runtime.restart_variables import (
+    ATTEMPT_VARIABLE,
+    FAILED_AT_VARIABLE,
+    FAILED_STEP_VARIABLE,
+    FAILURE_DIR_VARIABLE,
+    RESTARTS_LEFT_VARIABLE,
+)
 from lance_hpc.signals import INTERRUPT_SIGNAL, PREEMPTION_SIGNALS, PROFILE_SIGNAL
 from lance_hpc.slurm.variables import SLURM_VARS
 from lance_hpc.spec import JobSpec, SweepRun, expand, load_spec

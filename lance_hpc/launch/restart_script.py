@@ -5,7 +5,8 @@ command srun runs through (:func:`restart_supervisor`, and for submitit's script
 The supervisor (:mod:`lance_hpc.launch.restarts`) runs with the node's own ``python3 -I``, outside
 any container, where lance_hpc may not be installed. So it is one file, ``<log_dir>/<name>.restarts.pyz``:
 a zip application that holds its own modules, its command line (:mod:`lance_hpc.cli.restarts`) and
-:mod:`lance_hpc.runtime.ports` (whose port holder it runs before each restart) and
+:mod:`lance_hpc.runtime.ports` (whose port holder it runs before each restart),
+:mod:`lance_hpc.runtime.restart_variables` (what it tells the ranks) and
 :mod:`lance_hpc.storage.shared_files` (how it opens the files in the log directory) under empty
 ``__init__`` files of the packages above them, and a ``__main__`` that runs the command line. Python puts the file
 first on sys.path even with ``-I``; the modules in it import nothing else but the standard library.
@@ -30,8 +31,9 @@ from lance_hpc.spec import JobSpec
 
 PACKAGE = Path(__file__).resolve().parents[1]  # lance_hpc/
 # What the program holds of lance_hpc (relative to the package): the supervisor's modules, its
-# command line, the port holder's module and the checks of files in a shared directory.
-PACKED = ("launch/restarts", "cli/restarts.py", "runtime/ports.py", "storage/shared_files.py")
+# command line, the port holder's module, the variables it sets for the ranks and the checks of
+# files in a shared directory.
+PACKED = ("launch/restarts", "cli/restarts.py", "runtime/ports.py", "runtime/restart_variables.py", "storage/shared_files.py")
 MAIN = "import sys\n\nfrom lance_hpc.cli.restarts import main\n\nsys.exit(main())\n"
 # The same bytes for the same sources: a re-rendered job writes the same file.
 ZIP_TIME = (1980, 1, 1, 0, 0, 0)

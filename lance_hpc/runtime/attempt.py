@@ -20,21 +20,12 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from lance_hpc.errors import ExitCode
 from lance_hpc.runtime.failures import note_failure
-
-if TYPE_CHECKING:
-    from lance_hpc.runtime.context import Context
-
-# Set by the supervisor for each attempt (lance_hpc.launch.restarts.supervisor names the same: it
-# runs from a zip of the standard-library modules it needs, which this module is not).
-ATTEMPT_VARIABLE = "LANCE_HPC_ATTEMPT"
-RESTARTS_LEFT_VARIABLE = "LANCE_HPC_RESTARTS_LEFT"
-FAILED_AT_VARIABLE = "LANCE_HPC_FAILED_AT"
-FAILED_STEP_VARIABLE = "LANCE_HPC_FAILED_STEP"
-STANDBY_VARIABLE = "LANCE_HPC_STANDBY"  # a standby rank's go file (lance_hpc.kinds.standby)
+from lance_hpc.runtime.restart_variables import ATTEMPT_VARIABLE, FAILED_AT_VARIABLE, FAILED_STEP_VARIABLE, RESTARTS_LEFT_VARIABLE
+from lance_hpc.runtime.restart_variables import STANDBY_VARIABLE as STANDBY_VARIABLE  # lance_hpc.kinds.standby reads it here
 
 _failed_step: list[int | None] = [None]
 
@@ -69,7 +60,21 @@ def restarted(environ: Mapping[str, str] = os.environ) -> Restart | None:
     return Restart(attempt, failed_at, step) if attempt > 0 else None
 
 
-def report_restart(context: Context, environ: Mapping[str, str] = os.environ) -> None:
+class RunningJob(Protocol):
+    """What :func:`report_restart` needs of the job's :class:`~lance_hpc.runtime.context.Context`."""
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def is_main(self) -> bool: ...
+
+    def log(self, scalars: dict[str, float], step: int | None = None) -> None: ...
+
+    def on_step_end(self, hook: Callable[[], None]) -> None: ...
+
+
+def report_restart(context: RunningJob, environ: Mapping[str, str] = os.environ) -> None:
     """After a restart: at the first step, log what the failure cost (module doc)."""
     restart = restarted(environ)
     if restart is None:

@@ -34,9 +34,9 @@ import torch.distributed as dist
 from submitit.slurm.slurm import SlurmParseException, _parse_node_list
 
 from lance_hpc.errors import UserError
-from lance_hpc.runtime.attempt import ATTEMPT_VARIABLE
 from lance_hpc.runtime.failures import PortInUse
 from lance_hpc.runtime.ports import port_for_job, take_held_port
+from lance_hpc.runtime.restart_variables import ATTEMPT_VARIABLE
 from lance_hpc.slurm.variables import SLURM_VARS
 
 # Words in the errors gloo, NCCL and the TCP store raise when a peer process is gone.

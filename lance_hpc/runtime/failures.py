@@ -20,10 +20,8 @@ import traceback
 from pathlib import Path
 
 from lance_hpc.errors import UserError
+from lance_hpc.runtime.restart_variables import FAILURE_DIR_VARIABLE
 from lance_hpc.storage.files import PRIVATE_MODE, write_file
-
-# Where a rank notes how it failed (the restart supervisor names the same variable).
-FAILURE_DIR_VARIABLE = "LANCE_HPC_FAILURE_DIR"
 
 
 class PortInUse(UserError):

@@ -26,6 +26,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from lance_hpc.errors import UserError
+from lance_hpc.runtime.restart_variables import REQUEUE_REQUEST_VARIABLE
 from lance_hpc.signals import INTERRUPT_SIGNAL, PREEMPTION_SIGNALS, PROFILE_SIGNAL, REQUEUE_SIGNAL
 
 if TYPE_CHECKING:
@@ -34,8 +35,6 @@ if TYPE_CHECKING:
     from lance_hpc.runtime.environment import DistEnv
     from lance_hpc.spec import JobSpec
 
-# Set by the script for a job in a container: the file whose existence asks the script to requeue.
-REQUEUE_REQUEST_VARIABLE = "LANCE_HPC_REQUEUE_REQUEST"
 # The shell function that acts on that request; a site template must include requeue_handler.
 REQUEUE_FUNCTION = "requeue_if_asked"
 # Held by hold() until Preemption (USR2), or the profiler or ignore_profile_requests (USR1), take over.

@@ -33,7 +33,9 @@ script runs is :mod:`lance_hpc.cli.restarts`.
 
 The batch step runs the supervisor with the node's own ``python3 -I``, outside any container, where
 lance_hpc may not be installed: these modules and its command line import the standard library,
-each other and :mod:`lance_hpc.runtime.ports` only (a test holds them to that), and the renderer
+each other, :mod:`lance_hpc.runtime.ports`, :mod:`lance_hpc.runtime.restart_variables` (the
+variables it sets for the ranks, named there once for both sides) and
+:mod:`lance_hpc.storage.shared_files` only (a test holds them to that), and the renderer
 writes them beside the job's script as one zip application (:mod:`lance_hpc.launch.restart_script`).
 """
 

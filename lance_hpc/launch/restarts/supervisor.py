@@ -29,18 +29,17 @@ from lance_hpc.launch.restarts.policy import (
 from lance_hpc.launch.restarts.port_holder import PortHolder
 from lance_hpc.launch.restarts.step import Step
 from lance_hpc.runtime.ports import HANDOFF_VARIABLE
+from lance_hpc.runtime.restart_variables import (
+    ATTEMPT_VARIABLE,
+    FAILED_AT_VARIABLE,
+    FAILED_STEP_VARIABLE,
+    FAILURE_DIR_VARIABLE,
+    REQUEUE_REQUEST_VARIABLE,
+    RESTARTS_LEFT_VARIABLE,
+    STANDBY_VARIABLE,
+)
 from lance_hpc.storage.shared_files import append_own, own_private_dir, read_own
 
-# What the ranks of an attempt read (lance_hpc.runtime.attempt and lance_hpc.runtime.failures name the same).
-FAILURE_DIR_VARIABLE = "LANCE_HPC_FAILURE_DIR"  # where each rank notes how it failed
-ATTEMPT_VARIABLE = "LANCE_HPC_ATTEMPT"  # 0 for the first attempt in the allocation
-RESTARTS_LEFT_VARIABLE = "LANCE_HPC_RESTARTS_LEFT"  # whether a hang may end the step (the watchdog)
-FAILED_AT_VARIABLE = "LANCE_HPC_FAILED_AT"  # when the previous attempt failed (seconds since the epoch)
-FAILED_STEP_VARIABLE = "LANCE_HPC_FAILED_STEP"  # the furthest step it reached, when known
-STANDBY_VARIABLE = "LANCE_HPC_STANDBY"  # a standby rank's go file
-# Set by the batch script of a job in a container: a file there means rank 0 asked for a requeue,
-# which the script carries out once this supervisor ends (lance_hpc.runtime.preemption).
-REQUEUE_REQUEST_VARIABLE = "LANCE_HPC_REQUEUE_REQUEST"
 # Where a restarted attempt starts, as far as the supervisor knows: it does not read the job's
 # checkpoints (the job may have failed before its first save; an infer or map job keeps none).
 RESUMES = "resuming from what the job saved (its latest checkpoint, if any)"
