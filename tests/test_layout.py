@@ -51,7 +51,7 @@ LAYERS = (
     "cli",  # the command line: a parser per command over the subsystems' functions
     "run",  # python -m shims over cli/
     "submit",
-    "__main__",  # every python -m entry (lance_hpc, lance_hpc.ingest, lance_hpc.bench): a shim over cli/
+    "__main__",  # python -m lance_hpc: a shim over cli/ (python -m lance_hpc.ingest and .bench run it by name)
 )
 
 
@@ -107,10 +107,8 @@ def import_graph(type_checking: bool = False) -> dict[str, set[str]]:
 
 def layer_of(module: str) -> str:
     """The package a module belongs to (``lance_hpc.loading.mix`` -> ``loading``), or the module
-    itself at the top level (``lance_hpc.errors`` -> ``errors``; the package's own face is ``lance_hpc``);
-    every ``__main__`` is the layer of the ``python -m`` entries."""
-    if module.endswith(".__main__"):  # a package's python -m entry runs its command line, above it
-        return "__main__"
+    itself at the top level (``lance_hpc.errors`` -> ``errors``; the package's own face is ``lance_hpc``).
+    A package's ``__main__`` is of that package: it imports nothing above it."""
     return module.split(".")[1] if "." in module else module
 
 

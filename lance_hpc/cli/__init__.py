@@ -8,7 +8,8 @@ command cannot load never stands in the way of another (``validate`` imports onl
 the task it names).
 
 The ``python -m`` commands that scripts and SLURM tasks run (``lance_hpc.submit``,
-``lance_hpc.run``, ``lance_hpc.ingest``, ``lance_hpc.bench``) are shims over the same modules.
+``lance_hpc.run``) are shims over the same modules; ``python -m lance_hpc.ingest`` and
+``python -m lance_hpc.bench`` run ``python -m lance_hpc`` by name with their command in front.
 """
 
 from __future__ import annotations
