@@ -26,11 +26,11 @@ import pytest
 
 from lance_hpc.errors import UserError
 from lance_hpc.spec import CacheSpec, SpecError, load_spec_text
-from lance_hpc.storage import cache, cache_files
-from lance_hpc.storage.cache import NodeCache, open_cache
-from lance_hpc.storage.cache_dirs import ROOT_MARKER, cache_root, user_directory
-from lance_hpc.storage.cache_eviction import evict
-from lance_hpc.storage.cache_files import (
+from lance_hpc.storage.cache import files as cache_files
+from lance_hpc.storage.cache import node_cache as cache
+from lance_hpc.storage.cache.dirs import ROOT_MARKER, cache_root, user_directory
+from lance_hpc.storage.cache.eviction import evict
+from lance_hpc.storage.cache.files import (
     GIB,
     PARTIAL,
     CachedFile,
@@ -41,7 +41,8 @@ from lance_hpc.storage.cache_files import (
     lock_path,
     manifest_names,
 )
-from lance_hpc.storage.cache_names import OutsideRoot
+from lance_hpc.storage.cache.names import OutsideRoot
+from lance_hpc.storage.cache.node_cache import NodeCache, open_cache
 from lance_hpc.storage.datasets import ReadStats
 from lance_hpc.storage.files import replaced_atomically
 from lance_hpc.storage.options import storage_options
@@ -116,7 +117,7 @@ def test_rows_through_the_cache_equal_the_store_before_during_and_after_filling(
 KILLED_FILLER = """
 import sys, time
 from pathlib import Path
-from lance_hpc.storage import cache_files
+from lance_hpc.storage.cache import files as cache_files
 def one_chunk_then_hang(self, path):
     with self.filesystem.open_input_stream(f"{self.root}/{path}") as stream:
         yield stream.read(4096)

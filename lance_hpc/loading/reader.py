@@ -29,7 +29,7 @@ import torch
 from lance_hpc.errors import UserError
 from lance_hpc.loading.mix import offset_of, source_of
 from lance_hpc.loading.transport import SharedBatch, worker_pool
-from lance_hpc.storage.cache import open_cache
+from lance_hpc.storage.cache.node_cache import open_cache
 from lance_hpc.storage.datasets import Dataset, ReadStats, open_dataset
 from lance_hpc.storage.integrity import explain_read_error
 from lance_hpc.storage.retry import retrying

@@ -1,8 +1,8 @@
-"""The node-local cache (``data.cache``): Lance data files fetched once, read from local disk after.
+"""Reading through the node-local cache (see :mod:`lance_hpc.storage.cache`).
 
-A process opens the cache's dataset root (:mod:`lance_hpc.storage.cache_files`: where the files
-live, how they are fetched and locked; :mod:`lance_hpc.storage.cache_dirs`: the directories, and
-:mod:`lance_hpc.storage.cache_eviction`: how they are evicted) at its pinned version; rows of fragments whose
+A process opens the cache's dataset root (:mod:`lance_hpc.storage.cache.files`: where the files
+live, how they are fetched and locked; :mod:`lance_hpc.storage.cache.dirs`: the directories, and
+:mod:`lance_hpc.storage.cache.eviction`: how they are evicted) at its pinned version; rows of fragments whose
 files are all there are read from it, the other rows from the store, while a background thread
 fetches the missing fragments. Every rank and DataLoader worker of the user on the node shares the
 cache. The dataset key is the dataset's URI and endpoint, and the manifest decides which files a
@@ -25,9 +25,9 @@ import numpy as np
 import pyarrow as pa
 
 from lance_hpc.errors import UserError
-from lance_hpc.storage.cache_dirs import cache_root, user_directory
-from lance_hpc.storage.cache_eviction import evict
-from lance_hpc.storage.cache_files import (
+from lance_hpc.storage.cache.dirs import cache_root, user_directory
+from lance_hpc.storage.cache.eviction import evict
+from lance_hpc.storage.cache.files import (
     GIB,
     CachedFile,
     FileLock,
@@ -41,7 +41,7 @@ from lance_hpc.storage.cache_files import (
     touch,
     warn_once,
 )
-from lance_hpc.storage.cache_names import MANIFEST_DIR, Uncacheable, is_cached_name, lock_path
+from lance_hpc.storage.cache.names import MANIFEST_DIR, Uncacheable, is_cached_name, lock_path
 from lance_hpc.storage.datasets import Dataset, ReadStats
 
 log = logging.getLogger("lance_hpc.data")

@@ -5,7 +5,7 @@ this user's own; and a dataset root in that, which exists only with the marker t
 directory of their own in it, ``lance_hpc-<uid>``, mode 0700; the cache refuses one that is a
 symlink, another user's, or open to others. Inside, a dataset root exists only with the marker file
 the cache wrote into it (the root is renamed into place with it), so eviction
-(:mod:`lance_hpc.storage.cache_eviction`) never deletes from a directory the cache did not make.
+(:mod:`lance_hpc.storage.cache.eviction`) never deletes from a directory the cache did not make.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from lance_hpc.errors import UserError
-from lance_hpc.storage.cache_files import FILE_MODE, is_whole
+from lance_hpc.storage.cache.files import FILE_MODE, is_whole
 
 ROOT_MARKER = ".lance_hpc-cache-root"
 SHARED_MODE = 0o1777  # like /tmp: everyone adds their own directory, no one removes or renames another's

@@ -5,7 +5,7 @@ After each fetch, data files are deleted oldest use first (a file's modification
 use; readers touch it), then deletion files and manifests. A deleted file still open by a reader
 stays readable (Linux); a reader that finds a file gone reads those rows from the store. The
 manifest of a version some process has open (a shared ``fcntl`` lock) is never deleted. Only files
-of a root that bears the cache's marker (:mod:`lance_hpc.storage.cache_dirs`), under the names the
+of a root that bears the cache's marker (:mod:`lance_hpc.storage.cache.dirs`), under the names the
 cache writes, are deleted, and no symlink is followed.
 """
 
@@ -17,9 +17,9 @@ import stat
 from pathlib import Path
 from typing import Iterator
 
-from lance_hpc.storage.cache_dirs import ROOT_MARKER
-from lance_hpc.storage.cache_files import FileLock, UnusableLock, is_whole, warn_once
-from lance_hpc.storage.cache_names import CACHED_DIRS, CACHED_NAMES, MANIFEST_DIR, PARTIAL_NAME, lock_path
+from lance_hpc.storage.cache.dirs import ROOT_MARKER
+from lance_hpc.storage.cache.files import FileLock, UnusableLock, is_whole, warn_once
+from lance_hpc.storage.cache.names import CACHED_DIRS, CACHED_NAMES, MANIFEST_DIR, PARTIAL_NAME, lock_path
 
 log = logging.getLogger("lance_hpc.data")
 

@@ -1,14 +1,14 @@
 """The node cache's files: where they live, and how one process fetches each while the others wait.
-The cache's directories are made in :mod:`lance_hpc.storage.cache_dirs`, and it stays under its size
-by :mod:`lance_hpc.storage.cache_eviction`, which never touches what the cache did not write.
+The cache's directories are made in :mod:`lance_hpc.storage.cache.dirs`, and it stays under its size
+by :mod:`lance_hpc.storage.cache.eviction`, which never touches what the cache did not write.
 
 Lance data files and deletion files are immutable and uniquely named, so the cache keeps whole
 files. ``<dir>/lance_hpc-<uid>/<dataset key>/`` is itself a Lance dataset root: ``data/`` and
 ``_deletions/`` hold the files fetched so far, ``_versions/`` the manifest of every version read
-through the cache (see :mod:`lance_hpc.storage.cache` for how a process reads through it). Files
+through the cache (see :mod:`lance_hpc.storage.cache.node_cache` for how a process reads through it). Files
 are created 0600, temporary files exclusively, and no file is created or opened through a symlink.
 A file is mirrored only under a name Lance writes, inside its root
-(:mod:`lance_hpc.storage.cache_names`): the manifest's author chooses the names.
+(:mod:`lance_hpc.storage.cache.names`): the manifest's author chooses the names.
 
 - one process fetches a file: it holds an ``fcntl`` lock on the file's lock file under ``.locks/``
   while it downloads; the others find the lock taken and read from the store meanwhile (as does
@@ -38,7 +38,7 @@ from typing import Any, Iterator, Mapping
 from pyarrow import fs
 
 from lance_hpc.errors import UserError
-from lance_hpc.storage.cache_names import (
+from lance_hpc.storage.cache.names import (
     MANIFEST_DIR,
     PARTIAL,
     OutsideRoot,
