@@ -5,11 +5,13 @@ written for another model."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -61,6 +63,27 @@ def test_register_refuses_what_it_cannot_checkpoint() -> None:
     context = a_context(load_spec_text("name: job\ndata: {uri: /d}\n").spec, None)
     with pytest.raises(UserError, match=r"ctx.register\(step=...\): a int has no state_dict"):
         context.register(step=3)
+
+
+def test_running_starts_the_watchdog_and_closes_the_run_however_the_entry_ends(tmp_path: Path) -> None:
+    """What lance_hpc runs the entry inside: the watchdog thread running; after an entry that raised,
+    the thread stopped with the rank's status published as done, and the logger closed."""
+    spec = load_spec_text(f"name: job\ndata: {{uri: /d}}\nslurm: {{log_dir: '{tmp_path}'}}\n").spec
+    closed: list[bool] = []
+    logger = NullLogger()
+    logger.close = lambda: closed.append(True)  # type: ignore[method-assign]
+    task = SimpleNamespace(metrics=())
+    context = Context(spec, detect({}), torch.device("cpu"), task, logger, Preemption(), None)  # type: ignore[arg-type]
+    usr1 = signal.getsignal(signal.SIGUSR1)  # the profiler listens for it inside
+    try:
+        with pytest.raises(RuntimeError, match="the entry failed"), context.running():
+            assert any(thread.name == "lance_hpc-watchdog" for thread in threading.enumerate())
+            raise RuntimeError("the entry failed")
+    finally:
+        signal.signal(signal.SIGUSR1, usr1)
+    assert not any(thread.name == "lance_hpc-watchdog" for thread in threading.enumerate())
+    assert json.loads((tmp_path / "job.watch" / "local" / "rank-0.json").read_text())["phase"] == "done"
+    assert closed == [True]
 
 
 def test_register_refuses_a_checkpoint_of_another_model_naming_a_few_keys(tmp_path: Path, digits) -> None:

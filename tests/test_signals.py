@@ -67,7 +67,8 @@ def test_a_job_kind_without_steps_to_profile_survives_usr1_and_says_so_on_rank_0
 def test_usr1_held_while_a_training_rank_starts_becomes_its_profile_request(tmp_path: Path, digits, usr1_restored) -> None:
     hold()
     signal.raise_signal(PROFILE_SIGNAL)
-    profiler = StepProfiler(load_spec(write_spec(tmp_path, digits)).spec, 0, torch.device("cpu"))
+    spec = load_spec(write_spec(tmp_path, digits)).spec
+    profiler = StepProfiler(spec.train, spec.logging, 0, torch.device("cpu"))
     profiler.listen()
     assert profiler.requested, "a USR1 that came before the profiler listened was lost"
 

@@ -165,7 +165,7 @@ def export_lines(spec: JobSpec) -> list[str]:
 def setup_lines(spec: JobSpec) -> list[str]:
     """What runs before srun: the user's setup lines (shell, run as written), the exports, and a
     container's requeue handler."""
-    return [*_user_setup(spec), *export_lines(spec), *requeue_handler(spec)]
+    return [*_user_setup(spec), *export_lines(spec), *requeue_handler(spec.slurm)]
 
 
 def srun_args(spec: JobSpec) -> list[str]:
@@ -215,7 +215,7 @@ def render_sbatch(spec: JobSpec, spec_file: str) -> str:
         "sbatch_lines": [ShellText(redact_text(sbatch_line(name, value))) for name, value in sorted(flags.items())],
         "setup": [ShellText(redact_text(line)) for line in _user_setup(spec)],
         "exports": [ShellText(line) for line in export_lines(spec)],
-        "requeue_handler": [ShellText(line) for line in requeue_handler(spec)],
+        "requeue_handler": [ShellText(line) for line in requeue_handler(spec.slurm)],
         "job_ref": ShellText(job_reference(spec)),
         "array": array_range(spec) or "",
         "srun": srun,

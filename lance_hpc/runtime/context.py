@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,7 +58,8 @@ from lance_hpc.runtime.progress_bar import ProgressBar
 from lance_hpc.runtime.rank_watch import RankWatch
 from lance_hpc.runtime.step_loop import Preempted as Preempted  # raised out of steps(): part of this module's API
 from lance_hpc.runtime.step_loop import StepLoop
-from lance_hpc.spec import JobSpec, TrainSpec
+from lance_hpc.runtime.watchdog import watch_dir
+from lance_hpc.spec import JobSpec
 from lance_hpc.tasks import Batch, Decoder, Task
 
 
@@ -74,12 +75,6 @@ class Summary:
     epoch: int
     checkpoint: str | None
     metrics: dict[str, float] = field(default_factory=dict)
-
-
-def precision_context(train_spec: TrainSpec, device: torch.device) -> torch.autocast:
-    """bf16 autocast on GPU when train.precision is bf16; fp32 otherwise (and always on CPU)."""
-    enabled = device.type == "cuda" and train_spec.precision == "bf16"
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
 
 
 class Context:
@@ -114,12 +109,14 @@ class Context:
         self._checkpoints = CheckpointManager(spec, env, resumed)
         self._models = ModelSetup(spec, task, device, env.world_size, env.is_main, resumed)
         self._log_points = LogPoints(logger, task, device, env.is_main)
-        self._watch = RankWatch(spec, env, device)
-        self._profiler = StepProfiler(spec, env.rank, device)
+        self._watch = RankWatch(spec.train, watch_dir(spec.slurm.log_dir, spec.name, env.job_ref), env, device)
+        self._profiler = StepProfiler(spec.train, spec.logging, env.rank, device)
         self._bar = ProgressBar(env.is_main, spec.logging.progress)
         self._stepping: TrainLoader | None = None  # the loader steps() iterates
         self._loop = StepLoop(
-            spec,
+            spec.train,
+            spec.logging,
+            spec.checkpoint,
             device,
             self._clock,
             watch=self._watch,
@@ -236,7 +233,7 @@ class Context:
     def train_loader(self, decoder: Decoder | None = None) -> TrainLoader:
         """This rank's training batches with the spec's strategy; ``decoder`` defaults to the task's."""
         decoder = decoder or self.task.decoder(train=True)
-        loader = loaders.train_loader(self.spec, self._checkpoints.resumed, decoder, self._env, self.device)
+        loader = loaders.train_loader(self.spec.data, self._checkpoints.resumed, decoder, self._env, self.device)
         loader.watch = self._direct_batch
         return loader
 
@@ -245,7 +242,9 @@ class Context:
         Under ddp ranks may get one batch more or less than each other; under fsdp, where a forward
         pass gathers the model's shards from every rank, each rank gets as many batches as the rank
         with the most (the extra ones hold no rows)."""
-        return loaders.eval_loader(self.spec, decoder or self.task.decoder(train=False), uri, self._env, self.device)
+        return loaders.eval_loader(
+            self.spec.data, self.spec.train, decoder or self.task.decoder(train=False), uri, self._env, self.device
+        )
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The model to call outside the training step (an evaluation): DDP's own module, whose
@@ -274,7 +273,7 @@ class Context:
 
     def autocast(self) -> torch.autocast:
         """bf16 autocast on GPU when train.precision is bf16; a no-op on CPU."""
-        return precision_context(self.spec.train, self.device)
+        return model_setup.precision_context(self.spec.train, self.device)
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
         """DDP's no_sync while :attr:`accumulating` (under fsdp: no gradient reduce-scatter until the
@@ -323,6 +322,21 @@ class Context:
         """Call ``hook()`` on every rank after each epoch's last step, and after the last step of all,
         before the checkpoint saved there (an evaluation, say; it may be a collective)."""
         self._loop.epoch_hooks.append(hook)
+
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        """lance_hpc runs the entry inside it (an entry never calls it): the watchdog and the profiler
+        started; after, however the entry ended, the shards a failed run was writing given their time
+        (no collective: another rank may be gone), the profiler's trace, the logger and watchdog closed."""
+        self._watch.start()
+        self._profiler.listen()
+        try:
+            yield
+        finally:
+            self._checkpoints.wait_quietly(timeout_s=self.spec.train.collective_timeout_s)
+            self._profiler.stop(self._clock.step)
+            self._log_points.logger.close()
+            self._watch.close()
 
     def steps(self, loader: TrainLoader, epochs: int | None = None, max_steps: int | None = None) -> Iterator[tuple[int, Batch]]:
         """(step, batch) until ``epochs`` (default train.epochs) or ``max_steps`` (default
@@ -382,17 +396,3 @@ class Context:
     def _direct_batch(self) -> None:
         """Called by a loader of this context for every batch it hands out (see :meth:`StepLoop.direct_batch`)."""
         self._loop.direct_batch(bool(self._checkpoints.objects), self.is_main)
-
-    def _begin_run(self) -> None:
-        """Before the entry runs: the watchdog thread started, the profiler listening for USR1."""
-        self._watch.start()
-        self._profiler.listen()
-
-    def _end_run(self) -> None:
-        """After the entry, however it ended: the shards a failed run was writing given their time (no
-        collective: another rank may be gone), the profiler's trace written, the logger closed, the
-        watchdog stopped."""
-        self._checkpoints.wait_quietly(timeout_s=self.spec.train.collective_timeout_s)
-        self._profiler.stop(self._clock.step)
-        self._log_points.logger.close()
-        self._watch.close()

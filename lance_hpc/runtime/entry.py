@@ -21,7 +21,7 @@ from lance_hpc.runtime.environment import DistEnv, configure_process
 from lance_hpc.runtime.metrics import build_logger
 from lance_hpc.runtime.preemption import Preemption
 from lance_hpc.runtime.step_loop import Preempted, StopNotHonoured
-from lance_hpc.spec import JobSpec
+from lance_hpc.spec import JobSpec, TrainSpec
 from lance_hpc.spec.flat import flatten
 from lance_hpc.spec.named_code import entry_options
 from lance_hpc.tasks import Task
@@ -33,7 +33,7 @@ def run_entry(
     """Run a job's entry function in this rank; a preemption inside :meth:`Context.steps` ends it."""
     configure_process(spec.train.seed, spec.train.deterministic, env, device)
     resumed = resuming.find_resume_point(spec)
-    if resumed and env.is_main and not _ended(resumed, spec):
+    if resumed and env.is_main and not _ended(resumed, spec.train):
         print(
             resuming.resume_message(
                 resumed,
@@ -50,23 +50,21 @@ def run_entry(
     )
     context = Context(spec, env, device, task, logger, preemption, resumed, entry_options(entry, spec.entry_options))
     attempt.report_restart(context)
-    context._begin_run()
-    try:
-        result = entry(context)
-        context.wait_for_checkpoint()
-    except torch.OutOfMemoryError as error:
-        raise UserError(context.out_of_memory(error)) from None
-    except Preempted as stop:
-        return Summary("preempted", stop.step, context.epoch, stop.saved)
-    except StopNotHonoured as stop:
-        if env.is_main:
-            print(f"lance_hpc.run: {stop}", file=sys.stderr, flush=True)
-        return Summary("unsaved", context.step, context.epoch, None)
-    except Exception:
-        attempt.remember_step(context.step)  # for the failure note: the same error at the same step stops restarts
-        raise
-    finally:
-        context._end_run()
+    with context.running():
+        try:
+            result = entry(context)
+            context.wait_for_checkpoint()
+        except torch.OutOfMemoryError as error:
+            raise UserError(context.out_of_memory(error)) from None
+        except Preempted as stop:
+            return Summary("preempted", stop.step, context.epoch, stop.saved)
+        except StopNotHonoured as stop:
+            if env.is_main:
+                print(f"lance_hpc.run: {stop}", file=sys.stderr, flush=True)
+            return Summary("unsaved", context.step, context.epoch, None)
+        except Exception:
+            attempt.remember_step(context.step)  # for the failure note: the same error at the same step stops restarts
+            raise
     # The work is done: what follows only reports it, and must not fail the rank (a restart would
     # run the entry's evaluation again), whatever the entry returned.
     returned = {str(tag): value for tag, value in result.items()} if isinstance(result, Mapping) else {}
@@ -125,5 +123,5 @@ def checkpoint_line(saved: str | None, resumed_from: str | None) -> str:
     return f"checkpoint step {int(named.group(1))}: {saved}" if named else f"checkpoint: {saved}"
 
 
-def _ended(resumed: Checkpoint, spec: JobSpec) -> bool:
-    return resumed.epoch >= spec.train.epochs or (spec.train.max_steps is not None and resumed.step >= spec.train.max_steps)
+def _ended(resumed: Checkpoint, train: TrainSpec) -> bool:
+    return resumed.epoch >= train.epochs or (train.max_steps is not None and resumed.step >= train.max_steps)

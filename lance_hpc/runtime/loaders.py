@@ -13,14 +13,14 @@ from lance_hpc import loading
 from lance_hpc.checkpoint.resuming import Checkpoint
 from lance_hpc.loading import EvalLoader, TrainLoader, selection
 from lance_hpc.runtime.environment import DistEnv
-from lance_hpc.spec import JobSpec
+from lance_hpc.spec import DataSpec, TrainSpec
 from lance_hpc.tasks import Batch, Decoder
 
 
-def train_loader(spec: JobSpec, resumed: Checkpoint | None, decoder: Decoder, env: DistEnv, device: torch.device) -> TrainLoader:
+def train_loader(data: DataSpec, resumed: Checkpoint | None, decoder: Decoder, env: DistEnv, device: torch.device) -> TrainLoader:
     """This rank's training batches with the spec's strategy, from the dataset versions ``resumed`` read."""
     return loading.build_train_loader(
-        selection.pinned_data(spec.data, resumed),
+        selection.pinned_data(data, resumed),
         decoder,
         env.rank,
         env.world_size,
@@ -28,17 +28,19 @@ def train_loader(spec: JobSpec, resumed: Checkpoint | None, decoder: Decoder, en
     )
 
 
-def eval_loader(spec: JobSpec, decoder: Decoder, uri: str | None, env: DistEnv, device: torch.device) -> Iterable[Batch]:
+def eval_loader(
+    data: DataSpec, train: TrainSpec, decoder: Decoder, uri: str | None, env: DistEnv, device: torch.device
+) -> Iterable[Batch]:
     """This rank's share of data.val_uri (or of ``uri``); under fsdp, collective: as many batches as
     the rank with the most (see :class:`EqualBatches`)."""
     loader = loading.build_eval_loader(
-        spec.data if uri is None else spec.data.model_copy(update={"val_uri": uri}),
+        data if uri is None else data.model_copy(update={"val_uri": uri}),
         decoder,
         env.rank,
         env.world_size,
         pin_memory=device.type == "cuda",
     )
-    if spec.train.parallelism != "fsdp":
+    if train.parallelism != "fsdp":
         return loader
     most = torch.tensor([len(loader)], dtype=torch.int64, device=device)
     dist.all_reduce(most, op=dist.ReduceOp.MAX)

@@ -19,8 +19,14 @@ from lance_hpc.parallel.fsdp import default_blocks, note_default_blocks
 from lance_hpc.parallel.materialise import MetaModel, build_on_meta, materialise, seeded, to_empty
 from lance_hpc.parallel.memory import out_of_memory_message
 from lance_hpc.runtime.rank_watch import RankWatch
-from lance_hpc.spec import JobSpec
+from lance_hpc.spec import JobSpec, TrainSpec
 from lance_hpc.tasks import Task
+
+
+def precision_context(train_spec: TrainSpec, device: torch.device) -> torch.autocast:
+    """bf16 autocast on GPU when train.precision is bf16; fp32 otherwise (and always on CPU)."""
+    enabled = device.type == "cuda" and train_spec.precision == "bf16"
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
 
 
 class ModelSetup:

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     import torch
 
     from lance_hpc.runtime.environment import DistEnv
-    from lance_hpc.spec import JobSpec
+    from lance_hpc.spec import JobSpec, SlurmSpec
 
 # The shell function that acts on that request; a site template must include requeue_handler.
 REQUEUE_FUNCTION = "requeue_if_asked"
@@ -235,15 +235,15 @@ def requeue_with_submitit(env: DistEnv, spec: JobSpec, preemption: Preemption) -
     return False, "submitit did not requeue the job"
 
 
-def requeue_handler(spec: JobSpec) -> list[str]:
+def requeue_handler(slurm: SlurmSpec) -> list[str]:
     """For a job in a container: shell that requeues the job after srun when rank 0 asked for it.
 
     Rank 0 checked slurm.max_requeues before asking. An array task is requeued as
     ARRAYID_TASKID: the bare array job id would requeue every run of the sweep.
     """
-    if spec.slurm.container is None:
+    if slurm.container is None:
         return []
-    request = f'{shlex.quote(spec.slurm.log_dir)}/requeue-"$SLURM_JOB_ID"'
+    request = f'{shlex.quote(slurm.log_dir)}/requeue-"$SLURM_JOB_ID"'
     return [
         f"export {REQUEUE_REQUEST_VARIABLE}={request}",
         f'rm -f "${REQUEUE_REQUEST_VARIABLE}"',
@@ -252,7 +252,7 @@ def requeue_handler(spec: JobSpec) -> list[str]:
         f'    rm -f "${REQUEUE_REQUEST_VARIABLE}"',
         "    local job=${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}",
         "    job=${job:-$SLURM_JOB_ID}",
-        f'    echo "requeueing job $job (requeue $((${{SLURM_RESTART_COUNT:-0}} + 1)) of at most {spec.slurm.max_requeues})"',
+        f'    echo "requeueing job $job (requeue $((${{SLURM_RESTART_COUNT:-0}} + 1)) of at most {slurm.max_requeues})"',
         # SLURM's SIGTERM to this script as the requeue takes (or a warning signal again) must not cut scontrol short
         f'    if ({SPARED_TRAP}; exec scontrol requeue "$job"); then',
         "        sleep 300  # SLURM ends this script as it requeues the job; exiting first would race the requeue",

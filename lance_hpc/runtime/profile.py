@@ -17,7 +17,7 @@ import torch
 
 from lance_hpc.runtime.preemption import take_over
 from lance_hpc.signals import PROFILE_SIGNAL
-from lance_hpc.spec import JobSpec
+from lance_hpc.spec import LoggingSpec, TrainSpec
 
 DEFAULT_STEPS = 5
 
@@ -25,11 +25,11 @@ DEFAULT_STEPS = 5
 class StepProfiler:
     """Starts the profiler at a step boundary and stops it ``steps`` steps later (see the module doc)."""
 
-    def __init__(self, spec: JobSpec, rank: int, device: torch.device) -> None:
-        settings = spec.train.profile
+    def __init__(self, train: TrainSpec, logging: LoggingSpec, rank: int, device: torch.device) -> None:
+        settings = train.profile
         self.start_step = settings.start_step if settings is not None else None
         self.steps = settings.steps if settings is not None else DEFAULT_STEPS
-        self.directory = Path(spec.logging.tensorboard_dir) / "profile"
+        self.directory = Path(logging.tensorboard_dir) / "profile"
         self.rank, self.device = rank, device
         self.requested = False
         self.active: Any = None

@@ -8,6 +8,7 @@ their own work and data wait per step, for TensorBoard and the straggler check."
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,18 +19,19 @@ from torch.nn.parallel import DistributedDataParallel
 from lance_hpc.runtime import attempt
 from lance_hpc.runtime.environment import DistEnv
 from lance_hpc.runtime.progress_bar import PER_RANK
-from lance_hpc.runtime.watchdog import Progress, Stragglers, Watchdog, host_name, watch_dir
-from lance_hpc.spec import JobSpec
+from lance_hpc.runtime.watchdog import Progress, Stragglers, Watchdog, host_name
+from lance_hpc.spec import TrainSpec
 
 
 class RankWatch:
     """What this rank is doing (:attr:`progress`) and its timings since the last log point."""
 
-    def __init__(self, spec: JobSpec, env: DistEnv, device: torch.device) -> None:
+    def __init__(self, train: TrainSpec, directory: Path, env: DistEnv, device: torch.device) -> None:
+        """``directory``: where the ranks' watchdogs meet (:func:`~lance_hpc.runtime.watchdog.watch_dir`)."""
         self.progress = Progress()
-        self.spec, self.env, self.device = spec, env, device
+        self.train, self.directory, self.env, self.device = train, directory, env, device
         self.world_size, self.is_main = env.world_size, env.is_main
-        settings = spec.train.watchdog
+        settings = train.watchdog
         self._watchdog: Watchdog | None = None
         self._stragglers = Stragglers(settings.straggler_factor) if settings is not None else None
         self._hosts: list[str] | None = None
@@ -37,15 +39,21 @@ class RankWatch:
 
     def start(self) -> None:
         """This rank's watchdog thread (train.watchdog), unless the spec turns it off."""
-        settings = self.spec.train.watchdog
+        settings = self.train.watchdog
         if settings is None:
             return
-        directory = watch_dir(self.spec.slurm.log_dir, self.spec.name, self.env.job_ref)
         # fire well before the collective timeout ends the job with nothing said
-        ceiling = max(self.spec.train.collective_timeout_s * 0.5, 1.0)
+        ceiling = max(self.train.collective_timeout_s * 0.5, 1.0)
         on_hang = attempt.end_step_on_hang() if self.is_main else None  # with restarts left, a hang ends the attempt
         self._watchdog = Watchdog(
-            self.progress, directory, self.env.rank, self.world_size, settings.factor, settings.floor_s, ceiling, on_hang=on_hang
+            self.progress,
+            self.directory,
+            self.env.rank,
+            self.world_size,
+            settings.factor,
+            settings.floor_s,
+            ceiling,
+            on_hang=on_hang,
         )
         self._watchdog.start()
 

@@ -19,7 +19,7 @@ from lance_hpc.runtime.preemption import Preemption
 from lance_hpc.runtime.profile import StepProfiler
 from lance_hpc.runtime.progress_bar import ProgressBar
 from lance_hpc.runtime.rank_watch import RankWatch
-from lance_hpc.spec import JobSpec
+from lance_hpc.spec import CheckpointSpec, LoggingSpec, TrainSpec
 from lance_hpc.tasks import ROW_ID, Batch
 
 
@@ -52,7 +52,9 @@ class StepLoop:
 
     def __init__(
         self,
-        spec: JobSpec,
+        train: TrainSpec,
+        logging: LoggingSpec,
+        checkpoint: CheckpointSpec,
         device: torch.device,
         clock: StepClock,
         *,
@@ -65,7 +67,8 @@ class StepLoop:
         wait: Callable[[], None],
         total_steps: Callable[[], int],
     ) -> None:
-        self.spec, self.device, self.clock = spec, device, clock
+        self.train, self.logging, self.checkpoint = train, logging, checkpoint
+        self.device, self.clock = device, clock
         self.watch, self.profiler, self.bar, self.log_points, self.preemption = watch, profiler, bar, log_points, preemption
         self.save, self.wait, self.total_steps = save, wait, total_steps
         self.step_hooks: list[Callable[[], None]] = []
@@ -74,7 +77,7 @@ class StepLoop:
 
     def run(self, loader: TrainLoader) -> Iterator[tuple[int, Batch]]:
         """(step, batch) until the clock is finished (see :meth:`Context.steps`)."""
-        clock, accumulate = self.clock, self.spec.train.grad_accum
+        clock, accumulate = self.clock, self.train.grad_accum
         while not clock.finished:
             loader.set_epoch(clock.epoch)
             remaining = loader.steps_remaining  # batches; a step takes up to grad_accum of them
@@ -123,7 +126,7 @@ class StepLoop:
     def _after_step(self, epoch_end: bool, epoch_watch: Stopwatch, loader: TrainLoader) -> bool:
         """What follows a step, on every rank; True once the loop is done."""
         clock = self.clock
-        done_all = clock.end_step(epoch_end, self.spec.logging.log_every_steps)
+        done_all = clock.end_step(epoch_end, self.logging.log_every_steps)
         for hook in self.step_hooks:
             hook()
         if clock.log_due:
@@ -134,7 +137,7 @@ class StepLoop:
                 hook()
             self.bar.forget()  # an evaluation prints its own line
         saved = None
-        if epoch_end or done_all or clock.step % self.spec.checkpoint.every_steps == 0:
+        if epoch_end or done_all or clock.step % self.checkpoint.every_steps == 0:
             saved = self.save()
         if done_all:
             return True

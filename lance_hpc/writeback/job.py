@@ -30,8 +30,9 @@ from lance_hpc.errors import UserError
 from lance_hpc.imports import load_callable
 from lance_hpc.lineage.provenance import weights_digest
 from lance_hpc.loading.loader import RowsLoader
-from lance_hpc.runtime.context import Summary, precision_context
+from lance_hpc.runtime.context import Summary
 from lance_hpc.runtime.environment import DistEnv, configure_process, select_device
+from lance_hpc.runtime.model_setup import precision_context
 from lance_hpc.runtime.preemption import Preemption, Requeue
 from lance_hpc.spec import JobSpec
 from lance_hpc.tasks import ROW_ID, Task
