@@ -153,6 +153,20 @@ def test_the_supervisor_program_holds_what_it_imports_of_lance_hpc() -> None:
     assert restart_script.supervisor_program() == restart_script.supervisor_program()  # a re-render writes the same file
 
 
+def test_each_lance_hpc_variable_is_named_in_one_module() -> None:
+    """The supervisor and its ranks (and any other two processes) share a variable by importing its
+    name, never by writing it twice: a copy that drifted would leave the ranks blind to their attempt."""
+    package = Path(restart_script.__file__).resolve().parents[1]
+    modules: dict[str, set[str]] = {}
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"LANCE_HPC_[A-Z_]+", node.value):
+                modules.setdefault(node.value, set()).add(str(path.relative_to(package)))
+    assert modules["LANCE_HPC_ATTEMPT"] == {"runtime/restart_variables.py"}
+    twice = {name: sorted(where) for name, where in modules.items() if len(where) > 1}
+    assert not twice, f"variables named in more than one module (import the name instead): {twice}"
+
+
 def write_program(tmp_path: Path) -> Path:
     """The supervisor as write_job_files writes it beside a job's script."""
     program = tmp_path / "job.restarts.pyz"
