@@ -27,9 +27,21 @@ if TYPE_CHECKING:
 
 
 class JobKind(JobKindBase):
-    """One kind of job. Subclass it, set ``name``, and implement :meth:`run`; the rules and the
-    ``check``, ``plan`` and ``progress`` of :class:`~lance_hpc.spec.kinds.JobKindBase` have
+    """One kind of job. Subclass it, set ``name``, and implement :meth:`run`; the rules of
+    :class:`~lance_hpc.spec.kinds.JobKindBase` and ``check``, ``plan`` and ``progress`` here have
     defaults that suit a kind that reads no section of its own and has no data plan or progress."""
+
+    def check(self, spec: JobSpec, nproc: int | None) -> list[str]:
+        """Before any rank starts, on the launching machine: fail early, return the lines to print (nproc: local ranks, or None under SLURM)."""
+        return []
+
+    def plan(self, spec: JobSpec, source: str) -> str:
+        """The data plan a dry run prints: what the ranks would read or write, without doing it."""
+        return f"job: {self.name} shows no data plan"
+
+    def progress(self, spec: JobSpec) -> list[str] | None:
+        """The progress lines ``lance-hpc status`` prints from what the job left behind; None: the training lines."""
+        return None
 
     def run(self, spec: JobSpec, env: DistEnv, requeue: Requeue, signals: tuple[int, ...]) -> Summary:
         """What each rank runs; ``signals`` stop it (see lance_hpc.runtime.preemption), ``requeue`` puts the job back in the queue."""

@@ -107,8 +107,8 @@ def find_program(program: str) -> str:
 def program_environment(spec: JobSpec, env: DistEnv) -> dict[str, str]:
     """The rank's environment with torchrun's variables for this rank, this run's counts and the
     command's options; the port the batch step held for rank 0 is let go, for the program to listen on."""
-    from lance_hpc.runtime.attempt import ATTEMPT_VARIABLE
     from lance_hpc.runtime.ports import take_held_port
+    from lance_hpc.runtime.restart_variables import ATTEMPT_VARIABLE
 
     if env.is_main:  # the batch step holds MASTER_PORT for rank 0: the program's store binds it itself
         held = take_held_port(env.master_port)

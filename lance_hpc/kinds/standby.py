@@ -17,7 +17,7 @@ from pathlib import Path
 
 from lance_hpc.kinds import job_kind
 from lance_hpc.runtime import preemption
-from lance_hpc.runtime.attempt import STANDBY_VARIABLE
+from lance_hpc.runtime.restart_variables import STANDBY_VARIABLE
 from lance_hpc.spec import load_spec_text
 from lance_hpc.spec.load import read_own_text
 from lance_hpc.storage.shared_files import read_own

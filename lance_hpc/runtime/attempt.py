@@ -25,7 +25,6 @@ from typing import Any, Protocol
 from lance_hpc.errors import ExitCode
 from lance_hpc.runtime.failures import note_failure
 from lance_hpc.runtime.restart_variables import ATTEMPT_VARIABLE, FAILED_AT_VARIABLE, FAILED_STEP_VARIABLE, RESTARTS_LEFT_VARIABLE
-from lance_hpc.runtime.restart_variables import STANDBY_VARIABLE as STANDBY_VARIABLE  # lance_hpc.kinds.standby reads it here
 
 _failed_step: list[int | None] = [None]
 

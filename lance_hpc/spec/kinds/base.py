@@ -8,13 +8,10 @@ The rank's half, ``run``, takes the runtime, which takes the spec, so it cannot 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 from lance_hpc.spec.named_code import entry_problems, task_problems
 from lance_hpc.spec.problems import Problem
-
-if TYPE_CHECKING:
-    from lance_hpc.spec.schema import JobSpec
 
 # The kind a spec without ``job`` runs.
 DEFAULT_KIND = "train"
@@ -58,15 +55,3 @@ class JobKindBase:
         """The code the spec names besides the kind: the task and its options, the entry and its
         options (their defaults filled into ``raw``); without ``imports``, only their form."""
         return task_problems(raw, imports=imports) + entry_problems(raw, imports=imports)
-
-    def check(self, spec: JobSpec, nproc: int | None) -> list[str]:
-        """Before any rank starts, on the launching machine: fail early, return the lines to print (nproc: local ranks, or None under SLURM)."""
-        return []
-
-    def plan(self, spec: JobSpec, source: str) -> str:
-        """The data plan a dry run prints: what the ranks would read or write, without doing it."""
-        return f"job: {self.name} shows no data plan"
-
-    def progress(self, spec: JobSpec) -> list[str] | None:
-        """The progress lines ``lance-hpc status`` prints from what the job left behind; None: the training lines."""
-        return None
