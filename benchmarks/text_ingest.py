@@ -38,13 +38,14 @@ def label(size_mb: int, workers: int, tokenizer: str) -> str:
 
 def prepare_corpus(root: Path, size_mb: int) -> Path:
     """``size_mb`` MB of JSON Lines (``{"id", "text"}``), the standard library's sources repeated, made once."""
-    from lance_hpc.ingest.shards import list_shards, parse_source
+    from lance_hpc.ingest.formats.stdlib import PythonStdlib
 
     folder = root / f"stdlib-corpus-{size_mb}mb"
     if (folder / "done").exists():
         return folder
     folder.mkdir(parents=True, exist_ok=True)
-    paths = [path for shard in list_shards(parse_source("python-stdlib:max_mb=1000")) for path in shard.files]
+    stdlib = PythonStdlib()
+    paths = [path for shard in stdlib.shards("max_mb=1000") for path in stdlib.parts[shard].files]
     texts = [Path(path).read_text(encoding="utf-8", errors="replace") for path in paths]
     written, in_file, copy, lines = 0, 0, 0, []
     while written < size_mb * 1_000_000:

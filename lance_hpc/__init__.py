@@ -14,6 +14,8 @@ Context``) and listed on the docs page "Tasks and script mode", section "Public 
   :class:`JobSpec` and this rank's :class:`DistEnv`, joins the ranks with
   :func:`process_group`, may create the dataset with :func:`ensure_dataset`, and returns a
   :class:`Summary`.
+- An ingest format of your own (``lance-hpc ingest 'my_formats.py:CsvRows:/data/*.csv' out.lance``):
+  :class:`ShardFormat`, which lists a source's shards and reads each as Arrow record batches.
 - :class:`UserError`: raise it with the fix in its message, and lance_hpc prints that message
   instead of a traceback.
 
@@ -50,6 +52,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     "lance_hpc.kinds": ("JobKind",),
     "lance_hpc.spec": ("JobSpec",),
     "lance_hpc.ingest": ("ensure_dataset",),
+    "lance_hpc.ingest.formats": ("ShardFormat",),
     "lance_hpc.errors": ("UserError",),
 }
 _MODULE_OF = {name: module for module, names in _PUBLIC.items() for name in names}
@@ -63,6 +66,7 @@ __all__ = [
     "JobKind",
     "JobSpec",
     "Loader",
+    "ShardFormat",
     "Summary",
     "Task",
     "TaskError",
@@ -76,6 +80,7 @@ __all__ = [
 if TYPE_CHECKING:
     from lance_hpc.errors import UserError
     from lance_hpc.ingest import ensure_dataset
+    from lance_hpc.ingest.formats import ShardFormat
     from lance_hpc.kinds import JobKind
     from lance_hpc.loading.library import Loader
     from lance_hpc.runtime.context import Context, Summary

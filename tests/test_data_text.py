@@ -15,8 +15,9 @@ import pytest
 from lance_hpc.cli.ingest import main
 from lance_hpc.errors import UserError
 from lance_hpc.ingest.dataset import ensure_dataset
+from lance_hpc.ingest.formats.stdlib import STDLIB_SKIPPED_DIRS
 from lance_hpc.ingest.packing import Packer
-from lance_hpc.ingest.shards import STDLIB_SKIPPED_DIRS, file_key, list_shards, parse_source, split_of
+from lance_hpc.ingest.shards import list_shards, parse_source, split_of
 from lance_hpc.ingest.tokenizer import load_tokenizer
 from lance_hpc.loading.plan import plan_data
 from lance_hpc.spec import DataSpec, IngestSpec
@@ -101,9 +102,14 @@ def documents_in_order(source: str) -> list[tuple[str, str]]:
     """(key, text) of the non-empty documents of a text: source, decoded as ingest decodes them, in
     ingest order (sorted paths)."""
     parsed = parse_source(source)
-    paths = [path for shard in list_shards(parsed) for path in shard.files]
-    texts = [(file_key(parsed, path), Path(path).read_bytes().decode("utf-8", errors="replace")) for path in paths]
+    paths = run_files(parsed)
+    texts = [(parsed.format.key(path), Path(path).read_bytes().decode("utf-8", errors="replace")) for path in paths]
     return [(key, text) for key, text in texts if text]
+
+
+def run_files(parsed) -> list[str]:
+    """The files of a source's shards (runs of files), in ingest order."""
+    return [path for shard in list_shards(parsed) for path in parsed.format.parts[shard.id].files]
 
 
 def ingest(source, train, val=None, *args: str) -> int:
@@ -243,13 +249,13 @@ def test_the_packer_holds_at_most_a_fragment_and_a_document_whatever_the_corpus(
 
 def test_python_stdlib_files_are_sorted_capped_and_skip_tests():
     source = parse_source("python-stdlib:max_mb=0.5")
-    paths = [path for shard in list_shards(source) for path in shard.files]
+    paths = run_files(source)
     assert paths and paths == sorted(paths) and all(path.endswith(".py") for path in paths)
     assert sum(os.path.getsize(path) for path in paths) <= 500_000
     root = sysconfig.get_paths()["stdlib"]
-    everything = [path for shard in list_shards(parse_source("python-stdlib")) for path in shard.files]
+    everything = run_files(parse_source("python-stdlib"))
     assert not any(set(Path(path).relative_to(root).parts) & STDLIB_SKIPPED_DIRS for path in everything)
-    assert file_key(source, paths[0]) == str(Path(paths[0]).relative_to(root))
+    assert source.format.key(paths[0]) == str(Path(paths[0]).relative_to(root))
 
 
 def test_command_line_python_stdlib_and_its_estimate(tmp_path, capsys):

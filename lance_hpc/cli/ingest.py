@@ -64,7 +64,12 @@ def add_shard_options(parser: argparse.ArgumentParser) -> None:
         "commit at the end, resumable; the validation split by a hash of each row's key)"
     )
     shards.add_argument("--nproc", type=int, default=1, help="workers on this machine (default 1)")
-    shards.add_argument("--files-per-shard", type=int, default=1000, help="imagefolder: and text: files per shard (default 1000)")
+    shards.add_argument(
+        "--files-per-shard",
+        type=int,
+        default=1000,
+        help="imagefolder: and text: files per shard (default 1000; a format of your own reads it from self.settings)",
+    )
     shards.add_argument(
         "--tokenize",
         action=argparse.BooleanOptionalAction,
@@ -117,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def ingest_command(parser: argparse.ArgumentParser, args: argparse.Namespace, arguments: list[str]) -> int:
     from lance_hpc.ingest.dataset import ensure_dataset, ingest
-    from lance_hpc.ingest.shards import is_shard_source
+    from lance_hpc.ingest.formats import is_shard_source
     from lance_hpc.ingest.target import COMMAND_LINE_NAMES, SPEC_NAMES
     from lance_hpc.spec import load_spec
     from lance_hpc.storage.options import storage_options

@@ -43,9 +43,9 @@ import pyarrow as pa
 
 from lance_hpc.errors import UserError
 from lance_hpc.ingest import sources
+from lance_hpc.ingest.formats import is_shard_source
 from lance_hpc.ingest.image_check import ENCODED_BYTES
 from lance_hpc.ingest.local import ingest_here
-from lance_hpc.ingest.shards import is_shard_source
 from lance_hpc.ingest.sources import ImageSource
 from lance_hpc.ingest.target import (
     COMMAND_LINE_NAMES,
@@ -141,7 +141,7 @@ def resolve_source(text: str) -> tuple[ImageSource, ImageSource | None]:
     raise UserError(
         f"unknown ingest source {text!r}: use sklearn-digits, skimage-photos[:count=N,size=S], imagefolder:<dir> or "
         "torchvision:<Name>:<root> for images; text:<glob> or python-stdlib[:max_mb=N] for text; parquet:, jsonl:, "
-        "webdataset: or hf: for any rows"
+        "webdataset: or hf: for any rows; path/to/formats.py:MyFormat:<location> for a format of your own"
     )
 
 

@@ -23,20 +23,13 @@ from typing import Any, Iterable, Mapping
 import pyarrow as pa
 
 from lance_hpc.errors import UserError
+from lance_hpc.ingest.formats import FILES_PER_SHARD, format_class
 from lance_hpc.ingest.image_check import ENCODED_BYTES, MAX_PIXELS
 from lance_hpc.ingest.packing import Tokens, token_schema
 from lance_hpc.ingest.records import Records, records_root
 from lance_hpc.ingest.rerun import landed_splits, stale_records, start_over
-from lance_hpc.ingest.shard_batches import (
-    ColumnMap,
-    document_texts,
-    format_defaults,
-    mapped_batches,
-    plan_reading,
-    row_keys,
-    text_batches,
-)
-from lance_hpc.ingest.shards import FILES_PER_SHARD, Shard, Source, class_names, list_shards, parse_source, split_of
+from lance_hpc.ingest.shard_batches import ColumnMap, document_texts, mapped_batches, plan_reading, row_keys, text_batches
+from lance_hpc.ingest.shards import Shard, Source, list_shards, parse_source, split_of
 from lance_hpc.ingest.target import SPEC_NAMES, Target, existing_dataset, targets
 from lance_hpc.ingest.tokenizer import Tokenizer, load_tokenizer
 from lance_hpc.ingest.units import balanced
@@ -205,10 +198,10 @@ def make_plan(
 
 
 def tokens_of(source_text: str, tokenize: bool | None, tokenizer: str, sequence_length: int) -> Tokens | None:
-    """A text corpus (``text:``, ``python-stdlib``) is tokenised unless ``tokenize`` is false (then
-    its documents are rows); any other source only when ``tokenize`` is true."""
-    is_corpus = source_text.startswith("text:") or source_text.partition(":")[0] == "python-stdlib"
-    if tokenize or (tokenize is None and is_corpus):
+    """A text corpus (``text:``, ``python-stdlib``: a format whose ``corpus`` is true) is tokenised
+    unless ``tokenize`` is false (then its documents are rows); any other source only when
+    ``tokenize`` is true."""
+    if tokenize or (tokenize is None and format_class(source_text)[0].corpus):
         if sequence_length < 1:
             raise UserError(f"sequence_length {sequence_length}: give 1 or more tokens per sequence")
         return Tokens(tokenizer, sequence_length)
@@ -318,13 +311,13 @@ def _schema(source: Source, shard: Shard, columns: ColumnMap) -> pa.Schema:
             for item in batch.schema
             if not (measured and item.name in ("width", "height"))
         ] + measured
-        metadata = {b"source": source.format.encode()}
-        label_field = columns.label if columns.label is not None else format_defaults(shard.format, [])["label"]
-        names = class_names(source, label_field) if label_field else None
+        metadata = {b"source": source.name.encode()}
+        label_field = columns.label if columns.label is not None else source.format.column_fields([])["label"]
+        names = source.format.class_names(label_field) if label_field else None
         if names:  # what image_classification reads its class names from
             metadata[CLASS_NAMES_KEY] = json.dumps(names).encode()
         return pa.schema(fields, metadata=metadata)
-    raise UserError(f"{source.uri(shard.path)} holds no record: the schema is read from the first shard")
+    raise UserError(f"{source.where(shard)} holds no record: the schema is read from the first shard")
 
 
 def estimate_rows(plan: Plan) -> dict[str, int]:

@@ -9,9 +9,10 @@ import pyarrow.fs as pafs
 
 from lance_hpc.errors import UserError
 from lance_hpc.ingest.commit import describe_skips, totals
+from lance_hpc.ingest.formats import FILES_PER_SHARD, is_builtin_source
 from lance_hpc.ingest.plan import Plan, estimate_rows, source_options
 from lance_hpc.ingest.records import Records, records_root
-from lance_hpc.ingest.shards import FILES_PER_SHARD, list_shards, parse_source
+from lance_hpc.ingest.shards import list_shards, parse_source
 from lance_hpc.ingest.target import Target, filesystem
 
 
@@ -46,10 +47,12 @@ def progress_lines(source_text: str, train: Target, world_size: int, files_per_s
     records = Records(f"{records_root(train.uri)}/{latest.base_name}", train.options)
     found = list(records.finished().values())
     committed = records.committed()
-    try:
-        shards = list_shards(parse_source(source_text, source_options(source_text, None), files_per_shard=files_per_shard))
-    except UserError:
-        shards = []
+    shards = []
+    if is_builtin_source(source_text):  # status never imports the user's code: a format of one's own goes uncounted
+        try:
+            shards = list_shards(parse_source(source_text, source_options(source_text, None), files_per_shard=files_per_shard))
+        except UserError:
+            pass
     total = len(shards) or None
     rows, skipped = totals(found, ("train", "val"))
     written = f"{len(found)} of {total} shards" if total else f"{len(found)} shards"

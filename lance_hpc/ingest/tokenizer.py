@@ -26,8 +26,9 @@ import numpy as np
 
 from lance_hpc.errors import UserError
 from lance_hpc.imports import is_import_path, load_callable
+from lance_hpc.ingest.formats import is_shard_source
 from lance_hpc.ingest.shard_batches import ColumnMap, document_texts, text_batches
-from lance_hpc.ingest.shards import is_shard_source, list_shards, parse_source, split_of
+from lance_hpc.ingest.shards import list_shards, parse_source, split_of
 from lance_hpc.spec import IngestSpec
 from lance_hpc.storage.files import write_file
 

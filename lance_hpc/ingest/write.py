@@ -45,7 +45,7 @@ def _checked(
         if isinstance(found, str):
             if on_corrupt == "fail":
                 raise UserError(
-                    f"{source.uri(shard.path)}: image {keys[index] or index} is {found}\n"
+                    f"{source.where(shard)}: image {keys[index] or index} is {found}\n"
                     "  fix: remove it from the source, or ingest with on_corrupt: skip to leave such images out"
                 )
             skipped[found] = skipped.get(found, 0) + 1
@@ -81,7 +81,7 @@ def write_shard(plan: Plan, index: int) -> ShardRecord:
     rows = {split: 0 for split in plan.targets()}
     pending: dict[str, list[pa.RecordBatch]] = {split: [] for split in plan.targets()}
     fragments: dict[str, list[str]] = {split: [] for split in plan.targets()}
-    where = plan.source.uri(shard.path)
+    where = plan.source.where(shard)
     reading = Reading(plan.on_corrupt)
     for batch in mapped_batches(plan.source, shard, plan.columns, reading):
         checked, dropped = _checked(batch, plan.on_corrupt, plan.max_pixels, shard, plan.source)
@@ -130,7 +130,7 @@ def _write_token_shard(plan: Plan, index: int) -> ShardRecord:
             raise
         except Exception as error:  # the tokenizer may be the user's code
             raise UserError(
-                f"{plan.source.uri(shard.path)}: tokenizer {plan.tokens.tokenizer!r} failed on document {key!r}: "
+                f"{plan.source.where(shard)}: tokenizer {plan.tokens.tokenizer!r} failed on document {key!r}: "
                 f"{type(error).__name__}: {error}\n  fix: mend the tokenizer or the document; nothing was committed, and "
                 "a rerun goes on from the shards already written"
             ) from None

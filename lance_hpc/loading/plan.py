@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from lance_hpc.ingest.dataset import resolve_source
+from lance_hpc.ingest.formats import is_shard_source
 from lance_hpc.ingest.plan import estimate_rows, plan_for_data
-from lance_hpc.ingest.shards import is_shard_source
 from lance_hpc.loading.epoch_plan import DataPlan, plan_from_table, spec_plan
 from lance_hpc.loading.mix import MixPart, epoch_rows, mix_steps, probabilities, source_name
 from lance_hpc.loading.sampling import FragmentTable, eval_batches

@@ -25,7 +25,7 @@ class IngestSpec(Section):
         ...,
         description="What to ingest when data.uri does not exist yet: sklearn-digits, skimage-photos, "
         "torchvision:<Name>:<root>; or, by shards: imagefolder:<dir>, text:<glob>, python-stdlib, parquet:, jsonl:, "
-        "webdataset:, hf:.",
+        "webdataset:, hf:; or a format of one's own by import path: path/to/formats.py:MyFormat:<location>.",
     )
     val_fraction: float = Field(0.2, ge=0.0, lt=1.0, description="Share of rows written to data.val_uri.")
     rows_per_fragment: int = Field(1024, ge=1, le=MAX_INT, description="Rows per Lance fragment.")

@@ -22,7 +22,7 @@ import yaml
 from pydantic import ValidationError
 
 from lance_hpc.errors import UserError
-from lance_hpc.spec.choices import SHARD_FORMATS
+from lance_hpc.spec.choices import BARE_FORMATS, SHARD_FORMATS, source_format
 from lance_hpc.spec.command_section import reference_problems
 from lance_hpc.spec.kinds import job_problems, spec_kind
 from lance_hpc.spec.problems import Problem, SpecError, from_pydantic, unique
@@ -316,9 +316,15 @@ def _resolve_paths(raw: dict[str, Any], base_dir: Path) -> tuple[list[Resolution
 
 def _absolute_source(text: str, base_dir: Path) -> str:
     """A shard source's local path or glob (``jsonl:./*.jsonl``) made absolute like the spec's other
-    paths: a worker lists it from wherever it runs."""
-    kind, sep, pattern = text.partition(":")
-    if kind not in SHARD_FORMATS or not sep or not pattern or "://" in pattern or Path(pattern).is_absolute():
+    paths: a worker lists it from wherever it runs. A format of one's own has its file made absolute
+    (``formats.py:CsvRows:...``, as task.name's), and its location as written: the format reads it."""
+    parts = source_format(text)
+    if parts is None:
+        return text
+    kind, pattern = parts
+    if kind not in SHARD_FORMATS:
+        return f"{_resolve_import_path(kind, base_dir)}:{pattern}"
+    if kind in BARE_FORMATS or not pattern or "://" in pattern or Path(pattern).is_absolute():
         return text
     return f"{kind}:{os.path.normpath(base_dir.resolve() / pattern)}"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from lance_hpc.spec.choices import SHARD_FORMATS, STDLIB_SOURCE
+from lance_hpc.spec.choices import source_format
 from lance_hpc.spec.command_section import NO_DATA, NOT_READ
 from lance_hpc.spec.kinds.base import JobKindBase
 from lance_hpc.spec.problems import Problem, section_of
@@ -31,15 +31,13 @@ class IngestRules(JobKindBase):
         problems = super().spec_problems(raw)
         ingest = section_of(raw, "data").get("ingest")
         source = ingest.get("source") if isinstance(ingest, Mapping) else None
-        if not isinstance(source, str) or (
-            source.split(":", 1)[0] not in SHARD_FORMATS and source.partition(":")[0] != STDLIB_SOURCE
-        ):
+        if not isinstance(source, str) or source_format(source) is None:
             problems.append(
                 Problem(
                     "data.ingest.source",
                     f"job: ingest splits its source into shards between the ranks, which {source!r} is not",
-                    "use parquet:<glob>, jsonl:<glob>, webdataset:<glob>, hf:<dir>, imagefolder:<dir>, text:<glob> or "
-                    f"{STDLIB_SOURCE}; "
+                    "use parquet:<glob>, jsonl:<glob>, webdataset:<glob>, hf:<dir>, imagefolder:<dir>, text:<glob>, "
+                    "python-stdlib, or a format of your own: path/to/formats.py:MyFormat:<location>; "
                     "other sources are ingested by a training job's start or by lance-hpc ingest",
                 )
             )
