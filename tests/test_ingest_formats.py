@@ -135,6 +135,20 @@ def test_a_job_spec_takes_a_format_by_import_path_its_file_made_absolute(tmp_pat
     assert spec.data.ingest.source == f"{tmp_path}/formats/csv.py:CsvRows:/data/*.csv"  # not imported to validate
 
 
+def test_validate_imports_a_format_of_ones_own_and_refuses_one_that_is_not_a_format(tmp_path: Path, monkeypatch, capsys) -> None:
+    from lance_hpc.cli.validate import main as validate_main
+
+    write_csvs(tmp_path, files=1, rows=2)
+    monkeypatch.chdir(tmp_path)
+    job = tmp_path / "ingest.yaml"
+    for name, code, said in (("CsvRows", 0, "valid"), ("NotAFormat", 2, "is not a lance_hpc.ShardFormat")):
+        sys.modules.pop("my_formats", None)
+        job.write_text(f"name: x\njob: ingest\ndata: {{uri: t.lance, ingest: {{source: 'my_formats.py:{name}:data/*.csv'}}}}\n")
+        assert validate_main([str(job)]) == code
+        out = capsys.readouterr()
+        assert said in out.out + out.err and "Traceback" not in out.err, out
+
+
 def test_the_spec_names_the_registry_and_sources_of_each_form() -> None:
     assert set(SHARD_FORMATS) == set(FORMATS)
     assert source_format("python-stdlib") == ("python-stdlib", "")

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from lance_hpc.cli.arguments import add_overrides, add_spec
 from lance_hpc.cli.reporting import run_reporting_errors
+from lance_hpc.errors import UserError
 
 if TYPE_CHECKING:
     from lance_hpc.spec import JobSpec
@@ -34,6 +35,7 @@ def validate(spec_file: str, overrides: list[str]) -> int:
     from lance_hpc.spec.schema import entry_note
 
     loaded = load_spec(spec_file, overrides)
+    check_own_format(loaded.spec, spec_file)
     slurm = loaded.spec.slurm
     what = f"{loaded.spec.data.style}/{loaded.spec.data.sampler}, {describe_task(loaded.spec)}"
     if loaded.spec.command is not None:  # it reads no data
@@ -45,6 +47,19 @@ def validate(spec_file: str, overrides: list[str]) -> int:
     if note:
         print(f"  {note}")
     return 0
+
+
+def check_own_format(spec: JobSpec, spec_file: str) -> None:
+    """A format of one's own in data.ingest.source imported and checked, as job and task.name are
+    (the spec's layer knows only its form): one error when it is missing or not a ShardFormat."""
+    from lance_hpc.ingest.formats import format_class, is_builtin_source, is_shard_source
+
+    source = spec.data.ingest.source if spec.data.ingest is not None else ""
+    if is_shard_source(source) and not is_builtin_source(source):
+        try:
+            format_class(source)
+        except UserError as error:
+            raise UserError(f"{spec_file}: data.ingest.source: {error}") from None
 
 
 def describe_task(spec: JobSpec) -> str:

@@ -6,7 +6,8 @@ one's own is named by import path instead, the rest of the source after it:
 ``my_formats.py:CsvRows:/data/*.csv`` or ``my_pkg.formats:CsvRows:s3://bucket/*.csv``, loaded as
 tasks and kinds are (:mod:`lance_hpc.imports`). Only ``torchvision:<Name>:<root>``, a source that
 :mod:`lance_hpc.ingest.dataset` writes, has that form and is not a format. Which sources are which
-is the spec's to say (:func:`lance_hpc.spec.choices.source_format`), so validation needs no import.
+is the spec's to say (:func:`lance_hpc.spec.choices.source_format`), from their form alone;
+``lance-hpc validate`` imports a format of one's own to check it, as it does ``job`` and ``task.name``.
 """
 
 from __future__ import annotations
