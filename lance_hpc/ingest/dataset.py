@@ -24,8 +24,9 @@ process: ``sklearn-digits``, ``skimage-photos[:count=N,size=S,seed=K,min_side=A,
 and ``torchvision:<Name>:<root>`` (a torchvision dataset already on disk, opened with
 ``download=False``: Food101, CIFAR10/100, ...; its official test split becomes the validation set).
 Every other source (``imagefolder:``, ``text:``, ``python-stdlib``, ``parquet:``, ``jsonl:``,
-``webdataset:``, ``hf:``) is split into shards and written by one or many workers: see
-:mod:`lance_hpc.ingest.plan` and the modules it names.
+``webdataset:``, ``hf:``, or a format of one's own by import path: :mod:`lance_hpc.ingest.formats`)
+is split into shards and written by one or many workers: see :mod:`lance_hpc.ingest.plan` and the
+modules it names.
 """
 
 from __future__ import annotations
