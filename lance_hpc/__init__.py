@@ -13,7 +13,7 @@ Context``) and listed on the docs page "Tasks and script mode", section "Public 
 - A job kind of your own (``job: my_pkg.kinds:MyKind``): :class:`JobKind`, which gets the
   :class:`JobSpec` and this rank's :class:`DistEnv`, joins the ranks with
   :func:`process_group`, may create the dataset with :func:`ensure_dataset`, and returns a
-  :class:`Summary`.
+  :class:`Summary`; the :class:`Problem` entries it finds in a spec are reported at validation.
 - An ingest format of your own (``lance-hpc ingest 'my_formats.py:CsvRows:/data/*.csv' out.lance``):
   :class:`ShardFormat`, which lists a source's shards and reads each as Arrow record batches.
 - :class:`UserError`: raise it with the fix in its message, and lance_hpc prints that message
@@ -50,7 +50,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     "lance_hpc.runtime.context": ("Context", "Summary"),
     "lance_hpc.runtime.environment": ("DistEnv", "process_group"),
     "lance_hpc.kinds": ("JobKind",),
-    "lance_hpc.spec": ("JobSpec",),
+    "lance_hpc.spec": ("JobSpec", "Problem"),
     "lance_hpc.ingest": ("ensure_dataset",),
     "lance_hpc.ingest.formats": ("ShardFormat",),
     "lance_hpc.errors": ("UserError",),
@@ -66,6 +66,7 @@ __all__ = [
     "JobKind",
     "JobSpec",
     "Loader",
+    "Problem",
     "ShardFormat",
     "Summary",
     "Task",
@@ -85,7 +86,7 @@ if TYPE_CHECKING:
     from lance_hpc.loading.library import Loader
     from lance_hpc.runtime.context import Context, Summary
     from lance_hpc.runtime.environment import DistEnv, process_group
-    from lance_hpc.spec import JobSpec
+    from lance_hpc.spec import JobSpec, Problem
     from lance_hpc.tasks import (
         Batch,
         DatasetInfo,
