@@ -97,9 +97,10 @@ def _save_blocked(
     second of two saves, as in a run that saves every N steps (a background save reuses the host
     memory it staged the first into)."""
     from lance_hpc.checkpoint import saving
-    from lance_hpc.checkpoint.sharded import ShardedSaver, tensor_state
+    from lance_hpc.checkpoint.shards.saver import ShardedSaver, tensor_state
+    from lance_hpc.checkpoint.stores import open_store
 
-    saver = ShardedSaver(None)
+    saver, store = ShardedSaver(None), open_store(directory)
     figures = (0.0, 0.0)
     for save_step in (step, step + 1):
         state = {"step": save_step, "epoch": 0, "progress": 0.0, "mid_epoch": False, "world_size": dist.get_world_size()}
@@ -108,12 +109,12 @@ def _save_blocked(
         if mode == "ddp":
             bare = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
             objects = {"model": bare.state_dict(), "optimizer": optimizer.state_dict()}
-            saving.save(directory, save_step, {**state, "objects": objects}, {}, keep=2)
+            saving.save(store, save_step, {**state, "objects": objects}, {}, keep=2)
             blocked = time.perf_counter() - started
             figures = (blocked, blocked)
             continue
         tensors = tensor_state({"model": model, "optimizer": optimizer})
-        saving.save(directory, save_step, {**state, "objects": {}}, {}, keep=2, sharded=(saver, tensors, mode == "fsdp async"))
+        saving.save(store, save_step, {**state, "objects": {}}, {}, keep=2, sharded=(saver, tensors, mode == "fsdp async"))
         blocked = time.perf_counter() - started
         saver.wait()
         figures = (blocked, time.perf_counter() - started)

@@ -22,8 +22,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lance_hpc.checkpoint import lease, manifests, resuming, rng_states, saving, shard_files, stores
-from lance_hpc.checkpoint.sharded import ShardedSaver, tensor_state
+from lance_hpc.checkpoint import lease, manifests, resuming, rng_states, saving, stores
+from lance_hpc.checkpoint.manifests import checkpoint_name
+from lance_hpc.checkpoint.shards.saver import ShardedSaver, tensor_state
+from lance_hpc.checkpoint.stores import LocalDirectory, local, open_store
 from lance_hpc.errors import UserError
 from lance_hpc.runtime import preemption
 from lance_hpc.runtime.environment import DistEnv
@@ -34,32 +36,32 @@ from tests.support.checkpoints import small_tmpfs, state
 
 def test_atomic_write_lists_and_prunes(tmp_path: Path) -> None:
     for step in (5, 10, 15, 20):
-        saving.write_atomically(state(step), saving.checkpoint_path(tmp_path, step))
+        open_store(tmp_path).write(checkpoint_name(step), state(step))
     (tmp_path / ".step-00000025.pt.999.tmp").write_bytes(b"half a checkpoint")
-    assert [path.name for path in saving.list_checkpoints(tmp_path)] == [
+    assert [path.name for path in saving.list_checkpoints(open_store(tmp_path))] == [
         "step-00000005.pt",
         "step-00000010.pt",
         "step-00000015.pt",
         "step-00000020.pt",
     ]
-    saving.prune(tmp_path, keep=2)
+    saving.prune(open_store(tmp_path), keep=2)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["step-00000015.pt", "step-00000020.pt"]
-    found = resuming.load_latest(tmp_path)
+    found = resuming.load_latest(open_store(tmp_path))
     path, loaded = found.path, found.state
     assert path.name == "step-00000020.pt" and loaded["note"] == "step 20"
-    assert resuming.load_latest(tmp_path / "missing") is None
+    assert resuming.load_latest(open_store(tmp_path / "missing")) is None
 
 
 def test_failure_between_write_and_rename_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch) -> None:
-    saving.write_atomically(state(1), saving.checkpoint_path(tmp_path, 1))
+    open_store(tmp_path).write(checkpoint_name(1), state(1))
 
     def fail(*args: object) -> None:
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(stores.os, "replace", fail)
+    monkeypatch.setattr(local.os, "replace", fail)
     with pytest.raises(OSError, match="Input/output error"):
-        saving.write_atomically(state(2), saving.checkpoint_path(tmp_path, 2))
-    found = resuming.load_latest(tmp_path)
+        open_store(tmp_path).write(checkpoint_name(2), state(2))
+    found = resuming.load_latest(open_store(tmp_path))
     path, loaded = found.path, found.state
     assert path.name == "step-00000001.pt" and torch.equal(loaded["model"]["weight"], torch.full((4, 4), 1.0))
     assert [p.name for p in tmp_path.iterdir()] == ["step-00000001.pt"]  # the temporary file is gone
@@ -70,16 +72,17 @@ def test_process_killed_mid_write_leaves_a_loadable_previous_checkpoint(tmp_path
     child = textwrap.dedent(
         f"""
         import os, sys, time, torch
-        from lance_hpc.checkpoint import saving, stores
+        from lance_hpc.checkpoint.manifests import checkpoint_name
+        from lance_hpc.checkpoint.stores import local, open_store
         directory = {str(tmp_path)!r}
-        saving.write_atomically({{"step": 1, "weight": torch.ones(1000)}}, saving.checkpoint_path(directory, 1))
+        open_store(directory).write(checkpoint_name(1), {{"step": 1, "weight": torch.ones(1000)}})
         real_fsync = os.fsync
         def fsync_then_hang(fd):
             real_fsync(fd)
             print("written", flush=True)
             time.sleep(600)
-        stores.os.fsync = fsync_then_hang
-        saving.write_atomically({{"step": 2, "weight": torch.zeros(10_000_000)}}, saving.checkpoint_path(directory, 2))
+        local.os.fsync = fsync_then_hang
+        open_store(directory).write(checkpoint_name(2), {{"step": 2, "weight": torch.zeros(10_000_000)}})
         """
     )
     process = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
@@ -90,17 +93,17 @@ def test_process_killed_mid_write_leaves_a_loadable_previous_checkpoint(tmp_path
         process.wait()
     leftovers = [p.name for p in tmp_path.iterdir() if p.name.endswith(stores.TEMP_SUFFIX)]
     assert len(leftovers) == 1 and (tmp_path / leftovers[0]).stat().st_size > 40_000_000
-    found = resuming.load_latest(tmp_path)
+    found = resuming.load_latest(open_store(tmp_path))
     path, loaded = found.path, found.state
     assert path.name == "step-00000001.pt" and loaded["step"] == 1
-    saving.prune(tmp_path, keep=3)  # the next save clears what the crash left
+    saving.prune(open_store(tmp_path), keep=3)  # the next save clears what the crash left
     assert [p.name for p in tmp_path.iterdir()] == ["step-00000001.pt"]
 
 
 def test_unreadable_newest_checkpoint_falls_back_to_the_previous(tmp_path: Path, capsys) -> None:
-    saving.write_atomically(state(1), saving.checkpoint_path(tmp_path, 1))
-    saving.checkpoint_path(tmp_path, 2).write_bytes(b"not a checkpoint")
-    path = resuming.load_latest(tmp_path).path
+    open_store(tmp_path).write(checkpoint_name(1), state(1))
+    saving.checkpoint_path(open_store(tmp_path), 2).write_bytes(b"not a checkpoint")
+    path = resuming.load_latest(open_store(tmp_path)).path
     assert path.name == "step-00000001.pt"
     assert "skipping unreadable checkpoint" in capsys.readouterr().err
 
@@ -116,10 +119,10 @@ def test_rng_states_round_trip() -> None:
 
 def test_collective_save_gathers_every_rank_and_keeps_k(tmp_path: Path, single_rank: torch.device) -> None:
     for step in range(1, 5):
-        path = saving.save(tmp_path, step, state(step), {"loader": {"batches_consumed": step}}, keep=2)
-    assert path == saving.checkpoint_path(tmp_path, 4)
-    assert [p.name for p in saving.list_checkpoints(tmp_path)] == ["step-00000003.pt", "step-00000004.pt"]
-    loaded = resuming.load_latest(tmp_path).state
+        path = saving.save(open_store(tmp_path), step, state(step), {"loader": {"batches_consumed": step}}, keep=2)
+    assert path == saving.checkpoint_path(open_store(tmp_path), 4)
+    assert [p.name for p in saving.list_checkpoints(open_store(tmp_path))] == ["step-00000003.pt", "step-00000004.pt"]
+    loaded = resuming.load_latest(open_store(tmp_path)).state
     assert len(loaded["ranks"]) == dist.get_world_size() and loaded["ranks"][0]["loader"] == {"batches_consumed": 4}
     assert set(loaded["ranks"][0]["rng"]) == {"python", "numpy", "torch", "cuda"}
 
@@ -132,31 +135,31 @@ def test_a_sharded_save_is_listed_only_once_its_shards_are_on_disk(
     listed, the error reaches the caller at the next wait, and the previous checkpoint stays."""
     model = torch.nn.Linear(4, 3)
     saver = ShardedSaver(None)
-    saving.save(tmp_path, 1, state(1), {}, keep=2, sharded=(saver, tensor_state({"model": model}), False))
+    saving.save(open_store(tmp_path), 1, state(1), {}, keep=2, sharded=(saver, tensor_state({"model": model}), False))
     saver.wait()
-    assert [path.name for path in saving.list_checkpoints(tmp_path)] == ["step-00000001.pt"]
+    assert [path.name for path in saving.list_checkpoints(open_store(tmp_path))] == ["step-00000001.pt"]
     flushed: list[Path] = []
 
-    def fail_to_flush(path: Path) -> None:
-        flushed.append(path)
+    def fail_to_flush(store: LocalDirectory, name: str) -> None:
+        flushed.append(store.location(name))
         raise OSError(errno.EIO, "input/output error")
 
-    monkeypatch.setattr(shard_files, "flush", fail_to_flush)
-    saving.save(tmp_path, 2, state(2), {}, keep=2, sharded=(saver, tensor_state({"model": model}), False))
+    monkeypatch.setattr(LocalDirectory, "flush_shards", fail_to_flush)
+    saving.save(open_store(tmp_path), 2, state(2), {}, keep=2, sharded=(saver, tensor_state({"model": model}), False))
     with pytest.raises(RuntimeError, match="could not be written to disk on every rank"):
         saver.wait()
     assert flushed == [tmp_path / "step-00000002.dcp"]
-    assert [path.name for path in saving.list_checkpoints(tmp_path)] == ["step-00000001.pt"]
-    assert resuming.load_latest(tmp_path).step == 1
+    assert [path.name for path in saving.list_checkpoints(open_store(tmp_path))] == ["step-00000001.pt"]
+    assert resuming.load_latest(open_store(tmp_path)).step == 1
 
 
 def test_each_checkpoint_has_a_manifest_pruned_with_it(tmp_path: Path, single_rank: torch.device) -> None:
     for step in range(1, 4):
         saved = {**state(step), "epoch": step // 2, "progress": step / 4, "mid_epoch": True, "dataset_version": 3}
-        saving.save(tmp_path, step, saved, {}, keep=2)
+        saving.save(open_store(tmp_path), step, saved, {}, keep=2)
     (tmp_path / "step-00000001.json").write_text("{}")  # a manifest whose checkpoint is gone: a save cut short
     (tmp_path / ".step-00000004.json.77.tmp").write_text("{")
-    saving.prune(tmp_path, keep=2)
+    saving.prune(open_store(tmp_path), keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "step-00000002.json",
         "step-00000002.pt",
@@ -178,8 +181,8 @@ def test_each_checkpoint_has_a_manifest_pruned_with_it(tmp_path: Path, single_ra
 
 def test_the_newest_step_is_read_from_names_and_manifests_without_loading(tmp_path: Path, monkeypatch) -> None:
     """What lance-hpc status and cancel read: a multi-GB checkpoint is neither loaded nor downloaded."""
-    assert manifests.latest(tmp_path) is None
-    saving.write_atomically(state(5), saving.checkpoint_path(tmp_path, 5))
+    assert manifests.latest(open_store(tmp_path)) is None
+    open_store(tmp_path).write(checkpoint_name(5), state(5))
     (tmp_path / "step-00000012.pt").write_bytes(b"not a torch file: never opened")
     (tmp_path / "step-00000012.json").write_text(json.dumps({"step": 12, "epoch": 2, "world_size": 4}))
 
@@ -187,10 +190,10 @@ def test_the_newest_step_is_read_from_names_and_manifests_without_loading(tmp_pa
         raise AssertionError("torch.load was called")
 
     monkeypatch.setattr(torch, "load", no_loading)
-    saved = manifests.latest(tmp_path)
+    saved = manifests.latest(open_store(tmp_path))
     assert (saved.step, saved.epoch, saved.world_size, saved.location) == (12, 2, 4, str(tmp_path / "step-00000012.pt"))
     (tmp_path / "step-00000012.json").write_text("{damaged")  # the name still says the step
-    assert (manifests.latest(tmp_path).step, manifests.latest(tmp_path).epoch) == (12, None)
+    assert (manifests.latest(open_store(tmp_path)).step, manifests.latest(open_store(tmp_path)).epoch) == (12, None)
 
 
 @pytest.fixture
@@ -200,10 +203,10 @@ def small_filesystem(tmp_path: Path) -> Iterator[Path]:
 
 
 def test_a_full_disk_is_one_message_and_the_previous_checkpoint_stays(small_filesystem: Path, single_rank: torch.device) -> None:
-    saving.save(small_filesystem, 1, state(1), {}, keep=3)
+    saving.save(open_store(small_filesystem), 1, state(1), {}, keep=3)
     too_big = {"step": 2, "model": {"weight": torch.zeros(1_000_000)}}  # 4 MB on a 1 MiB file system
     with pytest.raises(UserError) as full:
-        saving.save(small_filesystem, 2, too_big, {}, keep=3)
+        saving.save(open_store(small_filesystem), 2, too_big, {}, keep=3)
     lines = str(full.value).splitlines()
     free = shutil.disk_usage(small_filesystem).free
     assert lines[0] == (
@@ -215,21 +218,21 @@ def test_a_full_disk_is_one_message_and_the_previous_checkpoint_stays(small_file
     assert lines[2].startswith("  fix: free space there or point checkpoint.dir at a larger file system")
     assert "enforce fail" not in str(full.value)
     assert sorted(p.name for p in small_filesystem.iterdir()) == ["step-00000001.json", "step-00000001.pt"]
-    assert resuming.load_latest(small_filesystem).step == 1
+    assert resuming.load_latest(open_store(small_filesystem)).step == 1
 
 
 def test_a_save_after_another_run_took_the_lease_writes_nothing(tmp_path: Path, single_rank: torch.device) -> None:
-    held, _ = lease.acquire(tmp_path, lease.this_process(None, 0))
+    held, _ = lease.acquire(open_store(tmp_path), lease.this_process(None, 0))
     try:
-        saving.save(tmp_path, 1, state(1), {}, keep=3)
+        saving.save(open_store(tmp_path), 1, state(1), {}, keep=3)
         other = lease.this_process("55", 0)
         (tmp_path / lease.LEASE_NAME).write_bytes(other.encode())  # what a run that judged this one dead leaves
         with pytest.raises(
             UserError,
             match=f"this run no longer holds its lease .another run took it over: pid {os.getpid()} on .*, SLURM job 55",
         ):
-            saving.save(tmp_path, 2, state(2), {}, keep=3)
-        assert [p.name for p in saving.list_checkpoints(tmp_path)] == ["step-00000001.pt"]
+            saving.save(open_store(tmp_path), 2, state(2), {}, keep=3)
+        assert [p.name for p in saving.list_checkpoints(open_store(tmp_path))] == ["step-00000001.pt"]
     finally:
         held.release()
 
@@ -238,7 +241,7 @@ def test_failed_save_raises_instead_of_hanging(tmp_path: Path, single_rank: torc
     blocker = tmp_path / "file"
     blocker.write_text("a file where the checkpoint directory should be")
     with pytest.raises(RuntimeError, match="cannot write checkpoint"):
-        saving.save(blocker / "checkpoints", 1, state(1), {}, keep=1)
+        saving.save(open_store(blocker / "checkpoints"), 1, state(1), {}, keep=1)
 
 
 def test_preemption_signal_only_sets_a_flag(single_rank: torch.device) -> None:
@@ -331,7 +334,9 @@ def digits_spec(model: str) -> JobSpec:
 def test_a_checkpoint_of_another_model_is_one_message_naming_both(tmp_path: Path) -> None:
     """Written for small_cnn, resumed with --set task.options.model=resnet18."""
     written_for = digits_spec("small_cnn")
-    resumed = resuming.Checkpoint(tmp_path / "step-00000010.pt", {"model": {}, "spec": written_for.redacted_dict()})
+    resumed = resuming.Checkpoint(
+        tmp_path / "step-00000010.pt", {"model": {}, "spec": written_for.redacted_dict()}, LocalDirectory(tmp_path)
+    )
     spec = digits_spec("resnet18")
     with pytest.raises(UserError) as refused:
         resuming.check_same_model(resumed, spec, ImageOptions(model="resnet18"))
@@ -345,7 +350,9 @@ def test_a_checkpoint_of_another_model_is_one_message_naming_both(tmp_path: Path
     # a spec that left the model out meant the default (resnet18): the same model, so it loads
     default = load_spec_text("name: job\ndata: {uri: /data/train.lance}\n").spec
     model = torch.nn.Linear(2, 2)
-    same = resuming.Checkpoint(resumed.path, {"model": torch.nn.Linear(2, 2).state_dict(), "spec": default.redacted_dict()})
+    same = resuming.Checkpoint(
+        resumed.path, {"model": torch.nn.Linear(2, 2).state_dict(), "spec": default.redacted_dict()}, LocalDirectory(tmp_path)
+    )
     resuming.check_same_model(same, spec, ImageOptions(model="resnet18"))
     resuming.restore_object(model, same.objects["model"], same, spec, "model")
     assert torch.equal(model.weight, same.state["model"]["weight"])
@@ -354,7 +361,9 @@ def test_a_checkpoint_of_another_model_is_one_message_naming_both(tmp_path: Path
 def test_a_users_model_that_does_not_match_lists_a_few_keys(tmp_path: Path) -> None:
     """Script mode: the model is the user's own, so only its keys can tell."""
     written = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
-    resumed = resuming.Checkpoint(tmp_path / "step-00000010.pt", {"spec": digits_spec("small_cnn").redacted_dict()})
+    resumed = resuming.Checkpoint(
+        tmp_path / "step-00000010.pt", {"spec": digits_spec("small_cnn").redacted_dict()}, LocalDirectory(tmp_path)
+    )
     now = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3), torch.nn.Linear(3, 3))
     with pytest.raises(UserError) as refused:
         resuming.restore_object(now, written.state_dict(), resumed, digits_spec("resnet18"), "model")

@@ -26,6 +26,8 @@ import torch.multiprocessing as mp
 
 from lance_hpc import loading
 from lance_hpc.checkpoint import lease, manifests, resuming, saving
+from lance_hpc.checkpoint.manifests import checkpoint_name
+from lance_hpc.checkpoint.stores import open_store
 from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.kinds.rank import exit_process
 from lance_hpc.loading import load_task
@@ -77,29 +79,29 @@ def test_save_list_load_and_prune_on_s3(
     run_uri: str, s3_env: S3Server, single_rank: torch.device, tmp_path: Path, digits, capsys: pytest.CaptureFixture[str]
 ) -> None:
     for step in range(1, 5):
-        path = saving.save(run_uri, step, state(step), {"loader": {"batches_consumed": step}}, keep=2)
+        path = saving.save(open_store(run_uri), step, state(step), {"loader": {"batches_consumed": step}}, keep=2)
     assert path == f"{run_uri}step-00000004.pt"
-    assert saving.list_checkpoints(run_uri) == [saving.checkpoint_path(run_uri, 3), path]
+    assert saving.list_checkpoints(open_store(run_uri)) == [saving.checkpoint_path(open_store(run_uri), 3), path]
     assert stored(s3_env, run_uri) == ["step-00000003.json", "step-00000003.pt", "step-00000004.json", "step-00000004.pt"]
-    newest = manifests.latest(run_uri)  # what lance-hpc status reads: a listing and a manifest
+    newest = manifests.latest(open_store(run_uri))  # what lance-hpc status reads: a listing and a manifest
     assert (newest.step, newest.location, newest.world_size) == (4, path, 1)
-    found = resuming.load_latest(run_uri)
+    found = resuming.load_latest(open_store(run_uri))
     assert found.path == path and found.step == 4 and found.state["note"] == "step 4"
     assert torch.equal(found.state["model"]["weight"], torch.full((4, 4), 4.0))
     assert found.rank_state(0)["loader"] == {"batches_consumed": 4}
 
     big = torch.randn(4_000_000)  # 16 MB: a multipart upload
-    saving.write_atomically({"step": 5, "weight": big}, saving.checkpoint_path(run_uri, 5))
-    assert torch.equal(resuming.load_latest(run_uri).state["weight"], big)
+    open_store(run_uri).write(checkpoint_name(5), {"step": 5, "weight": big})
+    assert torch.equal(resuming.load_latest(open_store(run_uri)).state["weight"], big)
 
     client, prefix = s3_client(s3_env), key_prefix(s3_env, run_uri)
     client.put_object(Bucket=s3_env.bucket, Key=f"{prefix}step-00000006.pt", Body=b"not a checkpoint")
     client.put_object(Bucket=s3_env.bucket, Key=f"{prefix}notes.txt", Body=b"not listed")
-    assert resuming.load_latest(run_uri).step == 5
+    assert resuming.load_latest(open_store(run_uri)).step == 5
     assert f"skipping unreadable checkpoint {run_uri}step-00000006.pt" in capsys.readouterr().err
-    saving.prune(run_uri, keep=1)
+    saving.prune(open_store(run_uri), keep=1)
     assert stored(s3_env, run_uri) == ["notes.txt", "step-00000006.pt"]
-    assert resuming.load_latest(s3_env.uri("runs/never-written")) is None
+    assert resuming.load_latest(open_store(s3_env.uri("runs/never-written"))) is None
 
     fresh = load_spec(write_spec(tmp_path, digits, checkpoint={"dir": run_uri, "resume": False})).spec
     assert fresh.checkpoint.dir == run_uri  # a URI is not resolved against the run directory
@@ -127,10 +129,12 @@ def test_the_spec_accepts_s3_checkpoint_dirs_and_refuses_other_schemes(directory
 
 HALF_UPLOAD = """
 import time, torch
-from lance_hpc.checkpoint import saving, stores
+from lance_hpc.checkpoint import stores
+from lance_hpc.checkpoint.manifests import checkpoint_name
+from lance_hpc.checkpoint.stores import open_store
 
 directory = {directory!r}
-saving.write_atomically({{"step": 1, "weight": torch.ones(1000)}}, saving.checkpoint_path(directory, 1))
+open_store(directory).write(checkpoint_name(1), {{"step": 1, "weight": torch.ones(1000)}})
 
 class HalfUpload:
     '''Uploads the first half of what it is given, then hangs until the test kills the process.'''
@@ -154,7 +158,7 @@ class HalfUploads:
 
 real_filesystem = stores.ObjectStore.filesystem.func
 stores.ObjectStore.filesystem = property(lambda store: HalfUploads(real_filesystem(store)))
-saving.write_atomically({{"step": 2, "weight": torch.zeros(6_000_000)}}, saving.checkpoint_path(directory, 2))
+open_store(directory).write(checkpoint_name(2), {{"step": 2, "weight": torch.zeros(6_000_000)}})
 """
 
 
@@ -173,13 +177,13 @@ def test_an_upload_cut_short_leaves_the_previous_checkpoint_the_latest(run_uri: 
         process.wait()
     assert [upload["Key"].rsplit("/", 1)[1] for upload in uploads["Uploads"]] == ["step-00000002.pt"]
     assert stored(s3_env, run_uri) == ["step-00000001.pt"]
-    assert saving.list_checkpoints(run_uri) == [saving.checkpoint_path(run_uri, 1)]
-    assert resuming.load_latest(run_uri).step == 1
+    assert saving.list_checkpoints(open_store(run_uri)) == [saving.checkpoint_path(open_store(run_uri), 1)]
+    assert resuming.load_latest(open_store(run_uri)).step == 1
 
     # torch.save fails halfway through the state: nothing is uploaded under the final name
     unpicklable = {"step": 3, "weight": torch.zeros(5_000_000), "callback": lambda: None}
     with pytest.raises(Exception, match="pickle"):
-        saving.write_atomically(unpicklable, saving.checkpoint_path(run_uri, 3))
+        open_store(run_uri).write(checkpoint_name(3), unpicklable)
     assert stored(s3_env, run_uri) == ["step-00000001.pt"]
 
 
@@ -187,12 +191,12 @@ def test_an_upload_cut_short_leaves_the_previous_checkpoint_the_latest(run_uri: 
 def test_failed_writes_name_the_uri_the_operation_and_the_fix(
     run_uri: str, s3_env: S3Server, single_rank: torch.device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    saving.save(run_uri, 1, state(1), {}, keep=3)
+    saving.save(open_store(run_uri), 1, state(1), {}, keep=3)
     errors = []
 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
     with pytest.raises(UserError) as wrong_secret:
-        saving.save(run_uri, 2, state(2), {}, keep=3)
+        saving.save(open_store(run_uri), 2, state(2), {}, keep=3)
     errors.append(str(wrong_secret.value))
     assert errors[-1] == (
         f"cannot write checkpoint {run_uri}step-00000002.pt: the object store at {s3_env.endpoint} rejected the "
@@ -202,15 +206,15 @@ def test_failed_writes_name_the_uri_the_operation_and_the_fix(
     )
     listing_refused = f"cannot list checkpoints in {run_uri[:-1]}: .* rejected the credentials"
     with pytest.raises(UserError, match=listing_refused) as listing:
-        resuming.load_latest(run_uri)
+        resuming.load_latest(open_store(run_uri))
     errors.append(str(listing.value))
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGWRONGWRONG0")
     with pytest.raises(UserError, match="rejected the credentials .INVALID_ACCESS_KEY_ID.") as wrong_key:
-        saving.save(run_uri, 2, state(2), {}, keep=3)
+        saving.save(open_store(run_uri), 2, state(2), {}, keep=3)
     errors.append(str(wrong_key.value))
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_env.access_key_id)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_env.secret_access_key)
-    assert resuming.load_latest(run_uri).step == 1
+    assert resuming.load_latest(open_store(run_uri)).step == 1
     assert stored(s3_env, run_uri) == ["step-00000001.json", "step-00000001.pt"]
 
     missing = "s3://no-such-bucket/run"
@@ -219,9 +223,9 @@ def test_failed_writes_name_the_uri_the_operation_and_the_fix(
         match=f"cannot write checkpoint {missing}/step-00000001.pt: bucket 'no-such-bucket' "
         f"does not exist at {s3_env.endpoint}.*\n  fix: create the bucket",
     ):
-        saving.save(missing, 1, state(1), {}, keep=3)
+        saving.save(open_store(missing), 1, state(1), {}, keep=3)
     with pytest.raises(UserError, match=f"cannot list checkpoints in {missing}: bucket 'no-such-bucket' does not"):
-        resuming.load_latest(missing)
+        resuming.load_latest(open_store(missing))
 
     down = f"http://127.0.0.1:{free_port()}"
     monkeypatch.setenv("AWS_ENDPOINT_URL", down)
@@ -230,7 +234,7 @@ def test_failed_writes_name_the_uri_the_operation_and_the_fix(
         match=f"cannot write checkpoint {run_uri}step-00000002.pt: cannot reach the object "
         f"store at {down}.*\n  fix: check AWS_ENDPOINT_URL",
     ) as unreachable:
-        saving.save(run_uri, 2, state(2), {}, keep=3)
+        saving.save(open_store(run_uri), 2, state(2), {}, keep=3)
     errors.append(str(unreachable.value))
     for message in errors:
         assert s3_env.secret_access_key not in message and "not-the-secret" not in message
@@ -240,7 +244,7 @@ def test_failed_writes_name_the_uri_the_operation_and_the_fix(
 def save_on_two_ranks(rank: int, store_file: str, uri: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2, timeout=timedelta(seconds=60))
     try:
-        saving.save(uri, 2, state(2), {}, keep=3)
+        saving.save(open_store(uri), 2, state(2), {}, keep=3)
         outcome = "saved"
     except UserError as error:
         outcome = f"UserError: {error}"
@@ -305,7 +309,7 @@ def test_a_local_job_interrupted_mid_run_resumes_from_its_s3_checkpoint(
     output = interrupted.communicate(timeout=120)[0]
     assert interrupted.returncode == ExitCode.STOPPED, output
     assert f"by SIGUSR2; checkpoint {run_uri}step-" in output
-    stopped = resuming.load_latest(run_uri)
+    stopped = resuming.load_latest(open_store(run_uri))
     assert stopped.state["mid_epoch"] and steps_per_epoch < stopped.step < 2 * steps_per_epoch
     assert not list(tmp_path.rglob("step-*.pt"))  # nothing went to a local directory
 
@@ -313,7 +317,7 @@ def test_a_local_job_interrupted_mid_run_resumes_from_its_s3_checkpoint(
     output = resumed.communicate(timeout=300)[0]
     assert resumed.returncode == 0, output
     assert f"resuming from {stopped.path} at step {stopped.step}" in output
-    assert resuming.load_latest(run_uri).step == 2 * steps_per_epoch
+    assert resuming.load_latest(open_store(run_uri)).step == 2 * steps_per_epoch
     assert len(stored(s3_env, run_uri)) == 2 * spec.checkpoint.keep  # each with its manifest
     assert lease.LEASE_NAME not in stored(s3_env, run_uri)  # released when the run ended
 
@@ -360,7 +364,7 @@ def test_sharded_checkpoints_written_in_the_background_resume_from_s3(
     interrupted.send_signal(signal.SIGUSR2)
     output = interrupted.communicate(timeout=120)[0]
     assert interrupted.returncode == ExitCode.STOPPED, output
-    stopped = resuming.load_latest(run_uri)
+    stopped = resuming.load_latest(open_store(run_uri))
     assert stopped is not None and stopped.shards is not None and stopped.state["mid_epoch"], output
     objects = stored(s3_env, run_uri)
     assert {f"{stopped.shards}/.metadata", f"{stopped.shards}/__0_0.distcp", f"{stopped.shards}/__1_0.distcp"} <= set(objects)
@@ -370,6 +374,6 @@ def test_sharded_checkpoints_written_in_the_background_resume_from_s3(
     output = resumed.communicate(timeout=300)[0]
     assert resumed.returncode == 0, output
     assert f"resuming from {stopped.path} at step {stopped.step}" in output
-    assert resuming.load_latest(run_uri).step == 2 * steps_per_epoch
+    assert resuming.load_latest(open_store(run_uri)).step == 2 * steps_per_epoch
     steps = {name.split("/")[0].split(".")[0] for name in stored(s3_env, run_uri) if name.startswith("step-")}
     assert len(steps) == spec.checkpoint.keep, stored(s3_env, run_uri)

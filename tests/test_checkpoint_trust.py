@@ -20,10 +20,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter, _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from lance_hpc.checkpoint import resuming, saving, shard_files
+from lance_hpc.checkpoint import resuming, saving
 from lance_hpc.checkpoint.export import export
-from lance_hpc.checkpoint.sharded import ShardedSaver, load_shards, tensor_state
-from lance_hpc.checkpoint.stores import LocalDirectory
+from lance_hpc.checkpoint.manifests import checkpoint_name
+from lance_hpc.checkpoint.shards.saver import ShardedSaver, load_shards, tensor_state
+from lance_hpc.checkpoint.stores import LocalDirectory, open_store
 from lance_hpc.cli.checkpoint import main as checkpoint_main
 from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.spec import JobSpec, load_spec
@@ -59,7 +60,7 @@ def write_checkpoint(directory: Path, spec: JobSpec, step: int = 1) -> None:
     saver = ShardedSaver(None)
     state = {"format": saving.FORMAT, "step": step, "epoch": 0, "progress": 0.0, "mid_epoch": False}
     state.update(objects={}, spec=spec.redacted_dict())
-    saving.save(directory, step, state, {}, keep=2, sharded=(saver, tensor_state(model_and_optimizer()), False))
+    saving.save(open_store(directory), step, state, {}, keep=2, sharded=(saver, tensor_state(model_and_optimizer()), False))
     saver.wait()
 
 
@@ -118,7 +119,7 @@ def tamper(directory: Path, how: str, marker: Path) -> str:
     assert how == "shards-outside"  # the step file names shards outside checkpoint.dir: a full copy is there
     shutil.copytree(shards, directory.parent / "elsewhere")
     step_file = directory / "step-00000001.pt"
-    saving.write_atomically({**torch.load(step_file, weights_only=True), "shards": "../elsewhere"}, step_file)
+    LocalDirectory(directory).write(step_file.name, {**torch.load(step_file, weights_only=True), "shards": "../elsewhere"})
     return str(step_file)
 
 
@@ -169,10 +170,10 @@ def test_resuming_refuses_a_hostile_checkpoint_in_one_message(
     tmp_path: Path, spec: JobSpec, single_rank: torch.device, how: str
 ) -> None:
     directory, named, marker = hostile_checkpoint(tmp_path, spec, how)
-    saved = resuming.load_latest(directory)
+    saved = resuming.load_latest(open_store(directory))
     assert saved is not None
     with pytest.raises(UserError) as refused:
-        load_shards(model_and_optimizer(), saved.directory, saved.shards)  # as CheckpointManager.register does
+        load_shards(model_and_optimizer(), saved.store, saved.shards)  # as CheckpointManager.register does
     assert_refused(str(refused.value), named, marker)
 
 
@@ -201,11 +202,11 @@ def test_an_untampered_checkpoint_still_exports_resumes_and_evaluates(
     assert checkpoint_main(["export", str(directory), str(tmp_path / "model.pt")]) == 0
     exported = torch.load(tmp_path / "model.pt", weights_only=True)
     assert all(torch.equal(exported[key], value) for key, value in expected["model"].state_dict().items())
-    saved = resuming.load_latest(directory)
+    saved = resuming.load_latest(open_store(directory))
     assert saved is not None and saved.shards is not None
     resumed = {"model": small_cnn(10), "optimizer": None}
     resumed["optimizer"] = torch.optim.AdamW(resumed["model"].parameters(), lr=0.5)
-    load_shards(resumed, saved.directory, saved.shards)
+    load_shards(resumed, saved.store, saved.shards)
     assert resumed["optimizer"].param_groups[0]["lr"] == 0.01
     assert all(torch.equal(resumed["model"].state_dict()[key], value) for key, value in expected["model"].state_dict().items())
     model, _ = load_model(spec, load_task(spec), torch.device("cpu"))
@@ -222,12 +223,12 @@ def cut_short(where: str) -> None:
 
 # A point of a repeated save -> (object, attribute) that is cut short there.
 SAVE_POINTS: dict[str, tuple[Any, str]] = {
-    "before-the-shards": (shard_files, "writer"),
+    "before-the-shards": (LocalDirectory, "shard_writer"),
     "before-their-metadata": (FileSystemWriter, "finish"),
-    "before-their-fsync": (shard_files, "flush"),
-    "before-the-step-file": (saving, "write_atomically"),
+    "before-their-fsync": (LocalDirectory, "flush_shards"),
+    "before-the-step-file": (LocalDirectory, "write"),
     "before-the-manifest": (LocalDirectory, "write_bytes"),
-    "while-pruning": (saving, "delete_shards"),
+    "while-pruning": (LocalDirectory, "delete_shards"),
 }
 
 
@@ -254,7 +255,7 @@ def test_a_repeated_save_cut_short_anywhere_leaves_a_checkpoint_that_loads(
 
     def save_step_1(objects: dict[str, Any]) -> None:
         saver = ShardedSaver(None)
-        saving.save(directory, 1, state, {}, keep=1, sharded=(saver, tensor_state(objects), False))
+        saving.save(open_store(directory), 1, state, {}, keep=1, sharded=(saver, tensor_state(objects), False))
         saver.wait()
 
     save_step_1(first)
@@ -270,14 +271,14 @@ def test_a_repeated_save_cut_short_anywhere_leaves_a_checkpoint_that_loads(
         exported = torch.load(tmp_path / "model.pt", weights_only=True)
         wholes = [candidate["model"].state_dict() for candidate in candidates]
         assert any(all(torch.equal(exported[key], value) for key, value in whole.items()) for whole in wholes)
-        saved = resuming.load_latest(directory)
+        saved = resuming.load_latest(open_store(directory))
         assert saved is not None and saved.shards is not None
-        load_shards(model_and_optimizer(), saved.directory, saved.shards)
+        load_shards(model_and_optimizer(), saved.store, saved.shards)
 
     loads_as_one_of(first, second)
     save_step_1(second)  # the restart repeats the save
     loads_as_one_of(second)
-    saved = resuming.load_latest(directory)
+    saved = resuming.load_latest(open_store(directory))
     assert saved is not None
     assert sorted(path.name for path in directory.glob("*.dcp")) == [saved.shards]
 
@@ -286,7 +287,7 @@ def one_file_checkpoints(directory: Path, steps: list[int]) -> dict[int, dict[st
     """A one-file (ddp) checkpoint of each of ``steps``, its model's weights all ``step``; those weights by step."""
     weights = {step: {"weight": torch.full((64, 64), float(step)), "bias": torch.full((64,), float(step))} for step in steps}
     for step in steps:
-        saving.write_atomically({"step": step, "objects": {"model": weights[step]}}, saving.checkpoint_path(directory, step))
+        LocalDirectory(directory).write(checkpoint_name(step), {"step": step, "objects": {"model": weights[step]}})
     return weights
 
 

@@ -19,6 +19,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from lance_hpc.checkpoint.resuming import load_latest
+from lance_hpc.checkpoint.stores import open_store
 from lance_hpc.errors import ExitCode
 from lance_hpc.parallel.materialise import BLOCK_ELEMENTS, _replay_rows, build_on_meta, materialise, to_empty
 from lance_hpc.spec import load_spec
@@ -38,7 +39,7 @@ def run(spec_file: Path, nproc: int = 2) -> str:
 
 def sharded_model(directory: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
     """The model of the newest checkpoint under ``directory``, whole, read from its shards (or its file)."""
-    found = load_latest(directory / "checkpoints")
+    found = load_latest(open_store(directory / "checkpoints"))
     assert found is not None, f"no checkpoint under {directory}"
     if found.shards is None:
         return found.objects["model"]
@@ -122,7 +123,7 @@ def test_a_background_save_survives_usr2_and_resumes_bit_for_bit(fsdp_reference:
     interrupted.send_signal(signal.SIGUSR2)
     output = interrupted.communicate(timeout=120)[0]
     assert interrupted.returncode == ExitCode.STOPPED, output
-    stopped = load_latest(tmp_path / "checkpoints")
+    stopped = load_latest(open_store(tmp_path / "checkpoints"))
     assert stopped is not None and stopped.shards is not None and stopped.state["mid_epoch"], output
     assert (tmp_path / "checkpoints" / stopped.shards / ".metadata").is_file()
 
@@ -138,7 +139,7 @@ def test_resumes_on_three_ranks_and_across_ddp_and_fsdp(tmp_path: Path, digits) 
     A save cut short (shards without their step file) is never resumed from and is pruned."""
     max_steps = {"max_steps": 20}
     run(write_spec(tmp_path, digits, train={**FSDP, **max_steps}))
-    first = load_latest(tmp_path / "checkpoints")
+    first = load_latest(open_store(tmp_path / "checkpoints"))
     assert first is not None and first.step == 20 and first.shards is not None
     cut_short = tmp_path / "checkpoints" / "step-00000099.dcp"
     shutil.copytree(tmp_path / "checkpoints" / first.shards, cut_short)
@@ -149,7 +150,7 @@ def test_resumes_on_three_ranks_and_across_ddp_and_fsdp(tmp_path: Path, digits) 
     assert not cut_short.exists()
     output = run(write_spec(tmp_path, digits, train={"max_steps": 60}))
     assert "at step 40" in output, output
-    ddp = load_latest(tmp_path / "checkpoints")
+    ddp = load_latest(open_store(tmp_path / "checkpoints"))
     assert ddp is not None and ddp.shards is None and ddp.step == 60
     output = run(write_spec(tmp_path, digits, train={**FSDP, "epochs": 4}))
     assert "at step 60" in output, output
@@ -300,7 +301,7 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint_loadable(tmp_pat
     output = job.communicate(timeout=120)[0]
     assert job.returncode != 0, output
     assert not (directory / "step-00000020.pt").exists(), "the save completed before the ranks were killed"
-    saved = load_latest(directory)
+    saved = load_latest(open_store(directory))
     assert saved is not None and saved.step == 10
 
     output = run(spec_file)

@@ -20,6 +20,7 @@ import pyarrow as pa
 import pytest
 import yaml
 
+from lance_hpc.checkpoint.stores import open_store
 from lance_hpc.ingest import ensure_dataset
 from lance_hpc.loading.loader import RowsLoader
 from lance_hpc.runtime.environment import detect, select_device
@@ -447,7 +448,7 @@ def test_a_column_records_its_checkpoint_and_lineage_warns_when_it_scored_the_ch
         assert done.returncode == 0, done.stdout + done.stderr
         table = lance.dataset(dataset.train)
         document = json.loads(table.schema.field("predicted").metadata[PROVENANCE_KEY.encode()])
-        step = latest(checkpoint).step
+        step = latest(open_store(checkpoint)).step
         assert document["checkpoint"]["dir"] == str(checkpoint) and document["checkpoint"]["step"] == step, document
         assert document["checkpoint"]["weights"].startswith("blake2b:") and document["function"] is None, document
         assert document["dataset"] == {"uri": dataset.train, "version": table.version - 1} and document["rows"] == 1438

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from lance_hpc.checkpoint import lease
+from lance_hpc.checkpoint.stores import open_store
 from lance_hpc.errors import UserError
 from lance_hpc.slurm import queue
 from tests.support.jobs import REPO_ROOT
@@ -36,7 +37,7 @@ def leases() -> Iterator[list[lease.Lease]]:
 
 
 def take(directory: str | Path, me: lease.Holder, leases: list[lease.Lease]) -> tuple[lease.Lease, str | None]:
-    held, note = lease.acquire(directory, me)
+    held, note = lease.acquire(open_store(directory), me)
     leases.append(held)
     return held, note
 
@@ -72,12 +73,12 @@ def plant(directory: Path, holder: lease.Holder) -> None:
 def test_a_second_run_refuses_naming_the_holder_and_the_lease_goes_at_release(tmp_path: Path, leases) -> None:
     directory = tmp_path / "checkpoints"
     held, note = take(directory, lease.this_process(None, 0), leases)
-    assert note is None and lease.held(directory) is held
+    assert note is None and lease.held(open_store(directory)) is held
     on_disk = lease.Holder.decode((directory / lease.LEASE_NAME).read_bytes())
     assert on_disk == held.holder and on_disk.pid == os.getpid() and on_disk.host == held.holder.host
 
     with pytest.raises(UserError) as refused:
-        lease.acquire(directory, lease.this_process(None, 0))  # a second run on this machine, while the first lives
+        lease.acquire(open_store(directory), lease.this_process(None, 0))  # a second run on this machine, while the first lives
     message = str(refused.value)
     assert message.startswith(
         f"checkpoint.dir {directory} is in use by another run: pid {os.getpid()} on {held.holder.host}, a local run"
@@ -85,7 +86,7 @@ def test_a_second_run_refuses_naming_the_holder_and_the_lease_goes_at_release(tm
     assert "fix: wait for that run to end" in message and "--set checkpoint.dir=" in message
 
     held.release()
-    assert not (directory / lease.LEASE_NAME).exists() and lease.held(directory) is None
+    assert not (directory / lease.LEASE_NAME).exists() and lease.held(open_store(directory)) is None
     take(directory, lease.this_process(None, 0), leases)  # free again
 
 
@@ -116,7 +117,7 @@ def test_another_machines_lease_holds_while_its_heartbeat_is_fresh(tmp_path: Pat
         match="in use by another run: pid 4242 on node-elsewhere, SLURM job 4711, user ada, "
         r"since .* UTC, last heartbeat 2\d s ago\n",
     ) as refused:
-        lease.acquire(tmp_path, lease.this_process(None, 0))
+        lease.acquire(open_store(tmp_path), lease.this_process(None, 0))
     assert "`lance-hpc cancel 4711` saves and stops it" in str(refused.value)
 
     plant(tmp_path, elsewhere(heartbeat_age_s=lease.STALE_AFTER_S + 60))
@@ -158,7 +159,7 @@ def test_a_lease_of_a_slurm_job_that_ended_is_taken_over_before_its_heartbeat_is
     try:
         plant(tmp_path / "running", elsewhere(heartbeat_age_s=5, job=running))
         with pytest.raises(UserError, match=f"in use by another run: pid 4242 on node-elsewhere, SLURM job {running}"):
-            lease.acquire(tmp_path / "running", lease.this_process(None, 0))
+            lease.acquire(open_store(tmp_path / "running"), lease.this_process(None, 0))
     finally:
         slurm_cluster.run("scancel", running, check=False)
 
@@ -168,9 +169,9 @@ def test_a_restart_inside_the_allocation_takes_its_jobs_lease_on_another_node_an
     have held the lease on another node, its heartbeat still fresh."""
     plant(tmp_path, elsewhere(heartbeat_age_s=5, job="800"))  # attempt 1's rank 0, on node-elsewhere
     with pytest.raises(UserError, match="in use by another run: pid 4242 on node-elsewhere, SLURM job 800"):
-        lease.acquire(tmp_path, lease.this_process("801", 0, attempt=1))  # another job's second attempt
+        lease.acquire(open_store(tmp_path), lease.this_process("801", 0, attempt=1))  # another job's second attempt
     with pytest.raises(UserError, match="in use by another run: pid 4242 on node-elsewhere, SLURM job 800"):
-        lease.acquire(tmp_path, lease.this_process("800", 0))  # the same attempt of the same job: a second srun
+        lease.acquire(open_store(tmp_path), lease.this_process("800", 0))  # the same attempt of the same job: a second srun
     held, note = take(tmp_path, lease.this_process("800", 0, attempt=1), leases)  # attempt 2, on this node
     assert note is None and held.holder.attempt == 1
 
@@ -179,17 +180,17 @@ def test_a_requeued_job_takes_its_own_lease_back_and_others_wait(tmp_path: Path,
     first_run = elsewhere(heartbeat_age_s=5, job="800")  # SLURM ran the job's first run on another node
     plant(tmp_path, first_run)
     with pytest.raises(UserError, match="SLURM job 800"):
-        lease.acquire(tmp_path, lease.this_process("801", 0))  # another job
+        lease.acquire(open_store(tmp_path), lease.this_process("801", 0))  # another job
     with pytest.raises(UserError, match="SLURM job 800"):
-        lease.acquire(tmp_path, lease.this_process("800", 0))  # the same run of the same job: a second srun
+        lease.acquire(open_store(tmp_path), lease.this_process("800", 0))  # the same run of the same job: a second srun
     held, note = take(tmp_path, lease.this_process("800", 1), leases)  # its next run, after a requeue
     assert note is None
 
     held.keep()  # requeued again: the lease stays, marked, without a heartbeat
     kept = lease.Holder.decode((tmp_path / lease.LEASE_NAME).read_bytes())
-    assert kept.requeued and kept.token == held.holder.token and lease.held(tmp_path) is None
+    assert kept.requeued and kept.token == held.holder.token and lease.held(open_store(tmp_path)) is None
     with pytest.raises(UserError, match="SLURM job 800 \\(restart 1\\) requeued and waiting to run again"):
-        lease.acquire(tmp_path, lease.this_process(None, 0))
+        lease.acquire(open_store(tmp_path), lease.this_process(None, 0))
     assert take(tmp_path, lease.this_process("800", 1), leases)[1] is None  # marked requeued: taken back at once
 
 
@@ -205,7 +206,7 @@ def test_a_requeued_job_keeps_its_lease_after_its_process_is_gone(
     plant(tmp_path, requeued)
     for other in (lease.this_process(None, 0), lease.this_process("901", 0)):
         with pytest.raises(UserError) as refused:
-            lease.acquire(tmp_path, other)
+            lease.acquire(open_store(tmp_path), other)
         message = str(refused.value)
         assert message.startswith(
             f"checkpoint.dir {tmp_path} is kept by a requeued job: pid {requeued.pid} on "
@@ -229,7 +230,7 @@ def test_a_requeued_job_slurm_does_not_know_loses_its_lease_once_its_heartbeat_i
 def test_release_does_not_hang_on_a_store_that_stopped_answering(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    held, _ = lease.acquire(tmp_path, lease.this_process(None, 0))
+    held, _ = lease.acquire(open_store(tmp_path), lease.this_process(None, 0))
     answering, read = threading.Event(), held.store.read
     monkeypatch.setattr(held.store, "read", lambda: answering.wait() and read())  # an NFS server gone away
     monkeypatch.setattr(lease, "END_WAIT_S", 0.2)
@@ -238,7 +239,7 @@ def test_release_does_not_hang_on_a_store_that_stopped_answering(
         held.release()
     finally:
         answering.set()
-    assert time.monotonic() - started < 5 and lease.held(tmp_path) is None
+    assert time.monotonic() - started < 5 and lease.held(open_store(tmp_path)) is None
     assert "could not be released within 0 s" in capsys.readouterr().err
 
 
@@ -246,7 +247,7 @@ def test_an_unreadable_lease_holds_while_young_and_is_taken_over_when_old(tmp_pa
     path = tmp_path / lease.LEASE_NAME
     path.write_bytes(b"")  # what a taker has between its O_EXCL create and its write
     with pytest.raises(UserError, match=f"has a lease {path} that cannot be read.*\n  fix: start this run again"):
-        lease.acquire(tmp_path, lease.this_process(None, 0))
+        lease.acquire(open_store(tmp_path), lease.this_process(None, 0))
     old = time.time() - lease.STALE_AFTER_S - 1
     os.utime(path, (old, old))
     assert "taking over the unreadable lease" in take(tmp_path, lease.this_process(None, 0), leases)[1]
@@ -278,19 +279,20 @@ def test_a_directory_that_cannot_be_created_is_one_clear_error(tmp_path: Path) -
     blocker = tmp_path / "file"
     blocker.write_text("a file where checkpoint.dir should be")
     with pytest.raises(UserError, match=f"cannot take the lease {blocker}/checkpoints/{lease.LEASE_NAME}: .*\n  fix: "):
-        lease.acquire(blocker / "checkpoints", lease.this_process(None, 0))
+        lease.acquire(open_store(blocker / "checkpoints"), lease.this_process(None, 0))
 
 
 RACER = """
 import sys, time
 from lance_hpc.checkpoint import lease
+from lance_hpc.checkpoint.stores import open_store
 from lance_hpc.errors import UserError
 from lance_hpc.slurm import queue
 from tests.support.slurm_cluster import SlurmCluster
 sys.stdout.write("ready\\n"); sys.stdout.flush()
 sys.stdin.readline()  # all start at once
 try:
-    lease.acquire({directory!r}, lease.this_process(None, 0))
+    lease.acquire(open_store({directory!r}), lease.this_process(None, 0))
     print("won", flush=True)
 except UserError as error:
     print("refused", str(error).splitlines()[0], flush=True)
@@ -348,15 +350,15 @@ def test_on_s3_a_live_holder_refuses_and_a_dead_one_is_taken_over(s3_uri: str, l
     with pytest.raises(
         UserError, match=f"checkpoint.dir {s3_uri} is in use by another run: pid {os.getpid()} on .*SLURM job 900"
     ):
-        lease.acquire(s3_uri, lease.this_process("901", 0))
+        lease.acquire(open_store(s3_uri), lease.this_process("901", 0))
     held.confirm()
     held.release()
-    assert lease.lease_store(s3_uri).read() is None
+    assert open_store(s3_uri).lease().read() is None
 
-    store = lease.lease_store(s3_uri)
+    store = open_store(s3_uri).lease()
     store._put(elsewhere(heartbeat_age_s=10).encode())
     with pytest.raises(UserError, match="in use by another run: pid 4242 on node-elsewhere"):
-        lease.acquire(s3_uri, lease.this_process(None, 0))
+        lease.acquire(open_store(s3_uri), lease.this_process(None, 0))
     store._put(elsewhere(heartbeat_age_s=lease.STALE_AFTER_S + 1).encode())
     held, note = take(s3_uri, lease.this_process(None, 0), leases)
     assert "taking over the lease of a run that is gone (no heartbeat for" in note
@@ -371,7 +373,7 @@ def test_on_s3_of_several_runs_starting_at_once_exactly_one_wins(s3_uri: str, le
     def start(index: int) -> None:
         me = dataclasses.replace(lease.this_process(None, 0), host=f"node{index}")
         try:
-            leases.append(lease.acquire(s3_uri, me)[0])
+            leases.append(lease.acquire(open_store(s3_uri), me)[0])
             outcomes[index] = "won"
         except UserError as error:
             outcomes[index] = str(error)

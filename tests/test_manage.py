@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from lance_hpc.checkpoint import resuming
+from lance_hpc.checkpoint.stores import open_store
 from lance_hpc.errors import UserError
 from lance_hpc.launch.render import write_job_files
 from lance_hpc.loading import build_train_loader, load_task
@@ -349,7 +350,7 @@ def test_status_logs_and_cancel_an_sbatch_job(slurm_cluster: SlurmCluster, digit
         scancel_quietly(slurm_cluster, job_id)
     assert follower.returncode == 0
     stopped_at = int(re.search(r"stopped at step (\d+) by SIGTERM", cancelled).group(1))
-    saved = resuming.load_latest(spec.checkpoint.dir)
+    saved = resuming.load_latest(open_store(spec.checkpoint.dir))
     assert saved is not None and saved.step == stopped_at >= step
     assert "SIGTERM to its tasks" in cancelled and f"checkpoint step {stopped_at}: {saved.path}" in cancelled
     assert f"continue with: lance-hpc submit {spec_path}" in cancelled
@@ -390,7 +391,7 @@ def test_cancel_a_submitit_job_saves_through_submitits_protocol(
         scancel_quietly(slurm_cluster, job_id)
     assert "SIGUSR2 to its tasks" in cancelled
     stopped_at = int(re.search(r"stopped at step (\d+) by SIGUSR2", cancelled).group(1))
-    saved = resuming.load_latest(spec.checkpoint.dir)
+    saved = resuming.load_latest(open_store(spec.checkpoint.dir))
     assert saved is not None and saved.step == stopped_at and f"checkpoint step {stopped_at}" in cancelled
     after = lance_hpc(slurm_cluster, "status", str(spec_path)).stdout
     assert f"job {job_id} (viasubmitit): CANCELLED" in after and f"checkpoint  step {stopped_at}" in after, after
@@ -570,7 +571,7 @@ def test_cancel_now_ends_a_running_job_without_saving(slurm_cluster: SlurmCluste
     assert cancelled == f"cancelled job {job_id}\n" and state == "CANCELLED"
     log = lance_hpc(slurm_cluster, "logs", job_id).stdout
     assert "stopped at step" not in log and re.search(r"srun: error: \S+: tasks? [0-9-]+: Killed", log), log
-    saved = resuming.load_latest(spec.checkpoint.dir)
+    saved = resuming.load_latest(open_store(spec.checkpoint.dir))
     assert saved is None or not saved.state["mid_epoch"], f"saved at step {saved.step} on the way out"
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from lance_hpc.checkpoint import saving
-from lance_hpc.checkpoint.sharded import ShardedSaver, tensor_state
+from lance_hpc.checkpoint.shards.saver import ShardedSaver, tensor_state
+from lance_hpc.checkpoint.stores import open_store
 from lance_hpc.runtime.metrics import TensorBoardLogger
 from tests.support.checkpoints import state
 from tests.support.jobs import REPO_ROOT
@@ -33,7 +34,9 @@ def lance_hpc(*args: object, cwd: Path) -> subprocess.CompletedProcess[str]:
 def test_exporting_a_sharded_checkpoint_prints_no_warning_of_torch(tmp_path: Path, single_rank: torch.device) -> None:
     saver = ShardedSaver(None)
     model = torch.nn.Linear(4, 3)
-    saving.save(tmp_path / "checkpoints", 1, state(1), {}, keep=2, sharded=(saver, tensor_state({"model": model}), False))
+    saving.save(
+        open_store(tmp_path / "checkpoints"), 1, state(1), {}, keep=2, sharded=(saver, tensor_state({"model": model}), False)
+    )
     saver.wait()
     done = lance_hpc("checkpoint", "export", tmp_path / "checkpoints", tmp_path / "model.pt", cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr

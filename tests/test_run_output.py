@@ -16,6 +16,7 @@ import pytest
 
 from lance_hpc.checkpoint import manifests
 from lance_hpc.checkpoint.manifests import checkpoint_name, manifest, manifest_name
+from lance_hpc.checkpoint.stores import open_store
 from lance_hpc.output import ProgressLines
 from tests.support.jobs import REPO_ROOT, write_spec
 
@@ -80,7 +81,7 @@ def test_every_line_numbers_epochs_from_1_as_the_progress_lines_do(trained: tupl
 @pytest.mark.slow
 def test_the_end_of_a_run_says_where_its_checkpoint_is(trained: tuple[Path, str]) -> None:
     directory, log = trained
-    saved = manifests.latest(directory / "checkpoints")
+    saved = manifests.latest(open_store(directory / "checkpoints"))
     assert saved is not None and saved.step == 60
     assert f"\ncheckpoint step 60: {saved.location}\n" in log, log
     assert Path(saved.location).is_file()
@@ -95,7 +96,7 @@ def test_status_after_a_local_run_shows_what_it_left_and_logs_says_where_its_out
         [sys.executable, "-m", "lance_hpc", "status", str(spec_file)], capture_output=True, text=True, env=environ, timeout=300
     )
     assert status.returncode == 0, status.stdout + status.stderr
-    saved = manifests.latest(directory / "checkpoints")
+    saved = manifests.latest(open_store(directory / "checkpoints"))
     assert saved is not None
     assert status.stdout.startswith(f"{spec_file} (digits): no SLURM job; what its --local runs left\n"), status.stdout
     assert f"  checkpoint  step 60, epoch 2: {saved.location}\n" in status.stdout
@@ -152,5 +153,5 @@ def test_status_names_a_checkpoints_epoch_as_the_progress_lines_do(
     finished); status shows the epoch the checkpoint's step read, from 1."""
     (tmp_path / checkpoint_name(step)).write_bytes(b"")
     (tmp_path / manifest_name(step)).write_bytes(manifest({"step": step, "epoch": epoch, "mid_epoch": mid_epoch}, 2))
-    saved = manifests.latest(tmp_path)
+    saved = manifests.latest(open_store(tmp_path))
     assert saved is not None and saved.epoch == shown

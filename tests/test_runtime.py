@@ -15,6 +15,7 @@ import torch
 
 from lance_hpc.checkpoint import resuming, saving
 from lance_hpc.checkpoint.resuming import Checkpoint
+from lance_hpc.checkpoint.stores import open_store
 from lance_hpc.errors import UserError
 from lance_hpc.imports import load_callable
 from lance_hpc.loading import load_task
@@ -44,6 +45,7 @@ def test_the_checkpoint_names_what_was_registered_and_reads_the_earlier_layout(t
             "objects": {"model": {"w": 1}, "optimizer": {"o": 2}, "scheduler": {"s": 3}},
             "ranks": [{"rng": {}, "loaders": {"loader": {"batches_consumed": 4}}}],
         },
+        open_store(tmp_path),
     )
     assert set(current.objects) == {"model", "optimizer", "scheduler"}
     assert current.loader_position("loader", env) == {"batches_consumed": 4}
@@ -51,10 +53,13 @@ def test_the_checkpoint_names_what_was_registered_and_reads_the_earlier_layout(t
     earlier = Checkpoint(
         tmp_path / "step-00000004.pt",
         {"model": {"w": 1}, "optimizer": {"o": 2}, "ranks": [{"rng": {}, "loader": {"batches_consumed": 4}}]},
+        open_store(tmp_path),
     )
     assert earlier.objects == {"model": {"w": 1}, "optimizer": {"o": 2}}
     assert earlier.loader_position("loader", env) == {"batches_consumed": 4}
-    at_epoch_end = Checkpoint(tmp_path / "step-00000008.pt", {"model": {}, "ranks": [{"rng": {}, "loader": None}]})
+    at_epoch_end = Checkpoint(
+        tmp_path / "step-00000008.pt", {"model": {}, "ranks": [{"rng": {}, "loader": None}]}, open_store(tmp_path)
+    )
     assert at_epoch_end.loader_position("loader", env) is None
 
 
@@ -64,7 +69,7 @@ def test_a_checkpoint_of_the_earlier_layout_resumes_as_the_same_checkpoint_does(
     earlier trainer's layout, resumes to the same weights, bit for bit."""
     first = write_spec(tmp_path / "first", digits, train={"epochs": 2, "max_steps": 9}, logging={"progress": False})
     assert train_here(first).step == 9
-    stopped = resuming.load_latest(tmp_path / "first" / "checkpoints")
+    stopped = resuming.load_latest(open_store(tmp_path / "first" / "checkpoints"))
     assert stopped is not None and stopped.state["mid_epoch"] and stopped.state["format"] == saving.FORMAT
     finals = []
     for name, state in (("current", stopped.state), ("earlier", to_earlier_layout(stopped.state))):

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from lance_hpc.checkpoint.resuming import Checkpoint, load_latest
+from lance_hpc.checkpoint.stores import open_store
 from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.loading import load_task
 from lance_hpc.manage.lineage import lineage_lines
@@ -94,6 +95,7 @@ def test_register_refuses_a_checkpoint_of_another_model_naming_a_few_keys(tmp_pa
         Checkpoint(
             tmp_path / "step-00000009.pt",
             {"objects": {"model": written.state_dict()}, "step": 9, "epoch": 0, "spec": spec.redacted_dict()},
+            open_store(tmp_path),
         ),
     )
     with pytest.raises(UserError) as refused:
@@ -125,7 +127,7 @@ def test_script_mode_preempted_mid_epoch_resumes_to_the_same_weights(tmp_path: P
     output = interrupted.communicate(timeout=120)[0]
     assert interrupted.returncode == ExitCode.STOPPED, output
     assert "by SIGUSR2; checkpoint" in output and "run the same command again to resume" in output
-    stopped = load_latest(tmp_path / "interrupted" / "checkpoints")
+    stopped = load_latest(open_store(tmp_path / "interrupted" / "checkpoints"))
     assert stopped.state["mid_epoch"] and steps_per_epoch < stopped.step < 2 * steps_per_epoch
     assert all(rank["loaders"]["loader"]["batches_consumed"] == stopped.step - steps_per_epoch for rank in stopped.state["ranks"])
 

@@ -22,6 +22,7 @@ import pyarrow as pa
 import pytest
 
 from lance_hpc.checkpoint import resuming
+from lance_hpc.checkpoint.stores import open_store
 from lance_hpc.errors import UserError, worker_message
 from lance_hpc.ingest import ensure_dataset
 from lance_hpc.ingest.dataset import schema_for
@@ -375,7 +376,7 @@ def test_an_outage_longer_than_io_timeout_stops_every_rank_with_one_message(s3_d
     assert f"the object store at {proxy.endpoint} failed for" in messages[0]
     assert f"rows of {s3_digits.train} was tried" in messages[0] and f"data.io_timeout_s ({io_timeout_s} s)" in messages[0]
     assert "Traceback" not in output and "StoreUnavailable" not in output and "Caught " not in output
-    latest = resuming.load_latest(tmp_path / "checkpoints")
+    latest = resuming.load_latest(open_store(tmp_path / "checkpoints"))
     assert latest is not None and latest.state["step"] >= 10 and "model" in latest.objects
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
+from lance_hpc.checkpoint.stores import open_store
 from lance_hpc.cli import submit
 from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.launch import render
@@ -302,7 +303,7 @@ def test_sweep_trains_locally(digits: Digits, tmp_path: Path) -> None:
 def checkpoint_step(directory: Path) -> int:
     from lance_hpc.checkpoint import resuming
 
-    found = resuming.load_latest(directory)
+    found = resuming.load_latest(open_store(directory))
     assert found is not None, f"no checkpoint in {directory}"
     return int(found.state["step"])
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from lance_hpc.checkpoint.weights import load_weights
 from lance_hpc.errors import UserError
 from lance_hpc.loading import build_train_loader, dataset_info, load_task
 from lance_hpc.spec import DataSpec, SpecError, load_spec, validate_spec
@@ -247,7 +248,8 @@ def test_a_grey_level_task_trains_from_weights_in_a_local_file(tmp_path: Path, d
     )
     started = load_task(load_spec(spec_file).spec)
     fresh = started.build_model()
-    started.load_weights(fresh)
+    assert started.weights_file() == str(weights)
+    load_weights(fresh, str(weights))
     assert same_weights(fresh.state_dict(), model.state_dict()) == []
     summary = train_here(spec_file)
     assert summary.status == "completed" and "val/accuracy" in summary.metrics
@@ -267,9 +269,9 @@ def test_image_options_that_do_not_fit_are_refused_with_their_path(tmp_path: Pat
         write_spec(tmp_path, digits, task={"options": {"model": "small_cnn", "weights": str(tmp_path / "none.pt")}})
     ).spec
     with pytest.raises(UserError, match=r"task.options.weights: .*none.pt does not exist"):
-        load_task(spec).load_weights(load_task(spec).build_model())
+        load_weights(load_task(spec).build_model(), load_task(spec).weights_file())
     other = tmp_path / "other.pt"
     torch.save(torch.nn.Linear(2, 2).state_dict(), other)
     spec = load_spec(write_spec(tmp_path, digits, task={"options": {"model": "small_cnn", "weights": str(other)}})).spec
     with pytest.raises(UserError, match=r"other.pt does not fit this model"):
-        load_task(spec).load_weights(load_task(spec).build_model())
+        load_weights(load_task(spec).build_model(), load_task(spec).weights_file())

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from lance_hpc.checkpoint import manifests
+from lance_hpc.checkpoint.stores import open_store
 from lance_hpc.kinds.rank import SubmititJob
 from lance_hpc.launch.paths import JobPaths
 from lance_hpc.launch.render import write_job_files
@@ -150,7 +151,7 @@ def test_four_ranks_on_two_nodes_train_to_the_bar(reference: SlurmRun) -> None:
     assert float(FINAL_ACCURACY.search(reference.output).group(1)) >= 0.90, reference.output
     final = final_state(Path(reference.spec.checkpoint.dir).parent)
     assert len(final["ranks"]) == TASKS and final["step"] == reference.spec.train.epochs * steps_per_epoch(reference.spec)
-    saved = manifests.latest(reference.spec.checkpoint.dir)  # rank 0 says where it went (srun labels its lines)
+    saved = manifests.latest(open_store(reference.spec.checkpoint.dir))  # rank 0 says where it went (srun labels its lines)
     assert saved is not None and f"0: checkpoint step {final['step']}: {saved.location}\n" in reference.output
 
 

@@ -24,8 +24,9 @@ import torch
 
 from lance_hpc import loading
 from lance_hpc.checkpoint import lease
+from lance_hpc.checkpoint.manifests import checkpoint_name
 from lance_hpc.checkpoint.resuming import Checkpoint, find_resume_point, load_latest
-from lance_hpc.checkpoint.saving import checkpoint_path, write_atomically
+from lance_hpc.checkpoint.stores import open_store
 from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.loading import load_task
 from lance_hpc.loading.selection import pinned_data
@@ -147,7 +148,7 @@ def test_only_usr2_requeues_sigterm_stops(tmp_path: Path, digits) -> None:
 
 def test_resume_reads_the_checkpointed_dataset_version(tmp_path: Path, digits) -> None:
     spec = load_spec(write_spec(tmp_path, digits)).spec
-    saved = Checkpoint(tmp_path / "step-00000001.pt", {"dataset_version": 1})
+    saved = Checkpoint(tmp_path / "step-00000001.pt", {"dataset_version": 1}, open_store(tmp_path))
     assert pinned_data(spec.data, saved).version == 1
     pinned = spec.data.model_copy(update={"version": 2})
     with pytest.raises(UserError, match="data.version is 2 but the checkpoint was trained on version 1"):
@@ -157,7 +158,7 @@ def test_resume_reads_the_checkpointed_dataset_version(tmp_path: Path, digits) -
 def test_fresh_start_refuses_a_directory_with_old_checkpoints(tmp_path: Path, digits) -> None:
     spec = load_spec(write_spec(tmp_path, digits, checkpoint={"resume": False})).spec
     assert find_resume_point(spec) is None
-    write_atomically({"step": 1}, checkpoint_path(spec.checkpoint.dir, 1))
+    open_store(spec.checkpoint.dir).write(checkpoint_name(1), {"step": 1})
     with pytest.raises(UserError, match="holds checkpoints of an earlier run"):
         find_resume_point(spec)
 
@@ -226,7 +227,10 @@ def test_interrupted_run_resumes_to_the_same_weights(reference_run: FinishedRun,
     output = interrupted.communicate(timeout=120)[0]
     assert interrupted.returncode == ExitCode.STOPPED, output
     assert "by SIGUSR2; checkpoint" in output and "run the same command again to resume" in output
-    stopped_path, stopped = load_latest(tmp_path / "checkpoints").path, load_latest(tmp_path / "checkpoints").state
+    stopped_path, stopped = (
+        load_latest(open_store(tmp_path / "checkpoints")).path,
+        load_latest(open_store(tmp_path / "checkpoints")).state,
+    )
     assert stopped["mid_epoch"] and steps_per_epoch < stopped["step"] < 2 * steps_per_epoch
 
     resumed = launch(spec_file)
@@ -349,7 +353,7 @@ def test_a_preemption_warning_while_a_rank_still_starts_is_held_and_honoured(tmp
         launcher.kill()
     assert launcher.returncode == ExitCode.STOPPED, output
     assert "by SIGUSR2; checkpoint" in output and "Traceback" not in output, output
-    assert load_latest(tmp_path / "checkpoints").state["step"] <= 2
+    assert load_latest(open_store(tmp_path / "checkpoints")).state["step"] <= 2
 
 
 def long_job(directory: Path, dataset, **sections) -> Path:

@@ -26,9 +26,9 @@ def model_state(saved: Any, name: str = "model") -> dict[str, Any]:
     import torch
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from lance_hpc.checkpoint import shard_reading
+    from lance_hpc.checkpoint.shards import reading
 
-    reader = shard_reading.reader(saved.directory, saved.shards)
+    reader = saved.store.shard_reader(saved.shards)
     metadata = reader.read_metadata()
     prefix = f"{name}."
     state: dict[str, Any] = {}
@@ -37,7 +37,7 @@ def model_state(saved: Any, name: str = "model") -> dict[str, Any]:
             state[key[len(prefix) :]] = torch.empty(item.size, dtype=item.properties.dtype)
     if not state:
         raise UserError(f"checkpoint {saved.path}: its shards hold no {name!r}")
-    shard_reading.load({name: state}, reader, no_dist=True)
+    reading.load({name: state}, reader, no_dist=True)
     return state
 
 
@@ -46,10 +46,12 @@ def export(directory: str, out: Path, step: int | None) -> str:
     import torch
 
     from lance_hpc.checkpoint import resuming
+    from lance_hpc.checkpoint.stores import open_store
 
     if out.suffix not in FORMATS:
         raise UserError(f"{out}: unknown format {out.suffix or '(no suffix)'}\n  fix: name the file *.pt or *.safetensors")
-    saved = resuming.load_step(directory, step) if step is not None else resuming.load_latest(directory)
+    store = open_store(directory)
+    saved = resuming.load_step(store, step) if step is not None else resuming.load_latest(store)
     if saved is None:
         raise UserError(f"{directory} holds no checkpoint\n  fix: name the checkpoint.dir of a job that has saved one")
     state = {key: value.detach().cpu().contiguous() for key, value in model_state(saved).items()}

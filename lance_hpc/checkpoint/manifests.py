@@ -19,10 +19,9 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
-from lance_hpc.checkpoint.stores import SMALL_FILE_FIX, TEMP_SUFFIX, Store, open_store
+from lance_hpc.checkpoint.stores import SMALL_FILE_FIX, TEMP_SUFFIX, Store
 from lance_hpc.errors import UserError
 from lance_hpc.lineage.checkpoints import checkpoint_lineage
 from lance_hpc.lineage.shapes import COUNT, FLAG, LINEAGE_SHAPE, NUMBER, TEXT, Fields, shape_problem
@@ -104,10 +103,9 @@ class Saved:
     saved_at: str | None = None
 
 
-def latest(directory: str | Path) -> Saved | None:
-    """The newest checkpoint in ``directory`` (local or object storage), from its name and manifest;
+def latest(store: Store) -> Saved | None:
+    """The newest checkpoint in ``store`` (local or object storage), from its name and manifest;
     None when there is none. Nothing is loaded: a damaged checkpoint is still reported by its name."""
-    store = open_store(directory)
     names = store.names()
     steps = checkpoint_steps(names)
     if not steps:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,8 +14,8 @@ from torch import nn
 from lance_hpc.checkpoint.manifests import checkpoint_names, checkpoint_steps
 from lance_hpc.checkpoint.rng_states import reseed, restore_rng
 from lance_hpc.checkpoint.saving import RankPlace, list_checkpoints
-from lance_hpc.checkpoint.shard_files import plain_name
-from lance_hpc.checkpoint.stores import Location, open_store
+from lance_hpc.checkpoint.shards.names import plain_name
+from lance_hpc.checkpoint.stores import Location, Store, open_store
 from lance_hpc.errors import UserError
 from lance_hpc.lineage.checkpoints import source_text
 from lance_hpc.spec import JobSpec
@@ -36,6 +35,7 @@ class Checkpoint:
 
     path: Location  # a Path, or an s3:// URI
     state: dict[str, Any]
+    store: Store  # the checkpoint.dir it was read from, which holds its shards
 
     @property
     def step(self) -> int:
@@ -52,11 +52,6 @@ class Checkpoint:
         file. A name that is not a plain one in its directory is refused (the file may come from anyone)."""
         name = self.state.get("shards")
         return None if name is None else plain_name(name, str(self.path))
-
-    @property
-    def directory(self) -> str:
-        """The checkpoint.dir that holds it."""
-        return str(self.path).rpartition("/")[0] if "://" in str(self.path) else str(Path(self.path).parent)
 
     @property
     def world_size(self) -> int:
@@ -83,23 +78,21 @@ class Checkpoint:
         return (loaders or {}).get(name)
 
 
-def load_step(directory: str | Path, step: int) -> Checkpoint:
-    """The checkpoint of ``step`` in ``directory``; a UserError listing the steps there when it has none."""
-    store = open_store(directory)
+def load_step(store: Store, step: int) -> Checkpoint:
+    """The checkpoint of ``step`` in ``store``; a UserError listing the steps there when it has none."""
     steps = checkpoint_steps(store.names())
     if step not in steps:
         kept = ", ".join(str(kept) for kept in steps) or "none"
-        raise UserError(f"{directory} holds no checkpoint of step {step} (it has: {kept})")
-    return Checkpoint(store.location(steps[step]), store.read(steps[step]))
+        raise UserError(f"{store.where} holds no checkpoint of step {step} (it has: {kept})")
+    return Checkpoint(store.location(steps[step]), store.read(steps[step]), store)
 
 
-def load_latest(directory: str | Path) -> Checkpoint | None:
-    """The newest checkpoint that loads; None when there is none."""
-    store = open_store(directory)
+def load_latest(store: Store) -> Checkpoint | None:
+    """The newest checkpoint in ``store`` that loads; None when there is none."""
     for name in reversed(checkpoint_names(store.names())):
         path = store.location(name)
         try:
-            return Checkpoint(path, store.read(name))
+            return Checkpoint(path, store.read(name), store)
         except UserError:  # the object store cannot be read at all: no older checkpoint would load either
             raise
         except Exception as error:  # an unreadable file (e.g. a damaged disk): fall back to the previous one
@@ -186,9 +179,10 @@ def _spec_changes(saved: dict[str, Any], current: dict[str, Any], shown: int = 3
 def find_resume_point(spec: JobSpec) -> Checkpoint | None:
     """The latest checkpoint in checkpoint.dir, unless resume is off (then the directory must hold none:
     pruning would otherwise delete the new run's checkpoints in favour of the old run's later steps)."""
+    store = open_store(spec.checkpoint.dir)
     if spec.checkpoint.resume:
-        return load_latest(spec.checkpoint.dir)
-    if list_checkpoints(spec.checkpoint.dir):
+        return load_latest(store)
+    if list_checkpoints(store):
         raise UserError(
             f"checkpoint.dir {spec.checkpoint.dir} holds checkpoints of an earlier run and checkpoint.resume is false\n"
             "  fix: use a new checkpoint.dir, delete the old checkpoints, or set checkpoint.resume: true"

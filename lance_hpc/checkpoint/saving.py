@@ -2,9 +2,10 @@
 that a reader finds all of it or nothing.
 
 A checkpoint is one file ``step-XXXXXXXX.pt`` in checkpoint.dir, a local directory or an
-``s3://bucket/prefix`` (:mod:`lance_hpc.checkpoint.stores`), with a small JSON manifest beside it
+``s3://bucket/prefix`` (:mod:`lance_hpc.checkpoint.stores`, opened once and handed to each
+function here), with a small JSON manifest beside it
 (:mod:`lance_hpc.checkpoint.manifests`); a sharded model adds the directory of its shards
-(:mod:`lance_hpc.checkpoint.sharded`). Either way a crash at any moment leaves either the new
+(:mod:`lance_hpc.checkpoint.shards.saver`). Either way a crash at any moment leaves either the new
 checkpoint or none: the previous checkpoint stays loadable. One run writes to a directory at a time:
 rank 0 holds its lease (:mod:`lance_hpc.checkpoint.lease`, taken by :func:`writer_lease`).
 """
@@ -15,7 +16,6 @@ import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch.distributed as dist
@@ -23,9 +23,8 @@ import torch.distributed as dist
 from lance_hpc.checkpoint import lease
 from lance_hpc.checkpoint.manifests import checkpoint_name, checkpoint_names, checkpoint_steps, leftovers, manifest, manifest_name
 from lance_hpc.checkpoint.rng_states import capture_rng
-from lance_hpc.checkpoint.shard_files import delete_shards, shard_directories
-from lance_hpc.checkpoint.sharded import SHARDS_SUFFIX, ShardedSaver, shards_name
-from lance_hpc.checkpoint.stores import Location, NoSpace, locate, open_store
+from lance_hpc.checkpoint.shards.saver import SHARDS_SUFFIX, ShardedSaver, shards_name
+from lance_hpc.checkpoint.stores import Location, NoSpace, Store
 from lance_hpc.errors import UserError
 
 # The checkpoint layout Context.save writes: named objects, named loaders per rank.
@@ -33,31 +32,22 @@ FORMAT = 2
 SHARDS_PATTERN = re.compile(r"^step-(\d+)(-\d+)?" + re.escape(SHARDS_SUFFIX) + "$")
 
 
-def checkpoint_path(directory: str | Path, step: int) -> Location:
+def checkpoint_path(store: Store, step: int) -> Location:
     """Where the checkpoint of ``step`` goes: a Path, or an s3:// URI for a directory on object storage."""
-    return open_store(directory).location(checkpoint_name(step))
+    return store.location(checkpoint_name(step))
 
 
-def list_checkpoints(directory: str | Path) -> list[Location]:
-    """Complete checkpoints in ``directory``, oldest first (temporary files and unfinished uploads
+def list_checkpoints(store: Store) -> list[Location]:
+    """Complete checkpoints in ``store``, oldest first (temporary files and unfinished uploads
     are never listed)."""
-    store = open_store(directory)
     return [store.location(name) for name in checkpoint_names(store.names())]
 
 
-def write_atomically(state: dict[str, Any], path: Location) -> None:
-    """Write ``state`` to ``path`` so that a reader finds all of it or nothing: locally a temporary
-    file, fsync, rename over ``path``, fsync the directory; on object storage one upload."""
-    store, name = locate(path)
-    store.write(name, state)
-
-
-def prune(directory: str | Path, keep: int, published: tuple[int, str | None] | None = None) -> None:
+def prune(store: Store, keep: int, published: tuple[int, str | None] | None = None) -> None:
     """Delete all but the newest ``keep`` checkpoints with their manifests and shards, and what a
     crash left (temporary files, shards of a save that never completed). ``published``: the step
     whose step file was just written and the shards it names (None: none); that step's other shard
     directories go too (those of an earlier save of the same step, now replaced)."""
-    store = open_store(directory)
     names = store.names()
     steps = checkpoint_steps(names)
     pruned = list(steps.items())[:-keep]
@@ -65,22 +55,22 @@ def prune(directory: str | Path, keep: int, published: tuple[int, str | None] | 
     for name in [name for _, name in pruned] + manifests + leftovers(names):
         store.delete(name)
     kept = set(steps) - {step for step, _ in pruned}
-    for name in shard_directories(store):  # pruned, or of a save that never completed
+    for name in store.shard_directories():  # pruned, or of a save that never completed
         match = SHARDS_PATTERN.match(name)
         if match is None:
             continue
         replaced = published is not None and int(match.group(1)) == published[0] and name != published[1]
         if int(match.group(1)) not in kept or replaced:
-            delete_shards(store, name)
+            store.delete_shards(name)
 
 
-def fresh_shards_name(directory: str | Path, step: int) -> str:
+def fresh_shards_name(store: Store, step: int) -> str:
     """Collective: a name for the shards of a save of ``step`` that no directory in checkpoint.dir
     has, the same on every rank: ``step-N.dcp``, or ``step-N-K.dcp`` beside the shards of an earlier
     save of that step (the published checkpoint's, until the new step file names the new ones)."""
     chosen = [shards_name(step)]
     if dist.get_rank() == 0:
-        taken = set(shard_directories(open_store(directory)))
+        taken = set(store.shard_directories())
         generation = 0
         while chosen[0] in taken:
             generation += 1
@@ -90,7 +80,7 @@ def fresh_shards_name(directory: str | Path, step: int) -> str:
 
 
 def save(
-    directory: str | Path,
+    store: Store,
     step: int,
     state: dict[str, Any],
     rank_state: dict[str, Any],
@@ -105,30 +95,30 @@ def save(
     instead of leaving the others waiting.
 
     ``sharded`` (saver, tensor state, in the background): the modules and optimizers are written
-    by every rank into the shards ``step-N.dcp`` first (see :mod:`lance_hpc.checkpoint.sharded`),
+    by every rank into the shards ``step-N.dcp`` first (see :mod:`lance_hpc.checkpoint.shards.saver`),
     and ``step-N.pt`` names them; rank 0 writes it when the shards are complete, in the background
     unless they went to object storage without ``checkpoint.async_save``.
     """
     ranks: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, {**rank_state, "rng": capture_rng()})
-    path = checkpoint_path(directory, step)
+    path = checkpoint_path(store, step)
     shards = None
     if sharded is not None:
         sharded[0].wait()  # an earlier save still in flight publishes first: its shards are then listed
-        shards = fresh_shards_name(directory, step)
+        shards = fresh_shards_name(store, step)
         state = {**state, "shards": shards}
 
     def publish() -> None:
-        held = lease.held(directory)
+        held = lease.held(store)
         if held is not None:
             held.confirm()
-        write_atomically({**state, "ranks": ranks}, path)
-        open_store(directory).write_bytes(manifest_name(step), manifest({**state, "step": step}, len(ranks)))
-        prune(directory, keep, (step, shards))
+        store.write(checkpoint_name(step), {**state, "ranks": ranks})
+        store.write_bytes(manifest_name(step), manifest({**state, "step": step}, len(ranks)))
+        prune(store, keep, (step, shards))
 
     if sharded is not None and shards is not None:
         saver, tensors, background = sharded
-        if saver.save(tensors, directory, shards, publish, background):
+        if saver.save(tensors, store, shards, publish, background):
             return path  # rank 0 publishes it in the background
     outcome: list[Any] = [None]  # (message, whether it is a UserError) when rank 0 failed
     if dist.get_rank() == 0:
@@ -137,7 +127,7 @@ def save(
         except UserError as error:  # the object store's message already names the URI and the fix
             outcome[0] = (str(error), True)
         except NoSpace as full:
-            outcome[0] = (no_space_message(directory, full), True)
+            outcome[0] = (no_space_message(store, full), True)
         except Exception as error:  # reported on every rank below
             outcome[0] = (f"cannot write checkpoint {path}: {type(error).__name__}: {error}", False)
     dist.broadcast_object_list(outcome, src=0)
@@ -147,15 +137,15 @@ def save(
     return path
 
 
-def no_space_message(directory: str | Path, full: NoSpace) -> str:
+def no_space_message(store: Store, full: NoSpace) -> str:
     """What a save that filled the file system tells the user: the file, the space left, and that
     the newest complete checkpoint is untouched (a write goes to a temporary file first)."""
-    intact = checkpoint_names(open_store(directory).names())
+    intact = checkpoint_names(store.names())
     reached = f", which had reached {_size(full.written)}" if full.written else ""
     if full.quota:
         problem = f"the disk quota on its file system is used up ({_size(full.free)} free on the file system)"
     else:
-        problem = f"the file system is full ({_size(full.free)} free in {directory} after removing the partial file{reached})"
+        problem = f"the file system is full ({_size(full.free)} free in {store.where} after removing the partial file{reached})"
     if intact:
         kept = (
             f"the newest complete checkpoint, {intact[-1]}, is intact: a checkpoint is written to a temporary file "
@@ -198,7 +188,7 @@ class RankPlace(Protocol):
 
 
 @contextmanager
-def writer_lease(directory: str | Path, env: RankPlace) -> Iterator[lease.Lease | None]:
+def writer_lease(store: Store, env: RankPlace) -> Iterator[lease.Lease | None]:
     """Collective: rank 0 takes the lease of checkpoint.dir before any rank writes there, and
     yields it (other ranks get None); when another run holds it, every rank raises the same
     UserError, so none waits for the others. On leaving, the lease is released, unless it was
@@ -207,13 +197,13 @@ def writer_lease(directory: str | Path, env: RankPlace) -> Iterator[lease.Lease 
     refusal: list[Any] = [None]  # (message, whether it is a UserError) when rank 0 did not get the lease
     if env.rank == 0:
         try:
-            held, note = lease.acquire(directory, lease.this_process(env.job_ref, env.restart_count, env.attempt))
+            held, note = lease.acquire(store, lease.this_process(env.job_ref, env.restart_count, env.attempt))
             if note:
                 print(f"lance_hpc: {note}", file=sys.stderr, flush=True)
         except UserError as error:
             refusal[0] = (str(error), True)
         except Exception as error:  # raised on every rank below, not only on this one
-            refusal[0] = (f"cannot take the lease of checkpoint.dir {directory}: {type(error).__name__}: {error}", False)
+            refusal[0] = (f"cannot take the lease of checkpoint.dir {store.where}: {type(error).__name__}: {error}", False)
     dist.broadcast_object_list(refusal, src=0)
     if refusal[0] is not None:
         message, user_error = refusal[0]

@@ -68,6 +68,7 @@ def train(spec: JobSpec, env: DistEnv, requeue: Requeue, signals: tuple[int, ...
 
     from lance_hpc import loading
     from lance_hpc.checkpoint import saving
+    from lance_hpc.checkpoint.stores import open_store
     from lance_hpc.ingest import ensure_dataset
     from lance_hpc.runtime import trainer
     from lance_hpc.runtime.entry import run_entry
@@ -87,7 +88,7 @@ def train(spec: JobSpec, env: DistEnv, requeue: Requeue, signals: tuple[int, ...
         with (
             Preemption(signals) as preemption,
             process_group(env, timeout_s) as device,
-            saving.writer_lease(spec.checkpoint.dir, env) as lease,
+            saving.writer_lease(open_store(spec.checkpoint.dir), env) as lease,
         ):
             on_main_rank(lambda: ensure_dataset(spec.data), "prepare the dataset")
             task = loading.load_task(spec)

@@ -69,7 +69,9 @@ def run_local(spec_file: str | Path, nproc: int) -> int:
     # rank 0 takes the lease itself (another run may still get there first); this look says who
     # holds it once, before the dataset is prepared and N ranks start only to refuse
     lease.refuse_if_held(
-        spec.checkpoint.dir, os.environ.get(SLURM_VARS["job_id"]), int(os.environ.get(SLURM_VARS["restart_count"]) or 0)
+        open_store(spec.checkpoint.dir),
+        os.environ.get(SLURM_VARS["job_id"]),
+        int(os.environ.get(SLURM_VARS["restart_count"]) or 0),
     )
     try:
         for line in job_kind(spec.job).check(spec, nproc):  # one error here, not one per rank

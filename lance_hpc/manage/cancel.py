@@ -15,6 +15,7 @@ import sys
 import time
 
 from lance_hpc.checkpoint import manifests
+from lance_hpc.checkpoint.stores import open_store
 from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.manage import logs
 from lance_hpc.output import printable
@@ -101,7 +102,7 @@ def report_stopped(ref: JobRef, job: queue.SlurmJob | None) -> None:
         print(f"  ({ref.spec_note}: see its last lines with `lance-hpc logs {ref.job_id}`)")
         return
     outcome = logs.log_outcome(logs.job_logs(ref, job).files)
-    saved = manifests.latest(ref.spec.checkpoint.dir)  # names and manifests only: nothing is loaded
+    saved = manifests.latest(open_store(ref.spec.checkpoint.dir))  # names and manifests only: nothing is loaded
     print(f"  its log: {printable(outcome or 'no stop message (it may have stopped before its first step)')}")
     if saved:
         print(f"  checkpoint step {saved.step}: {saved.location}")

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from lance_hpc.checkpoint.manifests import checkpoint_steps, latest, read_manifest
-from lance_hpc.checkpoint.stores import open_store
+from lance_hpc.checkpoint.stores import Store, open_store
 from lance_hpc.errors import UserError
 from lance_hpc.lineage.checkpoints import source_text
 from lance_hpc.lineage.provenance import InvalidProvenance, absolute, derived_columns, producer_of, provenance_of
@@ -79,8 +79,7 @@ def dataset_lines(uri: str, dataset: Any) -> list[str]:
     return lines
 
 
-def checkpoint_lines(directory: str) -> list[str]:
-    store = open_store(directory)
+def checkpoint_lines(store: Store, directory: str) -> list[str]:
     steps = checkpoint_steps(store.names())
     lines = [f"checkpoints in {absolute(directory)}: {len(steps)}"]
     for step in steps:
@@ -101,8 +100,9 @@ def checkpoint_lines(directory: str) -> list[str]:
 
 def lineage_lines(target: str, options: Mapping[str, str]) -> list[str]:
     """The chain for a checkpoint directory or a dataset at ``target``."""
-    if latest(target) is not None:
-        return checkpoint_lines(target)
+    store = open_store(target)
+    if latest(store) is not None:
+        return checkpoint_lines(store, target)
     try:
         dataset = open_dataset(target, None, dict(options))
     except UserError as error:

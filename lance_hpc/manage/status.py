@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 
 from lance_hpc.checkpoint import manifests
+from lance_hpc.checkpoint.stores import open_store
 from lance_hpc.kinds import registered_kind
 from lance_hpc.manage import logs, progress
 from lance_hpc.manage.attempts import attempt_lines
@@ -72,7 +73,7 @@ def report(ref: JobRef, job: queue.SlurmJob | None) -> list[str]:
         lines += [f"  {label:<11} {found[0]}", *(f"              {line}" for line in found[1:])]
         lines.append(f"  log         {job_logs.files[0]}")
         return lines
-    saved, logged = manifests.latest(spec.checkpoint.dir), progress.last_logged(spec.logging.tensorboard_dir)
+    saved, logged = manifests.latest(open_store(spec.checkpoint.dir)), progress.last_logged(spec.logging.tensorboard_dir)
     lines += training_lines(spec, saved, logged)
     if not ended:
         step = max(logged.step or 0, saved.step if saved else 0)
@@ -112,7 +113,7 @@ def local_report(never: records.NeverSubmitted) -> list[str]:
     kind = registered_kind(spec.job)
     if kind is None or not kind.trains:
         raise never
-    saved, logged = manifests.latest(spec.checkpoint.dir), progress.last_logged(spec.logging.tensorboard_dir)
+    saved, logged = manifests.latest(open_store(spec.checkpoint.dir)), progress.last_logged(spec.logging.tensorboard_dir)
     if saved is None and logged.step is None:
         raise never
     lines = [f"{never.target} ({spec.name}): no SLURM job; what its --local runs left", *training_lines(spec, saved, logged)]

@@ -4,7 +4,7 @@ step and restored in place when a resumed job registers them again.
 Each object is named and has ``state_dict``/``load_state_dict``: models, optimizers, schedulers,
 anything of the loop's own, and the training loaders, whose position every rank saves for itself
 (exact on any world size). A model and its optimizer go into one file from rank 0 (DDP), or into
-shards that every rank writes (FSDP, :mod:`lance_hpc.checkpoint.sharded`, in the background with
+shards that every rank writes (FSDP, :mod:`lance_hpc.checkpoint.shards.saver`, in the background with
 ``checkpoint.async_save``); either way loads into either. The RNG states of every rank come back
 once, before the first step."""
 
@@ -18,7 +18,8 @@ from torch import nn
 
 from lance_hpc.checkpoint import resuming, saving
 from lance_hpc.checkpoint.resuming import Checkpoint
-from lance_hpc.checkpoint.sharded import ShardedSaver, bare, is_tensor_state, load_shards, restore_tensor_state, tensor_state
+from lance_hpc.checkpoint.shards.saver import ShardedSaver, bare, is_tensor_state, load_shards, restore_tensor_state, tensor_state
+from lance_hpc.checkpoint.stores import open_store
 from lance_hpc.errors import UserError
 from lance_hpc.parallel import fsdp
 from lance_hpc.spec import JobSpec
@@ -53,6 +54,7 @@ class CheckpointManager:
         self.loaders: dict[str, LoaderPosition] = {}  # those of the objects whose position each rank saves
         self.last: str | None = None  # the checkpoint saved last
         self.saver = ShardedSaver(spec.slurm.signal_delay_s if env.launcher == "slurm" else None)
+        self.store = open_store(spec.checkpoint.dir)  # every save of the run writes there
         self._rng_restored = False
 
     def register(self, objects: Mapping[str, Any], loaders: Collection[str]) -> None:
@@ -88,7 +90,7 @@ class CheckpointManager:
                 )
         if from_shards:
             assert resumed is not None and resumed.shards is not None
-            load_shards(from_shards, resumed.directory, resumed.shards)
+            load_shards(from_shards, resumed.store, resumed.shards)
         if whole:
             assert resumed is not None
             restore_tensor_state(whole, {name: resumed.objects[name] for name in whole}, whole=True)
@@ -139,7 +141,7 @@ class CheckpointManager:
         }
         rank_state = {"loaders": {name: item.state_dict() for name, item in loaders.items()} if mid_epoch else {}}
         shards = (self.saver, tensor_state(tensors), self.spec.checkpoint.async_save) if sharded else None
-        self.last = str(saving.save(self.spec.checkpoint.dir, step, state, rank_state, self.spec.checkpoint.keep, shards))
+        self.last = str(saving.save(self.store, step, state, rank_state, self.spec.checkpoint.keep, shards))
         return self.last
 
     def wait(self) -> None:

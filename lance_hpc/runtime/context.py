@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lance_hpc.checkpoint.resuming import Checkpoint
-from lance_hpc.checkpoint.sharded import bare
+from lance_hpc.checkpoint.shards.saver import bare
 from lance_hpc.loading import TrainLoader
 from lance_hpc.runtime import loaders, model_setup
 from lance_hpc.runtime.checkpoints import CheckpointManager, Stateful

@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lance_hpc.checkpoint import resuming
 from lance_hpc.checkpoint.resuming import Checkpoint
+from lance_hpc.checkpoint.weights import load_weights
 from lance_hpc.parallel import fsdp
 from lance_hpc.parallel.ddp import wrap_model
 from lance_hpc.parallel.fsdp import default_blocks, note_default_blocks
@@ -47,10 +48,10 @@ class ModelSetup:
         task and model."""
         if self.resumed is not None:
             resuming.check_same_model(self.resumed, self.spec, self.task.options)
-        weights = self.resumed is None and getattr(self.task.options, "weights", None) is not None
+        weights = None if self.resumed is not None else self.task.weights_file()
         meta = build_on_meta(self.task.build_model)
         problem = meta.problem()
-        if problem is None and self.spec.train.parallelism == "fsdp" and not weights:
+        if problem is None and self.spec.train.parallelism == "fsdp" and weights is None:
             self._meta[id(meta.model)] = meta  # wrap() shards it, then initialises each rank's rows
             return meta.model
         if problem is None:
@@ -61,8 +62,8 @@ class ModelSetup:
                 print(f"lance_hpc: the model is built whole on the CPU: {problem}", file=sys.stderr, flush=True)
             with seeded(self.spec.train.seed):
                 model = self.task.build_model()
-        if self.resumed is None:
-            self.task.load_weights(model)
+        if weights is not None:
+            load_weights(model, weights)
         if self.spec.train.parallelism == "fsdp":
             return model  # fully_shard moves each shard to the device
         return self.task.prepare_model(model, self.device)

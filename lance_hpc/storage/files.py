@@ -124,8 +124,13 @@ def read_regular(path: Path, limit: int, *, fix: str) -> bytes | None:
     return data
 
 
-def too_large(where: Path | str, limit: int, fix: str) -> UserError:
+class Refused(UserError):
+    """A file (or object) not read because of what it is: not a regular file, or larger than lance_hpc
+    ever writes there."""
+
+
+def too_large(where: Path | str, limit: int, fix: str) -> Refused:
     """The refusal of a file (or object) at ``where`` larger than ``limit`` bytes."""
-    return UserError(
+    return Refused(
         f"{where} is larger than {limit:,} bytes, more than lance_hpc ever writes there, so it is not read\n  fix: {fix}"
     )

@@ -131,9 +131,11 @@ class Task(ABC, Generic[OptionsT]):
     def build_model(self) -> nn.Module:
         """A freshly initialised model (every rank seeds the same, so all start equal)."""
 
-    def load_weights(self, model: nn.Module) -> None:
-        """Give a fresh model its initial weights when the options name a file (a resumed job's
-        checkpoint replaces them); by default nothing."""
+    def weights_file(self) -> str | None:
+        """The file of a fresh model's initial weights, when the options name one (a resumed job's
+        checkpoint replaces them): a state dict saved with torch.save, or a lance_hpc checkpoint
+        file. lance_hpc loads it (:func:`lance_hpc.checkpoint.weights.load_weights`); by default none."""
+        return None
 
     def blocks(self, model: nn.Module) -> list[nn.Module] | None:
         """The repeated blocks of ``model`` that ``train.parallelism: fsdp`` shards one by one (a

@@ -33,7 +33,7 @@ from lance_hpc.tasks.image_decode import (
     normalize,
     to_grey,
 )
-from lance_hpc.tasks.models import build_model, load_weights_file
+from lance_hpc.tasks.models import build_model
 from lance_hpc.tasks.options import ImageOptions
 
 
@@ -119,9 +119,8 @@ class ImageClassification(Task[ImageOptions]):
     def build_model(self) -> nn.Module:
         return build_model(self.options.model, self.num_classes, self.options.channels)
 
-    def load_weights(self, model: nn.Module) -> None:
-        if self.options.weights is not None:
-            load_weights_file(model, self.options.weights)
+    def weights_file(self) -> str | None:
+        return self.options.weights
 
     def blocks(self, model: nn.Module) -> list[nn.Module] | None:
         """A ResNet's stages (layer1 ... layer4); other models: lance_hpc's choice."""

@@ -61,35 +61,3 @@ def build_model(name: str, num_classes: int, channels: int = 3) -> nn.Module:
     import torchvision
 
     return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
-
-
-def load_weights_file(model: nn.Module, path: str) -> None:
-    """Load ``path`` into ``model``: a state_dict saved with torch.save, or a lance_hpc checkpoint
-    (its registered ``model``). Read with weights_only, so the file runs no code."""
-    import torch
-
-    try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise UserError(
-            f"task.options.weights: {path} does not exist\n  fix: give the path of a file every node "
-            "can read (a shared file system), or remove task.options.weights"
-        ) from None
-    except Exception as error:
-        raise UserError(
-            f"task.options.weights: cannot read {path}: {type(error).__name__}: {error}\n"
-            "  fix: save the weights with torch.save(model.state_dict(), path)"
-        ) from None
-    if isinstance(saved, dict) and isinstance(saved.get("objects"), dict) and "model" in saved["objects"]:
-        saved = saved["objects"]["model"]  # a lance_hpc checkpoint
-    elif isinstance(saved, dict) and isinstance(saved.get("model"), dict):
-        saved = saved["model"]  # a checkpoint of the earlier built-in trainer
-    try:
-        model.load_state_dict(saved)
-    except (RuntimeError, TypeError, AttributeError) as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UserError(
-            f"task.options.weights: {path} does not fit this model: {first}\n"
-            "  fix: point it at weights saved from the same model (task.options.model, channels, "
-            "num_classes)"
-        ) from None

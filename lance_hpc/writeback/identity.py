@@ -57,9 +57,10 @@ def code(spec: JobSpec) -> dict[str, str]:
         file = source_file(spec.infer.function)
         found["function"] = _digest(file.read_bytes()) if file is not None and file.is_file() else ""
     if spec.infer.checkpoint is not None:
-        saved = latest(spec.infer.checkpoint)
+        store = open_store(spec.infer.checkpoint)
+        saved = latest(store)
         try:
-            manifest = open_store(spec.infer.checkpoint).read_bytes(manifest_name(saved.step), MANIFEST_BYTES) if saved else b""
+            manifest = store.read_bytes(manifest_name(saved.step), MANIFEST_BYTES) if saved else b""
         except OSError:  # a checkpoint saved before manifests: its step, which the name holds, is all
             manifest = b""
         found["checkpoint"] = _digest(manifest)

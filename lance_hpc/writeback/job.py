@@ -26,6 +26,7 @@ from torch import nn
 from lance_hpc import loading
 from lance_hpc.checkpoint import resuming
 from lance_hpc.checkpoint.export import model_state
+from lance_hpc.checkpoint.stores import open_store
 from lance_hpc.errors import UserError
 from lance_hpc.imports import load_callable
 from lance_hpc.lineage.provenance import weights_digest
@@ -50,7 +51,7 @@ def load_model(spec: JobSpec, task: Task, device: torch.device, *, digest: bool 
     assert spec.infer is not None
     if spec.infer.checkpoint is None:
         return None, None
-    saved = resuming.load_latest(spec.infer.checkpoint)
+    saved = resuming.load_latest(open_store(spec.infer.checkpoint))
     if saved is None or ("model" not in saved.objects and saved.shards is None):
         raise UserError(
             f"infer.checkpoint {spec.infer.checkpoint} holds no checkpoint with a model\n"

@@ -33,6 +33,7 @@ import pyarrow.fs as pafs
 
 from lance_hpc.backfill import missing
 from lance_hpc.checkpoint.manifests import latest
+from lance_hpc.checkpoint.stores import open_store
 from lance_hpc.errors import UserError
 from lance_hpc.ingest.units import UnitRecords, balanced
 from lance_hpc.lineage.provenance import Producer
@@ -275,7 +276,7 @@ def model_name(spec: JobSpec) -> str:
     assert spec.infer is not None
     if spec.infer.checkpoint is None:
         return f"function {spec.infer.function}"
-    saved = latest(spec.infer.checkpoint)
+    saved = latest(open_store(spec.infer.checkpoint))
     if saved is None:
         raise UserError(
             f"infer.checkpoint {spec.infer.checkpoint} holds no checkpoint\n"

@@ -16,12 +16,13 @@ if TYPE_CHECKING:
 def read_lineage(directory: str, step: int | None) -> dict[str, Any] | None:
     """The lineage in the manifest of ``step``'s checkpoint in ``directory`` (the latest when
     None); None when the manifest has none (written before lineage was recorded) or is gone."""
+    store = open_store(directory)
     if step is None:
-        saved = latest(directory)
+        saved = latest(store)
         if saved is None:
             return None
         step = saved.step
-    found = read_manifest(open_store(directory), step).get("lineage")
+    found = read_manifest(store, step).get("lineage")
     return found if isinstance(found, dict) else None
 
 
@@ -31,7 +32,7 @@ def producer(spec: JobSpec, weights: str | None = None) -> Producer:
     assert spec.infer is not None
     checkpoint, step = None, None
     if spec.infer.checkpoint is not None:
-        saved = latest(spec.infer.checkpoint)
+        saved = latest(open_store(spec.infer.checkpoint))
         checkpoint, step = absolute(spec.infer.checkpoint), (saved.step if saved is not None else None)
     return Producer(spec.job, checkpoint, step, spec.infer.function, weights)
 

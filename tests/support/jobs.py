@@ -17,6 +17,7 @@ import torch
 import yaml
 
 from lance_hpc.checkpoint import resuming
+from lance_hpc.checkpoint.stores import open_store
 from lance_hpc.ingest import ensure_dataset
 from lance_hpc.loading import build_train_loader, load_task
 from lance_hpc.loading.sampling import epoch_batches, fragment_table
@@ -100,7 +101,7 @@ def write_spec(directory: Path, dataset: Digits, name: str = "digits", **section
 
 def final_state(directory: Path) -> dict[str, Any]:
     """The newest checkpoint a run wrote under ``directory``."""
-    found = resuming.load_latest(directory / "checkpoints")
+    found = resuming.load_latest(open_store(directory / "checkpoints"))
     assert found is not None, f"no checkpoint under {directory}"
     return found.state
 

@@ -15,23 +15,23 @@ from __future__ import annotations
 
 import io
 import pickle
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystemBase, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
-from lance_hpc.checkpoint.shard_files import plain_name, refused
-from lance_hpc.checkpoint.shard_objects import ObjectFiles
-from lance_hpc.checkpoint.stores import ObjectStore, open_store
+from lance_hpc.checkpoint.shards.names import plain_name, refused
 from lance_hpc.errors import UserError
-from lance_hpc.storage.files import read_regular, too_large
+from lance_hpc.storage.files import Refused
+
+if TYPE_CHECKING:
+    from lance_hpc.checkpoint.stores import Store
 
 # What a DCP ``.metadata`` pickle may name: DCP's metadata classes, and the torch and standard
 # types inside them (sizes, dtypes, layouts; the checkpoint's path). Each only stores its
@@ -69,8 +69,17 @@ class MetadataUnpickler(pickle.Unpickler):
 
 
 class DataOnlyReader(dcp.FileSystemReader):
-    """DCP's reader of a shard directory, its ``.metadata`` read by :class:`MetadataUnpickler` and
-    every data file it names checked to be a plain name in the directory."""
+    """DCP's reader of the shard directory ``name`` of ``store`` (at ``path``, through ``files``
+    on object storage), its ``.metadata`` read by :class:`MetadataUnpickler` and every data file it
+    names checked to be a plain name in the directory. Stores make these
+    (:meth:`~lance_hpc.checkpoint.stores.Store.shard_reader`)."""
+
+    def __init__(self, path: str, store: Store, name: str, files: FileSystemBase | None = None) -> None:
+        plain_name(name, str(store.location(name)))
+        super().__init__(path)
+        self.store, self.name = store, name
+        if files is not None:
+            self.fs = files  # type: ignore[assignment]
 
     def read_metadata(self) -> Metadata:
         """The checkpoint's one ``.metadata`` (lance_hpc never writes DCP's per-rank ones)."""
@@ -94,21 +103,13 @@ class DataOnlyReader(dcp.FileSystemReader):
         return metadata
 
     def metadata_bytes(self, path: Any) -> bytes:
-        """``.metadata`` whole, at most :data:`METADATA_BYTES`: on a file system only a regular file,
-        never through a link or from a FIFO (a checkpoint directory may be shared)."""
-        if not isinstance(self.fs, ObjectFiles):
-            try:
-                found = read_regular(Path(path), METADATA_BYTES, fix=METADATA_FIX)
-            except UserError as error:  # a FIFO, a device, a link, or more than DCP ever writes
-                raise refused(str(path), str(error).splitlines()[0]) from None
-            if found is None:
-                raise FileNotFoundError(path)
-            return found
-        with self.fs.create_stream(path, "rb") as stream:
-            found = stream.read(METADATA_BYTES + 1)
-        if len(found) > METADATA_BYTES:
-            raise too_large(str(path), METADATA_BYTES, METADATA_FIX)
-        return found
+        """``.metadata`` whole, at most :data:`METADATA_BYTES`, as the store reads a small file: on a
+        file system only a regular file, never through a link or from a FIFO (a checkpoint directory
+        may be shared)."""
+        try:
+            return self.store.read_bytes(f"{self.name}/.metadata", METADATA_BYTES, fix=METADATA_FIX)
+        except Refused as error:  # a FIFO, a device, a link, or more than DCP ever writes
+            raise refused(str(path), str(error).splitlines()[0]) from None
 
 
 # DCP's index of a checkpoint's tensors: a few hundred bytes a tensor shard, so a model of
@@ -152,14 +153,3 @@ def load(state: dict[str, Any], reading: DataOnlyReader, no_dist: bool = False) 
         if any(isinstance(error, pickle.UnpicklingError) for error in errors):
             raise refused(where, "a tensor in its data files is a pickle of more than plain data") from None
         raise
-
-
-def reader(directory: str | Path, name: str) -> DataOnlyReader:
-    """A reader of the shards ``name`` in checkpoint.dir ``directory``, as data only."""
-    store = open_store(directory)
-    plain_name(name, str(store.location(name)))
-    if isinstance(store, ObjectStore):
-        reading = DataOnlyReader(f"{store.prefix}/{name}")
-        reading.fs = ObjectFiles(store.filesystem)  # type: ignore[assignment]
-        return reading
-    return DataOnlyReader(str(Path(directory) / name))

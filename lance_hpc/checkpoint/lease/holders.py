@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+LEASE_NAME = "writer.lease.json"  # in checkpoint.dir
 RECORD_BYTES = 1024  # renewals rewrite the record in place at one size, so no reader sees it shrink
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from lance_hpc.checkpoint.lease_holders import Holder, Snapshot, duration, running
+from lance_hpc.checkpoint.lease.holders import Holder, Snapshot, duration, running
 from lance_hpc.errors import UserError
 from lance_hpc.slurm import queue
 

@@ -24,19 +24,18 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lance_hpc.checkpoint import shard_files
-
 if TYPE_CHECKING:
     import torch.distributed.checkpoint as dcp
 
-# torch.distributed.checkpoint is imported by the functions that use it, as in shard_files: a rank
+    from lance_hpc.checkpoint.stores import Store
+
+# torch.distributed.checkpoint is imported by the functions that use it, as the stores do: a rank
 # that never shards does not pay for its import.
 
 SHARDS_SUFFIX = ".dcp"
@@ -111,28 +110,29 @@ def by_parameter_name(saved: dict[str, Any], model: nn.Module, optimizer: torch.
     }
 
 
-def load_shards(objects: dict[str, Any], directory: str | Path, name: str) -> None:
-    """Collective: every rank reads its own rows of the shards ``name`` in ``directory`` into
-    ``objects``, as data only (:mod:`lance_hpc.checkpoint.shard_reading`)."""
-    from lance_hpc.checkpoint import shard_reading
+def load_shards(objects: dict[str, Any], store: Store, name: str) -> None:
+    """Collective: every rank reads its own rows of the shards ``name`` in ``store`` into
+    ``objects``, as data only (:mod:`lance_hpc.checkpoint.shards.reading`)."""
+    from lance_hpc.checkpoint.shards import reading
 
     state = tensor_state(objects)
-    shard_reading.load(state, shard_reading.reader(directory, name))
+    reading.load(state, store.shard_reader(name))
     restore_tensor_state(objects, state)
 
 
-def _flushed(shards: Path, group: Any, publish: Callable[[], None] | None) -> float:
+def _flushed(store: Store, shards: str, group: Any, publish: Callable[[], None] | None) -> float:
     """In the background: this rank's shard files on disk; once every rank's are, (rank 0) the
     step file that makes them a checkpoint. Returns when that was done (time.monotonic)."""
     failed = torch.tensor([0], dtype=torch.int64)
     try:
-        shard_files.flush(shards)
+        store.flush_shards(shards)
     except OSError as error:
         failed[0] = 1
-        print(f"lance_hpc: cannot flush the shards {shards} to disk: {error}", file=sys.stderr, flush=True)
+        where = store.location(shards)
+        print(f"lance_hpc: cannot flush the shards {where} to disk: {error}", file=sys.stderr, flush=True)
     dist.all_reduce(failed, group=group)  # sums: no rank publishes while another's files may be lost
     if int(failed.item()):
-        raise RuntimeError(f"the shards {shards} could not be written to disk on every rank")
+        raise RuntimeError(f"the shards {store.location(shards)} could not be written to disk on every rank")
     if publish is not None:
         publish()
     return time.monotonic()
@@ -161,13 +161,11 @@ class ShardedSaver:
         self._pending: tuple[Future, float] | None = None
         self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lance_hpc-checkpoint")
         self._writer: dcp.FileSystemWriter | None = None  # of background saves: its staging memory is reused
-        self._directory = ""
+        self._where = ""  # the store that writer writes to
         self._warned = False
 
-    def save(
-        self, tensors: dict[str, Any], directory: str | Path, name: str, finish: Callable[[], None], background: bool
-    ) -> bool:
-        """Collective: write ``tensors`` into the shards ``name`` of ``directory``. Returns whether
+    def save(self, tensors: dict[str, Any], store: Store, name: str, finish: Callable[[], None], background: bool) -> bool:
+        """Collective: write ``tensors`` into the shards ``name`` of ``store``. Returns whether
         rank 0 calls ``finish`` in the background, once every shard is complete and on disk;
         otherwise (object storage, without ``background``) the caller publishes.
 
@@ -183,17 +181,16 @@ class ShardedSaver:
             self._group = dist.new_group(backend="gloo")
         publish = finish if dist.get_rank() == 0 else None
         if not background:
-            local = shard_files.is_local(directory)
-            dcp.save(tensors, storage_writer=shard_files.writer(directory, name, synced=False))
+            dcp.save(tensors, storage_writer=store.shard_writer(name, synced=False))
             self.blocked_s = self.write_s = time.monotonic() - started
-            if not local:
+            if not store.needs_flush:
                 self._warn_if_slow()
                 return False
-            flushed = self._publisher.submit(_flushed, Path(directory) / name, self._group, publish)
+            flushed = self._publisher.submit(_flushed, store, name, self._group, publish)
             self._pending = (flushed, started)
             return True
-        self._writer = shard_files.writer(directory, name, reuse=self._writer if self._directory == str(directory) else None)
-        self._directory = str(directory)
+        self._writer = store.shard_writer(name, reuse=self._writer if self._where == store.where else None)
+        self._where = store.where
         future = dcp.async_save(tensors, storage_writer=self._writer, process_group=self._group)
         assert isinstance(future, Future)
         self.blocked_s = time.monotonic() - started

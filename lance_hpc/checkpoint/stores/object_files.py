@@ -1,6 +1,6 @@
 """DCP's file-system interface over object storage (:class:`ObjectFiles`), for the shards
-:mod:`lance_hpc.checkpoint.shard_files` writes and reads there; imported only by them, with
-``torch.distributed.checkpoint`` itself."""
+:class:`~lance_hpc.checkpoint.stores.objects.ObjectStore` writes and reads there; imported only by
+it, with ``torch.distributed.checkpoint`` itself."""
 
 from __future__ import annotations
 

@@ -36,15 +36,17 @@ import sys
 import threading
 import time
 from dataclasses import replace
-from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, TypeVar
 
-from lance_hpc.checkpoint.lease_holders import Holder, Snapshot, this_process, whole_seconds
-from lance_hpc.checkpoint.lease_stores import LEASE_NAME, LeaseStore, lease_store
-from lance_hpc.checkpoint.lease_verdict import STALE_AFTER_S, verdict
+from lance_hpc.checkpoint.lease.holders import LEASE_NAME, Holder, Snapshot, this_process, whole_seconds
+from lance_hpc.checkpoint.lease.verdict import STALE_AFTER_S, verdict
 from lance_hpc.errors import UserError
 
-# What other modules take from here; the record, the stores and the verdict have modules of their own.
+if TYPE_CHECKING:  # a store's lease() makes the lease stores, which read the records here
+    from lance_hpc.checkpoint.stores import LeaseStore, Store
+
+# What other modules take from here; the record and the verdict have modules of their own, and each
+# store its lease (:meth:`lance_hpc.checkpoint.stores.Store.lease`).
 __all__ = [
     "LEASE_NAME",
     "STALE_AFTER_S",
@@ -52,7 +54,6 @@ __all__ = [
     "Lease",
     "acquire",
     "held",
-    "lease_store",
     "refuse_if_held",
     "this_process",
     "verdict",
@@ -66,11 +67,12 @@ T = TypeVar("T")
 
 
 class Lease:
-    """The lease this process holds on ``directory``, renewed from a daemon thread until it is
-    released (the run ended) or kept (the job was requeued and takes it back when it runs again)."""
+    """The lease this process holds on checkpoint.dir ``directory``, renewed from a daemon thread
+    until it is released (the run ended) or kept (the job was requeued and takes it back when it
+    runs again)."""
 
-    def __init__(self, directory: str | Path, store: LeaseStore, holder: Holder) -> None:
-        self.directory, self.store, self.holder = str(directory), store, holder
+    def __init__(self, directory: str, store: LeaseStore, holder: Holder) -> None:
+        self.directory, self.store, self.holder = directory, store, holder
         self.lost: str | None = None  # set when another run took the lease over
         self._lock = threading.Lock()  # renewals from the thread against keep/release from the run
         self._stop = threading.Event()
@@ -205,15 +207,16 @@ def _within(seconds: float, action: Callable[[], None]) -> bool:
 _HELD: dict[str, Lease] = {}
 
 
-def held(directory: str | Path) -> Lease | None:
-    """The lease this process holds on ``directory``, if any."""
-    return _HELD.get(str(directory))
+def held(checkpoints: Store) -> Lease | None:
+    """The lease this process holds on the store ``checkpoints``, if any."""
+    return _HELD.get(checkpoints.where)
 
 
-def acquire(directory: str | Path, me: Holder) -> tuple[Lease, str | None]:
-    """Take the lease of ``directory`` for ``me`` and start renewing it: the lease, and what was
-    taken over (a run that is gone), if anything worth saying. UserError when a live run holds it."""
-    store = lease_store(directory)
+def acquire(checkpoints: Store, me: Holder) -> tuple[Lease, str | None]:
+    """Take the lease of the store ``checkpoints`` for ``me`` and start renewing it: the lease, and
+    what was taken over (a run that is gone), if anything worth saying. UserError when a live run
+    holds it."""
+    directory, store = checkpoints.where, checkpoints.lease()
     for attempt in range(CLAIM_ATTEMPTS):
         if attempt:
             time.sleep(CLAIM_WAIT_S)
@@ -230,13 +233,13 @@ def acquire(directory: str | Path, me: Holder) -> tuple[Lease, str | None]:
     )
 
 
-def refuse_if_held(directory: str | Path, job: str | None, restart: int) -> None:
-    """UserError when a live run holds the lease of ``directory``: a quick look before starting
-    ranks, which take the lease themselves (and may find it taken meanwhile)."""
-    store = lease_store(directory)
+def refuse_if_held(checkpoints: Store, job: str | None, restart: int) -> None:
+    """UserError when a live run holds the lease of the store ``checkpoints``: a quick look before
+    starting ranks, which take the lease themselves (and may find it taken meanwhile)."""
+    store = checkpoints.lease()
     seen = _read(store)
     if seen is not None:
-        verdict(seen, this_process(job, restart), str(directory), store.where)
+        verdict(seen, this_process(job, restart), checkpoints.where, store.where)
 
 
 def _read(store: LeaseStore) -> Snapshot | None:
