@@ -44,7 +44,7 @@ def sharded_model(directory: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
     if found.shards is None:
         return found.objects["model"]
     whole = tmp_path / f"{directory.name}-whole.pt"
-    dcp_to_torch_save(Path(found.directory) / found.shards, whole)
+    dcp_to_torch_save(found.store.location(found.shards), whole)
     return torch.load(whole, weights_only=False)["model"]
 
 
