@@ -36,14 +36,11 @@ import sys
 import threading
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import Callable, TypeVar
 
-from lance_hpc.checkpoint.lease.holders import LEASE_NAME, Holder, Snapshot, this_process, whole_seconds
+from lance_hpc.checkpoint.lease.holders import LEASE_NAME, Holder, Leased, LeaseStore, Snapshot, this_process, whole_seconds
 from lance_hpc.checkpoint.lease.verdict import STALE_AFTER_S, verdict
 from lance_hpc.errors import UserError
-
-if TYPE_CHECKING:  # a store's lease() makes the lease stores, which read the records here
-    from lance_hpc.checkpoint.stores import LeaseStore, Store
 
 # What other modules take from here; the record and the verdict have modules of their own, and each
 # store its lease (:meth:`lance_hpc.checkpoint.stores.Store.lease`).
@@ -207,12 +204,12 @@ def _within(seconds: float, action: Callable[[], None]) -> bool:
 _HELD: dict[str, Lease] = {}
 
 
-def held(checkpoints: Store) -> Lease | None:
+def held(checkpoints: Leased) -> Lease | None:
     """The lease this process holds on the store ``checkpoints``, if any."""
     return _HELD.get(checkpoints.where)
 
 
-def acquire(checkpoints: Store, me: Holder) -> tuple[Lease, str | None]:
+def acquire(checkpoints: Leased, me: Holder) -> tuple[Lease, str | None]:
     """Take the lease of the store ``checkpoints`` for ``me`` and start renewing it: the lease, and
     what was taken over (a run that is gone), if anything worth saying. UserError when a live run
     holds it."""
@@ -233,7 +230,7 @@ def acquire(checkpoints: Store, me: Holder) -> tuple[Lease, str | None]:
     )
 
 
-def refuse_if_held(checkpoints: Store, job: str | None, restart: int) -> None:
+def refuse_if_held(checkpoints: Leased, job: str | None, restart: int) -> None:
     """UserError when a live run holds the lease of the store ``checkpoints``: a quick look before
     starting ranks, which take the lease themselves (and may find it taken meanwhile)."""
     store = checkpoints.lease()

@@ -12,6 +12,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Protocol
 
 LEASE_NAME = "writer.lease.json"  # in checkpoint.dir
 RECORD_BYTES = 1024  # renewals rewrite the record in place at one size, so no reader sees it shrink
@@ -173,3 +174,33 @@ def duration(seconds: float) -> str:
     if seconds < 7200:
         return f"{seconds / 60:.0f} min"
     return f"{seconds / 3600:.1f} h"
+
+
+class LeaseStore(Protocol):
+    """Where a directory's lease lives, with the atomic steps taking it needs
+    (:mod:`lance_hpc.checkpoint.lease` says why each store's are atomic)."""
+
+    where: str
+
+    def read(self) -> Snapshot | None: ...
+
+    def claim(self, seen: Snapshot | None, record: bytes) -> bool:
+        """Replace ``seen`` (None: no lease) by ``record``; False when another taker changed it first."""
+        ...
+
+    def rewrite(self, token: str, record: bytes) -> bool:
+        """Replace the lease by ``record`` if ``token`` holds it; False when it does not."""
+        ...
+
+    def remove(self, seen: Snapshot) -> None:
+        """Delete the lease if it is still ``seen``."""
+        ...
+
+
+class Leased(Protocol):
+    """What taking a lease asks of a checkpoint store (:class:`lance_hpc.checkpoint.stores.Store`):
+    where it is, and the lease beside it."""
+
+    where: str
+
+    def lease(self) -> LeaseStore: ...

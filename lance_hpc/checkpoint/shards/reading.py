@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import io
 import pickle
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -30,8 +31,15 @@ from lance_hpc.checkpoint.shards.names import plain_name, refused
 from lance_hpc.errors import UserError
 from lance_hpc.storage.files import Refused
 
-if TYPE_CHECKING:
-    from lance_hpc.checkpoint.stores import Store
+
+class ShardFiles(Protocol):
+    """What reading shards asks of their checkpoint store (:class:`lance_hpc.checkpoint.stores.Store`):
+    where a file is, and a small file read with a bound."""
+
+    def location(self, name: str) -> Path | str: ...
+
+    def read_bytes(self, name: str, limit: int, fix: str = ...) -> bytes: ...
+
 
 # What a DCP ``.metadata`` pickle may name: DCP's metadata classes, and the torch and standard
 # types inside them (sizes, dtypes, layouts; the checkpoint's path). Each only stores its
@@ -74,7 +82,7 @@ class DataOnlyReader(dcp.FileSystemReader):
     names checked to be a plain name in the directory. Stores make these
     (:meth:`~lance_hpc.checkpoint.stores.Store.shard_reader`)."""
 
-    def __init__(self, path: str, store: Store, name: str, files: FileSystemBase | None = None) -> None:
+    def __init__(self, path: str, store: ShardFiles, name: str, files: FileSystemBase | None = None) -> None:
         plain_name(name, str(store.location(name)))
         super().__init__(path)
         self.store, self.name = store, name

@@ -15,12 +15,13 @@ import errno
 import os
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+from lance_hpc.checkpoint.lease.holders import LeaseStore
 
 if TYPE_CHECKING:
     import torch.distributed.checkpoint as dcp
 
-    from lance_hpc.checkpoint.lease.holders import Snapshot
     from lance_hpc.checkpoint.shards.reading import DataOnlyReader
 
 # Temporary files of a checkpoint being written: ``.step-XXXXXXXX.pt.<pid>.tmp``.
@@ -41,27 +42,6 @@ class NoSpace(Exception):
     def __init__(self, path: Path, code: int, written: int, free: int) -> None:
         super().__init__(f"{path}: {os.strerror(code)}")
         self.path, self.quota, self.written, self.free = path, code == errno.EDQUOT, written, free
-
-
-class LeaseStore(Protocol):
-    """Where a directory's lease lives, with the atomic steps taking it needs
-    (:mod:`lance_hpc.checkpoint.lease` says why each store's are atomic)."""
-
-    where: str
-
-    def read(self) -> Snapshot | None: ...
-
-    def claim(self, seen: Snapshot | None, record: bytes) -> bool:
-        """Replace ``seen`` (None: no lease) by ``record``; False when another taker changed it first."""
-        ...
-
-    def rewrite(self, token: str, record: bytes) -> bool:
-        """Replace the lease by ``record`` if ``token`` holds it; False when it does not."""
-        ...
-
-    def remove(self, seen: Snapshot) -> None:
-        """Delete the lease if it is still ``seen``."""
-        ...
 
 
 class Store(ABC):
