@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Sequence
 
 from lance_hpc.cli.arguments import add_overrides, add_spec
 from lance_hpc.cli.reporting import run_reporting_errors
-from lance_hpc.errors import UserError
 
 if TYPE_CHECKING:
     from lance_hpc.spec import JobSpec
@@ -56,10 +55,7 @@ def check_own_format(spec: JobSpec, spec_file: str) -> None:
 
     source = spec.data.ingest.source if spec.data.ingest is not None else ""
     if is_shard_source(source) and not is_builtin_source(source):
-        try:
-            format_class(source)
-        except UserError as error:
-            raise UserError(f"{spec_file}: data.ingest.source: {error}") from None
+        format_class(source, where=f"{spec_file}: data.ingest.source: ")
 
 
 def describe_task(spec: JobSpec) -> str:

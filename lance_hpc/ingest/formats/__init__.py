@@ -50,22 +50,23 @@ def is_builtin_source(text: str) -> bool:
     return parts is not None and parts[0] in FORMATS
 
 
-def format_class(text: str) -> tuple[type[ShardFormat], str, str]:
+def format_class(text: str, where: str = "") -> tuple[type[ShardFormat], str, str]:
     """The format class of the source ``text``, its name (as the source gives it) and the location
-    that follows; one error naming the source and the fix when it has none."""
+    that follows; one error naming the source (after ``where``: the spec file and key that gave it)
+    and the fix when it has none."""
     parts = source_format(text)
     if parts is None or not (parts[1] or parts[0] in BARE_FORMATS):
         raise UserError(
-            f"source {text!r}: give {SOURCE_ADVICE} | {STDLIB}[:max_mb=N] | "
+            f"{where}source {text!r}: give {SOURCE_ADVICE} | {STDLIB}[:max_mb=N] | "
             "path/to/formats.py:MyFormat:<location> (a lance_hpc.ShardFormat of your own)"
         )
     name, location = parts
     if name in FORMATS:
         return FORMATS[name], name, location
-    found = load_callable(name, f"source {text!r}")
+    found = load_callable(name, f"{where}source {text!r}")
     if not (isinstance(found, type) and issubclass(found, ShardFormat)):
         raise UserError(
-            f"source {text!r}: {name} is not a lance_hpc.ShardFormat\n"
+            f"{where}source {text!r}: {name} is not a lance_hpc.ShardFormat\n"
             "  fix: subclass lance_hpc.ShardFormat and define shards() and batches() (docs/ingest.md, Formats of your own)"
         )
     missing = [
@@ -74,7 +75,7 @@ def format_class(text: str) -> tuple[type[ShardFormat], str, str]:
         if not defined
     ]
     if missing:
-        raise UserError(f"source {text!r}: {name} defines no {' and no '.join(missing)}()\n  fix: define them")
+        raise UserError(f"{where}source {text!r}: {name} defines no {' and no '.join(missing)}()\n  fix: define them")
     return found, name, location
 
 
