@@ -92,8 +92,10 @@ def test_a_map_killed_mid_run_and_rerun_writes_each_fragment_once(digits: str, t
     done = run_local(spec)
     assert done.returncode == 0, done.stdout + done.stderr
     counts = [tuple(map(int, found)) for found in re.findall(r"(\d+) fragment\(s\) written, (\d+) written before", done.stdout)]
-    assert len(counts) == 2 and sum(new for new, _ in counts) + len(written) == 4, done.stdout
-    assert sum(before for _, before in counts) == len(written), done.stdout
+    # a rank whose fragments were all written before computes nothing: when it starts after rank 0's
+    # commit it finds that and ends without its line, so one line or two
+    assert len(counts) in (1, 2) and sum(new for new, _ in counts) + len(written) == 4, done.stdout
+    assert sum(before for _, before in counts) <= len(written), done.stdout
     assert all(path.stat().st_mtime_ns == mtime for path, mtime in written.items()), "a recorded fragment was written again"
     for fragment in lance.dataset(digits).get_fragments():  # one data file of the new columns per fragment
         assert len(fragment.metadata.files) == 2, fragment.metadata
@@ -206,7 +208,9 @@ def test_a_map_whose_commit_lost_to_an_append_continues_on_the_next_run_keeping_
     done = run_local(spec)
     assert done.returncode == 0, done.stdout + done.stderr
     counts = [tuple(map(int, found)) for found in re.findall(r"(\d+) fragment\(s\) written, (\d+) written before", done.stdout)]
-    assert sorted(counts) == [(0, 2), (1, 2)], done.stdout  # only the appended fragment computed
+    # only the appended fragment computed: rank 0's; rank 1, with nothing of its own, says so unless
+    # it starts after rank 0's commit, which it then finds and ends on without a word
+    assert (1, 2) in counts and set(counts) <= {(0, 2), (1, 2)} and sum(written for written, _ in counts) == 1, done.stdout
     assert "with image_bytes, one_hot for 50 rows" in done.stdout, done.stdout
     sizes, _ = expected(digits)
     table = lance.dataset(digits).to_table(columns=["image_bytes"])
