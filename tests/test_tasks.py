@@ -275,3 +275,16 @@ def test_image_options_that_do_not_fit_are_refused_with_their_path(tmp_path: Pat
     spec = load_spec(write_spec(tmp_path, digits, task={"options": {"model": "small_cnn", "weights": str(other)}})).spec
     with pytest.raises(UserError, match=r"other.pt does not fit this model"):
         load_weights(load_task(spec).build_model(), load_task(spec).weights_file())
+
+
+def test_a_task_that_still_defines_load_weights_is_told_weights_file_replaced_it(tmp_path: Path, digits) -> None:
+    """The hook is no longer called: a task keeping it would silently train from random weights."""
+    (tmp_path / "old_weights.py").write_text(
+        "from lance_hpc.tasks.image import ImageClassification\n\n\n"
+        "class OldWeights(ImageClassification):\n"
+        "    def load_weights(self, model):\n"
+        "        model.load_state_dict({})\n"
+    )
+    info = dataset_info(DataSpec(uri=digits.train), digits.train)
+    with pytest.raises(UserError, match=r"(?s)defines load_weights\(model\), which lance_hpc no longer calls.*fix: return"):
+        build_task(f"{tmp_path / 'old_weights.py'}:OldWeights", {}, info, None)

@@ -89,6 +89,12 @@ def validate_options(
 def build_task(name: str, options: Mapping[str, Any], train: DatasetInfo, val: DatasetInfo | None) -> Task:
     """The rank half of a task, checked against its datasets (raises TaskError listing problems)."""
     cls = task_class(name)
+    if hasattr(cls, "load_weights"):  # the hook weights_file() replaced: lance_hpc would never call it
+        raise UserError(
+            f"task.name: {name} defines load_weights(model), which lance_hpc no longer calls\n"
+            "  fix: return the weights file's path from weights_file() instead; lance_hpc loads it "
+            "(a state dict saved with torch.save, or a lance_hpc checkpoint)"
+        )
     validated, errors = validate_options(cls.Options, options)
     if errors:
         raise UserError(f"task.options: {errors[0]}")

@@ -110,6 +110,8 @@ class ObjectStore(Store):
                     raise too_large(self.location(name), limit, fix)
                 return found
         except OSError as error:
+            if bound is not None and isinstance(error, FileNotFoundError):
+                raise  # read_bytes says a small file is gone as a directory's store does
             raise self.error(str(error), "read checkpoint", self.location(name)) from None
 
     def delete(self, name: str) -> None:
@@ -121,7 +123,10 @@ class ObjectStore(Store):
             raise self.error(str(error), "delete checkpoint", self.location(name)) from None
 
     def shard_directories(self) -> list[str]:
-        found = self.filesystem.get_file_info(fs.FileSelector(self.prefix, allow_not_found=True))
+        try:
+            found = self.filesystem.get_file_info(fs.FileSelector(self.prefix, allow_not_found=True))
+        except OSError as error:
+            raise self.error(str(error), "list checkpoint shards in", self.uri) from None
         return [info.base_name for info in found if info.type == fs.FileType.Directory]
 
     def delete_shards(self, name: str) -> None:
