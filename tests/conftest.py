@@ -5,7 +5,7 @@ import pytest
 
 # jobs first: slurm and ranks import it, and a plugin imported before pytest registers it is not
 # assertion-rewritten.
-pytest_plugins = ["tests.support.jobs", "tests.support.slurm", "tests.support.s3", "tests.support.ranks"]
+pytest_plugins = ["tests.support.jobs", "tests.support.slurm", "tests.support.s3", "tests.support.ranks", "tests.support.cpu"]
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the group marks this adds

@@ -33,5 +33,6 @@ python3 -m mkdocs build --strict --site-dir "$site_dir"
 
 # Two test processes (pytest-xdist): the SLURM cluster's tests, grouped in one (see tests/conftest.py),
 # spend much of their time waiting on the scheduler, which the other process's tests use.
-# The slowest tests are listed at the end, so the suite's time can be kept in check.
+# The slowest tests, and those that cost the most CPU (tests/support/cpu.py), are listed at the end,
+# so the suite's time can be kept in check.
 python3 -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --durations=30 "$@"
