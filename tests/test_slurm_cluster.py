@@ -157,18 +157,23 @@ def test_every_line_a_rank_writes_reaches_the_log_whole_with_its_label(slurm_clu
     )
     output = run_probe(slurm_cluster, tmp_path, flood)
     labelled = re.compile(r"(\d): (.*)")
-    assert all(labelled.fullmatch(line) for line in output.splitlines()), output[:2000]
     by_rank: dict[str, list[str]] = {}
     for line in output.splitlines():
-        label, text = line.split(": ", 1)
-        by_rank.setdefault(label, []).append(text)
+        found = labelled.fullmatch(line)
+        assert found, f"a line without its rank's label: {line[:120]!r}"
+        by_rank.setdefault(found[1], []).append(found[2])
     assert sorted(by_rank) == ["0", "1", "2", "3"], sorted(by_rank)
     whole = re.compile(rf"LINE (\d) (\d+) x{{{width}}} END")
     end_buffer = 4 * 1024  # slurmstepd's buffer of a task's output, sent in 1 KiB pieces at its end
     for rank, texts in sorted(by_rank.items()):
         # every byte the task wrote, in order, under its own label
         expected = "".join(f"LINE {rank} {i} " + "x" * width + " END" for i in range(lines))
-        assert "".join(texts) == expected, f"rank {rank}'s lines are not its own, in order, each once"
+        written = "".join(texts)
+        differs = next((at for at, (a, b) in enumerate(zip(written, expected)) if a != b), min(len(written), len(expected)))
+        assert written == expected, (
+            f"rank {rank}'s lines are not its own, in order, each once: {len(written)} bytes against {len(expected)}, "
+            f"first differing at byte {differs}: {written[max(0, differs - 40) : differs + 80]!r}"
+        )
         broken = [at for at, text in enumerate(texts) if not whole.fullmatch(text)]
         if broken:
             tail = texts[broken[0] :]
