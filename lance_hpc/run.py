@@ -11,7 +11,7 @@ if __name__ == "__main__":
 
     from lance_hpc.cli.run import rank_main
 
-    code = rank_main()  # imports torch only once the DataLoader workers' server is starting
+    code = rank_main()  # forks the DataLoader workers' server first, before it reads through Lance
     from lance_hpc.kinds.rank import exit_process
 
     exit_process(code)

@@ -192,8 +192,10 @@ HEAD_START = textwrap.dedent(
     from multiprocessing import forkserver
     from lance_hpc.loading.worker_server import start_for_spec_file
     start_for_spec_file(sys.argv[1])
-    started = forkserver._forkserver._forkserver_pid is not None
-    before_torch = "torch" not in sys.modules
+    server = forkserver._forkserver._forkserver_pid
+    started = server is not None
+    # forked from this process (its command line), not a fresh interpreter that imports it all again
+    forked = not started or open(f"/proc/{server}/cmdline", "rb").read() == open("/proc/self/cmdline", "rb").read()
     if started:
         import os
         from torch.utils.data import DataLoader
@@ -203,7 +205,7 @@ HEAD_START = textwrap.dedent(
         os.environ[WATCH_DIR_VARIABLE] = sys.argv[2]  # set after the server started, as a rank does
         loader = data_loader(list(range(4)), DataSpec(uri="/d", num_workers=1), False, False, batch_size=None)
         assert list(loader) == [0, 1, 2, 3]
-    print(json.dumps([started, before_torch]))
+    print(json.dumps([started, forked]))
     print(forkserver._forkserver._forkserver_pid)
     """
 )
@@ -219,11 +221,11 @@ HEAD_START = textwrap.dedent(
         ("job: [unreadable\n", False),
     ],
 )
-def test_a_rank_starts_its_workers_server_before_it_imports_torch_and_workers_find_the_rank_s_watch_dir(tmp_path, spec, starts):
-    """``python -m lance_hpc.run`` starts the DataLoader workers' server from the spec alone, before
-    its own imports; a worker of a loader made later still gets the rank's watch dir (the server's
-    environment is the one it started with), and writes its stacks' pid file there. The server
-    ends with the rank."""
+def test_a_rank_forks_its_workers_server_from_itself_and_workers_find_the_rank_s_watch_dir(tmp_path, spec, starts):
+    """``python -m lance_hpc.run`` forks the DataLoader workers' server from itself, as the spec
+    says, before it reads any data: the server does not import torch and Lance again; a worker of a
+    loader made later still gets the rank's watch dir (the server's environment is the one it
+    started with), and writes its stacks' pid file there. The server ends with the rank."""
     (tmp_path / "spec.yaml").write_text(spec)
     watch = tmp_path / "watch"
     code = [sys.executable, "-c", HEAD_START, str(tmp_path / "spec.yaml"), str(watch)]

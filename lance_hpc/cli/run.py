@@ -73,7 +73,7 @@ def rank_main(argv: Sequence[str] | None = None) -> int:
 def run_one_rank(spec_file: str) -> int:
     from lance_hpc.loading import worker_server
 
-    worker_server.start_for_spec_file(spec_file)  # first: its imports then run beside this rank's own
+    worker_server.start_for_spec_file(spec_file)  # first: forked before the rank reads through Lance
     from lance_hpc.kinds.rank import run_rank
 
     return run_rank(spec_file)

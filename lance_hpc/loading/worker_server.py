@@ -1,11 +1,13 @@
-"""The DataLoader workers' server: a process that imports, once, what every worker needs (torch,
-the decoders, Lance, lance_hpc's readers) and then forks a worker for each request, which is
+"""The DataLoader workers' server: a process that holds, imported once, what every worker needs
+(torch, the decoders, Lance, lance_hpc's readers) and forks a worker for each request, which is
 ready at once (see :mod:`lance_hpc.loading.workers` for the workers themselves).
 
-A rank starts it as early as it can: ``python -m lance_hpc.run`` does so from its spec before it
-imports torch itself (:func:`start_for_spec_file`), so that the server's imports run on
-another core while the rank's run, and the workers of the first loader are not waited for.
-This module imports nothing heavy for that reason.
+A rank forks it from itself (:func:`start_for_spec_file`, which ``python -m lance_hpc.run`` calls
+first): the rank imports what the workers need, which it needs too, and forks the server before it
+reads anything through Lance, so neither pays for those imports twice. Anywhere else (a script's
+:class:`~lance_hpc.Loader`, which may have read through Lance already, and a process must not fork
+once it has), the server starts as multiprocessing starts it, a fresh interpreter that imports them
+(:func:`start`).
 
 Workers get this process's ``sys.path`` when they fork, but the environment of the moment the
 server started; what a worker needs to know of the rank comes with its init function instead.
@@ -15,20 +17,28 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import inspect
 import multiprocessing
 import os
 import signal
+import socket
+import sys
+import warnings
 from collections.abc import Iterator
-from multiprocessing import forkserver, resource_tracker
+from multiprocessing import connection, forkserver, resource_tracker, util
 from multiprocessing.context import BaseContext
+from typing import Any
 
 from lance_hpc.imports import SAFE_PATH_VARIABLE
 from lance_hpc.signals import PREEMPTION_SIGNALS, PROFILE_SIGNAL
 
 # Imported by the server before any worker forks from it. Lance is imported, never used, there: no
 # Lance runtime or thread exists in the server, so its forks are safe (a process that has read
-# through Lance must not fork; the rank never does).
+# through Lance must not fork; a rank forks the server before it reads).
 PRELOAD = ("lance_hpc.loading.worker_preload",)
+# The arguments of multiprocessing.forkserver.main that a forked server is run with; a Python whose
+# forkserver takes others (an authentication key, say) gets a server started as multiprocessing does.
+SERVER_MAIN_PARAMETERS = ("listener_fd", "alive_r", "preload", "main_path", "sys_path")
 
 # SLURM sends its preemption warning (USR2) and SIGTERM (scancel, time limit) to every process of a
 # job step. The rank process turns them into a checkpoint at the next step boundary; the worker
@@ -73,10 +83,10 @@ def rank_signals_blocked() -> Iterator[None]:
 
 
 def start_for_spec_file(spec_file: str) -> bool:
-    """Start the server now if the spec in ``spec_file`` names a kind that reads with DataLoader
-    workers (as its registered kind says: ``reads_with_workers``) and has workers; True if it did. Its
-    imports then run on another core while the rank imports torch and builds its model, and the
-    first loader's workers fork from it ready. Only a head start: a spec it cannot read starts
+    """Fork the server from this process now if the spec in ``spec_file`` names a kind that reads
+    with DataLoader workers (as its registered kind says: ``reads_with_workers``) and has workers;
+    True if it did. Call it before this process reads anything through Lance. The first loader's
+    workers then fork from the server ready. Only a head start: a spec it cannot read starts
     nothing here, and the rank says what is wrong with it once it loads it."""
     from lance_hpc.errors import UserError
     from lance_hpc.spec.data_section import DataSpec
@@ -95,8 +105,65 @@ def start_for_spec_file(spec_file: str) -> bool:
     workers = data.get("num_workers", default) if isinstance(data, dict) else default
     if not named_kind(raw).reads_with_workers or not isinstance(workers, int) or workers <= 0:
         return False
-    start()
+    fork_from_here()
     return True
+
+
+def fork_from_here() -> BaseContext:
+    """The multiprocessing context whose processes fork from a server forked from this process,
+    once this process has imported :data:`PRELOAD`: the server holds those imports already, as a
+    server that imports them would after a few seconds. This process must not have read anything
+    through Lance yet (its threads are then those the imports start, which a server that imports
+    them has as well). Signals as :func:`start` sets them."""
+    for module in PRELOAD:
+        __import__(module)
+    context = multiprocessing.get_context("forkserver")
+    server: Any = getattr(forkserver, "_forkserver", None)  # multiprocessing's own, as start() uses it
+    parameters = tuple(inspect.signature(forkserver.main).parameters)
+    if parameters != SERVER_MAIN_PARAMETERS or not hasattr(server, "_forkserver_alive_fd"):
+        return start()
+    if server._forkserver_pid is not None:
+        return context
+    context.set_forkserver_preload(list(PRELOAD))
+    atexit.unregister(stop)  # as start() does
+    atexit.register(stop)
+    with rank_signals_blocked():
+        address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
+        with socket.socket(socket.AF_UNIX) as listener:
+            listener.bind(address)
+            if not util.is_abstract_socket_namespace(address):
+                os.chmod(address, 0o600)
+            listener.listen()
+            alive_r, alive_w = os.pipe()  # closed in every client: the server ends when all are gone
+            for stream in (sys.stdout, sys.stderr):  # or each worker would write what they hold again
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            with warnings.catch_warnings():
+                # Lance warns at every fork of a process that imported it; this one has not used it
+                warnings.filterwarnings("ignore", message="lance is not fork-safe", category=UserWarning)
+                pid = os.fork()
+            if pid == 0:
+                _serve(listener.fileno(), alive_r, alive_w)
+            os.close(alive_r)
+    server._forkserver_address = address
+    server._forkserver_alive_fd = alive_w
+    server._forkserver_pid = pid
+    return context
+
+
+def _serve(listener_fd: int, alive_r: int, alive_w: int) -> None:
+    """The forked server's life: multiprocessing's own server loop, with :data:`PRELOAD` already
+    imported, until the last client is gone; never returns to the code of the process it forked
+    from (nor runs its exit hooks)."""
+    code = 1
+    try:
+        os.close(alive_w)
+        forkserver.main(listener_fd, alive_r, [])
+        code = 0
+    except SystemExit:  # the loop's way to end when the clients are gone
+        code = 0
+    finally:
+        os._exit(code)
 
 
 def stop() -> None:
