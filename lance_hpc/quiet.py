@@ -5,8 +5,9 @@ Every warning lance_hpc prints itself says what to do; these come from its depen
 - Lance warns "lance is not fork-safe" on every ``fork`` of a process that imported it. The
   processes lance_hpc starts (ranks, ingest workers, benchmark measurements) are forked and exec'd
   at once (``subprocess``), which runs nothing of Lance in the child, and its DataLoader workers
-  come from a forkserver that never imported Lance: :func:`exec_children` silences the warning
-  around those starts only, so a user's own fork of a Lance process still warns.
+  and local ranks fork from servers that imported Lance but never used it: :func:`exec_children`
+  and those servers silence the warning around those starts only, so a user's own fork of a
+  Lance process still warns.
 - torch 2.14 imports warn that ``isinstance(treespec, LeafSpec)`` is deprecated (its own code).
 - torch's distributed checkpoint warns that it assumes a load in one process when no process group
   is formed: lance_hpc reads shards in one process only where it means to (``checkpoint export``

@@ -1,8 +1,10 @@
 """Local runs: N processes on this machine through the same code path as a SLURM job.
 
 :func:`run_local` refuses a checkpoint.dir another run writes to, lets the job's kind check it once
-(the built-in training prepares the dataset and checks the task against it), then starts ``python -P -m lance_hpc.run SPEC`` N times (without the
-working directory on sys.path, see :mod:`lance_hpc.imports`) with the variables torchrun would set
+(the built-in training prepares the dataset and checks the task against it), then starts N ranks,
+each ``python -P -m lance_hpc.run SPEC`` (without the working directory on sys.path, see
+:mod:`lance_hpc.imports`), forked from a warm server when the kind's ranks import torch (the
+check as well: see :mod:`lance_hpc.launch.warm_ranks`), with the variables torchrun would set
 (gloo on CPU), forwards SLURM's stop signals to them, and when one rank dies stops the others and
 says which rank died and how. A failed attempt starts again from what the job saved (its latest checkpoint, if any), as in a
 SLURM allocation (slurm.max_restarts; the same error at the same step twice stops the job, see
@@ -34,10 +36,12 @@ from lance_hpc.checkpoint.stores import open_store
 from lance_hpc.errors import ExitCode, UserError
 from lance_hpc.imports import child_environment, python_command
 from lance_hpc.kinds import job_kind
+from lance_hpc.launch import job_check
 from lance_hpc.launch.paths import JobPaths
 from lance_hpc.launch.render import write_job_files
 from lance_hpc.launch.restarts import NOT_RESTARTED, Attempt, Cause, cause_from_note, decide, first_note
 from lance_hpc.launch.restarts.supervisor import RESUMES
+from lance_hpc.launch.warm_ranks import RankProcess, WarmRanks
 from lance_hpc.output import whole_lines
 from lance_hpc.quiet import exec_children
 from lance_hpc.runtime.ports import free_port
@@ -73,18 +77,31 @@ def run_local(spec_file: str | Path, nproc: int) -> int:
         os.environ.get(SLURM_VARS["job_id"]),
         int(os.environ.get(SLURM_VARS["restart_count"]) or 0),
     )
+    # a kind whose ranks import torch (its DataLoader workers' readers, a model): ranks forked from a
+    # server that imports it once, while the launcher gets ready; the others start as they are
+    warm = WarmRanks.start() if job_kind(spec.job).reads_with_workers else None
     try:
-        for line in job_kind(spec.job).check(spec, nproc):  # one error here, not one per rank
-            print(line, flush=True)
+        return run_attempts(spec, spec_file, nproc, warm)
+    finally:
+        if warm is not None:
+            warm.close()
+
+
+def run_attempts(spec: JobSpec, spec_file: Path, nproc: int, warm: WarmRanks | None) -> int:
+    """The kind's check, then attempts until one ends the job (see :func:`run_local`)."""
+    try:
+        checked = check_job(spec, spec_file, nproc, warm)  # one error here, not one per rank
     except KeyboardInterrupt:
         print("\nlance_hpc: interrupted before training started; nothing to save", file=sys.stderr, flush=True)
         return ExitCode.INTERRUPTED
+    if checked != 0:
+        return checked
     history: list[Attempt] = []
     while True:
         attempt = Attempt(len(history), time.time(), ["localhost"], nproc)
         history.append(attempt)
         attempt.exit_code, attempt.cause, asked_to_stop = run_ranks(
-            spec_file, nproc, attempt_environment(history, spec.slurm.max_restarts)
+            spec_file, nproc, attempt_environment(history, spec.slurm.max_restarts), warm
         )
         attempt.ended = time.time()
         if asked_to_stop and attempt.exit_code != 0:
@@ -100,6 +117,37 @@ def run_local(spec_file: str | Path, nproc: int) -> int:
             return decision.exit_code
         failed = attempt.cause.describe() if attempt.cause else f"exit code {attempt.exit_code}"
         print(f"lance_hpc.launch.local: {decision.reason}, {restart_point(spec)}, after: {failed}", file=sys.stderr, flush=True)
+
+
+def check_job(spec: JobSpec, spec_file: Path, nproc: int, warm: WarmRanks | None) -> int:
+    """The kind's check of the job (the built-in training prepares its dataset and checks the task
+    against it), printing what it says; 0, or the exit code of a check that crashed. It runs in a
+    process forked from ``warm`` when it can, which has imported torch and Lance already (this
+    process then never does), else here. Its error is raised here as a UserError, as it would be
+    here; Ctrl-C as a KeyboardInterrupt."""
+    if warm is not None:
+        descriptor, message_file = tempfile.mkstemp(prefix="lance_hpc-check-")
+        os.close(descriptor)
+        try:
+            argv = [str(spec_file), str(nproc), message_file]
+            process = warm.fork(child_environment(), argv, "lance_hpc check", module=job_check.__name__, session=False)
+            if process is not None:
+                try:
+                    code = process.wait()
+                except KeyboardInterrupt:  # a terminal's Ctrl-C reaches the check as well; a kill of this one only
+                    process.send_signal(INTERRUPT_SIGNAL)
+                    process.wait()
+                    raise
+                if code == ExitCode.INTERRUPTED:
+                    raise KeyboardInterrupt
+                if code == ExitCode.USER_ERROR:
+                    raise UserError(Path(message_file).read_text())
+                return code
+        finally:
+            os.unlink(message_file)
+    for line in job_check.check_lines(spec, nproc):
+        print(line, flush=True)
+    return 0
 
 
 def restart_point(spec: JobSpec) -> str:
@@ -128,12 +176,15 @@ def attempt_environment(history: list[Attempt], max_restarts: int) -> dict[str, 
     return environ
 
 
-def run_ranks(spec_file: Path, nproc: int, attempt_env: dict[str, str]) -> tuple[int, Cause | None, bool]:
-    """One attempt: ``nproc`` ranks started, their signals forwarded, waited for; returns the exit
-    code (0, or the first failed rank's), after a failure its cause, and whether the launcher was
-    asked to stop (Ctrl-C or a stop signal) meanwhile."""
+def run_ranks(
+    spec_file: Path, nproc: int, attempt_env: dict[str, str], warm: WarmRanks | None = None
+) -> tuple[int, Cause | None, bool]:
+    """One attempt: ``nproc`` ranks started (forked from ``warm`` when it can, else each a fresh
+    interpreter), their signals forwarded, waited for; returns the exit code (0, or the first failed
+    rank's), after a failure its cause, and whether the launcher was asked to stop (Ctrl-C or a stop
+    signal) meanwhile."""
     port = free_port()
-    ranks: list[subprocess.Popen] = []
+    ranks: list[RankProcess] = []
     stops: list[int] = []  # the stop signals received, Ctrl-C's among them
     failures = tempfile.mkdtemp(prefix="lance_hpc-failures-")  # each rank notes how it failed
 
@@ -175,6 +226,10 @@ def run_ranks(spec_file: Path, nproc: int, attempt_env: dict[str, str]) -> tuple
                 FAILURE_DIR_VARIABLE: failures,
                 **attempt_env,
             }
+            forked = warm.fork(child_environment(environ), [str(spec_file)], f"lance_hpc rank{rank}") if warm else None
+            if forked is not None:
+                ranks.append(forked)
+                continue
             with exec_children():
                 ranks.append(
                     subprocess.Popen(
@@ -240,7 +295,7 @@ def die_with_parent() -> None:
 
 
 def wait_for_ranks(
-    ranks: Sequence[subprocess.Popen], stopped_at_once: Callable[[], bool] = lambda: False, failures: str | None = None
+    ranks: Sequence[RankProcess], stopped_at_once: Callable[[], bool] = lambda: False, failures: str | None = None
 ) -> tuple[int, tuple[int, int] | None]:
     """Wait for every rank; after the first failure give the others GRACE_S, then kill them.
     ``failures``: the directory where the ranks note how they failed (:func:`note_failure`): the
@@ -294,7 +349,7 @@ def wait_for_ranks(
     return (code if code > 0 else 128 - code), failed
 
 
-def first_failure(ranks: Sequence[subprocess.Popen]) -> tuple[int, int] | None:
+def first_failure(ranks: Sequence[RankProcess]) -> tuple[int, int] | None:
     """(rank, exit code) of a failed rank, if any. When several failed since the last look, a rank
     killed by a signal is the likelier cause: the others exit with an error once it is gone."""
     failed = [

@@ -30,6 +30,7 @@ from multiprocessing.context import BaseContext
 from typing import Any
 
 from lance_hpc.imports import SAFE_PATH_VARIABLE
+from lance_hpc.quiet import FORK_WARNING
 from lance_hpc.signals import PREEMPTION_SIGNALS, PROFILE_SIGNAL
 
 # Imported by the server before any worker forks from it. Lance is imported, never used, there: no
@@ -115,8 +116,9 @@ def fork_from_here() -> BaseContext:
     server that imports them would after a few seconds. This process must not have read anything
     through Lance yet (its threads are then those the imports start, which a server that imports
     them has as well). Signals as :func:`start` sets them."""
-    for module in PRELOAD:
-        __import__(module)
+    with warnings.catch_warnings():  # the server's filters (worker_preload's) are not this process's
+        for module in PRELOAD:
+            __import__(module)
     context = multiprocessing.get_context("forkserver")
     server: Any = getattr(forkserver, "_forkserver", None)  # multiprocessing's own, as start() uses it
     parameters = tuple(inspect.signature(forkserver.main).parameters)
@@ -140,7 +142,7 @@ def fork_from_here() -> BaseContext:
                     stream.flush()
             with warnings.catch_warnings():
                 # Lance warns at every fork of a process that imported it; this one has not used it
-                warnings.filterwarnings("ignore", message="lance is not fork-safe", category=UserWarning)
+                warnings.filterwarnings("ignore", message=FORK_WARNING, category=UserWarning)
                 pid = os.fork()
             if pid == 0:
                 _serve(listener.fileno(), alive_r, alive_w)
@@ -158,6 +160,7 @@ def _serve(listener_fd: int, alive_r: int, alive_w: int) -> None:
     code = 1
     try:
         os.close(alive_w)
+        warnings.filterwarnings("ignore", message=FORK_WARNING, category=UserWarning)  # as worker_preload sets it
         forkserver.main(listener_fd, alive_r, [])
         code = 0
     except SystemExit:  # the loop's way to end when the clients are gone

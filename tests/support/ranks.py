@@ -45,17 +45,25 @@ def read_until(process: subprocess.Popen, marker: str, timeout_s: float = 120) -
 
 
 def rank_pid(launcher: subprocess.Popen, rank: int) -> int:
-    """The pid of local rank ``rank``, a child of ``launcher``."""
+    """The pid of local rank ``rank`` of ``launcher``: forked by its warm ranks' server (a child of
+    the launcher), which names it ``lance_hpc rank{rank}``, or started fresh by the launcher itself."""
+    children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if parent == launcher.pid and f"RANK={rank}".encode() in environ:
-            return int(entry.name)
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    for pid in children.get(launcher.pid, []):
+        for candidate in [pid, *children.get(pid, [])]:
+            try:
+                name = Path(f"/proc/{candidate}/comm").read_text().strip()
+                environ = Path(f"/proc/{candidate}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if name == f"lance_hpc rank{rank}" or (candidate == pid and f"RANK={rank}".encode() in environ):
+                return candidate
     raise AssertionError(f"rank {rank} of launcher {launcher.pid} not found")
 
 
