@@ -33,7 +33,7 @@ def test_ranks_fork_from_one_warm_server_and_the_launcher_never_imports_torch(tm
         before = read_until(launcher, "step 2/")
         ranks = [rank_pid(launcher, rank) for rank in range(2)]
         for rank, pid in enumerate(ranks):
-            assert Path(f"/proc/{pid}/comm").read_text().strip() == f"lance_hpc rank{rank}"
+            assert Path(f"/proc/{pid}/comm").read_text().strip() == f"lance_hpc r{rank}"
             server = parent_of(pid)
             assert b"lance_hpc.launch.warm_ranks" in Path(f"/proc/{server}/cmdline").read_bytes()
             assert parent_of(server) == launcher.pid

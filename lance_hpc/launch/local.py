@@ -129,25 +129,35 @@ def check_job(spec: JobSpec, spec_file: Path, nproc: int, warm: WarmRanks | None
         descriptor, message_file = tempfile.mkstemp(prefix="lance_hpc-check-")
         os.close(descriptor)
         try:
-            argv = [str(spec_file), str(nproc), message_file]
-            process = warm.fork(child_environment(), argv, "lance_hpc check", module=job_check.__name__, session=False)
+            process = warm.fork(
+                child_environment(), [str(spec_file), str(nproc), message_file], "lance_hpc check", job_check.__name__
+            )
             if process is not None:
-                try:
-                    code = process.wait()
-                except KeyboardInterrupt:  # a terminal's Ctrl-C reaches the check as well; a kill of this one only
-                    process.send_signal(INTERRUPT_SIGNAL)
-                    process.wait()
-                    raise
-                if code == ExitCode.INTERRUPTED:
-                    raise KeyboardInterrupt
-                if code == ExitCode.USER_ERROR:
-                    raise UserError(Path(message_file).read_text())
-                return code
+                return checked(process, message_file)
         finally:
             os.unlink(message_file)
     for line in job_check.check_lines(spec, nproc):
         print(line, flush=True)
     return 0
+
+
+def checked(process: RankProcess, message_file: str) -> int:
+    """What the forked check ended with (see :func:`check_job`). It leads a session of its own, so
+    a terminal's Ctrl-C reaches it through this process only, once."""
+    try:
+        code = process.wait()
+    except KeyboardInterrupt:
+        process.send_signal(INTERRUPT_SIGNAL)
+        process.wait()
+        raise
+    if code == ExitCode.INTERRUPTED:
+        raise KeyboardInterrupt
+    if code == ExitCode.USER_ERROR:
+        raise UserError(Path(message_file).read_text() or "the job's check failed: its output above says why")
+    if code < 0:
+        print(f"lance_hpc.launch.local: the job's check {describe_exit(code)}", file=sys.stderr, flush=True)
+        return 128 - code
+    return code
 
 
 def restart_point(spec: JobSpec) -> str:
@@ -226,7 +236,7 @@ def run_ranks(
                 FAILURE_DIR_VARIABLE: failures,
                 **attempt_env,
             }
-            forked = warm.fork(child_environment(environ), [str(spec_file)], f"lance_hpc rank{rank}") if warm else None
+            forked = warm.fork(child_environment(environ), [str(spec_file)], f"lance_hpc r{rank}") if warm else None
             if forked is not None:
                 ranks.append(forked)
                 continue

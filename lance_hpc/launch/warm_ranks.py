@@ -4,18 +4,19 @@ A rank spends seconds of CPU importing torch, its compiler (which DDP and FSDP i
 lance_hpc before it does anything; N local ranks pay that N times, and again at every restart. A
 local run starts one server instead, ``python -P -m lance_hpc.launch.warm_ranks FD`` (the same
 interpreter, flags and environment a rank gets): it imports what a rank imports while the
-launcher checks the job, and then forks each rank of each attempt, which starts with those imports
-done. Nothing is read through Lance in the server, so its forks are safe, as the DataLoader
+launcher gets ready, and then forks the job's check (:mod:`lance_hpc.launch.job_check`) and each
+rank of each attempt, which start with those imports done. Nothing is read through Lance in the server, so its forks are safe, as the DataLoader
 workers' server's are (:mod:`lance_hpc.loading.worker_server`).
 
 A forked rank is what ``python -P -m lance_hpc.run SPEC`` would be: its own session, the
 environment the launcher gives it (in ``os.environ``; a fork keeps the server's in
 ``/proc/PID/environ``), default signal handling, ``lance_hpc.run`` run as ``__main__``, and a
-process name that says which rank it is (``lance_hpc rank1`` in ``ps -o comm`` and ``top``). The
+process name that says which rank it is (``lance_hpc r1`` in ``ps -o comm`` and ``top``). The
 server stays its parent: it reports each rank's pid and exit code to the launcher and signals a
 rank only while it has not reaped it, so a pid is never signalled after it was reused. The server
 dies with the launcher and the ranks with the server (``PR_SET_PDEATHSIG``); it ignores the signals
-a terminal or SLURM sends to the launcher's process group, which the launcher forwards to the ranks.
+a terminal or SLURM sends to the launcher's process group, which the launcher forwards to the ranks,
+and forks with them blocked, so one sent to a new rank before it holds them waits instead of being lost.
 
 :class:`WarmRanks` is the launcher's side; :class:`WarmRank` stands for one rank as the
 ``subprocess.Popen`` of a fresh rank would (``pid``, ``returncode``, ``poll``, ``wait``,
@@ -24,11 +25,12 @@ a terminal or SLURM sends to the launcher's process group, which the launcher fo
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import json
 import os
-import select
+import selectors
 import signal
 import socket
 import subprocess
@@ -92,7 +94,9 @@ class WarmRank:
         return self.returncode
 
     def send_signal(self, signum: int) -> None:
-        if self.poll() is None:
+        """Ask the server to signal the rank; it does so only while it has not reaped it. Safe in
+        a signal handler (it reads nothing)."""
+        if self.returncode is None:
             self.server.send({"signal": [self.pid, int(signum)]})
 
     def kill(self) -> None:
@@ -100,15 +104,24 @@ class WarmRank:
 
 
 class WarmRanks:
-    """The launcher's side of the server: start it, fork ranks from it, stop it."""
+    """The launcher's side of the server: start it, fork ranks from it, stop it. Its calls may run
+    inside the launcher's signal handlers too: a read there is skipped while another is under way,
+    and a message sent there waits for the one being sent."""
 
     def __init__(self, process: subprocess.Popen, connection: socket.socket):
         self.process = process
         self.connection = connection
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(connection, selectors.EVENT_READ)
         self.ranks: dict[int, WarmRank] = {}
         self.buffer = b""
-        self.started: list[int] = []
+        self.started: dict[int, int] = {}  # request id -> pid
+        self.requests = 0
         self.ready = False
+        self.gone = False
+        self.reading = False
+        self.outbox: list[bytes] = []
+        self.sending = False
 
     @classmethod
     def start(cls) -> WarmRanks | None:
@@ -122,7 +135,6 @@ class WarmRanks:
                     python_command("-m", "lance_hpc.launch.warm_ranks", str(theirs.fileno())),
                     env=child_environment(),
                     pass_fds=[theirs.fileno()],
-                    stdin=subprocess.DEVNULL,
                     preexec_fn=die_with_parent,
                 )
         except OSError:
@@ -133,73 +145,93 @@ class WarmRanks:
         return cls(process, ours)
 
     def send(self, message: dict[str, Any]) -> None:
-        with contextlib.suppress(OSError):  # a server gone is seen by pump()
-            self.connection.sendall(json.dumps(message).encode() + b"\n")
+        self.outbox.append(json.dumps(message).encode() + b"\n")
+        if self.sending:
+            return  # a signal handler's message, sent by the send it interrupted once that is done
+        self.sending = True
+        try:
+            while self.outbox:
+                data = self.outbox.pop(0)
+                with contextlib.suppress(OSError):  # a server gone is seen by pump()
+                    self.connection.sendall(data)
+        finally:
+            self.sending = False
 
-    def fork(
-        self, environ: dict[str, str], argv: list[str], name: str, module: str = "lance_hpc.run", session: bool = True
-    ) -> WarmRank | None:
+    def fork(self, environ: dict[str, str], argv: list[str], name: str, module: str = "lance_hpc.run") -> WarmRank | None:
         """A process forked with ``environ`` that runs ``python -P -m MODULE ARGV...`` (a rank, by
-        default) in a session of its own, or in the launcher's process group; None when the server
-        is gone or failed to get ready (its imports failed: a fresh process then says why)."""
-        self.send({"start": {"environ": environ, "argv": argv, "name": name, "module": module, "session": session}})
+        default) in a session of its own; None when the server is gone, failed to get ready (its
+        imports failed: a fresh process then says why) or did not answer in time, after which it is
+        stopped and never asked again."""
+        if self.gone:
+            return None
+        self.requests += 1
+        request = self.requests
+        self.send({"start": {"id": request, "environ": environ, "argv": argv, "name": name, "module": module}})
         deadline = time.monotonic() + (5.0 if self.ready else READY_S)
-        while not self.started:
+        while request not in self.started:
             if time.monotonic() > deadline or not self.pump(POLL_S):
+                self.stop()  # a request it may still answer must not start a process nobody watches
                 return None
         self.ready = True
-        rank = WarmRank(self, self.started.pop(0))
+        rank = WarmRank(self, self.started.pop(request))
         self.ranks[rank.pid] = rank
         return rank
 
     def pump(self, timeout: float) -> bool:
         """Read what the server said within ``timeout`` s; False once it is gone (its ranks died
         with it, each marked killed)."""
-        ready, _, _ = _select(self.connection, timeout)
-        if not ready:
-            return True
-        try:
-            data = self.connection.recv(65536)
-        except OSError:
-            data = b""
-        if not data:
-            for rank in self.ranks.values():
-                if rank.returncode is None:
-                    rank.returncode = -signal.SIGKILL
+        if self.gone:
             return False
-        self.buffer += data
-        *lines, self.buffer = self.buffer.split(b"\n")
-        for line in lines:
-            message = json.loads(line)
-            if "started" in message:
-                self.started.append(int(message["started"]))
-            elif "exited" in message:
-                pid, code = message["exited"]
-                if pid in self.ranks:
-                    self.ranks[pid].returncode = int(code)
-        return True
+        if self.reading:  # a signal handler interrupted a read: the next poll reads
+            return True
+        self.reading = True
+        try:
+            if not self.selector.select(timeout):
+                return True
+            try:
+                data = self.connection.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                self.stop()
+                return False
+            self.buffer += data
+            *lines, self.buffer = self.buffer.split(b"\n")
+            for line in lines:
+                message = json.loads(line)
+                if "started" in message:
+                    self.started[int(message["id"])] = int(message["started"])
+                elif "exited" in message:
+                    pid, code = message["exited"]
+                    if pid in self.ranks:
+                        self.ranks[pid].returncode = int(code)
+            return True
+        finally:
+            self.reading = False
+
+    def stop(self) -> None:
+        """Kill the server (it holds nothing to save; what it forked dies with it) and mark its
+        ranks that had not ended as killed."""
+        self.gone = True
+        with contextlib.suppress(OSError):
+            self.process.kill()
+        self.process.wait()
+        for rank in self.ranks.values():
+            if rank.returncode is None:
+                rank.returncode = -signal.SIGKILL
 
     def close(self) -> None:
-        """Stop the server: the connection closed, it ends (a rank still running is killed by it)."""
+        """Stop the server at the end of the run (its ranks have ended by then)."""
         with contextlib.suppress(OSError):
             self.connection.close()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-
-def _select(connection: socket.socket, timeout: float) -> tuple[list[Any], list[Any], list[Any]]:
-    try:
-        return select.select([connection], [], [], timeout)
-    except (OSError, ValueError):
-        return [connection], [], []
+        self.selector.close()
+        self.stop()
 
 
 def serve(descriptor: int) -> None:
-    """The server: import :data:`PRELOAD`, then fork a rank for each request and report its pid and
-    exit code, until the launcher closes the connection; its remaining ranks are then killed."""
+    """The server: import :data:`PRELOAD`, then fork a process for each request and report its pid
+    and exit code, until the launcher closes the connection (or goes); what it forked and still
+    runs is then killed."""
     import warnings
 
     for number in IGNORED:
@@ -212,10 +244,12 @@ def serve(descriptor: int) -> None:
     except BaseException:  # the launcher starts fresh ranks, which say what is wrong
         return
     children: set[int] = set()
+    selector = selectors.DefaultSelector()
+    selector.register(connection, selectors.EVENT_READ)
     buffer = b""
     try:
         while True:
-            if _select(connection, POLL_S)[0]:
+            if selector.select(POLL_S):
                 data = connection.recv(65536)
                 if not data:
                     return
@@ -224,9 +258,9 @@ def serve(descriptor: int) -> None:
                 for line in lines:
                     request = json.loads(line)
                     if "start" in request:
-                        pid = _fork_rank(request["start"], connection)
+                        pid = _fork(request["start"], connection)
                         children.add(pid)
-                        connection.sendall(json.dumps({"started": pid}).encode() + b"\n")
+                        connection.sendall(json.dumps({"started": pid, "id": request["start"]["id"]}).encode() + b"\n")
                     elif "signal" in request:
                         pid, number = request["signal"]
                         if pid in children:
@@ -237,57 +271,72 @@ def serve(descriptor: int) -> None:
                 if done:
                     children.discard(pid)
                     connection.sendall(json.dumps({"exited": [pid, os.waitstatus_to_exitcode(status)]}).encode() + b"\n")
+    except OSError:  # the launcher went: as the end of the connection
+        return
     finally:
         for pid in children:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
 
-def _fork_rank(start: dict[str, Any], connection: socket.socket) -> int:
+def _fork(start: dict[str, Any], connection: socket.socket) -> int:
+    """Fork the process ``start`` asks for, with the signals a rank holds blocked until it holds
+    them (a signal sent meanwhile waits, and is not lost to this server's ignoring it)."""
     import warnings
 
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
+    server = os.getpid()
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, IGNORED)
     with warnings.catch_warnings():  # left in both processes: the rank keeps every warning
         warnings.filterwarnings("ignore", message=FORK_WARNING, category=UserWarning)  # this process read nothing
         pid = os.fork()
     if pid:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
         return pid
     code = 1
     try:
         connection.close()
-        code = _run_rank(start)
+        code = _run(start, server, before)
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    except KeyboardInterrupt:
+        code = 128 + signal.SIGINT
     except BaseException:
         import traceback
 
         traceback.print_exc()
     finally:
         with contextlib.suppress(Exception):
+            atexit._run_exitfuncs()  # as a fresh interpreter's exit runs them
+        with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code)
 
 
-def _run_rank(start: dict[str, Any]) -> int:
+def _run(start: dict[str, Any], server: int, mask: set[Any]) -> int:
     """In the forked child: become ``python -P -m MODULE ARGV...`` as the launcher asked."""
     import runpy
 
-    if start["session"]:
-        os.setsid()
+    from lance_hpc.runtime import preemption
+
+    os.setsid()
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # dies with the server, which dies with the launcher
-    libc.prctl(PR_SET_NAME, str(start["name"]).encode()[:15])
-    if os.getppid() == 1:  # the server died between the fork and here
+    if os.getppid() != server:  # the server died between the fork and here
         return 1
     for number in IGNORED:
         signal.signal(number, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if start["module"] == "lance_hpc.run":
+        preemption.hold()  # as its first line does: held before the rank is seen by its name
     os.environ.clear()
     os.environ.update(start["environ"])
     sys.argv = ["-m", *start["argv"]]
+    libc.prctl(PR_SET_NAME, str(start["name"]).encode()[:15])
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     runpy.run_module(start["module"], run_name="__main__", alter_sys=True)
     return 0
 

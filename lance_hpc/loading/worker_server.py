@@ -140,10 +140,15 @@ def fork_from_here() -> BaseContext:
             for stream in (sys.stdout, sys.stderr):  # or each worker would write what they hold again
                 with contextlib.suppress(Exception):
                     stream.flush()
-            with warnings.catch_warnings():
-                # Lance warns at every fork of a process that imported it; this one has not used it
-                warnings.filterwarnings("ignore", message=FORK_WARNING, category=UserWarning)
-                pid = os.fork()
+            try:
+                with warnings.catch_warnings():
+                    # Lance warns at every fork of a process that imported it; this one has not used it
+                    warnings.filterwarnings("ignore", message=FORK_WARNING, category=UserWarning)
+                    pid = os.fork()
+            except OSError:  # no memory or processes left for a fork: a fresh server, as anywhere else
+                os.close(alive_r)
+                os.close(alive_w)
+                return start()
             if pid == 0:
                 _serve(listener.fileno(), alive_r, alive_w)
             os.close(alive_r)

@@ -46,7 +46,7 @@ def read_until(process: subprocess.Popen, marker: str, timeout_s: float = 120) -
 
 def rank_pid(launcher: subprocess.Popen, rank: int) -> int:
     """The pid of local rank ``rank`` of ``launcher``: forked by its warm ranks' server (a child of
-    the launcher), which names it ``lance_hpc rank{rank}``, or started fresh by the launcher itself."""
+    the launcher), which names it ``lance_hpc r{rank}``, or started fresh by the launcher itself."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -62,7 +62,7 @@ def rank_pid(launcher: subprocess.Popen, rank: int) -> int:
                 environ = Path(f"/proc/{candidate}/environ").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if name == f"lance_hpc rank{rank}" or (candidate == pid and f"RANK={rank}".encode() in environ):
+            if name == f"lance_hpc r{rank}" or (candidate == pid and f"RANK={rank}".encode() in environ):
                 return candidate
     raise AssertionError(f"rank {rank} of launcher {launcher.pid} not found")
 
