@@ -274,6 +274,28 @@ def fake_scontrol(folder: Path, requeue: str, restarts: int) -> None:
     script.chmod(0o755)
 
 
+def test_scontrol_starts_with_the_steps_signals_blocked_so_none_sent_before_its_trap_kills_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signal sent to the step again reaches a new process of it at once: scontrol's shell gets it
+    blocked from its start, as scontrol does after its ``exec``, so it waits until it is ignored."""
+    script = tmp_path / "scontrol"  # in Python: a shell's own children start with no signal blocked
+    script.write_text(
+        f"#!{sys.executable}\n"
+        "import sys\n"
+        f"open({str(tmp_path / 'requeued')!r}, 'a').write(sys.argv[2] + '\\n')\n"
+        f"open({str(tmp_path / 'blocked')!r}, 'w').write(open('/proc/self/status').read().split('SigBlk:')[1].split()[0])\n"
+    )
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    env = DistEnv("slurm", 0, 0, 1, 1, 0, 1, "node1", 20001, job_id="13", array_job_id="12", array_task_id="0")
+    assert preemption.requeue_sbatch(env, max_requeues=3) == (True, "requeued job 12_0 (requeue 1 of at most 3)")
+    blocked = int((tmp_path / "blocked").read_text(), 16)
+    assert all(blocked >> (number - 1) & 1 for number in preemption.SPARED_SIGNALS)
+    assert not signal.pthread_sigmask(signal.SIG_BLOCK, []) & set(preemption.SPARED_SIGNALS)  # this process: unblocked again
+    assert (tmp_path / "requeued").read_text() == "12_0\n"
+
+
 @pytest.mark.parametrize(
     ("requeue", "restarts", "expected"),
     [

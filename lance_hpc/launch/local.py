@@ -18,7 +18,6 @@ they are killed when it dies.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import signal
@@ -41,7 +40,7 @@ from lance_hpc.launch.paths import JobPaths
 from lance_hpc.launch.render import write_job_files
 from lance_hpc.launch.restarts import NOT_RESTARTED, Attempt, Cause, cause_from_note, decide, first_note
 from lance_hpc.launch.restarts.supervisor import RESUMES
-from lance_hpc.launch.warm_ranks import RankProcess, WarmRanks
+from lance_hpc.launch.warm_ranks import RankProcess, WarmRanks, die_with_parent
 from lance_hpc.output import whole_lines
 from lance_hpc.quiet import exec_children
 from lance_hpc.runtime.ports import free_port
@@ -58,7 +57,6 @@ from lance_hpc.spec import JobSpec, SweepRun, expand, load_spec
 
 # After one rank fails, the others get this long to notice (a broken connection) and exit.
 GRACE_S = 15.0
-PR_SET_PDEATHSIG = 1
 
 
 def run_local(spec_file: str | Path, nproc: int) -> int:
@@ -296,12 +294,6 @@ def run_sweep_locally(spec: JobSpec, nproc: int | None) -> int:
     for run in runs[len(results) :]:
         print(f"  [{run.index}] {run.spec.name}: not started")
     return next((code for _, code in results if code != 0), 0)
-
-
-def die_with_parent() -> None:
-    """In a rank, before it starts: SIGKILL when the launcher dies, so no rank outlives it (its
-    own process group no longer hears the terminal)."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def wait_for_ranks(

@@ -126,8 +126,6 @@ class WarmRanks:
     @classmethod
     def start(cls) -> WarmRanks | None:
         """The server, importing in the background; None when it cannot be started."""
-        from lance_hpc.launch.local import die_with_parent
-
         ours, theirs = socket.socketpair()
         try:
             with exec_children():
@@ -226,6 +224,12 @@ class WarmRanks:
             self.connection.close()
         self.selector.close()
         self.stop()
+
+
+def die_with_parent() -> None:
+    """In a process the launcher starts (a fresh rank, or the warm server), before it runs: SIGKILL
+    when the launcher dies, so none outlives it (a rank's own session no longer hears the terminal)."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def serve(descriptor: int) -> None:

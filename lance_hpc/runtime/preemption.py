@@ -145,7 +145,7 @@ def requeue_sbatch(env: DistEnv, max_requeues: int, request_file: str | None = N
                 "mount slurm.log_dir in the container at the same path"
             )
         return True, f"asked the batch script to requeue job {job} ({which})"
-    result = subprocess.run([*SCONTROL_REQUEUE, str(job)], capture_output=True, text=True, timeout=60)
+    result = _spared_run([*SCONTROL_REQUEUE, str(job)])
     if result.returncode != 0 and not _requeued_since(str(job), env.restart_count):
         said = result.stderr.strip() or result.stdout.strip() or _ended_by(result.returncode)
         return False, f"scontrol requeue {job} failed: {said}"
@@ -155,10 +155,27 @@ def requeue_sbatch(env: DistEnv, max_requeues: int, request_file: str | None = N
 # A requeue that takes ends the job's step at once: slurmstepd's SIGTERM reaches every process in
 # it, scontrol too, which could die before it reports its success; and a warning signal sent to the
 # step again (scancel retries one it could not deliver to every node) would kill scontrol before it
-# asks. It ignores both here.
+# asks. It ignores both here, and starts with them blocked (a blocked signal stays blocked across
+# fork and exec), so one sent before the shell's trap ran waits and is then ignored.
 SPARED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 SPARED_TRAP = "trap '' " + " ".join(signum.name.removeprefix("SIG") for signum in SPARED_SIGNALS)
 SCONTROL_REQUEUE = ["sh", "-c", f'{SPARED_TRAP}; exec scontrol requeue "$1"', "scontrol"]
+
+
+def _spared_run(command: list[str], timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+    """``command`` run to its end, started with :data:`SPARED_SIGNALS` blocked (in this thread
+    only while it starts: one sent to this process meanwhile is delivered once it has)."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, SPARED_SIGNALS)
+    try:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        stdout, stderr = process.communicate()
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def _requeued_since(job: str, restart_count: int) -> bool:
