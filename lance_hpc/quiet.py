@@ -19,7 +19,10 @@ Every warning lance_hpc prints itself says what to do; these come from its depen
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import sys
 import warnings
 from contextlib import contextmanager
 from typing import Iterator
@@ -62,3 +65,14 @@ def exec_children() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=FORK_WARNING, category=UserWarning)
         yield
+
+
+def fork_unread() -> int:
+    """``os.fork()`` of a process that imported Lance but never read through it (the servers that
+    DataLoader workers and local ranks fork from): no Lance fork warning, which cannot apply, and
+    the output flushed first, or the child would write what this process's buffers hold again."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    with exec_children():  # the same filter, left in both processes
+        return os.fork()

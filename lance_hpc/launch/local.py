@@ -88,12 +88,12 @@ def run_local(spec_file: str | Path, nproc: int) -> int:
 def run_attempts(spec: JobSpec, spec_file: Path, nproc: int, warm: WarmRanks | None) -> int:
     """The kind's check, then attempts until one ends the job (see :func:`run_local`)."""
     try:
-        checked = check_job(spec, spec_file, nproc, warm)  # one error here, not one per rank
+        check_code = check_job(spec, spec_file, nproc, warm)  # one error here, not one per rank
     except KeyboardInterrupt:
         print("\nlance_hpc: interrupted before training started; nothing to save", file=sys.stderr, flush=True)
         return ExitCode.INTERRUPTED
-    if checked != 0:
-        return checked
+    if check_code != 0:
+        return check_code
     history: list[Attempt] = []
     while True:
         attempt = Attempt(len(history), time.time(), ["localhost"], nproc)

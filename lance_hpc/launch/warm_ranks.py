@@ -39,7 +39,7 @@ import time
 from typing import Any, Protocol
 
 from lance_hpc.imports import child_environment, python_command
-from lance_hpc.quiet import FORK_WARNING, exec_children
+from lance_hpc.quiet import exec_children, fork_unread
 from lance_hpc.signals import PREEMPTION_SIGNALS, PROFILE_SIGNAL
 
 # What a rank imports before it runs anything, imported once in the server. Importing runs no Lance
@@ -143,7 +143,7 @@ class WarmRanks:
         return cls(process, ours)
 
     def send(self, message: dict[str, Any]) -> None:
-        self.outbox.append(json.dumps(message).encode() + b"\n")
+        self.outbox.append(_message(message))
         if self.sending:
             return  # a signal handler's message, sent by the send it interrupted once that is done
         self.sending = True
@@ -232,6 +232,11 @@ def die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def _message(value: dict[str, Any]) -> bytes:
+    """One message of the protocol between the launcher and the server: a line of JSON."""
+    return json.dumps(value).encode() + b"\n"
+
+
 def serve(descriptor: int) -> None:
     """The server: import :data:`PRELOAD`, then fork a process for each request and report its pid
     and exit code, until the launcher closes the connection (or goes); what it forked and still
@@ -264,7 +269,7 @@ def serve(descriptor: int) -> None:
                     if "start" in request:
                         pid = _fork(request["start"], connection)
                         children.add(pid)
-                        connection.sendall(json.dumps({"started": pid, "id": request["start"]["id"]}).encode() + b"\n")
+                        connection.sendall(_message({"started": pid, "id": request["start"]["id"]}))
                     elif "signal" in request:
                         pid, number = request["signal"]
                         if pid in children:
@@ -274,7 +279,7 @@ def serve(descriptor: int) -> None:
                 done, status = os.waitpid(pid, os.WNOHANG)
                 if done:
                     children.discard(pid)
-                    connection.sendall(json.dumps({"exited": [pid, os.waitstatus_to_exitcode(status)]}).encode() + b"\n")
+                    connection.sendall(_message({"exited": [pid, os.waitstatus_to_exitcode(status)]}))
     except OSError:  # the launcher went: as the end of the connection
         return
     finally:
@@ -286,16 +291,9 @@ def serve(descriptor: int) -> None:
 def _fork(start: dict[str, Any], connection: socket.socket) -> int:
     """Fork the process ``start`` asks for, with the signals a rank holds blocked until it holds
     them (a signal sent meanwhile waits, and is not lost to this server's ignoring it)."""
-    import warnings
-
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
     server = os.getpid()
     before = signal.pthread_sigmask(signal.SIG_BLOCK, IGNORED)
-    with warnings.catch_warnings():  # left in both processes: the rank keeps every warning
-        warnings.filterwarnings("ignore", message=FORK_WARNING, category=UserWarning)  # this process read nothing
-        pid = os.fork()
+    pid = fork_unread()
     if pid:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
         return pid

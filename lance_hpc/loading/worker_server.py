@@ -22,7 +22,6 @@ import multiprocessing
 import os
 import signal
 import socket
-import sys
 import warnings
 from collections.abc import Iterator
 from multiprocessing import connection, forkserver, resource_tracker, util
@@ -30,7 +29,7 @@ from multiprocessing.context import BaseContext
 from typing import Any
 
 from lance_hpc.imports import SAFE_PATH_VARIABLE
-from lance_hpc.quiet import FORK_WARNING
+from lance_hpc.quiet import FORK_WARNING, fork_unread
 from lance_hpc.signals import PREEMPTION_SIGNALS, PROFILE_SIGNAL
 
 # Imported by the server before any worker forks from it. Lance is imported, never used, there: no
@@ -137,14 +136,8 @@ def fork_from_here() -> BaseContext:
                 os.chmod(address, 0o600)
             listener.listen()
             alive_r, alive_w = os.pipe()  # closed in every client: the server ends when all are gone
-            for stream in (sys.stdout, sys.stderr):  # or each worker would write what they hold again
-                with contextlib.suppress(Exception):
-                    stream.flush()
             try:
-                with warnings.catch_warnings():
-                    # Lance warns at every fork of a process that imported it; this one has not used it
-                    warnings.filterwarnings("ignore", message=FORK_WARNING, category=UserWarning)
-                    pid = os.fork()
+                pid = fork_unread()
             except OSError:  # no memory or processes left for a fork: a fresh server, as anywhere else
                 os.close(alive_r)
                 os.close(alive_w)
